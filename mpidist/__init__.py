@@ -1,0 +1,55 @@
+"""mpidist: MPI-based HPC training for PyTorch.
+
+    import mpidist as md
+    md.init()
+    md.allreduce(array, op="sum", algorithm="auto")
+"""
+__version__ = "0.1.0"
+
+from .errors import (  # noqa: F401
+    InvalidArgumentError, MismatchError, MPIUnavailableError, MpidistError, NonContiguousError,
+    NotInitializedError, UnsupportedBufferError, UnsupportedDtypeError,
+)
+from .comm import Communicator, init, is_initialized, world  # noqa: F401
+
+
+def rank() -> int:
+    return world().rank
+
+
+def size() -> int:
+    return world().size
+
+
+def local_rank() -> int:
+    return world().local_rank
+
+
+def local_size() -> int:
+    return world().local_size
+
+
+def allreduce(array, op="sum", algorithm="auto", out=None):
+    """All-reduce over the world communicator; in place unless `out` is given. Returns the result."""
+    return world().allreduce(array, op=op, algorithm=algorithm, out=out)
+
+
+def allreduce_async(array, op="sum", algorithm="auto", out=None):
+    """Start an all-reduce in the background; returns a handle with wait() and done()."""
+    return world().allreduce_async(array, op=op, algorithm=algorithm, out=out)
+
+
+def broadcast(array, root=0):
+    return world().broadcast(array, root=root)
+
+
+def allgather(array):
+    return world().allgather(array)
+
+
+def reduce_scatter(array, op="sum"):
+    return world().reduce_scatter(array, op=op)
+
+
+def barrier():
+    world().barrier()

@@ -144,6 +144,18 @@ def describe(obj) -> BufferInfo:
     return adapter_for(obj).describe(obj)
 
 
+def new_array(like, shape):
+    """An uninitialized array of the same kind, dtype and device as `like`, of `shape`."""
+    if NumpyAdapter.matches(like):
+        return np.empty(shape, dtype=like.dtype)
+    if TorchAdapter.matches(like):
+        import torch
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    import cupy
+    with cupy.cuda.Device(like.device.id):
+        return cupy.empty(shape, dtype=like.dtype)
+
+
 def empty_like_bytes(info: BufferInfo, nbytes: int):
     """Scratch memory of `nbytes` bytes of the same kind and on the same device as `info`."""
     return {"numpy": NumpyAdapter, "torch": TorchAdapter, "cupy": CupyAdapter}[info.kind].empty(nbytes, info.device)

@@ -1,0 +1,354 @@
+"""The front door of every collective: argument checks, the cross-rank call check, host staging
+for GPU buffers, algorithm dispatch, and asynchronous handles.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+
+import numpy as np
+
+from .. import buffers, kernels
+from ..buffers import BufferInfo, DTYPES, FLOAT_DTYPES
+from ..errors import InvalidArgumentError, MismatchError, MpidistError, UnsupportedDtypeError
+from .broadcast import broadcast as broadcast_algorithm
+from .common import Context, split_counts
+from .native import native_allreduce
+from .recursive_doubling import recursive_doubling_allreduce
+from .recursive_halving import recursive_halving_allreduce
+from .reduce_bcast import reduce_bcast_allreduce
+from .ring import allgather_ring, reduce_scatter_ring, ring_allreduce
+from .select import choose_allreduce
+from .tree import tree_allreduce
+
+ALLREDUCE = {
+    "ring": ring_allreduce,
+    "tree": tree_allreduce,
+    "recursive_halving": recursive_halving_allreduce,
+    "recursive_doubling": recursive_doubling_allreduce,
+    "reduce_bcast": reduce_bcast_allreduce,
+    "mpi": native_allreduce,
+}
+ALGORITHMS = ("auto",) + tuple(ALLREDUCE)
+OPS = ("sum", "avg", "min", "max", "prod")
+COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter")
+# Tags keep the messages of different collectives apart should a rank ever run ahead.
+TAGS = {name: 0x4D44 + index for index, name in enumerate(COLLECTIVES)}
+SIGNATURE_FIELDS = ("collective", "count", "dtype", "op", "algorithm", "root", "trailing shape")
+
+
+def call_timeout() -> float:
+    return float(os.environ.get("MPIDIST_TIMEOUT", "300"))
+
+
+# ---- argument checks (local: refused before any communication) --------------------------
+
+def check_op(op: str, dtype: str) -> str:
+    if op not in OPS:
+        raise InvalidArgumentError(f"unknown op {op!r}; choose one of {', '.join(OPS)}")
+    if op == "avg" and dtype not in FLOAT_DTYPES:
+        raise UnsupportedDtypeError(
+            f"op='avg' needs a floating-point dtype, got {dtype}: an integer average would be "
+            "silently truncated; use op='sum' and divide yourself")
+    if dtype in ("uint8", "int8") and op == "prod":
+        pass  # wraps around like NumPy's integer product; documented
+    return op
+
+
+def check_algorithm(algorithm: str) -> str:
+    if algorithm not in ALGORITHMS:
+        raise InvalidArgumentError(
+            f"unknown all-reduce algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    return algorithm
+
+
+def resolve_algorithm(algorithm: str, info: BufferInfo, size: int, table=None) -> str:
+    if algorithm != "auto":
+        return algorithm
+    chosen = choose_allreduce(info.nbytes, size, table)
+    if chosen not in ALLREDUCE:
+        raise InvalidArgumentError(
+            f"MPIDIST_ALLREDUCE_ALGORITHM={chosen!r} is not an all-reduce algorithm; "
+            f"choose one of {', '.join(ALLREDUCE)}")
+    return chosen
+
+
+def check_root(root, size: int) -> int:
+    if not isinstance(root, (int, np.integer)) or not 0 <= root < size:
+        raise InvalidArgumentError(f"root={root!r} is not a rank of this communicator (size {size})")
+    return int(root)
+
+
+# ---- the cross-rank call check -------------------------------------------------------------
+
+def check_same_call(comm, mpi, fields: dict) -> None:
+    """All ranks exchange what they were asked to do; any difference raises on every rank.
+
+    Costs one small allgather. It runs non-blocking with a deadline (MPIDIST_TIMEOUT seconds),
+    so a rank that never joins the collective turns into an error instead of a hang.
+    """
+    if not comm.check_calls or mpi.Get_size() == 1:
+        return
+    from mpi4py import MPI
+    mine = np.array([fields[name] for name in SIGNATURE_FIELDS], dtype=np.int64)
+    table = np.empty((mpi.Get_size(), len(mine)), dtype=np.int64)
+    request = mpi.Iallgather([mine, MPI.INT64_T], [table, MPI.INT64_T])
+    wait_with_deadline(request, mpi, what=f"{COLLECTIVES[fields['collective']]} call check")
+    if (table == mine).all():
+        return
+    raise MismatchError(describe_mismatch(table))
+
+
+def wait_with_deadline(request, mpi, what: str) -> None:
+    deadline = time.monotonic() + call_timeout()
+    spins = 0
+    while not request.Test():
+        spins += 1
+        if spins > 2000:
+            # Oversubscribed ranks must give the CPU to the rank that still has work to do.
+            time.sleep(0.0002)
+            if time.monotonic() > deadline:
+                raise MismatchError(
+                    f"rank {mpi.Get_rank()}: the {what} did not complete within {call_timeout():.0f} s "
+                    "(MPIDIST_TIMEOUT): some rank did not enter the same collective (it may have "
+                    "raised an error, or called a different collective). This communicator can no "
+                    "longer be used safely.")
+
+
+def describe_mismatch(table: np.ndarray) -> str:
+    names = {"collective": COLLECTIVES, "dtype": DTYPES, "op": OPS, "algorithm": ALGORITHMS}
+    parts = []
+    for column, field in enumerate(SIGNATURE_FIELDS):
+        values = table[:, column]
+        if (values == values[0]).all():
+            continue
+        groups = {}
+        for rank, value in enumerate(values):
+            label = names[field][value] if field in names else int(value)
+            groups.setdefault(label, []).append(rank)
+        parts.append(f"{field}: " + "; ".join(f"ranks {ranks} have {label}" for label, ranks in groups.items()))
+    return "ranks called the same collective with different arguments: " + " | ".join(parts)
+
+
+def signature(collective: str, info: BufferInfo, op: str = "sum", algorithm: str = "auto", root: int = 0,
+              trailing: int = 0) -> dict:
+    return {"collective": COLLECTIVES.index(collective), "count": info.count,
+            "dtype": DTYPES.index(info.dtype), "op": OPS.index(op), "algorithm": ALGORITHMS.index(algorithm),
+            "root": root, "trailing shape": trailing}
+
+
+# ---- staging ---------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def staged(comm, array, info: BufferInfo):
+    """The buffer the algorithm should work on: the array itself, or a pinned host copy when
+    the array lives on a GPU and the MPI library cannot read GPU memory."""
+    if info.is_cuda and not comm.is_cuda_aware():
+        host = comm.staging.stage_in(array, info)
+        yield host
+        comm.staging.stage_out(array, info, host)
+        return
+    if info.is_cuda:
+        kernels.synchronize(info.device)
+    yield info
+
+
+def copy_buffer(dst: BufferInfo, src: BufferInfo) -> None:
+    if src.nbytes == 0 or dst.ptr == src.ptr:
+        return
+    if src.is_cuda:
+        kernels.copy_ptr(dst.ptr, src.ptr, src.nbytes, device=src.device)
+        kernels.synchronize(src.device)
+    else:
+        import ctypes
+        ctypes.memmove(dst.ptr, src.ptr, src.nbytes)
+
+
+def finish_average(ctx: Context, op: str, offset: int = 0, count: int | None = None) -> None:
+    count = ctx.info.count - offset if count is None else count
+    if op == "avg" and count:
+        kernels.scale_ptr(ctx.info.ptr + offset * ctx.info.itemsize, count, ctx.info.dtype,
+                          1.0 / ctx.size, device=ctx.info.device)
+        if ctx.info.is_cuda:
+            kernels.synchronize(ctx.info.device)
+
+
+def kernel_op(op: str) -> str:
+    return "sum" if op == "avg" else op
+
+
+# ---- the collectives ---------------------------------------------------------------------------
+
+def allreduce(comm, array, op="sum", algorithm="auto", out=None):
+    """All-reduce `array` across the communicator; in place unless `out` is given. Returns the result."""
+    target, target_info = prepare_allreduce(array, op, algorithm, out)
+    return _run_allreduce(comm, comm.mpi, target, target_info, op, algorithm)
+
+
+def prepare_allreduce(array, op, algorithm, out):
+    """Check the arguments locally; with `out`, copy the input there. Returns the buffer to reduce."""
+    info = buffers.describe(array)
+    check_op(op, info.dtype)
+    check_algorithm(algorithm)
+    if out is None:
+        return array, info
+    out_info = buffers.describe(out)
+    if (out_info.count, out_info.dtype, out_info.device) != (info.count, info.dtype, info.device):
+        raise InvalidArgumentError(
+            f"out= must match the input: input has {info.count} x {info.dtype} on {info.device}, "
+            f"out has {out_info.count} x {out_info.dtype} on {out_info.device}")
+    copy_buffer(out_info, info)
+    return out, out_info
+
+
+def _run_allreduce(comm, mpi, array, info, op, algorithm):
+    check_same_call(comm, mpi, signature("allreduce", info, op, algorithm))
+    name = resolve_algorithm(algorithm, info, mpi.Get_size(), getattr(comm, "tuning_table", None))
+    with staged(comm, array, info) as work:
+        ctx = Context(comm, mpi, work, op=kernel_op(op), tag=TAGS["allreduce"])
+        ALLREDUCE[name](ctx)
+        finish_average(ctx, op)
+    return array
+
+
+def broadcast(comm, array, root=0):
+    """Broadcast `root`'s array into every rank's array, in place. Returns the array."""
+    info = buffers.describe(array)
+    root = check_root(root, comm.size)
+    check_same_call(comm, comm.mpi, signature("broadcast", info, root=root))
+    with staged(comm, array, info) as work:
+        broadcast_algorithm(Context(comm, comm.mpi, work, tag=TAGS["broadcast"]), root)
+    return array
+
+
+def allgather(comm, array):
+    """Concatenate every rank's array along the first dimension (ranks may differ in that
+    dimension, as in Horovod). Returns a new array of the same kind and device."""
+    from mpi4py import MPI
+    info = buffers.describe(array)
+    shape = tuple(array.shape)
+    rows = shape[0] if shape else 1
+    row_shape = shape[1:]
+    row_elements = int(np.prod(row_shape)) if row_shape else 1
+    trailing = hash(row_shape) & 0x7FFFFFFF
+    # The first dimension may differ, so the count is not part of the check.
+    check_same_call(comm, comm.mpi, signature("allgather", BufferInfo(0, 0, info.dtype, info.device, info.kind),
+                                              trailing=trailing))
+    all_rows = np.empty(comm.size, dtype=np.int64)
+    comm.mpi.Allgather([np.array([rows], dtype=np.int64), MPI.INT64_T], [all_rows, MPI.INT64_T])
+    total = int(all_rows.sum())
+    out = buffers.new_array(array, (total,) + row_shape if shape else (total,))
+    out_info = buffers.describe(out)
+    offsets = np.concatenate([[0], np.cumsum(all_rows)[:-1]]) * row_elements
+    chunks = [(int(o), int(r) * row_elements) for o, r in zip(offsets, all_rows)]
+    with staged(comm, out, out_info) as work:
+        own_offset = chunks[comm.rank][0]
+        with staged(comm, array, info) as source:
+            copy_buffer(BufferInfo(work.ptr + own_offset * work.itemsize, info.count, info.dtype,
+                                   work.device, work.kind), source)
+        allgather_ring(Context(comm, comm.mpi, work, tag=TAGS["allgather"]), chunks, rotation=-1)
+    return out
+
+
+def reduce_scatter(comm, array, op="sum"):
+    """Reduce across ranks and give rank r the r-th block of rows of the result (the first
+    rows % p ranks get one extra row). The input is left unchanged. Returns a new array."""
+    info = buffers.describe(array)
+    check_op(op, info.dtype)
+    shape = tuple(array.shape)
+    rows = shape[0] if shape else 1
+    row_elements = info.count // rows if rows else 0
+    check_same_call(comm, comm.mpi, signature("reduce_scatter", info, op))
+    chunks = [(o * row_elements, c * row_elements) for o, c in split_counts(rows, comm.size)]
+    my_rows = split_counts(rows, comm.size)[comm.rank][1]
+    out = buffers.new_array(array, (my_rows,) + shape[1:] if shape else (my_rows,))
+    work_copy = buffers.new_array(array, (info.count,))
+    work_info = buffers.describe(work_copy)
+    copy_buffer(work_info, info)
+    with staged(comm, work_copy, work_info) as work:
+        ctx = Context(comm, comm.mpi, work, op=kernel_op(op), tag=TAGS["reduce_scatter"])
+        if comm.size > 1 and info.count:
+            reduce_scatter_ring(ctx, chunks, rotation=-1)
+        offset, count = chunks[comm.rank]
+        finish_average(ctx, op, offset, count)
+    out_info = buffers.describe(out)
+    copy_buffer(out_info, BufferInfo(work_info.ptr + chunks[comm.rank][0] * info.itemsize, out_info.count,
+                                     info.dtype, info.device, info.kind))
+    return out
+
+
+# ---- asynchronous handles --------------------------------------------------------------------
+
+class Handle:
+    """The result of an asynchronous collective: wait() for it, or ask done()."""
+
+    def __init__(self, description: str):
+        self.description = description
+        self._finished = threading.Event()
+        self._result = None
+        self._error = None
+
+    def _complete(self, result=None, error=None):
+        self._result, self._error = result, error
+        self._finished.set()
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None):
+        if not self._finished.wait(timeout if timeout is not None else call_timeout() + 60):
+            raise MpidistError(f"{self.description} did not complete within the timeout")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+class AsyncEngine:
+    """A background thread that runs a communicator's asynchronous collectives in submission
+    order on a private duplicate of the communicator, so they progress while the caller computes
+    (as Horovod's background thread does). Every rank must submit them in the same order."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.mpi = comm.mpi.Dup()
+        self.scratch = buffers.ScratchPool()
+        self.staging = buffers.HostStaging()
+        self.check_calls = comm.check_calls
+        self.tuning_table = getattr(comm, "tuning_table", None)
+        self._queue = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name="mpidist-async", daemon=True)
+        self._thread.start()
+
+    def is_cuda_aware(self) -> bool:
+        return self.comm.is_cuda_aware()
+
+    def submit(self, description: str, work) -> Handle:
+        handle = Handle(description)
+        self._queue.put((handle, work))
+        return handle
+
+    def _serve(self):
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            handle, work = item
+            try:
+                handle._complete(result=work(self))
+            except BaseException as exc:  # handed to the waiting caller
+                handle._complete(error=exc)
+
+    def stop(self):
+        self._queue.put(None)
+        self._thread.join()
+        self.mpi.Free()
+
+
+def allreduce_async(comm, array, op="sum", algorithm="auto", out=None) -> Handle:
+    target, target_info = prepare_allreduce(array, op, algorithm, out)
+    engine = comm.async_engine()
+    return engine.submit("allreduce_async",
+                         lambda eng: _run_allreduce(eng, eng.mpi, target, target_info, op, algorithm))

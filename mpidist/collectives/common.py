@@ -1,0 +1,158 @@
+"""What every algorithm shares: one call's context, chunking, and the exchange-and-reduce step.
+
+An algorithm works on one flat buffer (a BufferInfo) in place. It sends byte ranges with
+mpi4py's buffer interface (never pickling), and reduces with the fused kernels of mpidist._C.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+from .. import kernels
+from ..buffers import BufferInfo
+
+# Large messages are cut into segments so the reduction of one segment overlaps the arrival of
+# the next. 256 KiB keeps a segment in L2 while it is reduced.
+SEGMENT_BYTES = int(os.environ.get("MPIDIST_SEGMENT_BYTES", 256 * 1024))
+
+
+class Context:
+    """One collective call: the MPI communicator to use, the buffer, the reduction op, scratch."""
+
+    def __init__(self, comm, mpi, info: BufferInfo, op: str = "sum", tag: int = 0):
+        self.comm = comm
+        self.mpi = mpi
+        self.rank = mpi.Get_rank()
+        self.size = mpi.Get_size()
+        self.info = info
+        self.op = op
+        self.tag = tag
+
+    # ---- memory --------------------------------------------------------------------------
+
+    def scratch(self, count: int, slot: int = 0) -> BufferInfo:
+        return self.comm.scratch.get(self.info, count * self.info.itemsize, slot)
+
+    def spec(self, info: BufferInfo, offset: int, count: int):
+        from mpi4py import MPI
+        size = info.itemsize
+        return [MPI.buffer.fromaddress(info.ptr + offset * size, count * size), MPI.BYTE]
+
+    def reduce(self, dst: BufferInfo, dst_offset: int, src: BufferInfo, src_offset: int, count: int):
+        """dst[dst_offset:+count] = dst[...] op src[src_offset:+count] (fixed operand order)."""
+        if count == 0:
+            return
+        size = dst.itemsize
+        kernels.reduce_ptr(dst.ptr + dst_offset * size, src.ptr + src_offset * size, count,
+                           dst.dtype, self.op, device=dst.device)
+        if dst.is_cuda:
+            kernels.synchronize(dst.device)
+
+    def copy(self, dst: BufferInfo, dst_offset: int, src: BufferInfo, src_offset: int, count: int):
+        if count == 0:
+            return
+        size = dst.itemsize
+        if dst.is_cuda:
+            kernels.copy_ptr(dst.ptr + dst_offset * size, src.ptr + src_offset * size, count * size,
+                             device=dst.device)
+            kernels.synchronize(dst.device)
+        else:
+            ctypes.memmove(dst.ptr + dst_offset * size, src.ptr + src_offset * size, count * size)
+
+    # ---- point to point ------------------------------------------------------------------
+
+    def isend(self, info: BufferInfo, offset: int, count: int, dest: int):
+        return self.mpi.Isend(self.spec(info, offset, count), dest=dest, tag=self.tag)
+
+    def irecv(self, info: BufferInfo, offset: int, count: int, source: int):
+        return self.mpi.Irecv(self.spec(info, offset, count), source=source, tag=self.tag)
+
+    def send(self, info: BufferInfo, offset: int, count: int, dest: int):
+        if count:
+            self.mpi.Send(self.spec(info, offset, count), dest=dest, tag=self.tag)
+
+    def recv(self, info: BufferInfo, offset: int, count: int, source: int):
+        if count:
+            self.mpi.Recv(self.spec(info, offset, count), source=source, tag=self.tag)
+
+    def sendrecv(self, send_offset: int, send_count: int, dest: int,
+                 recv_into: BufferInfo, recv_offset: int, recv_count: int, source: int):
+        """Send part of the call's buffer while receiving into `recv_into`; empty parts are skipped."""
+        from mpi4py import MPI
+        requests = []
+        if recv_count:
+            requests.append(self.irecv(recv_into, recv_offset, recv_count, source))
+        if send_count:
+            requests.append(self.isend(self.info, send_offset, send_count, dest))
+        MPI.Request.Waitall(requests)
+
+    def exchange_and_reduce(self, send_offset: int, send_count: int, dest: int,
+                            recv_offset: int, recv_count: int, source: int, slot: int = 0):
+        """Send one range of the buffer to `dest` while receiving a peer's copy of another range
+        from `source` and reducing it into place, segment by segment as segments arrive."""
+        from mpi4py import MPI
+        scratch = self.scratch(recv_count, slot) if recv_count else None
+        receives = [(offset, count, self.irecv(scratch, offset, count, source))
+                    for offset, count in segments(recv_count, self.info.itemsize)]
+        sends = [self.isend(self.info, send_offset + offset, count, dest)
+                 for offset, count in segments(send_count, self.info.itemsize)]
+        for offset, count, request in receives:
+            request.Wait()
+            self.reduce(self.info, recv_offset + offset, scratch, offset, count)
+        MPI.Request.Waitall(sends)
+
+
+def split_counts(count: int, parts: int):
+    """(offset, count) of `parts` nearly equal chunks; the first count % parts get one more."""
+    base, extra = divmod(count, parts)
+    chunks, offset = [], 0
+    for index in range(parts):
+        size = base + (1 if index < extra else 0)
+        chunks.append((offset, size))
+        offset += size
+    return chunks
+
+
+def segments(count: int, itemsize: int):
+    """(offset, count) pieces of at most SEGMENT_BYTES; both sides of a transfer cut alike."""
+    per_segment = max(1, SEGMENT_BYTES // itemsize)
+    return [(offset, min(per_segment, count - offset)) for offset in range(0, count, per_segment)]
+
+
+def largest_power_of_two_at_most(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+def fold_in(ctx: Context):
+    """Make a power-of-two group out of any rank count (Rabenseifner's first step).
+
+    Of the first 2*rem ranks (rem = p - p2), each even rank hands its whole buffer to the odd
+    rank above it and sits out; the others renumber to 0..p2-1. Returns (new rank or -1, p2).
+    """
+    p2 = largest_power_of_two_at_most(ctx.size)
+    rem = ctx.size - p2
+    n = ctx.info.count
+    if ctx.rank < 2 * rem:
+        if ctx.rank % 2 == 0:
+            ctx.send(ctx.info, 0, n, ctx.rank + 1)
+            return -1, p2
+        scratch = ctx.scratch(n)
+        ctx.recv(scratch, 0, n, ctx.rank - 1)
+        ctx.reduce(ctx.info, 0, scratch, 0, n)
+        return ctx.rank // 2, p2
+    return ctx.rank - rem, p2
+
+
+def real_rank(new_rank: int, ctx: Context, p2: int) -> int:
+    rem = ctx.size - p2
+    return new_rank * 2 + 1 if new_rank < rem else new_rank + rem
+
+
+def fold_out(ctx: Context, new_rank: int, p2: int) -> None:
+    """Give the ranks that sat out the finished result (the last step of fold_in's pairing)."""
+    rem = ctx.size - p2
+    if ctx.rank < 2 * rem:
+        if new_rank < 0:
+            ctx.recv(ctx.info, 0, ctx.info.count, ctx.rank + 1)
+        else:
+            ctx.send(ctx.info, 0, ctx.info.count, ctx.rank - 1)

