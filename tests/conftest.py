@@ -1,0 +1,60 @@
+"""Shared test helpers.
+
+Multi-rank tests use pytest-isolate-mpi: `@pytest.mark.mpi(ranks=[2, 3])` plus an `mpi_ranks`
+argument runs the test under `mpirun -np N` once per N and reports every rank's traceback.
+Inside the ranks, pytest-timeout (pyproject.toml) dumps all stacks and exits a hung rank, and
+the plugin's --mpi-default-test-timeout kills the whole launch as a last resort.
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Unit roundoff per dtype: a correctly rounded operation is off by at most u * |result|.
+UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24, "float64": 2.0 ** -53}
+
+
+def run_python(code: str, *, ranks: int = 0, env=None, timeout: int = 120):
+    """Run `code` in a fresh interpreter, under `mpirun -np ranks` when ranks > 0."""
+    cmd = [sys.executable, "-c", code]
+    if ranks:
+        cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(ranks)] + cmd
+    full_env = dict(os.environ)
+    for hint in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PYTEST_ISOLATE_MPI_IS_FORKED"):
+        full_env.pop(hint, None)
+    full_env.update(env or {})
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+
+
+def make_array(kind: str, values: np.ndarray, dtype: str):
+    """values (float64 NumPy) as a `kind` ("numpy"/"torch") array of `dtype`, rounded to it."""
+    import torch
+    tensor = torch.from_numpy(np.ascontiguousarray(values)).to(getattr(torch, dtype))
+    if kind == "torch":
+        return tensor
+    assert dtype != "bfloat16", "NumPy has no bfloat16"
+    return tensor.numpy()
+
+
+def to_float64(array) -> np.ndarray:
+    import torch
+    if isinstance(array, torch.Tensor):
+        return array.to(torch.float64).numpy()
+    return np.asarray(array, dtype=np.float64)
+
+
+def raw_bytes(array) -> bytes:
+    import torch
+    if isinstance(array, torch.Tensor):
+        return array.contiguous().view(torch.uint8).numpy().tobytes() if array.numel() else b""
+    return np.ascontiguousarray(array).tobytes()
+
+
+@pytest.fixture
+def mpi_world():
+    import mpidist as md
+    return md.init()
