@@ -33,7 +33,7 @@ def run_python(code: str, *, ranks: int = 0, env=None, timeout: int = 120):
 def make_array(kind: str, values: np.ndarray, dtype: str):
     """values (float64 NumPy) as a `kind` ("numpy"/"torch") array of `dtype`, rounded to it."""
     import torch
-    tensor = torch.from_numpy(np.ascontiguousarray(values)).to(getattr(torch, dtype))
+    tensor = torch.from_numpy(np.array(values, copy=True)).to(getattr(torch, dtype))
     if kind == "torch":
         return tensor
     assert dtype != "bfloat16", "NumPy has no bfloat16"
