@@ -49,7 +49,13 @@ check_requirements() {
     [[ $(id -u) -eq 0 ]] || die "run as root: the local cluster uses SlurmUser=root"
 }
 
-pid_alive() { [[ -f $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# Whether the daemon of pid file DIR/NAME.pid runs: the process lives and is named NAME
+# (a stale pid file must not make us skip a start, or kill whatever reused the pid).
+pid_alive() {
+    local pid
+    [[ -f $1 ]] && pid=$(cat "$1") && [[ -n $pid ]] &&
+        [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "$(basename "$1" .pid)" ]]
+}
 
 start_munge() {
     mkdir -p "$MUNGE_DIR"
@@ -208,16 +214,19 @@ cmd_up() {
     log "up: partition debug on $(cat "$STATE_DIR/nodename"); in your shell: export SLURM_CONF=$CONF"
 }
 
-stop_pidfile() {
-    local pidfile=$1 pid i
-    [[ -f $pidfile ]] || return 0
-    pid=$(cat "$pidfile")
-    if kill -0 "$pid" 2>/dev/null; then
-        kill "$pid" 2>/dev/null || true
-        for i in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-        kill -0 "$pid" 2>/dev/null && kill -9 "$pid" 2>/dev/null || true
-    fi
-    rm -f "$pidfile"
+# SIGTERM to every daemon at once (munged alone takes 2 s to exit), SIGKILL after 10 s.
+stop_daemons() {
+    local pidfile pids=() i
+    for pidfile in "$@"; do
+        pid_alive "$pidfile" && pids+=("$(cat "$pidfile")")
+    done
+    ((${#pids[@]})) || return 0
+    kill "${pids[@]}" 2>/dev/null || true
+    for i in $(seq 100); do
+        kill -0 "${pids[@]}" 2>/dev/null || return 0   # true while any of them lives
+        sleep 0.1
+    done
+    kill -9 "${pids[@]}" 2>/dev/null || true
 }
 
 cmd_down() {
@@ -225,9 +234,7 @@ cmd_down() {
     if [[ -f $CONF ]] && pid_alive "$STATE_DIR/slurmctld.pid"; then
         scancel --full --quiet --partition=debug 2>/dev/null || true
     fi
-    stop_pidfile "$STATE_DIR/slurmd.pid"
-    stop_pidfile "$STATE_DIR/slurmctld.pid"
-    stop_pidfile "$MUNGE_DIR/munged.pid"
+    stop_daemons "$STATE_DIR/slurmd.pid" "$STATE_DIR/slurmctld.pid" "$MUNGE_DIR/munged.pid"
     rm -rf "$STATE_DIR"
     log "down"
 }
