@@ -59,7 +59,7 @@ pid_alive() {
 
 start_munge() {
     mkdir -p "$MUNGE_DIR"
-    chmod 0700 "$MUNGE_DIR"
+    chmod 0755 "$MUNGE_DIR"   # munged wants its socket directory searchable by all
     if [[ ! -f $MUNGE_DIR/munge.key ]]; then
         dd if=/dev/urandom of="$MUNGE_DIR/munge.key" bs=1 count=1024 status=none
         chmod 0400 "$MUNGE_DIR/munge.key"
@@ -144,6 +144,7 @@ SlurmctldLogFile=$LOG_DIR/slurmctld.log
 SlurmdLogFile=$LOG_DIR/slurmd.log
 SlurmctldDebug=info
 SlurmdDebug=info
+MailProg=/bin/true
 
 # Containers rarely give us a writable cgroup hierarchy: track processes through /proc,
 # bind nothing, gather no accounting.
@@ -177,8 +178,16 @@ CONF
 node_state() { sinfo --noheader --nodes="$(cat "$STATE_DIR/nodename")" -o '%T' 2>/dev/null | head -n1; }
 
 wait_idle() {
-    local deadline=$((SECONDS + UP_TIMEOUT)) state=
+    local start=$SECONDS deadline=$((SECONDS + UP_TIMEOUT)) state= daemon
     while ((SECONDS < deadline)); do
+        # A daemon that dies at start (port in use, bad config) will not come back: stop early.
+        # The grace period covers the time before a daemonized slurmd writes its pid file.
+        for daemon in slurmctld slurmd; do
+            if ((SECONDS - start >= 3)) && ! pid_alive "$STATE_DIR/$daemon.pid"; then
+                log "$daemon is not running"
+                deadline=0
+            fi
+        done
         state=$(node_state || true)
         case $state in
             idle|mixed|allocated|completing) return 0 ;;
@@ -187,7 +196,7 @@ wait_idle() {
         esac
         sleep 1
     done
-    log "node did not become idle within ${UP_TIMEOUT}s (last state: '${state:-unknown}')"
+    ((deadline == 0)) || log "node did not become idle within ${UP_TIMEOUT}s (last state: '${state:-unknown}')"
     sinfo -R 2>&1 | sed 's/^/  /' >&2 || true
     local f
     for f in "$LOG_DIR"/slurmctld.log "$LOG_DIR"/slurmd.log "$LOG_DIR"/munged.log; do
