@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by every slurm/*.sbatch script, first thing after the #SBATCH lines:
 #
 #   source "${MPIDIST_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}/slurm/common.sh"

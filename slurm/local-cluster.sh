@@ -178,7 +178,7 @@ CONF
 node_state() { sinfo --noheader --nodes="$(cat "$STATE_DIR/nodename")" -o '%T' 2>/dev/null | head -n1; }
 
 wait_idle() {
-    local start=$SECONDS deadline=$((SECONDS + UP_TIMEOUT)) state= daemon
+    local start=$SECONDS deadline=$((SECONDS + UP_TIMEOUT)) state='' daemon
     while ((SECONDS < deadline)); do
         # A daemon that dies at start (port in use, bad config) will not come back: stop early.
         # The grace period covers the time before a daemonized slurmd writes its pid file.
@@ -225,13 +225,13 @@ cmd_up() {
 
 # SIGTERM to every daemon at once (munged alone takes 2 s to exit), SIGKILL after 10 s.
 stop_daemons() {
-    local pidfile pids=() i
+    local pidfile pids=() _
     for pidfile in "$@"; do
         pid_alive "$pidfile" && pids+=("$(cat "$pidfile")")
     done
     ((${#pids[@]})) || return 0
     kill "${pids[@]}" 2>/dev/null || true
-    for i in $(seq 100); do
+    for _ in $(seq 100); do
         kill -0 "${pids[@]}" 2>/dev/null || return 0   # true while any of them lives
         sleep 0.1
     done
