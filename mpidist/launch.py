@@ -1,0 +1,161 @@
+"""How this process was started: its rank and placement, read from the launcher's environment.
+
+Only environment variables are read, never MPI, so this works before ``MPI_Init`` (to pick a
+GPU before CUDA is touched, to name log files) and in processes that never start MPI.
+
+Launchers are recognised in this order, because an outer launcher's variables leak into the
+processes of an inner one (``mpirun`` inside ``sbatch`` sees the batch step's SLURM_PROCID=0
+on every rank):
+
+===========  =========================================================================
+openmpi      Open MPI's mpirun/mpiexec (and prterun): OMPI_COMM_WORLD_{RANK,SIZE,...}
+mpich        MPICH / Intel MPI Hydra mpiexec: PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, ...
+slurm        a task of an srun job step: SLURM_STEP_ID with SLURM_PROCID, SLURM_LOCALID, ...
+single       anything else, including the batch script itself (it is not a step)
+===========  =========================================================================
+
+Run ``python -m mpidist.launch`` under a launcher to see what each rank detects.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from typing import Mapping, Optional
+
+from .errors import InvalidArgumentError
+
+__all__ = ["LaunchInfo", "detect", "gpu_for_local_rank"]
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    launcher: str     # "openmpi", "mpich", "slurm" or "single"
+    rank: int         # in the world of the launch
+    size: int
+    local_rank: int   # among the processes of this launch on this node
+    local_size: int
+    node_rank: int    # index of this node among the launch's nodes
+    num_nodes: int
+
+
+SINGLE = LaunchInfo("single", rank=0, size=1, local_rank=0, local_size=1, node_rank=0, num_nodes=1)
+
+
+def _int(environ: Mapping[str, str], name: str) -> int:
+    value = environ[name]
+    try:
+        number = int(value)
+    except ValueError:
+        raise InvalidArgumentError(f"environment variable {name}={value!r} is not an integer") from None
+    if number < 0:
+        raise InvalidArgumentError(f"environment variable {name}={value!r} is negative")
+    return number
+
+
+def _first_int(environ: Mapping[str, str], *names: str) -> Optional[int]:
+    for name in names:
+        if environ.get(name, "") != "":
+            return _int(environ, name)
+    return None
+
+
+def _block_placement(launcher: str, rank: int, size: int, local_rank: int, local_size: int) -> LaunchInfo:
+    # mpirun and Hydra name no node index. With their default placement (fill a node's slots,
+    # then the next node) and the same number of ranks per node, it follows from the rank.
+    # Round-robin placement (--map-by node) breaks this; node_rank is then a guess.
+    local_size = max(local_size, 1)
+    return LaunchInfo(launcher, rank, size, local_rank, local_size,
+                      node_rank=rank // local_size, num_nodes=-(-size // local_size))
+
+
+def _slurm_tasks_on_node(tasks_per_node: str, node: int) -> Optional[int]:
+    """Tasks on node `node` from Slurm's compressed list, e.g. "2(x3),1" = 2,2,2,1."""
+    counts = []
+    for item in tasks_per_node.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
+        if match is None:
+            raise InvalidArgumentError(f"cannot parse Slurm tasks-per-node list {tasks_per_node!r}")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts[node] if node < len(counts) else None
+
+
+def _detect_slurm(environ: Mapping[str, str]) -> LaunchInfo:
+    rank = _int(environ, "SLURM_PROCID")
+    size = _first_int(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS") or 1
+    local_rank = _first_int(environ, "SLURM_LOCALID") or 0
+    node_rank = _first_int(environ, "SLURM_NODEID") or 0
+    num_nodes = _first_int(environ, "SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES") or 1
+    local_size = None
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        if environ.get(name):
+            local_size = _slurm_tasks_on_node(environ[name], node_rank)
+            break
+    if local_size is None:
+        local_size = -(-size // num_nodes)
+    return LaunchInfo("slurm", rank, size, local_rank, local_size, node_rank, num_nodes)
+
+
+def detect(environ: Mapping[str, str] = os.environ) -> LaunchInfo:
+    """The launcher of this process and its place in the launch; see the module docstring."""
+    if "OMPI_COMM_WORLD_RANK" in environ and "OMPI_COMM_WORLD_SIZE" in environ:
+        return _block_placement(
+            "openmpi",
+            rank=_int(environ, "OMPI_COMM_WORLD_RANK"),
+            size=_int(environ, "OMPI_COMM_WORLD_SIZE"),
+            local_rank=_first_int(environ, "OMPI_COMM_WORLD_LOCAL_RANK") or 0,
+            local_size=_first_int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE") or 1,
+        )
+    if "PMI_RANK" in environ and "PMI_SIZE" in environ:
+        return _block_placement(
+            "mpich",
+            rank=_int(environ, "PMI_RANK"),
+            size=_int(environ, "PMI_SIZE"),
+            local_rank=_first_int(environ, "MPI_LOCALRANKID") or 0,
+            local_size=_first_int(environ, "MPI_LOCALNRANKS") or 1,
+        )
+    # SLURM_STEP_ID tells a task of an srun step from the batch script, which also carries
+    # SLURM_PROCID=0 and the job's SLURM_NTASKS but is a single process.
+    if "SLURM_PROCID" in environ and ("SLURM_STEP_ID" in environ or "SLURM_STEPID" in environ):
+        return _detect_slurm(environ)
+    return SINGLE
+
+
+def _device_list(value: str) -> list[str]:
+    return [entry.strip() for entry in value.split(",") if entry.strip()]
+
+
+def gpu_for_local_rank(info: LaunchInfo, environ: Mapping[str, str] = os.environ,
+                       device_count: Optional[int] = None) -> Optional[int]:
+    """The CUDA device index this rank should use, or None when it has no GPU.
+
+    CUDA numbers the devices in CUDA_VISIBLE_DEVICES 0..n-1, so with it set the answer is
+    ``local_rank % n``: one entry (Slurm's --gpus-per-task=1 or --gpu-bind=single:1, which bind
+    one GPU per task) gives device 0, and a node's whole list is shared out by local rank.
+    Without it every device is visible under its physical index: Slurm's GPU list for the step
+    or job is shared out by local rank, else ``local_rank % device_count`` when the caller
+    passes the driver's count (``torch.cuda.device_count()``). None when nothing says there
+    are GPUs, or CUDA_VISIBLE_DEVICES hides them all.
+    """
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        devices = _device_list(visible)
+        if not devices or devices[0] in ("-1", "NoDevFiles"):
+            return None
+        return info.local_rank % len(devices)
+    for name in ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS"):
+        gpus = _device_list(environ.get(name, ""))
+        if gpus:
+            physical = gpus[info.local_rank % len(gpus)]
+            if not physical.isdigit():
+                raise InvalidArgumentError(f"environment variable {name}={environ[name]!r} is not a list of GPU indices")
+            return int(physical)
+    if device_count:
+        return info.local_rank % device_count
+    return None
+
+
+if __name__ == "__main__":
+    launch = detect()
+    print(json.dumps({**asdict(launch), "gpu": gpu_for_local_rank(launch)}, sort_keys=True), flush=True)
