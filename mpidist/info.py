@@ -26,8 +26,10 @@ def collect(comm) -> dict:
     import mpidist._C as ext
 
     from .collectives import ALGORITHMS
+    from .launch import detect, gpu_for_local_rank
 
     names = ("numpy", "mpi4py", "torch", "h5py", "cupy", "tqdm")
+    launch = detect()
     hosts = comm.mpi.allgather(MPI.Get_processor_name())
     ranks_per_node = comm.mpi.allgather(comm.local_size)
     return {
@@ -42,6 +44,8 @@ def collect(comm) -> dict:
         "cuda_aware_mpi": comm.is_cuda_aware(),
         "extension_built_with_cuda": bool(ext.built_with_cuda),
         "cuda_devices_visible": _cuda_devices(ext),
+        "launcher": launch.launcher,
+        "gpu_per_rank": comm.mpi.allgather(gpu_for_local_rank(launch)),
         "ranks": comm.size,
         "nodes": comm.num_nodes,
         "ranks_per_node": sorted(set(ranks_per_node)),
