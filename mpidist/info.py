@@ -36,7 +36,7 @@ def collect(comm) -> dict:
         "mpidist": __version__,
         "python": platform.python_version(),
         **{name: _version_of(name) for name in names},
-        "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
+        "mpi_library": MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0],
         "mpi_standard": "%d.%d" % MPI.Get_version(),
         "mpi_thread_level": {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
                              MPI.THREAD_SERIALIZED: "serialized",
