@@ -99,6 +99,10 @@ def _call(name: str, device: str, stream, *args):
         return getattr(_C, name)(*args)
     except ValueError as error:
         raise _translate(error, name) from None
+    except RuntimeError as error:  # a CUDA error, with CUDA's own message
+        if isinstance(error, MpidistError):
+            raise
+        raise MpidistError(f"{name}: {error}") from None
 
 
 # ---- pointer-level forms (hot path) -----------------------------------------------------------

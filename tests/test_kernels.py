@@ -36,7 +36,7 @@ def tdtype(name):
     return getattr(torch, name)
 
 
-def make(dtype, n, op="sum", seed=0, device="cpu"):
+def make(dtype, n, op="sum", seed=0):
     """Random data that suits `op`: products stay in range, integers exercise wrap-around."""
     g = torch.Generator().manual_seed(seed)
     if dtype in FLOATS:
@@ -52,7 +52,7 @@ def make(dtype, n, op="sum", seed=0, device="cpu"):
         info = torch.iinfo(tdtype(dtype))
         lo, hi = max(info.min, -(1 << 40)), min(info.max, 1 << 40)
         out = torch.randint(lo, hi, (n,), generator=g, dtype=tdtype(dtype))
-    return out.to(device)
+    return out
 
 
 def as_f64(t):
@@ -376,6 +376,14 @@ def test_cuda_buffer_without_cuda_build_is_a_clear_error():
         kernels.reduce_ptr(1, 1, 1, "float32", "sum", device="cuda:0")
     assert not hasattr(_C, "cuda_reduce")
     assert kernels.cuda_available() is False
+
+
+@pytest.mark.skipif(not _C.built_with_cuda or _C.cuda_device_count() > 0,
+                    reason="needs mpidist._C built with CUDA on a machine without a GPU")
+def test_cuda_call_without_gpu_raises_the_cuda_error():
+    assert kernels.cuda_available() is False
+    with pytest.raises(MpidistError, match="mpidist CUDA error"):
+        kernels.reduce_ptr(16, 16, 4, "float32", "sum", device="cuda:0")
 
 
 def test_thread_count_setting():
