@@ -7,6 +7,8 @@ one buffer; gbs counts every byte the kernel reads and writes (reduce: two reads
 `bytes`) per second; library_gbs is the best NumPy or torch route for the same result with the
 same byte count; copy_gbs is a plain copy of `bytes` (np.copyto or torch copy_, the faster),
 counted as read + write, measured in the same run. Times are medians of several repetitions.
+The kernels are timed through the pointer-level entry points the collectives use (reduce_ptr, ...,
+and mpidist._C for pack/unpack/cast), so per-call Python overhead is the hot path's.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from mpidist import kernels
+from mpidist import _C, kernels
 
 DTYPES = ("float32", "bfloat16", "float16", "float64", "int32", "int64", "uint8", "int8")
 FLOATS = ("float32", "bfloat16", "float16", "float64")
@@ -87,6 +89,8 @@ NUMPY_OPS = {"sum": np.add, "min": np.minimum, "max": np.maximum, "prod": np.mul
 
 
 def bench_size(nbytes: int, device: str, dtypes, timer, rows, op: str):
+    prefix = "cuda_" if device == "cuda" else ""
+    cast, pack, unpack = (getattr(_C, prefix + name) for name in ("cast", "pack", "unpack"))
     def row(kernel, dtype, moved, ours, library):
         rows.append({"kernel": kernel, "dtype": dtype, "bytes": nbytes,
                      "gbs": moved / ours / 1e9, "library_gbs": moved / library / 1e9, "copy_gbs": copy_gbs})
@@ -108,18 +112,19 @@ def bench_size(nbytes: int, device: str, dtypes, timer, rows, op: str):
         na, nb = numpy_view(a), numpy_view(b)
         top, nop = TORCH_OPS[op], NUMPY_OPS[op]
 
-        ours = timer(lambda: kernels.reduce(a, b, op))
+        pa, pb, dev = a.data_ptr(), b.data_ptr(), device
+        ours = timer(lambda: kernels.reduce_ptr(pa, pb, n, dtype, op, dev))
         library = [lambda: top(a, b, out=a)] + ([lambda: nop(na, nb, out=na)] if na is not None else [])
         row("reduce", dtype, 3 * nbytes, ours, best(timer, library))
 
         if dtype in FLOATS:
-            ours = timer(lambda: kernels.reduce_scale(a, b, op, 0.5))
+            ours = timer(lambda: kernels.reduce_scale_ptr(pa, pb, n, dtype, op, 0.5, dev))
             library = [lambda: top(a, b, out=a).mul_(0.5)]
             if na is not None:
                 library.append(lambda: np.multiply(nop(na, nb, out=na), na.dtype.type(0.5), out=na))
             row("reduce_scale", dtype, 3 * nbytes, ours, best(timer, library))
 
-            ours = timer(lambda: kernels.scale(a, 1.0))
+            ours = timer(lambda: kernels.scale_ptr(pa, n, dtype, 1.0, dev))
             library = [lambda: a.mul_(1.0)] + ([lambda: np.multiply(na, na.dtype.type(1.0), out=na)]
                                                if na is not None else [])
             row("scale", dtype, 2 * nbytes, ours, best(timer, library))
@@ -139,7 +144,8 @@ def bench_size(nbytes: int, device: str, dtypes, timer, rows, op: str):
             for s in nsrcs[2:]:
                 nop(ndst, s, out=ndst)
 
-        ours = timer(lambda: kernels.reduce_many(dst, srcs, op))
+        ptrs, pd = [s.data_ptr() for s in srcs], dst.data_ptr()
+        ours = timer(lambda: kernels.reduce_many_ptr(pd, ptrs, n, dtype, op, dev))
         row(f"reduce_many{MANY}", dtype, (MANY + 1) * nbytes, ours,
             best(timer, [torch_many] + ([numpy_many] if ndst is not None else [])))
         del srcs, dst, nsrcs, ndst, a, b, na, nb
@@ -149,9 +155,10 @@ def bench_size(nbytes: int, device: str, dtypes, timer, rows, op: str):
     f32 = filled("float32", n, device, 0)
     for half in ("bfloat16", "float16"):
         h = torch.empty(n, dtype=getattr(torch, half), device=device)
-        ours = timer(lambda: kernels.cast(h, f32))
+        ph, pf = h.data_ptr(), f32.data_ptr()
+        ours = timer(lambda: cast(ph, half, pf, "float32", n))
         row("cast", f"float32->{half}", 6 * n, ours, timer(lambda: h.copy_(f32)))
-        ours = timer(lambda: kernels.cast(f32, h))
+        ours = timer(lambda: cast(pf, "float32", ph, half, n))
         row("cast", f"{half}->float32", 6 * n, ours, timer(lambda: f32.copy_(h)))
     del f32, h
 
@@ -161,7 +168,8 @@ def bench_size(nbytes: int, device: str, dtypes, timer, rows, op: str):
     cuts[1:-1] += (np.arange(1, len(cuts) - 1) % 3) - 1  # uneven, misaligned parts
     parts = [filled("float32", int(hi - lo), device, 0) for lo, hi in zip(cuts[:-1], cuts[1:])]
     flat = torch.empty(count, dtype=torch.float32, device=device)
-    ours = timer(lambda: kernels.pack(flat, parts))
+    part_ptrs, part_bytes, pflat = [p.data_ptr() for p in parts], [p.numel() * 4 for p in parts], flat.data_ptr()
+    ours = timer(lambda: pack(pflat, part_ptrs, part_bytes))
     row("pack", "float32", 2 * nbytes, ours, timer(lambda: torch.cat(parts, out=flat)))
     views = list(torch.split(flat, [p.numel() for p in parts]))
 
@@ -169,7 +177,7 @@ def bench_size(nbytes: int, device: str, dtypes, timer, rows, op: str):
         for p, v in zip(parts, views):
             p.copy_(v)
 
-    ours = timer(lambda: kernels.unpack(flat, parts))
+    ours = timer(lambda: unpack(pflat, part_ptrs, part_bytes))
     row("unpack", "float32", 2 * nbytes, ours, timer(torch_unpack))
 
 
