@@ -213,27 +213,64 @@ struct Kernels {
             combine_op<false>(op, d, d, (const T*)src, n, (Acc)1);
     }
 
-    // Folds one more source into the accumulator block.
-    template <Op op>
-    static inline void fold(Acc* acc, const T* s, Acc* scratch, size_t m) {
-        if constexpr (E::kBlocked) {
-            E::load_n(s, scratch, m);
+    // r = s[0] op s[1] op ... op s[K-1] for each element, in registers, into dst (which may be
+    // one of the sources: each element's sources are loaded before it is stored).
+    template <Op op, int K>
+    static void fused(T* dst, const T* const* srcs, size_t n) {
+        const T* s[K];
+        for (int j = 0; j < K; ++j) s[j] = srcs[j];
 #pragma omp simd
-            for (size_t i = 0; i < m; ++i) acc[i] = combine<op>(acc[i], scratch[i]);
-        } else {
-#pragma omp simd
-            for (size_t i = 0; i < m; ++i) acc[i] = combine<op>(acc[i], E::load(s[i]));
+        for (size_t i = 0; i < n; ++i) {
+            Acc r = E::load(s[0][i]);
+            for (int j = 1; j < K; ++j) r = combine<op>(r, E::load(s[j][i]));
+            dst[i] = E::store(r);
         }
     }
 
-    // dst may alias any source: a block is read completely before it is written.
+    // acc = acc op s[0] op ... op s[K-1], for up to four sources per pass over the block.
+    template <Op op, int K>
+    static void fold_group(Acc* acc, const T* const* s, size_t offset, size_t m) {
+#pragma omp simd
+        for (size_t i = 0; i < m; ++i) {
+            Acc r = acc[i];
+            for (int j = 0; j < K; ++j) r = combine<op>(r, E::load(s[j][offset + i]));
+            acc[i] = r;
+        }
+    }
+
+    template <Op op>
+    static void fold(Acc* acc, const T* const* s, size_t count, size_t offset, Acc* scratch, size_t m) {
+        if constexpr (E::kBlocked) {
+            for (size_t j = 0; j < count; ++j) {
+                E::load_n(s[j] + offset, scratch, m);
+#pragma omp simd
+                for (size_t i = 0; i < m; ++i) acc[i] = combine<op>(acc[i], scratch[i]);
+            }
+        } else {
+            for (size_t j = 0; j < count; j += 4) {
+                switch (count - j < 4 ? count - j : 4) {
+                    case 1: fold_group<op, 1>(acc, s + j, offset, m); break;
+                    case 2: fold_group<op, 2>(acc, s + j, offset, m); break;
+                    case 3: fold_group<op, 3>(acc, s + j, offset, m); break;
+                    default: fold_group<op, 4>(acc, s + j, offset, m); break;
+                }
+            }
+        }
+    }
+
+    // Many sources: a float32 (or T) accumulator block in L1, folded source group by source group
+    // in order, then stored once. dst may alias any source: a block is read before it is written.
     template <Op op>
     static void reduce_many_op(T* dst, const T* const* srcs, size_t k, size_t n) {
+        if constexpr (!E::kBlocked) {
+            if (k == 3) return fused<op, 3>(dst, srcs, n);
+            if (k == 4) return fused<op, 4>(dst, srcs, n);
+        }
         Acc acc[kBlock], scratch[kBlock];
         for (size_t base = 0; base < n; base += kBlock) {
             const size_t m = n - base < kBlock ? n - base : kBlock;
             E::load_n(srcs[0] + base, acc, m);
-            for (size_t j = 1; j < k; ++j) fold<op>(acc, srcs[j] + base, scratch, m);
+            fold<op>(acc, srcs + 1, k - 1, base, scratch, m);
             E::store_n(acc, dst + base, m);
         }
     }

@@ -215,7 +215,7 @@ def model_reduce_many(srcs, op):
     return torch.from_numpy(np.ascontiguousarray(acc))
 
 
-@pytest.mark.parametrize("k", (1, 2, 5))
+@pytest.mark.parametrize("k", (1, 2, 3, 4, 6))
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("op", kernels.OPS)
 @pytest.mark.parametrize("dtype", DTYPES)
