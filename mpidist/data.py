@@ -44,8 +44,9 @@ class ShardedSampler:
 
     Resuming mid-epoch: the sampler counts the indices it has handed out in the current epoch
     (``position``). ``state_dict()`` records epoch, seed and position; after
-    ``load_state_dict(state)`` the next iteration continues with the next index, so a resumed
-    run sees exactly the batches the interrupted run had not seen yet. The count is exact when
+    ``load_state_dict(state)`` the next iteration continues with the next index (and yields
+    nothing if the saved epoch was complete), so a resumed run sees exactly the batches the
+    interrupted run had not seen yet. The count is exact when
     the sampler is read as it is consumed, as a ``DataLoader`` with ``num_workers=0`` does.
     Workers read ahead of training, so with ``num_workers > 0`` pass the count yourself:
     ``state_dict(consumed=batches_done * batch_size)``.
@@ -58,8 +59,8 @@ class ShardedSampler:
             sampler.set_epoch(epoch)              # epoch 3 keeps position 40
             for batch in loader: ...
 
-    An iteration begun after the epoch was fully read starts it again from its first index,
-    as ``DistributedSampler`` does when ``set_epoch`` is not called.
+    Otherwise an iteration begun after the epoch was fully read starts it again from its first
+    index, as ``DistributedSampler`` does when ``set_epoch`` is not called.
 
     ``len(self)`` is the number of indices per rank per epoch, also when resuming mid-epoch
     (``remaining()`` is what the next iteration yields).
@@ -92,12 +93,14 @@ class ShardedSampler:
         self.total_size = self.num_samples * size
         self.epoch = 0
         self.position = 0
+        self._resuming = False
 
     def set_epoch(self, epoch: int) -> None:
         epoch = _whole(epoch, "epoch")
         if epoch != self.epoch:
             self.epoch = epoch
             self.position = 0
+            self._resuming = False
 
     def permutation(self, epoch: int | None = None) -> list[int]:
         """The padded (or truncated) permutation of ``epoch`` shared by all ranks."""
@@ -126,13 +129,16 @@ class ShardedSampler:
         return self.num_samples - self._start()
 
     def _start(self) -> int:
-        return self.position if self.position < self.num_samples else 0
+        return self.position if self._resuming or self.position < self.num_samples else 0
 
     def __iter__(self):
         start = self._start()
-        mine = self.indices()
+        self._resuming = False
         self.position = start
-        for index in mine[start:]:
+        return self._hand_out(self.indices()[start:])
+
+    def _hand_out(self, indices):
+        for index in indices:
             self.position += 1
             yield index
 
@@ -162,6 +168,7 @@ class ShardedSampler:
         self.seed = _whole(state["seed"], "seed")
         self.epoch = _whole(state["epoch"], "epoch")
         self.position = position
+        self._resuming = True
 
 
 def _whole(value, name: str) -> int:
