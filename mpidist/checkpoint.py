@@ -55,6 +55,7 @@ def atomic_hdf5(path):
     """
     import h5py
     path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with h5py.File(tmp, "w") as f:

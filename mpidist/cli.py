@@ -23,6 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="versions, MPI library, CUDA support, ranks and nodes")
     info.add_argument("--json", action="store_true", help="print the facts as JSON")
     info.set_defaults(run=cmd_info)
+    from .data import add_prepare_data_command
+    from .train import add_train_command
+    add_train_command(sub)
+    add_prepare_data_command(sub)
     return parser
 
 

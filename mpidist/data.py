@@ -18,6 +18,7 @@ from .errors import InvalidArgumentError, MpidistError
 
 DIGITS_FILENAME = "digits.h5"
 DIGITS_TEST_SIZE = 297
+DIGITS_SPLIT_SEED = 0
 DIGITS_FORMAT_VERSION = 1
 
 
@@ -299,9 +300,11 @@ def prepare_digits(path) -> str:
     to the HDF5 file ``path``; returns the path.
 
     Layout: ``train/x``, ``test/x`` float32 (N x 64, pixel values 0-16 divided by 16, so in
-    [0, 1]); ``train/y``, ``test/y`` int64 labels 0-9. Split: the first 1500 samples in
-    scikit-learn's order are ``train``, the last 297 ``test`` (no shuffling, so the split does
-    not depend on any RNG). The file is written beside ``path`` and renamed into place, so a
+    [0, 1]); ``train/y``, ``test/y`` int64 labels 0-9; ``train/index``, ``test/index`` the
+    samples' positions in scikit-learn's order. Split: the samples are put in a fixed order
+    (``numpy.random.default_rng(0).permutation(1797)``, the same on every machine), the first
+    1500 are ``train`` and the last 297 ``test``. A fixed shuffle mixes the writers of the
+    original order into both parts (the last 297 in scikit-learn's order are noticeably harder). The file is written beside ``path`` and renamed into place, so a
     reader never sees a half-written file.
     """
     from sklearn import __version__ as sklearn_version
@@ -312,6 +315,7 @@ def prepare_digits(path) -> str:
     digits = load_digits()
     x = (np.asarray(digits.data, dtype=np.float64) / 16.0).astype(np.float32)
     y = np.asarray(digits.target, dtype=np.int64)
+    order = np.random.default_rng(DIGITS_SPLIT_SEED).permutation(len(y))
     split = len(y) - DIGITS_TEST_SIZE
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -319,14 +323,16 @@ def prepare_digits(path) -> str:
         f.attrs["source"] = "sklearn.datasets.load_digits (UCI ML hand-written digits, optdigits test set)"
         f.attrs["sklearn_version"] = sklearn_version
         f.attrs["description"] = "8x8 grey images of digits 0-9, flattened to 64 pixels, pixel values 0-16 scaled to [0, 1]"
-        f.attrs["split"] = f"train = samples 0..{split - 1}, test = samples {split}..{len(y) - 1} in load_digits order"
+        f.attrs["split"] = (f"train = {split} samples, test = {len(y) - split} samples of load_digits, after the "
+                            f"fixed order numpy.random.default_rng({DIGITS_SPLIT_SEED}).permutation({len(y)})")
         f.attrs["image_shape"] = np.array([8, 8], dtype=np.int64)
         f.attrs["num_classes"] = 10
         f.attrs["format_version"] = DIGITS_FORMAT_VERSION
-        for name, rows in (("train", slice(0, split)), ("test", slice(split, None))):
+        for name, rows in (("train", order[:split]), ("test", order[split:])):
             group = f.create_group(name)
             group.create_dataset("x", data=x[rows])
             group.create_dataset("y", data=y[rows])
+            group.create_dataset("index", data=rows.astype(np.int64))
     return path
 
 

@@ -201,8 +201,11 @@ def test_digits_file_layout_and_values(digits_path):
     for x, y in ((train_x, train_y), (test_x, test_y)):
         assert x.min() == 0.0 and x.max() == 1.0
         assert set(y.tolist()) == set(range(10))
-    np.testing.assert_array_equal(np.concatenate([train_x, test_x]), (digits.data / 16).astype(np.float32))
-    np.testing.assert_array_equal(np.concatenate([train_y, test_y]), digits.target)
+    with h5py.File(digits_path, "r") as f:
+        order = np.concatenate([f["train/index"][()], f["test/index"][()]])
+    np.testing.assert_array_equal(order, np.random.default_rng(0).permutation(1797))
+    np.testing.assert_array_equal(np.concatenate([train_x, test_x]), (digits.data[order] / 16).astype(np.float32))
+    np.testing.assert_array_equal(np.concatenate([train_y, test_y]), digits.target[order])
     assert os.listdir(os.path.dirname(digits_path)) == ["digits.h5"]  # no temporary file left
 
 
