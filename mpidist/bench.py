@@ -43,9 +43,10 @@ def parse_size(text: str) -> int:
     stripped = text.strip().upper()
     digits = stripped.rstrip("KMGIB")
     suffix = stripped[len(digits):]
-    if not digits or suffix not in SUFFIXES:
-        raise ValueError(f"cannot read size {text!r}: use a number with an optional K, M or G suffix")
-    return int(float(digits) * SUFFIXES[suffix])
+    try:
+        return int(float(digits) * SUFFIXES[suffix])
+    except (ValueError, KeyError):
+        raise ValueError(f"cannot read size {text!r}: use a number with an optional K, M or G suffix") from None
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -91,7 +92,8 @@ class Gloo:
     def __init__(self, comm):
         import torch.distributed as dist
         self.dist = dist
-        if dist.is_initialized():
+        self.owned = not dist.is_initialized()
+        if not self.owned:
             return
         host = socket.gethostname()
         port = 0
@@ -108,6 +110,13 @@ class Gloo:
         address = "127.0.0.1" if root_host == host else root_host
         dist.init_process_group("gloo", init_method=f"tcp://{address}:{port_text}",
                                 rank=comm.rank, world_size=comm.size)
+
+    def close(self, comm):
+        """Tear the group down while every rank is still here: gloo's threads abort the process
+        when they outlive MPI_Finalize."""
+        if self.owned:
+            comm.mpi.Barrier()
+            self.dist.destroy_process_group()
 
 
 def mpi_datatype(torch_dtype):
@@ -263,16 +272,24 @@ def element_count(collective: str, nbytes: int, itemsize: int, ranks: int) -> in
 
 def run(comm, options: Options, out=sys.stdout) -> list[dict]:
     """Measure every (dtype, size, algorithm) of one collective; returns the rows (on every rank)."""
-    import torch
-    from mpi4py import MPI
-
     if options.collective not in WORKLOADS:
         raise ValueError(f"unknown collective {options.collective!r}; choose one of {', '.join(COLLECTIVES)}")
     algorithms = list(options.algorithms or (OURS[options.collective] + PEERS))
     comm.check_calls = options.check_calls
     gloo = Gloo(comm) if "gloo" in algorithms else None
+    printer = TablePrinter(out if comm.rank == 0 and not options.quiet else None, options.collective, comm.size)
+    try:
+        return measure(comm, options, algorithms, gloo, printer)
+    finally:
+        if gloo is not None:
+            gloo.close(comm)
+
+
+def measure(comm, options, algorithms, gloo, printer) -> list[dict]:
+    import torch
+    from mpi4py import MPI
+
     p = comm.size
-    printer = TablePrinter(out if comm.rank == 0 and not options.quiet else None, options.collective, p)
     rows = []
     for dtype_name in options.dtypes:
         dtype = getattr(torch, dtype_name)
