@@ -1,7 +1,211 @@
 // Python bindings of the mpidist._C extension.
+//
+// Buffers travel as raw addresses (Python ints), dtypes and ops as names; mpidist/kernels.py is
+// the typed face that turns arrays into these. Every kernel releases the GIL while it runs so that
+// communication threads keep going. Bad names raise ValueError naming the culprit.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "reduce.h"
 
 namespace py = pybind11;
+using mpidist::DType;
+using mpidist::Op;
+
+namespace {
+
+void* address(std::uintptr_t ptr, std::size_t bytes, const char* what) {
+    if (ptr == 0 && bytes != 0) throw std::invalid_argument(std::string("null pointer passed as ") + what);
+    return reinterpret_cast<void*>(ptr);
+}
+
+std::vector<const void*> const_addresses(const std::vector<std::uintptr_t>& ptrs, std::size_t bytes, const char* what) {
+    std::vector<const void*> out;
+    out.reserve(ptrs.size());
+    for (auto p : ptrs) out.push_back(address(p, bytes, what));
+    return out;
+}
+
+std::vector<void*> addresses(const std::vector<std::uintptr_t>& ptrs, const std::vector<std::size_t>& nbytes) {
+    std::vector<void*> out;
+    out.reserve(ptrs.size());
+    for (std::size_t i = 0; i < ptrs.size(); ++i)
+        out.push_back(address(ptrs[i], i < nbytes.size() ? nbytes[i] : 0, "a pack/unpack buffer"));
+    return out;
+}
+
+std::vector<const void*> const_addresses(const std::vector<std::uintptr_t>& ptrs, const std::vector<std::size_t>& nbytes) {
+    std::vector<const void*> out;
+    out.reserve(ptrs.size());
+    for (std::size_t i = 0; i < ptrs.size(); ++i)
+        out.push_back(address(ptrs[i], i < nbytes.size() ? nbytes[i] : 0, "a pack/unpack buffer"));
+    return out;
+}
+
+std::size_t total(const std::vector<std::size_t>& nbytes) {
+    std::size_t sum = 0;
+    for (auto b : nbytes) sum += b;
+    return sum;
+}
+
+// Each back end provides the kernels as static functions with a trailing `Launch` (nothing on
+// CPU; stream and device on CUDA), so both share one set of argument conversions.
+struct CpuBackend {
+    struct Launch {};
+    static void reduce(void* d, const void* s, std::size_t n, DType t, Op o, Launch) { mpidist::cpu::reduce(d, s, n, t, o); }
+    static void reduce_scale(void* d, const void* s, std::size_t n, DType t, Op o, double f, Launch) {
+        mpidist::cpu::reduce_scale(d, s, n, t, o, f);
+    }
+    static void scale(void* d, std::size_t n, DType t, double f, Launch) { mpidist::cpu::scale(d, n, t, f); }
+    static void reduce_many(void* d, const std::vector<const void*>& s, std::size_t n, DType t, Op o, Launch) {
+        mpidist::cpu::reduce_many(d, s, n, t, o);
+    }
+    static void pack(void* d, const std::vector<const void*>& s, const std::vector<std::size_t>& b, Launch) {
+        mpidist::cpu::pack(d, s, b);
+    }
+    static void unpack(const void* s, const std::vector<void*>& d, const std::vector<std::size_t>& b, Launch) {
+        mpidist::cpu::unpack(s, d, b);
+    }
+    static void cast(void* d, DType dt, const void* s, DType st, std::size_t n, double f, Launch) {
+        mpidist::cpu::cast(d, dt, s, st, n, f);
+    }
+};
+
+#ifdef MPIDIST_WITH_CUDA
+struct CudaBackend {
+    struct Launch {
+        std::uintptr_t stream;
+        int device;
+    };
+    static void reduce(void* d, const void* s, std::size_t n, DType t, Op o, Launch l) {
+        mpidist::cuda::reduce(d, s, n, t, o, l.stream, l.device);
+    }
+    static void reduce_scale(void* d, const void* s, std::size_t n, DType t, Op o, double f, Launch l) {
+        mpidist::cuda::reduce_scale(d, s, n, t, o, f, l.stream, l.device);
+    }
+    static void scale(void* d, std::size_t n, DType t, double f, Launch l) { mpidist::cuda::scale(d, n, t, f, l.stream, l.device); }
+    static void reduce_many(void* d, const std::vector<const void*>& s, std::size_t n, DType t, Op o, Launch l) {
+        mpidist::cuda::reduce_many(d, s, n, t, o, l.stream, l.device);
+    }
+    static void pack(void* d, const std::vector<const void*>& s, const std::vector<std::size_t>& b, Launch l) {
+        mpidist::cuda::pack(d, s, b, l.stream, l.device);
+    }
+    static void unpack(const void* s, const std::vector<void*>& d, const std::vector<std::size_t>& b, Launch l) {
+        mpidist::cuda::unpack(s, d, b, l.stream, l.device);
+    }
+    static void cast(void* d, DType dt, const void* s, DType st, std::size_t n, double f, Launch l) {
+        mpidist::cuda::cast(d, dt, s, st, n, f, l.stream, l.device);
+    }
+};
+#endif
+
+// The Python signature of each kernel, plus the launch arguments of the back end.
+// A are the C++ types of the launch arguments, extra their py::arg descriptions.
+template <typename Backend, typename... A, typename... Extra>
+void bind_kernels(py::module_& m, const std::string& prefix, Extra... extra) {
+    using Launch = typename Backend::Launch;
+    m.def((prefix + "reduce").c_str(),
+          [](std::uintptr_t dst, std::uintptr_t src, std::size_t n, const std::string& dtype,
+                   const std::string& op, A... args) {
+              const DType t = mpidist::parse_dtype(dtype);
+              const Op o = mpidist::parse_op(op);
+              const std::size_t bytes = n * mpidist::itemsize(t);
+              void* d = address(dst, bytes, "dst");
+              const void* s = address(src, bytes, "src");
+              py::gil_scoped_release release;
+              Backend::reduce(d, s, n, t, o, Launch{args...});
+          },
+          "dst = dst op src, element-wise, in place.", py::arg("dst"), py::arg("src"), py::arg("n"),
+          py::arg("dtype"), py::arg("op"), extra...);
+    m.def((prefix + "reduce_scale").c_str(),
+          [](std::uintptr_t dst, std::uintptr_t src, std::size_t n, const std::string& dtype,
+                   const std::string& op, double factor, A... args) {
+              const DType t = mpidist::parse_dtype(dtype);
+              const Op o = mpidist::parse_op(op);
+              mpidist::check_scalable(t, factor);
+              const std::size_t bytes = n * mpidist::itemsize(t);
+              void* d = address(dst, bytes, "dst");
+              const void* s = address(src, bytes, "src");
+              py::gil_scoped_release release;
+              Backend::reduce_scale(d, s, n, t, o, factor, Launch{args...});
+          },
+          "dst = (dst op src) * scale in one pass; integer dtypes accept only scale == 1.", py::arg("dst"),
+          py::arg("src"), py::arg("n"), py::arg("dtype"), py::arg("op"), py::arg("scale"), extra...);
+    m.def((prefix + "scale").c_str(),
+          [](std::uintptr_t dst, std::size_t n, const std::string& dtype, double factor,
+                   A... args) {
+              const DType t = mpidist::parse_dtype(dtype);
+              if (!mpidist::is_floating(t))
+                  throw std::invalid_argument("scale needs a floating dtype, got " + dtype);
+              void* d = address(dst, n * mpidist::itemsize(t), "dst");
+              py::gil_scoped_release release;
+              Backend::scale(d, n, t, factor, Launch{args...});
+          },
+          "dst *= factor (floating dtypes).", py::arg("dst"), py::arg("n"), py::arg("dtype"), py::arg("factor"),
+          extra...);
+    m.def((prefix + "reduce_many").c_str(),
+          [](std::uintptr_t dst, const std::vector<std::uintptr_t>& srcs, std::size_t n,
+                   const std::string& dtype, const std::string& op, A... args) {
+              const DType t = mpidist::parse_dtype(dtype);
+              const Op o = mpidist::parse_op(op);
+              if (srcs.empty()) throw std::invalid_argument("reduce_many needs at least one source");
+              const std::size_t bytes = n * mpidist::itemsize(t);
+              void* d = address(dst, bytes, "dst");
+              const std::vector<const void*> s = const_addresses(srcs, bytes, "a source");
+              py::gil_scoped_release release;
+              Backend::reduce_many(d, s, n, t, o, Launch{args...});
+          },
+          "dst = srcs[0] op srcs[1] op ... in one pass, left to right; dst may be one of srcs.",
+          py::arg("dst"), py::arg("srcs"), py::arg("n"), py::arg("dtype"), py::arg("op"), extra...);
+    m.def((prefix + "pack").c_str(),
+          [](std::uintptr_t dst, const std::vector<std::uintptr_t>& srcs, const std::vector<std::size_t>& nbytes,
+                   A... args) {
+              if (srcs.size() != nbytes.size())
+                  throw std::invalid_argument("pack got " + std::to_string(srcs.size()) + " sources but " +
+                                              std::to_string(nbytes.size()) + " byte counts");
+              void* d = address(dst, total(nbytes), "dst");
+              const std::vector<const void*> s = const_addresses(srcs, nbytes);
+              py::gil_scoped_release release;
+              Backend::pack(d, s, nbytes, Launch{args...});
+          },
+          "Copy srcs[i] (nbytes[i] bytes each) back to back into dst.", py::arg("dst"), py::arg("srcs"),
+          py::arg("nbytes"), extra...);
+    m.def((prefix + "unpack").c_str(),
+          [](std::uintptr_t src, const std::vector<std::uintptr_t>& dsts, const std::vector<std::size_t>& nbytes,
+                   A... args) {
+              if (dsts.size() != nbytes.size())
+                  throw std::invalid_argument("unpack got " + std::to_string(dsts.size()) + " destinations but " +
+                                              std::to_string(nbytes.size()) + " byte counts");
+              const void* s = address(src, total(nbytes), "src");
+              const std::vector<void*> d = addresses(dsts, nbytes);
+              py::gil_scoped_release release;
+              Backend::unpack(s, d, nbytes, Launch{args...});
+          },
+          "Copy consecutive ranges of src (nbytes[i] bytes each) into dsts[i].", py::arg("src"), py::arg("dsts"),
+          py::arg("nbytes"), extra...);
+    m.def((prefix + "cast").c_str(),
+          [](std::uintptr_t dst, const std::string& dst_dtype, std::uintptr_t src, const std::string& src_dtype,
+                   std::size_t n, double factor, A... args) {
+              const DType dt = mpidist::parse_dtype(dst_dtype);
+              const DType st = mpidist::parse_dtype(src_dtype);
+              mpidist::check_castable(dt, st);
+              void* d = address(dst, n * mpidist::itemsize(dt), "dst");
+              const void* s = address(src, n * mpidist::itemsize(st), "src");
+              py::gil_scoped_release release;
+              Backend::cast(d, dt, s, st, n, factor, Launch{args...});
+          },
+          "dst = round(src * scale) between float32, float16 and bfloat16 (scale applied in float32, "
+          "round to nearest even).",
+          py::arg("dst"), py::arg("dst_dtype"), py::arg("src"), py::arg("src_dtype"), py::arg("n"),
+          py::arg("scale") = 1.0, extra...);
+}
+
+}  // namespace
 
 PYBIND11_MODULE(_C, m) {
     m.doc() = "mpidist fused reduction kernels (CPU, and CUDA when built with it)";
@@ -9,5 +213,16 @@ PYBIND11_MODULE(_C, m) {
     m.attr("built_with_cuda") = true;
 #else
     m.attr("built_with_cuda") = false;
+#endif
+    bind_kernels<CpuBackend>(m, "");
+    m.def("set_num_threads", &mpidist::cpu::set_num_threads, py::arg("n"),
+          "Threads the CPU kernels use for buffers of 1 MiB and more.");
+    m.def("get_num_threads", &mpidist::cpu::get_num_threads);
+    m.def("cpu_isa", &mpidist::cpu::isa, "Instruction set the CPU loops were compiled for and chosen at load.");
+#ifdef MPIDIST_WITH_CUDA
+    bind_kernels<CudaBackend, std::uintptr_t, int>(m, "cuda_", py::arg("stream") = std::uintptr_t(0), py::arg("device") = -1);
+    m.def("cuda_device_count", &mpidist::cuda::device_count,
+          "Number of CUDA devices; 0 when there is no driver or GPU.");
+    m.attr("cuda_max_sources") = mpidist::cuda::kMaxSources;
 #endif
 }

@@ -53,3 +53,11 @@ def reduce_scatter(array, op="sum"):
 
 def barrier():
     world().barrier()
+
+
+def __getattr__(name):
+    # The training modes need torch; import it only when they are used.
+    if name in ("DataParallel", "ParameterAveraging"):
+        from .parallel import data
+        return getattr(data, name)
+    raise AttributeError(f"module 'mpidist' has no attribute {name!r}")

@@ -26,15 +26,17 @@ def collect(comm) -> dict:
     import mpidist._C as ext
 
     from .collectives import ALGORITHMS
+    from .launch import detect, gpu_for_local_rank
 
     names = ("numpy", "mpi4py", "torch", "h5py", "cupy", "tqdm")
+    launch = detect()
     hosts = comm.mpi.allgather(MPI.Get_processor_name())
     ranks_per_node = comm.mpi.allgather(comm.local_size)
     return {
         "mpidist": __version__,
         "python": platform.python_version(),
         **{name: _version_of(name) for name in names},
-        "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
+        "mpi_library": MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0],
         "mpi_standard": "%d.%d" % MPI.Get_version(),
         "mpi_thread_level": {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
                              MPI.THREAD_SERIALIZED: "serialized",
@@ -42,6 +44,8 @@ def collect(comm) -> dict:
         "cuda_aware_mpi": comm.is_cuda_aware(),
         "extension_built_with_cuda": bool(ext.built_with_cuda),
         "cuda_devices_visible": _cuda_devices(ext),
+        "launcher": launch.launcher,
+        "gpu_per_rank": comm.mpi.allgather(gpu_for_local_rank(launch)),
         "ranks": comm.size,
         "nodes": comm.num_nodes,
         "ranks_per_node": sorted(set(ranks_per_node)),

@@ -1,63 +1,249 @@
-"""TEMPORARY NumPy stand-in for the fused kernels of mpidist._C (replaced by the extension)."""
-import ctypes
+"""Typed Python face of the fused reduction kernels in ``mpidist._C``.
 
-import numpy as np
+Array-level functions take NumPy arrays, torch tensors or CuPy arrays, check them and run the CPU
+or CUDA kernel in place. The ``*_ptr`` forms are the hot path of the collectives: raw addresses,
+no array objects and no checks beyond what the extension does itself.
 
-from .buffers import BufferInfo, as_numpy
+Semantics (both back ends): float16 and bfloat16 are combined in float32 and rounded once to
+nearest even; min/max propagate NaN; integer sum/prod wrap around; ``reduce_many`` combines its
+sources left to right in one pass, so its result is bitwise reproducible whatever the thread
+count. Integer data is never scaled by anything but 1.
+"""
+from __future__ import annotations
+
+from . import _C
+from .buffers import FLOAT_DTYPES, BufferInfo, describe
+from .errors import InvalidArgumentError, MpidistError, UnsupportedDtypeError
 
 OPS = ("sum", "min", "max", "prod")
-_UFUNC = {"sum": np.add, "min": np.minimum, "max": np.maximum, "prod": np.multiply}
+CAST_DTYPES = ("float32", "float16", "bfloat16")
+
+__all__ = [
+    "OPS", "reduce", "reduce_scale", "scale", "reduce_many", "pack", "unpack", "cast",
+    "reduce_ptr", "reduce_scale_ptr", "scale_ptr", "reduce_many_ptr",
+    "cuda_available", "set_num_threads", "get_num_threads",
+]
+
+_NO_CUDA = "mpidist._C was built without CUDA; reinstall with MPIDIST_CUDA=1"
 
 
-def _load(ptr, count, dtype):
-    raw = as_numpy(BufferInfo(ptr, count, dtype, "cpu", "numpy"))
-    if dtype == "bfloat16":
-        return (raw.astype(np.uint32) << 16).view(np.float32), raw
-    if dtype == "float16":
-        return raw.astype(np.float32), raw
-    return raw, raw
+# ---- checks -----------------------------------------------------------------------------------
+
+def _check_op(op: str) -> str:
+    if op not in OPS:
+        raise InvalidArgumentError(f"unknown reduction op {op!r}; valid ops: {', '.join(OPS)}")
+    return op
 
 
-def _store(raw, values, dtype):
-    if dtype == "bfloat16":
-        bits = values.astype(np.float32).view(np.uint32)
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-        nan = np.isnan(values)
-        rounded[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)
-        raw[...] = rounded
-    else:
-        raw[...] = values
+def _check_scale(dtype: str, factor: float, what: str) -> None:
+    if dtype not in FLOAT_DTYPES and factor != 1:
+        raise UnsupportedDtypeError(
+            f"{what} cannot scale {dtype} data by {factor}: integer results would be truncated; "
+            "scale only floating-point buffers")
 
 
-def reduce_ptr(dst_ptr, src_ptr, count, dtype, op, device="cpu", stream=None):
-    dst, dst_raw = _load(dst_ptr, count, dtype)
-    src, _ = _load(src_ptr, count, dtype)
-    _store(dst_raw, _UFUNC[op](dst, src), dtype)
+def _same(name_a: str, a: BufferInfo, name_b: str, b: BufferInfo, what: str) -> None:
+    for field in ("dtype", "count", "device"):
+        if getattr(a, field) != getattr(b, field):
+            raise InvalidArgumentError(
+                f"{what}: {name_a} and {name_b} differ in {field} "
+                f"({getattr(a, field)} vs {getattr(b, field)})")
 
 
-def reduce_many_ptr(dst_ptr, src_ptrs, count, dtype, op, device="cpu", stream=None):
-    values = [_load(p, count, dtype)[0].copy() for p in src_ptrs]
-    acc = values[0]
-    for v in values[1:]:
-        acc = _UFUNC[op](acc, v)
-    _, dst_raw = _load(dst_ptr, count, dtype)
-    _store(dst_raw, acc, dtype)
+def _translate(error: ValueError, what: str) -> MpidistError:
+    """The mpidist error matching a ValueError raised by the extension."""
+    message = f"{what}: {error}"
+    if "dtype" in str(error) or "cannot scale" in str(error):
+        return UnsupportedDtypeError(message)
+    return InvalidArgumentError(message)
 
 
-def scale_ptr(ptr, count, dtype, factor, device="cpu", stream=None):
-    values, raw = _load(ptr, count, dtype)
-    _store(raw, values * np.asarray(factor, dtype=values.dtype), dtype)
+# ---- CUDA plumbing ----------------------------------------------------------------------------
+
+def cuda_available() -> bool:
+    """True when the extension was built with CUDA and a CUDA device is present."""
+    return bool(_C.built_with_cuda) and _C.cuda_device_count() > 0
 
 
-def cast_ptr(dst_ptr, dst_dtype, src_ptr, src_dtype, count, scale=1.0, device="cpu", stream=None):
-    values, _ = _load(src_ptr, count, src_dtype)
-    _, raw = _load(dst_ptr, count, dst_dtype)
-    _store(raw, values.astype(np.float32) * np.float32(scale) if scale != 1.0 else values, dst_dtype)
+def _require_cuda() -> None:
+    if not _C.built_with_cuda:
+        raise MpidistError(_NO_CUDA)
 
 
-def copy_ptr(dst_ptr, src_ptr, nbytes, device="cpu", stream=None):
-    ctypes.memmove(dst_ptr, src_ptr, nbytes)
+def _device_index(device: str) -> int:
+    return int(device.split(":")[1]) if ":" in device else -1
 
 
-def synchronize(device):
-    pass
+def _is_cuda(device: str) -> bool:
+    return device.startswith("cuda")
+
+
+def _stream_of(array, info: BufferInfo) -> int:
+    """The caller's current stream on the array's device, as an integer handle."""
+    if info.kind == "torch":
+        import torch
+        return torch.cuda.current_stream(info.device_index).cuda_stream
+    if info.kind == "cupy":
+        import cupy
+        with cupy.cuda.Device(info.device_index):
+            return cupy.cuda.get_current_stream().ptr
+    return 0
+
+
+def _call(name: str, device: str, stream, *args):
+    """Runs kernel `name` on the CPU or, for a CUDA device, as cuda_`name` on `stream`."""
+    try:
+        if _is_cuda(device):
+            _require_cuda()
+            return getattr(_C, "cuda_" + name)(*args, stream=int(stream or 0), device=_device_index(device))
+        return getattr(_C, name)(*args)
+    except ValueError as error:
+        raise _translate(error, name) from None
+    except RuntimeError as error:  # a CUDA error, with CUDA's own message
+        if isinstance(error, MpidistError):
+            raise
+        raise MpidistError(f"{name}: {error}") from None
+
+
+# ---- pointer-level forms (hot path) -----------------------------------------------------------
+
+def reduce_ptr(dst_ptr: int, src_ptr: int, count: int, dtype: str, op: str,
+               device: str = "cpu", stream=None) -> None:
+    """dst = dst op src over `count` elements at raw addresses."""
+    _call("reduce", device, stream, dst_ptr, src_ptr, count, dtype, _check_op(op))
+
+
+def reduce_scale_ptr(dst_ptr: int, src_ptr: int, count: int, dtype: str, op: str, scale: float,
+                     device: str = "cpu", stream=None) -> None:
+    """dst = (dst op src) * scale in one pass; integer dtypes accept only scale == 1."""
+    _check_scale(dtype, scale, "reduce_scale")
+    _call("reduce_scale", device, stream, dst_ptr, src_ptr, count, dtype, _check_op(op), float(scale))
+
+
+def scale_ptr(ptr: int, count: int, dtype: str, factor: float, device: str = "cpu", stream=None) -> None:
+    """data *= factor for a floating dtype (factor 1 on integers is a no-op)."""
+    _check_scale(dtype, factor, "scale")
+    if dtype not in FLOAT_DTYPES:
+        return
+    _call("scale", device, stream, ptr, count, dtype, float(factor))
+
+
+def reduce_many_ptr(dst_ptr: int, src_ptrs, count: int, dtype: str, op: str,
+                    device: str = "cpu", stream=None) -> None:
+    """dst = src[0] op src[1] op ... in one pass, left to right; dst may be one of the sources."""
+    src_ptrs = [int(p) for p in src_ptrs]
+    if not src_ptrs:
+        raise InvalidArgumentError("reduce_many needs at least one source")
+    _call("reduce_many", device, stream, dst_ptr, src_ptrs, count, dtype, _check_op(op))
+
+
+# ---- array-level forms ------------------------------------------------------------------------
+
+def reduce(dst, src, op: str = "sum") -> None:
+    """dst = dst op src, element-wise, in place. Same dtype, count and device required."""
+    _check_op(op)
+    d, s = describe(dst), describe(src)
+    _same("dst", d, "src", s, "reduce")
+    reduce_ptr(d.ptr, s.ptr, d.count, d.dtype, op, d.device, _stream_of(dst, d) if d.is_cuda else None)
+
+
+def reduce_scale(dst, src, op: str, scale: float) -> None:
+    """dst = (dst op src) * scale in one pass (an average is op="sum", scale=1/n)."""
+    _check_op(op)
+    d, s = describe(dst), describe(src)
+    _same("dst", d, "src", s, "reduce_scale")
+    reduce_scale_ptr(d.ptr, s.ptr, d.count, d.dtype, op, scale, d.device,
+                     _stream_of(dst, d) if d.is_cuda else None)
+
+
+def scale(dst, factor: float) -> None:
+    """dst *= factor (floating dtypes; integers only accept factor 1)."""
+    d = describe(dst)
+    scale_ptr(d.ptr, d.count, d.dtype, factor, d.device, _stream_of(dst, d) if d.is_cuda else None)
+
+
+def reduce_many(dst, srcs, op: str = "sum") -> None:
+    """dst = srcs[0] op srcs[1] op ... op srcs[-1], one pass, fixed left-to-right order."""
+    _check_op(op)
+    srcs = list(srcs)
+    if not srcs:
+        raise InvalidArgumentError("reduce_many needs at least one source")
+    d = describe(dst)
+    infos = [describe(s) for s in srcs]
+    for i, info in enumerate(infos):
+        _same("dst", d, f"srcs[{i}]", info, "reduce_many")
+    reduce_many_ptr(d.ptr, [i.ptr for i in infos], d.count, d.dtype, op, d.device,
+                    _stream_of(dst, d) if d.is_cuda else None)
+
+
+def _ranges(big, parts, what: str):
+    b = describe(big)
+    infos = [describe(p) for p in parts]
+    for i, info in enumerate(infos):
+        if info.device != b.device:
+            raise InvalidArgumentError(f"{what}: part {i} is on {info.device} but the buffer is on {b.device}")
+    nbytes = [info.nbytes for info in infos]
+    if sum(nbytes) > b.nbytes:
+        raise InvalidArgumentError(f"{what}: the parts hold {sum(nbytes)} bytes but the buffer only {b.nbytes}")
+    return b, infos, nbytes
+
+
+def pack(dst, srcs) -> None:
+    """Copy the arrays `srcs` back to back into the buffer `dst` (any dtype, enough bytes)."""
+    d, infos, nbytes = _ranges(dst, srcs, "pack")
+    _call("pack", d.device, _stream_of(dst, d) if d.is_cuda else None, d.ptr, [i.ptr for i in infos], nbytes)
+
+
+def unpack(src, dsts) -> None:
+    """Copy consecutive byte ranges of the buffer `src` into the arrays `dsts`; inverse of pack."""
+    s, infos, nbytes = _ranges(src, dsts, "unpack")
+    _call("unpack", s.device, _stream_of(src, s) if s.is_cuda else None, s.ptr, [i.ptr for i in infos], nbytes)
+
+
+def cast(dst, src, scale: float = 1.0) -> None:
+    """dst = src * scale converted to dst's dtype (float32 / float16 / bfloat16, round to nearest even)."""
+    d, s = describe(dst), describe(src)
+    for name, info in (("dst", d), ("src", s)):
+        if info.dtype not in CAST_DTYPES:
+            raise UnsupportedDtypeError(f"cast: {name} has dtype {info.dtype}; cast supports {', '.join(CAST_DTYPES)}")
+    if d.count != s.count or d.device != s.device:
+        field = "count" if d.count != s.count else "device"
+        raise InvalidArgumentError(
+            f"cast: dst and src differ in {field} ({getattr(d, field)} vs {getattr(s, field)})")
+    _call("cast", d.device, _stream_of(dst, d) if d.is_cuda else None,
+          d.ptr, d.dtype, s.ptr, s.dtype, d.count, float(scale))
+
+
+# ---- threads ----------------------------------------------------------------------------------
+
+def set_num_threads(n: int) -> None:
+    """Threads the CPU kernels use for buffers of 1 MiB and more."""
+    if int(n) < 1:
+        raise InvalidArgumentError(f"number of threads must be >= 1, got {n}")
+    _C.set_num_threads(int(n))
+
+
+def get_num_threads() -> int:
+    """Threads the CPU kernels use: set_num_threads, else OMP_NUM_THREADS, else cores / local ranks."""
+    return _C.get_num_threads()
+
+
+# ---- helpers of the collectives ---------------------------------------------------------------
+
+def cast_ptr(dst_ptr: int, dst_dtype: str, src_ptr: int, src_dtype: str, count: int, scale: float = 1.0,
+             device: str = "cpu", stream=None) -> None:
+    """dst = src * scale converted between float32, float16 and bfloat16 at raw addresses."""
+    _call("cast", device, stream, dst_ptr, dst_dtype, src_ptr, src_dtype, count, float(scale))
+
+
+def copy_ptr(dst_ptr: int, src_ptr: int, nbytes: int, device: str = "cpu", stream=None) -> None:
+    """Copy `nbytes` bytes (the pack kernel with a single range)."""
+    _call("pack", device, stream, dst_ptr, [src_ptr], [nbytes])
+
+
+def synchronize(device: str) -> None:
+    """Wait for the kernels queued on the current stream of a CUDA device (MPI reads the memory
+    next, outside any stream)."""
+    if _is_cuda(device):
+        import torch
+        torch.cuda.current_stream(_device_index(device)).synchronize()

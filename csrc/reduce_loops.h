@@ -1,0 +1,388 @@
+// Element loops of the CPU kernels, written so that GCC vectorizes them.
+//
+// No include guard on purpose: reduce.cpp includes this file once per instruction set, each time
+// inside its own namespace and `#pragma GCC target` region, and picks one copy at run time. So
+// this file includes nothing itself and relies on reduce.cpp for <cstdint>, <cstring>,
+// <type_traits>, <immintrin.h> and the Half / BFloat16 storage types. MPIDIST_LOOPS_F16C is
+// defined for copies compiled with F16C, which then convert float16 with those instructions.
+
+// ---- float16 / bfloat16 <-> float32 with integer bit operations (branch-free, vectorizable) ----
+
+static inline float bits_to_float(uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint32_t float_to_bits(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+// Exact: every float16 (subnormals, Inf, NaN) is representable in float32. Subnormals are
+// normalised by a float subtraction of two normal numbers, so a flush-to-zero mode cannot bite.
+// (The selects only vectorize because setup.py passes -fno-trapping-math: otherwise GCC may not
+// execute the subtraction for elements that do not need it.)
+static inline float half_to_float(uint16_t h) {
+    const uint32_t shifted_exp = 0x7c00u << 13;
+    uint32_t o = (uint32_t(h) & 0x7fffu) << 13;
+    const uint32_t exp = o & shifted_exp;
+    o += (127u - 15u) << 23;
+    const uint32_t inf_nan = o + ((128u - 16u) << 23);
+    const float subnormal = bits_to_float(o + (1u << 23)) - bits_to_float(113u << 23);
+    o = exp == shifted_exp ? inf_nan : o;
+    o = exp == 0 ? float_to_bits(subnormal) : o;
+    return bits_to_float(o | ((uint32_t(h) & 0x8000u) << 16));
+}
+
+// Round to nearest, ties to even; overflow gives Inf, NaN stays NaN (quiet), sign is kept.
+static inline uint16_t float_to_half(float f) {
+    const uint32_t bits = float_to_bits(f);
+    const uint32_t sign = bits & 0x80000000u;
+    const uint32_t mag = bits ^ sign;
+    const uint32_t f16_overflow = (127u + 16u) << 23;  // 65536.0f: rounds to Inf
+    const uint32_t f32_inf = 255u << 23;
+    const uint32_t denorm_magic_bits = ((127u - 15u) + (23u - 10u) + 1u) << 23;
+    // Results below the float16 normal range: adding 0.5 lets the FPU do the RNE shift.
+    const bool small = mag < (113u << 23);
+    const uint32_t sub = float_to_bits(bits_to_float(mag) + bits_to_float(denorm_magic_bits)) - denorm_magic_bits;
+    // Normal results: rebias the exponent and round the 13 dropped mantissa bits to even.
+    const uint32_t normal = (mag + ((uint32_t)(15 - 127) << 23) + 0xfffu + ((mag >> 13) & 1u)) >> 13;
+    uint32_t o = small ? sub : normal;
+    o = mag >= f16_overflow ? (mag > f32_inf ? 0x7e00u : 0x7c00u) : o;
+    return (uint16_t)(o | (sign >> 16));
+}
+
+static inline float bfloat16_to_float(uint16_t b) { return bits_to_float(uint32_t(b) << 16); }
+
+static inline uint16_t float_to_bfloat16(float f) {
+    const uint32_t bits = float_to_bits(f);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+    return (uint16_t)(nan ? ((bits >> 16) | 0x40u) : rounded);
+}
+
+// ---- load / combine / store per storage type --------------------------------------------------
+
+// Element-wise load/store, plus block converters to and from the accumulator type. kBlocked types
+// run their kernels as convert-block / compute / convert-back, because their block converters
+// beat the element converters (hardware F16C instructions, which GCC does not vectorize itself).
+template <typename T, typename Acc = T>
+struct ElemBase {
+    static constexpr bool kBlocked = false;
+    static inline void load_n(const T* src, Acc* out, size_t m);
+    static inline void store_n(const Acc* in, T* dst, size_t m);
+};
+
+template <typename T>
+struct Elem : ElemBase<T> {
+    using Acc = T;
+    static inline Acc load(T v) { return v; }
+    static inline T store(Acc a) { return a; }
+};
+
+template <>
+struct Elem<BFloat16> : ElemBase<BFloat16, float> {
+    using Acc = float;
+    static inline Acc load(BFloat16 v) { return bfloat16_to_float(v.bits); }
+    static inline BFloat16 store(Acc a) { return BFloat16{float_to_bfloat16(a)}; }
+};
+
+template <>
+struct Elem<Half> : ElemBase<Half, float> {
+    using Acc = float;
+    static inline Acc load(Half v) { return half_to_float(v.bits); }
+    static inline Half store(Acc a) { return Half{float_to_half(a)}; }
+#ifdef MPIDIST_LOOPS_F16C
+    static constexpr bool kBlocked = true;
+    static inline void load_n(const Half* src, float* out, size_t m) {
+        size_t i = 0;
+        for (; i + 8 <= m; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
+        for (; i < m; ++i) out[i] = load(src[i]);
+    }
+    static inline void store_n(const float* in, Half* dst, size_t m) {
+        size_t i = 0;
+        for (; i + 8 <= m; i += 8)
+            _mm_storeu_si128((__m128i*)(dst + i),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        for (; i < m; ++i) dst[i] = store(in[i]);
+    }
+#endif
+};
+
+template <typename T, typename Acc>
+inline void ElemBase<T, Acc>::load_n(const T* src, Acc* out, size_t m) {
+#pragma omp simd
+    for (size_t i = 0; i < m; ++i) out[i] = Elem<T>::load(src[i]);
+}
+
+template <typename T, typename Acc>
+inline void ElemBase<T, Acc>::store_n(const Acc* in, T* dst, size_t m) {
+#pragma omp simd
+    for (size_t i = 0; i < m; ++i) dst[i] = Elem<T>::store(in[i]);
+}
+
+// Integers are combined as unsigned so that overflow wraps (as in NumPy and torch) without UB.
+template <typename A>
+struct Wrap {
+    using type = A;
+};
+template <>
+struct Wrap<int32_t> {
+    using type = uint32_t;
+};
+template <>
+struct Wrap<int64_t> {
+    using type = uint64_t;
+};
+template <>
+struct Wrap<int8_t> {
+    using type = uint8_t;
+};
+
+// `a != a` is the NaN test: a NaN on either side wins, like torch.minimum / torch.maximum.
+template <Op op, typename A>
+static inline A combine(A a, A b) {
+    using W = typename Wrap<A>::type;
+    if constexpr (op == Op::sum) {
+        return (A)(W)((W)a + (W)b);
+    } else if constexpr (op == Op::prod) {
+        return (A)(W)((W)a * (W)b);
+    } else if constexpr (op == Op::min) {
+        return ((a < b) | (a != a)) ? a : b;
+    } else {
+        return ((a > b) | (a != a)) ? a : b;
+    }
+}
+
+// ---- kernels over one contiguous range ------------------------------------------------------
+
+// Elements per block where kernels stage data in accumulators: a few blocks stay in L1.
+constexpr size_t kBlock = 1024;
+
+template <typename T>
+struct Kernels {
+    using E = Elem<T>;
+    using Acc = typename E::Acc;
+    static constexpr bool kInteger = std::is_integral<T>::value;
+
+    // dst may be a or b (element-wise, so exact aliasing is safe).
+    template <Op op, bool kScaled>
+    static void combine_into(T* dst, const T* a, const T* b, size_t n, Acc factor) {
+        if constexpr (E::kBlocked) {
+            Acc x[kBlock], y[kBlock];
+            for (size_t base = 0; base < n; base += kBlock) {
+                const size_t m = n - base < kBlock ? n - base : kBlock;
+                E::load_n(a + base, x, m);
+                E::load_n(b + base, y, m);
+#pragma omp simd
+                for (size_t i = 0; i < m; ++i) {
+                    Acc r = combine<op>(x[i], y[i]);
+                    if constexpr (kScaled) r = r * factor;
+                    x[i] = r;
+                }
+                E::store_n(x, dst + base, m);
+            }
+        } else {
+#pragma omp simd
+            for (size_t i = 0; i < n; ++i) {
+                Acc r = combine<op>(E::load(a[i]), E::load(b[i]));
+                if constexpr (kScaled) r = r * factor;
+                dst[i] = E::store(r);
+            }
+        }
+    }
+
+    template <bool kScaled>
+    static void combine_op(Op op, T* dst, const T* a, const T* b, size_t n, Acc factor) {
+        switch (op) {
+            case Op::sum: return combine_into<Op::sum, kScaled>(dst, a, b, n, factor);
+            case Op::min: return combine_into<Op::min, kScaled>(dst, a, b, n, factor);
+            case Op::max: return combine_into<Op::max, kScaled>(dst, a, b, n, factor);
+            case Op::prod: return combine_into<Op::prod, kScaled>(dst, a, b, n, factor);
+        }
+    }
+
+    static void reduce(Op op, void* dst, const void* src, size_t n, bool scaled, double factor) {
+        T* d = (T*)dst;
+        if (scaled && !kInteger)
+            combine_op<true>(op, d, d, (const T*)src, n, (Acc)factor);
+        else
+            combine_op<false>(op, d, d, (const T*)src, n, (Acc)1);
+    }
+
+    // r = s[0] op s[1] op ... op s[K-1] for each element, in registers, into dst (which may be
+    // one of the sources: each element's sources are loaded before it is stored).
+    template <Op op, int K>
+    static void fused(T* dst, const T* const* srcs, size_t n) {
+        const T* s[K];
+        for (int j = 0; j < K; ++j) s[j] = srcs[j];
+#pragma omp simd
+        for (size_t i = 0; i < n; ++i) {
+            Acc r = E::load(s[0][i]);
+            for (int j = 1; j < K; ++j) r = combine<op>(r, E::load(s[j][i]));
+            dst[i] = E::store(r);
+        }
+    }
+
+    // acc = acc op s[0] op ... op s[K-1], for up to four sources per pass over the block.
+    template <Op op, int K>
+    static void fold_group(Acc* acc, const T* const* s, size_t offset, size_t m) {
+#pragma omp simd
+        for (size_t i = 0; i < m; ++i) {
+            Acc r = acc[i];
+            for (int j = 0; j < K; ++j) r = combine<op>(r, E::load(s[j][offset + i]));
+            acc[i] = r;
+        }
+    }
+
+    template <Op op>
+    static void fold(Acc* acc, const T* const* s, size_t count, size_t offset, Acc* scratch, size_t m) {
+        if constexpr (E::kBlocked) {
+            for (size_t j = 0; j < count; ++j) {
+                E::load_n(s[j] + offset, scratch, m);
+#pragma omp simd
+                for (size_t i = 0; i < m; ++i) acc[i] = combine<op>(acc[i], scratch[i]);
+            }
+        } else {
+            for (size_t j = 0; j < count; j += 4) {
+                switch (count - j < 4 ? count - j : 4) {
+                    case 1: fold_group<op, 1>(acc, s + j, offset, m); break;
+                    case 2: fold_group<op, 2>(acc, s + j, offset, m); break;
+                    case 3: fold_group<op, 3>(acc, s + j, offset, m); break;
+                    default: fold_group<op, 4>(acc, s + j, offset, m); break;
+                }
+            }
+        }
+    }
+
+    // Many sources: a float32 (or T) accumulator block in L1, folded source group by source group
+    // in order, then stored once. dst may alias any source: a block is read before it is written.
+    template <Op op>
+    static void reduce_many_op(T* dst, const T* const* srcs, size_t k, size_t n) {
+        if constexpr (!E::kBlocked) {
+            if (k == 3) return fused<op, 3>(dst, srcs, n);
+            if (k == 4) return fused<op, 4>(dst, srcs, n);
+        }
+        Acc acc[kBlock], scratch[kBlock];
+        for (size_t base = 0; base < n; base += kBlock) {
+            const size_t m = n - base < kBlock ? n - base : kBlock;
+            E::load_n(srcs[0] + base, acc, m);
+            fold<op>(acc, srcs + 1, k - 1, base, scratch, m);
+            E::store_n(acc, dst + base, m);
+        }
+    }
+
+    // k >= 2; k == 1 is a copy and handled by the caller. Two sources need no accumulator block.
+    static void reduce_many(Op op, void* dst, const void* const* srcs, size_t k, size_t n) {
+        const T* const* s = (const T* const*)srcs;
+        if (k == 2) return combine_op<false>(op, (T*)dst, s[0], s[1], n, (Acc)1);
+        switch (op) {
+            case Op::sum: return reduce_many_op<Op::sum>((T*)dst, s, k, n);
+            case Op::min: return reduce_many_op<Op::min>((T*)dst, s, k, n);
+            case Op::max: return reduce_many_op<Op::max>((T*)dst, s, k, n);
+            case Op::prod: return reduce_many_op<Op::prod>((T*)dst, s, k, n);
+        }
+    }
+
+    static void scale(void* data, size_t n, double factor) {
+        T* d = (T*)data;
+        const Acc f = (Acc)factor;
+        if constexpr (E::kBlocked) {
+            Acc x[kBlock];
+            for (size_t base = 0; base < n; base += kBlock) {
+                const size_t m = n - base < kBlock ? n - base : kBlock;
+                E::load_n(d + base, x, m);
+#pragma omp simd
+                for (size_t i = 0; i < m; ++i) x[i] = x[i] * f;
+                E::store_n(x, d + base, m);
+            }
+        } else {
+#pragma omp simd
+            for (size_t i = 0; i < n; ++i) d[i] = E::store(E::load(d[i]) * f);
+        }
+    }
+
+    // Float conversions go through float32, where `factor` is applied before the single rounding.
+    template <typename S>
+    static void cast_from(void* dst, const void* src, size_t n, float factor) {
+        T* d = (T*)dst;
+        const S* s = (const S*)src;
+        if constexpr (E::kBlocked || Elem<S>::kBlocked) {
+            float x[kBlock];
+            for (size_t base = 0; base < n; base += kBlock) {
+                const size_t m = n - base < kBlock ? n - base : kBlock;
+                Elem<S>::load_n(s + base, x, m);
+#pragma omp simd
+                for (size_t i = 0; i < m; ++i) x[i] = x[i] * factor;
+                E::store_n(x, d + base, m);
+            }
+        } else {
+#pragma omp simd
+            for (size_t i = 0; i < n; ++i) d[i] = E::store((float)Elem<S>::load(s[i]) * factor);
+        }
+    }
+};
+
+// ---- dtype dispatch: the entry points reduce.cpp calls through a table -------------------------
+
+static void reduce_any(void* dst, const void* src, size_t n, DType dtype, Op op, bool scaled, double factor) {
+    switch (dtype) {
+        case DType::float16: return Kernels<Half>::reduce(op, dst, src, n, scaled, factor);
+        case DType::bfloat16: return Kernels<BFloat16>::reduce(op, dst, src, n, scaled, factor);
+        case DType::float32: return Kernels<float>::reduce(op, dst, src, n, scaled, factor);
+        case DType::float64: return Kernels<double>::reduce(op, dst, src, n, scaled, factor);
+        case DType::int32: return Kernels<int32_t>::reduce(op, dst, src, n, scaled, factor);
+        case DType::int64: return Kernels<int64_t>::reduce(op, dst, src, n, scaled, factor);
+        case DType::uint8: return Kernels<uint8_t>::reduce(op, dst, src, n, scaled, factor);
+        case DType::int8: return Kernels<int8_t>::reduce(op, dst, src, n, scaled, factor);
+    }
+}
+
+static void reduce_many_any(void* dst, const void* const* srcs, size_t k, size_t n, DType dtype, Op op) {
+    switch (dtype) {
+        case DType::float16: return Kernels<Half>::reduce_many(op, dst, srcs, k, n);
+        case DType::bfloat16: return Kernels<BFloat16>::reduce_many(op, dst, srcs, k, n);
+        case DType::float32: return Kernels<float>::reduce_many(op, dst, srcs, k, n);
+        case DType::float64: return Kernels<double>::reduce_many(op, dst, srcs, k, n);
+        case DType::int32: return Kernels<int32_t>::reduce_many(op, dst, srcs, k, n);
+        case DType::int64: return Kernels<int64_t>::reduce_many(op, dst, srcs, k, n);
+        case DType::uint8: return Kernels<uint8_t>::reduce_many(op, dst, srcs, k, n);
+        case DType::int8: return Kernels<int8_t>::reduce_many(op, dst, srcs, k, n);
+    }
+}
+
+// Only floating dtypes reach here (check_scalable).
+static void scale_any(void* data, size_t n, DType dtype, double factor) {
+    switch (dtype) {
+        case DType::float16: return Kernels<Half>::scale(data, n, factor);
+        case DType::bfloat16: return Kernels<BFloat16>::scale(data, n, factor);
+        case DType::float32: return Kernels<float>::scale(data, n, factor);
+        case DType::float64: return Kernels<double>::scale(data, n, factor);
+        default: return;
+    }
+}
+
+template <typename S>
+static void cast_to_any(void* dst, DType dst_dtype, const void* src, size_t n, float factor) {
+    switch (dst_dtype) {
+        case DType::float16: return Kernels<Half>::cast_from<S>(dst, src, n, factor);
+        case DType::bfloat16: return Kernels<BFloat16>::cast_from<S>(dst, src, n, factor);
+        case DType::float32: return Kernels<float>::cast_from<S>(dst, src, n, factor);
+        default: return;
+    }
+}
+
+// Only float32 / float16 / bfloat16 reach here (check_castable).
+static void cast_any(void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t n, double factor) {
+    switch (src_dtype) {
+        case DType::float16: return cast_to_any<Half>(dst, dst_dtype, src, n, (float)factor);
+        case DType::bfloat16: return cast_to_any<BFloat16>(dst, dst_dtype, src, n, (float)factor);
+        case DType::float32: return cast_to_any<float>(dst, dst_dtype, src, n, (float)factor);
+        default: return;
+    }
+}
+
+static const LoopTable kLoops = {reduce_any, reduce_many_any, scale_any, cast_any};

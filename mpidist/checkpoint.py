@@ -1,0 +1,427 @@
+"""Training checkpoints in HDF5, written atomically and read without pickle.
+
+A checkpoint file holds (``h5ls -r`` shows it all)::
+
+    /                 attrs: format, format_version, step, epoch, ranks, extra (JSON),
+                             sampler (JSON), torch_version, created_unix
+    /model            attrs: tree (JSON), metadata (JSON); one dataset per state_dict entry
+    /optimizer        attrs: tree (JSON); datasets under state/<param index>/<name>
+    /rng/<rank>       dataset torch_cpu (uint8 bytes of torch's CPU RNG state),
+                      group torch_cuda/<device> (when CUDA was in use),
+                      attrs numpy (JSON of NumPy's global MT19937 state), python (JSON of random)
+
+Tensors are datasets with a ``torch_dtype`` attribute; types NumPy lacks (bfloat16, float8)
+are stored as unsigned integers of the same width and viewed back, so every value round-trips
+bit for bit. Everything that is not a tensor (optimizer hyperparameters, the sampler position,
+``extra``) is JSON: loading a checkpoint never runs pickle, so a checkpoint from elsewhere
+cannot execute code.
+
+With a communicator, ``save_checkpoint`` is collective: rank 0 writes the model, optimizer and
+sampler (identical on every data-parallel rank) and every rank's RNG state, which it gathers,
+so each rank resumes its own dropout stream. Modes where ranks hold different models
+(pipeline stages, parameter servers) save one file per rank with ``comm=None``.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import time
+
+import numpy as np
+
+from .errors import MpidistError
+
+FORMAT = "mpidist-checkpoint"
+FORMAT_VERSION = 1
+CHECKPOINT_NAME = re.compile(r"^ckpt-(\d+)-(\d+)\.h5$")
+_TENSOR, _TUPLE, _ITEMS = "__tensor__", "__tuple__", "__items__"
+
+
+class CheckpointError(MpidistError):
+    """A checkpoint cannot be written or read (unsupported value, not a checkpoint, rank 0 failed)."""
+
+
+# ---- atomic files and rank 0 work ---------------------------------------------------------------
+
+@contextlib.contextmanager
+def atomic_hdf5(path):
+    """Yield an h5py.File that appears at ``path`` only once completely written and on disk.
+
+    The file is written to ``<path>.tmp-<pid>``, flushed, fsynced and renamed over ``path``
+    (``os.replace`` is atomic), so a crash at any moment leaves either the old file or the new
+    one, never a torn one. On an error the temporary file is removed.
+    """
+    import h5py
+    path = os.fspath(path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with h5py.File(tmp, "w") as f:
+            yield f
+            f.flush()
+        descriptor = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+    _fsync_directory(os.path.dirname(os.path.abspath(path)))
+
+
+def _fsync_directory(directory):
+    # The rename is durable only once the directory entry is on disk.
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass  # some file systems refuse fsync on directories
+    finally:
+        os.close(descriptor)
+
+
+def _mpi_comm(comm):
+    """The mpi4py communicator behind an mpidist Communicator, an mpi4py communicator, or None."""
+    return getattr(comm, "mpi", comm)
+
+
+def _rank_of(comm) -> int:
+    mpi = _mpi_comm(comm)
+    if mpi is not None:
+        return mpi.Get_rank()
+    from .comm import is_initialized, world
+    return world().rank if is_initialized() else 0
+
+
+def on_root(comm, work, what: str, error=MpidistError):
+    """Run ``work()`` on rank 0 while the other ranks wait; return its result on rank 0.
+
+    Collective when ``comm`` is given. If ``work`` raises, rank 0 re-raises it and every other
+    rank raises ``error`` naming ``what``, so a failure never leaves ranks waiting forever.
+    Without a communicator ``work()`` simply runs here.
+    """
+    mpi = _mpi_comm(comm)
+    if mpi is None:
+        return work()
+    failed = np.zeros(1, dtype=np.int32)
+    result = raised = None
+    if mpi.Get_rank() == 0:
+        try:
+            result = work()
+        except BaseException as exc:  # reported to the other ranks, then re-raised here
+            failed[0] = 1
+            raised = exc
+    mpi.Bcast(failed, root=0)
+    if raised is not None:
+        raise raised
+    if failed[0]:
+        raise error(f"rank 0 failed {what}; see rank 0's error")
+    return result
+
+
+# ---- tensors and JSON trees ---------------------------------------------------------------------
+
+def _write_tensor(group, name: str, tensor):
+    t = tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+    try:
+        array = t.numpy()
+    except TypeError:  # no NumPy type (bfloat16, float8): keep the bits in an unsigned integer
+        array = t.view(_UNSIGNED[t.element_size()]).numpy()
+    dataset = group.create_dataset(name, data=array)
+    dataset.attrs["torch_dtype"] = str(t.dtype).removeprefix("torch.")
+
+
+def _read_tensor(dataset):
+    import torch
+    value = dataset[()]
+    array = value if isinstance(value, np.ndarray) else np.array(value)
+    name = dataset.attrs.get("torch_dtype")
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"{dataset.name}: unknown torch_dtype {name!r}")
+    tensor = torch.from_numpy(array)
+    return tensor if tensor.dtype == dtype else tensor.view(dtype)
+
+
+class _Unsigned(dict):
+    def __missing__(self, width):
+        import torch
+        table = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
+        if width not in table:
+            raise CheckpointError(f"cannot store tensors of {width}-byte elements")
+        return table[width]
+
+
+_UNSIGNED = _Unsigned()
+
+
+def _dataset_name(part) -> str:
+    # HDF5 reads '/' as a path separator and '.' as the group itself.
+    name = str(part).replace("%", "%25").replace("/", "%2F")
+    return "%2E" if name == "." else name
+
+
+def _encode(value, group, path):
+    """``value`` as a JSON-able tree; tensors become datasets of ``group`` named by their path."""
+    import torch
+    if isinstance(value, torch.Tensor):
+        name = "/".join(_dataset_name(part) for part in path)
+        _write_tensor(group, name, value)
+        return {_TENSOR: name}
+    if isinstance(value, dict):
+        plain = all(isinstance(key, str) for key in value) and not {_TENSOR, _TUPLE, _ITEMS} & set(value)
+        if plain:
+            return {key: _encode(item, group, path + [key]) for key, item in value.items()}
+        return {_ITEMS: [[_json_key(key, path), _encode(item, group, path + [key])] for key, item in value.items()]}
+    if isinstance(value, tuple):
+        return {_TUPLE: [_encode(item, group, path + [i]) for i, item in enumerate(value)]}
+    if isinstance(value, list):
+        return [_encode(item, group, path + [i]) for i, item in enumerate(value)]
+    if isinstance(value, np.generic):
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise CheckpointError(
+        f"cannot store {type(value).__name__} at {'/'.join(map(str, path))}: checkpoints hold tensors and "
+        "JSON values only (no pickle)")
+
+
+def _json_key(key, path):
+    if key is None or isinstance(key, (bool, int, float, str)):
+        return key
+    raise CheckpointError(f"cannot store a {type(key).__name__} dictionary key at {'/'.join(map(str, path))}")
+
+
+def _decode(tree, group):
+    if isinstance(tree, list):
+        return [_decode(item, group) for item in tree]
+    if isinstance(tree, dict):
+        if _TENSOR in tree:
+            return _read_tensor(group[tree[_TENSOR]])
+        if _TUPLE in tree:
+            return tuple(_decode(item, group) for item in tree[_TUPLE])
+        if _ITEMS in tree:
+            return {key: _decode(item, group) for key, item in tree[_ITEMS]}
+        return {key: _decode(item, group) for key, item in tree.items()}
+    return tree
+
+
+def _write_tree(group, value):
+    group.attrs["tree"] = json.dumps(_encode(value, group, []))
+
+
+def _read_tree(group):
+    return _decode(json.loads(group.attrs["tree"]), group)
+
+
+# ---- RNG states ---------------------------------------------------------------------------------
+
+def _rng_snapshot() -> dict:
+    import random
+
+    import torch
+    name, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    version, internal, gauss_next = random.getstate()
+    cuda = []
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = [state.numpy() for state in torch.cuda.get_rng_state_all()]
+    return {
+        "torch_cpu": torch.get_rng_state().numpy(),
+        "torch_cuda": cuda,
+        "numpy": {"bit_generator": name, "keys": [int(k) for k in keys], "pos": int(position),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+        "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
+    }
+
+
+def _pack_rng(snapshot) -> np.ndarray:
+    """One rank's RNG snapshot as bytes, to be gathered with a typed buffer (no pickle)."""
+    header = {"numpy": snapshot["numpy"], "python": snapshot["python"],
+              "torch_cpu": len(snapshot["torch_cpu"]), "torch_cuda": [len(s) for s in snapshot["torch_cuda"]]}
+    head = np.frombuffer(json.dumps(header).encode() + b"\n", dtype=np.uint8)
+    return np.concatenate([head, snapshot["torch_cpu"], *snapshot["torch_cuda"]]).astype(np.uint8)
+
+
+def _unpack_rng(blob: np.ndarray) -> dict:
+    raw = blob.tobytes()
+    end = raw.index(b"\n")
+    header = json.loads(raw[:end])
+    offset = end + 1
+    pieces = []
+    for length in [header["torch_cpu"], *header["torch_cuda"]]:
+        pieces.append(np.frombuffer(raw, dtype=np.uint8, count=length, offset=offset).copy())
+        offset += length
+    return {"numpy": header["numpy"], "python": header["python"], "torch_cpu": pieces[0], "torch_cuda": pieces[1:]}
+
+
+def _gather_rng(mpi):
+    """Every rank's RNG snapshot on rank 0 (a list by rank), None elsewhere."""
+    snapshot = _rng_snapshot()
+    if mpi is None:
+        return [snapshot]
+    from mpi4py import MPI
+    blob = _pack_rng(snapshot)
+    lengths = np.zeros(mpi.Get_size(), dtype=np.int64) if mpi.Get_rank() == 0 else None
+    mpi.Gather(np.array([blob.size], dtype=np.int64), lengths, root=0)
+    if mpi.Get_rank() != 0:
+        mpi.Gatherv(blob, None, root=0)
+        return None
+    received = np.empty(int(lengths.sum()), dtype=np.uint8)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    mpi.Gatherv(blob, [received, lengths.tolist(), offsets.tolist(), MPI.BYTE], root=0)
+    return [_unpack_rng(received[start:start + length]) for start, length in zip(offsets, lengths)]
+
+
+def _write_rng(group, snapshot):
+    group.create_dataset("torch_cpu", data=snapshot["torch_cpu"])
+    for device, state in enumerate(snapshot["torch_cuda"]):
+        group.create_dataset(f"torch_cuda/{device}", data=state)
+    group.attrs["numpy"] = json.dumps(snapshot["numpy"])
+    group.attrs["python"] = json.dumps(snapshot["python"])
+
+
+def _restore_rng(group):
+    import random
+
+    import torch
+    torch.set_rng_state(torch.from_numpy(np.asarray(group["torch_cpu"][()], dtype=np.uint8)))
+    if "torch_cuda" in group and torch.cuda.is_available():
+        states = [torch.from_numpy(group["torch_cuda"][str(d)][()]) for d in range(len(group["torch_cuda"]))]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+    state = json.loads(group.attrs["numpy"])
+    np.random.set_state((state["bit_generator"], np.array(state["keys"], dtype=np.uint32), state["pos"],
+                         state["has_gauss"], state["cached_gaussian"]))
+    state = json.loads(group.attrs["python"])
+    random.setstate((state["version"], tuple(state["state"]), state["gauss_next"]))
+
+
+# ---- public API ---------------------------------------------------------------------------------
+
+def checkpoint_path(directory, epoch: int, step: int) -> str:
+    """``<directory>/ckpt-<epoch:04d>-<step:08d>.h5``, the names ``latest_checkpoint`` finds."""
+    return os.path.join(os.fspath(directory), f"ckpt-{epoch:04d}-{step:08d}.h5")
+
+
+def latest_checkpoint(directory):
+    """The path of the checkpoint with the highest step (then epoch) among the files named
+    ``ckpt-<epoch>-<step>.h5`` in ``directory``; None when there is none. Temporary files
+    of unfinished writes never match."""
+    directory = os.fspath(directory)
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return None
+    found = []
+    for name in names:
+        match = CHECKPOINT_NAME.match(name)
+        if match:
+            epoch, step = int(match.group(1)), int(match.group(2))
+            found.append((step, epoch, name))
+    return os.path.join(directory, max(found)[2]) if found else None
+
+
+def save_checkpoint(path, model, optimizer=None, step: int = 0, epoch: int = 0, sampler=None, extra=None,
+                    comm=None) -> str:
+    """Write a checkpoint to ``path`` atomically; returns the path.
+
+    Stores ``model.state_dict()``, ``optimizer.state_dict()``, ``sampler.state_dict()``,
+    ``step``, ``epoch``, the JSON-serializable dict ``extra`` and the RNG states (torch CPU and
+    CUDA, NumPy's global generator, Python's ``random``). With ``comm`` (mpidist Communicator
+    or mpi4py communicator) every rank must call: rank 0 writes, including every rank's RNG
+    state, and the call returns on all ranks once the file is in place; if writing fails, every
+    rank raises. ``sampler`` is a sampler or its state dict: with DataLoader workers pass
+    ``sampler.state_dict(consumed=batches_done * batch_size)``.
+    """
+    mpi = _mpi_comm(comm)
+    rng = _gather_rng(mpi)
+
+    def write():
+        import torch
+        header = {"extra": _to_json({} if extra is None else extra, "extra")}
+        if sampler is not None:
+            state = sampler if isinstance(sampler, dict) else sampler.state_dict()
+            header["sampler"] = _to_json(state, "sampler state")
+        with atomic_hdf5(path) as f:
+            f.attrs["format"] = FORMAT
+            f.attrs["format_version"] = FORMAT_VERSION
+            f.attrs["step"] = int(step)
+            f.attrs["epoch"] = int(epoch)
+            f.attrs["ranks"] = len(rng)
+            f.attrs["torch_version"] = str(torch.__version__)
+            f.attrs["created_unix"] = time.time()
+            for key, text in header.items():
+                f.attrs[key] = text
+            if model is not None:
+                state = model.state_dict()
+                group = f.create_group("model")
+                _write_tree(group, dict(state))
+                metadata = getattr(state, "_metadata", None)
+                if metadata is not None:
+                    group.attrs["metadata"] = json.dumps(metadata)
+            if optimizer is not None:
+                _write_tree(f.create_group("optimizer"), optimizer.state_dict())
+            for rank, snapshot in enumerate(rng):
+                _write_rng(f.create_group(f"rng/{rank}"), snapshot)
+        return path
+
+    on_root(comm, write, f"writing checkpoint {path}", CheckpointError)
+    return os.fspath(path)
+
+
+def _to_json(value, what: str) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{what} must be JSON-serializable (checkpoints use no pickle): {exc}") from exc
+
+
+def load_checkpoint(path, model=None, optimizer=None, sampler=None, restore_rng: bool = True, comm=None) -> dict:
+    """Load a checkpoint written by ``save_checkpoint`` into the given objects; every rank may
+    call it (each reads the file). Returns ``{"step", "epoch", "extra"}``.
+
+    The model and optimizer are loaded with their own ``load_state_dict`` (strict: missing or
+    unexpected entries raise). With ``restore_rng`` each rank restores the RNG state saved for
+    its rank (``comm``'s rank, else mpidist's world rank when initialized, else 0); a rank that
+    had no state saved (the job grew) takes rank 0's.
+    """
+    import h5py
+    path = os.fspath(path)
+    with h5py.File(path, "r") as f:
+        if f.attrs.get("format") != FORMAT:
+            raise CheckpointError(f"{path} is not an mpidist checkpoint")
+        if int(f.attrs["format_version"]) > FORMAT_VERSION:
+            raise CheckpointError(f"{path} has format version {f.attrs['format_version']}; "
+                                  f"this mpidist reads up to {FORMAT_VERSION}")
+        if model is not None:
+            _require(f, "model", path)
+            state = _read_tree(f["model"])
+            if "metadata" in f["model"].attrs:
+                from collections import OrderedDict
+                state = OrderedDict(state)
+                state._metadata = json.loads(f["model"].attrs["metadata"])
+            model.load_state_dict(state)
+        if optimizer is not None:
+            _require(f, "optimizer", path)
+            optimizer.load_state_dict(_read_tree(f["optimizer"]))
+        if sampler is not None:
+            if "sampler" not in f.attrs:
+                raise CheckpointError(f"{path} holds no sampler state")
+            sampler.load_state_dict(json.loads(f.attrs["sampler"]))
+        if restore_rng and "rng" in f:
+            rank = str(_rank_of(comm))
+            _restore_rng(f["rng"][rank if rank in f["rng"] else "0"])
+        return {"step": int(f.attrs["step"]), "epoch": int(f.attrs["epoch"]),
+                "extra": json.loads(f.attrs["extra"])}
+
+
+def _require(f, name, path):
+    if name not in f:
+        raise CheckpointError(f"{path} holds no {name} state")

@@ -1,0 +1,372 @@
+"""Data for distributed training: a resumable sharded sampler, an HDF5 dataset, and the embedded
+handwritten-digits data set.
+
+Two ways to give each rank its part of a data set:
+
+* ``ShardedSampler`` over the whole data set (every rank can read every row): a fresh seeded
+  permutation each epoch, dealt out round-robin, so the ranks' shards change from epoch to epoch.
+* ``HDF5Dataset(path, rank=r, size=p)``: the rank reads only its own contiguous block of rows
+  (``shard_range``), for data sets that should not be read in full on every rank.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .errors import InvalidArgumentError, MpidistError
+
+DIGITS_FILENAME = "digits.h5"
+DIGITS_TEST_SIZE = 297
+DIGITS_FORMAT_VERSION = 1
+
+
+class DataPreparationError(MpidistError):
+    """Preparing a data set failed (on rank 0, when the ranks prepare it together)."""
+
+
+# ---- sampler ------------------------------------------------------------------------------------
+
+class ShardedSampler:
+    """This rank's indices of a data set of ``dataset_len`` rows, reshuffled every epoch.
+
+    Same order as ``torch.utils.data.DistributedSampler`` with the same arguments:
+
+    * Permutation: ``torch.randperm(dataset_len)`` drawn from a ``torch.Generator`` seeded with
+      ``seed + epoch``, so it is the same on every rank and changes with ``set_epoch``.
+      ``shuffle=False`` uses ``0, 1, ..., dataset_len - 1``.
+    * Even shards: every rank gets ``len(self)`` indices. With ``drop_last=False`` (default)
+      the permutation is padded to a multiple of ``size`` by repeating it from its start, so a
+      few rows are seen twice per epoch; with ``drop_last=True`` its tail is dropped, so up to
+      ``size - 1`` rows are not seen that epoch.
+    * Dealing: rank ``r`` takes positions ``r, r + size, r + 2 * size, ...`` of the padded
+      permutation.
+
+    Resuming mid-epoch: the sampler counts the indices it has handed out in the current epoch
+    (``position``). ``state_dict()`` records epoch, seed and position; after
+    ``load_state_dict(state)`` the next iteration continues with the next index (and yields
+    nothing if the saved epoch was complete), so a resumed run sees exactly the batches the
+    interrupted run had not seen yet. The count is exact when
+    the sampler is read as it is consumed, as a ``DataLoader`` with ``num_workers=0`` does.
+    Workers read ahead of training, so with ``num_workers > 0`` pass the count yourself:
+    ``state_dict(consumed=batches_done * batch_size)``.
+
+    ``set_epoch(e)`` with a new epoch starts it from its first index; calling it again with the
+    current epoch keeps the position, so the usual loop resumes correctly::
+
+        sampler.load_state_dict(state)            # e.g. epoch 3, position 40
+        for epoch in range(sampler.epoch, epochs):
+            sampler.set_epoch(epoch)              # epoch 3 keeps position 40
+            for batch in loader: ...
+
+    Otherwise an iteration begun after the epoch was fully read starts it again from its first
+    index, as ``DistributedSampler`` does when ``set_epoch`` is not called.
+
+    ``len(self)`` is the number of indices per rank per epoch, also when resuming mid-epoch
+    (``remaining()`` is what the next iteration yields).
+
+    Give the ``DataLoader`` its own ``generator=torch.Generator()``: otherwise every new
+    iterator draws a seed from the global torch RNG, so a resumed run (which creates one more
+    iterator) would see different dropout masks than an uninterrupted one.
+    """
+
+    def __init__(self, dataset_len: int, rank: int, size: int, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False):
+        dataset_len, size, rank, seed = (_whole(dataset_len, "dataset_len"), _whole(size, "size"),
+                                         _whole(rank, "rank"), _whole(seed, "seed"))
+        if dataset_len < 0:
+            raise InvalidArgumentError(f"dataset_len must be >= 0, got {dataset_len}")
+        if size < 1:
+            raise InvalidArgumentError(f"size must be >= 1, got {size}")
+        if not 0 <= rank < size:
+            raise InvalidArgumentError(f"rank={rank} is not a rank of {size}")
+        self.dataset_len = dataset_len
+        self.rank = rank
+        self.size = size
+        self.shuffle = bool(shuffle)
+        self.seed = seed
+        self.drop_last = bool(drop_last)
+        if self.drop_last:
+            self.num_samples = dataset_len // size
+        else:
+            self.num_samples = -(-dataset_len // size)
+        self.total_size = self.num_samples * size
+        self.epoch = 0
+        self.position = 0
+        self._resuming = False
+
+    def set_epoch(self, epoch: int) -> None:
+        epoch = _whole(epoch, "epoch")
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self.position = 0
+            self._resuming = False
+
+    def permutation(self, epoch: int | None = None) -> list[int]:
+        """The padded (or truncated) permutation of ``epoch`` shared by all ranks."""
+        epoch = self.epoch if epoch is None else epoch
+        if self.shuffle:
+            import torch
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + epoch)
+            order = torch.randperm(self.dataset_len, generator=generator).tolist()
+        else:
+            order = list(range(self.dataset_len))
+        if self.drop_last:
+            return order[:self.total_size]
+        padding = self.total_size - len(order)
+        if padding and order:
+            repeats = -(-padding // len(order))
+            order += (order * repeats)[:padding]
+        return order
+
+    def indices(self, epoch: int | None = None) -> list[int]:
+        """This rank's indices of ``epoch`` (the current one by default), from the first."""
+        return self.permutation(epoch)[self.rank:self.total_size:self.size]
+
+    def remaining(self) -> int:
+        """How many indices the next iteration yields."""
+        return self.num_samples - self._start()
+
+    def _start(self) -> int:
+        return self.position if self._resuming or self.position < self.num_samples else 0
+
+    def __iter__(self):
+        start = self._start()
+        self._resuming = False
+        self.position = start
+        return self._hand_out(self.indices()[start:])
+
+    def _hand_out(self, indices):
+        for index in indices:
+            self.position += 1
+            yield index
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def state_dict(self, consumed: int | None = None) -> dict:
+        """JSON-serializable resume state; ``consumed`` overrides the counted position."""
+        position = self.position if consumed is None else _whole(consumed, "consumed")
+        if not 0 <= position <= self.num_samples:
+            raise InvalidArgumentError(
+                f"consumed={position} is outside this epoch's 0..{self.num_samples} indices per rank")
+        return {"epoch": self.epoch, "seed": self.seed, "position": position, "shuffle": self.shuffle,
+                "drop_last": self.drop_last, "dataset_len": self.dataset_len, "size": self.size}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue where ``state`` was taken. The data set length, world size, shuffle and
+        drop_last must match: with other values the saved position names other rows."""
+        for key in ("dataset_len", "size", "shuffle", "drop_last"):
+            if key in state and state[key] != getattr(self, key):
+                raise InvalidArgumentError(
+                    f"sampler state has {key}={state[key]!r} but this sampler has {key}={getattr(self, key)!r}; "
+                    "the saved position cannot be resumed")
+        position = _whole(state.get("position", 0), "position")
+        if not 0 <= position <= self.num_samples:
+            raise InvalidArgumentError(f"sampler state position {position} is outside 0..{self.num_samples}")
+        self.seed = _whole(state["seed"], "seed")
+        self.epoch = _whole(state["epoch"], "epoch")
+        self.position = position
+        self._resuming = True
+
+
+def _whole(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def shard_range(count: int, rank: int, size: int) -> range:
+    """The contiguous block of ``count`` rows that ``rank`` of ``size`` owns.
+
+    Blocks are ``count // size`` rows, and the first ``count % size`` ranks take one row more:
+    10 rows on 3 ranks are rows 0-3, 4-6 and 7-9.
+    """
+    count, rank, size = _whole(count, "count"), _whole(rank, "rank"), _whole(size, "size")
+    if size < 1 or not 0 <= rank < size:
+        raise InvalidArgumentError(f"rank={rank} is not a rank of size={size}")
+    base, extra = divmod(count, size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))
+
+
+# ---- HDF5 data set ------------------------------------------------------------------------------
+
+class HDF5Dataset:
+    """A torch map-style Dataset over ``<split>/x`` and ``<split>/y`` of an HDF5 file.
+
+    Items are ``(x, y)``: a float32 tensor row of ``x`` and an int64 scalar tensor of ``y``.
+
+    With ``rank`` and ``size`` the dataset is only this rank's contiguous block of rows
+    (``shard_range``: remainder rows go to the first ranks) and only those rows are ever read;
+    ``rows`` is the range of global row numbers it holds, and item ``i`` is global row
+    ``rows[i]``. Without them it holds every row, for use with ``ShardedSampler``.
+
+    ``preload=True`` (default) reads the rows once, when the dataset is made. ``preload=False``
+    reads one row per item from a file handle opened lazily in each process, which suits data
+    sets larger than memory and ``DataLoader`` workers (h5py handles must not cross a fork).
+    """
+
+    def __init__(self, path, split: str = "train", rank: int | None = None, size: int | None = None,
+                 preload: bool = True):
+        import h5py
+        self.path = os.fspath(path)
+        self.split = split
+        if not os.path.exists(self.path):
+            raise FileNotFoundError(
+                f"{self.path} does not exist; make the digits file with `mpidist prepare-data` "
+                "or mpidist.data.ensure_digits()")
+        if (rank is None) != (size is None):
+            raise InvalidArgumentError("give both rank and size to read a shard, or neither")
+        with h5py.File(self.path, "r") as f:
+            if split not in f or "x" not in f[split] or "y" not in f[split]:
+                splits = sorted(name for name in f if isinstance(f[name], h5py.Group))
+                raise InvalidArgumentError(
+                    f"{self.path} has no split {split!r} with x and y datasets (splits: {splits})")
+            total = f[split]["x"].shape[0]
+            if f[split]["y"].shape[0] != total:
+                raise InvalidArgumentError(f"{self.path}: {split}/x and {split}/y differ in length")
+        self.total_rows = total
+        self.rows = range(total) if rank is None else shard_range(total, rank, size)
+        self._file = None
+        self._file_pid = None
+        self.x = self.y = None
+        if preload:
+            self.x, self.y = self._read(self.rows.start, self.rows.stop)
+            self.close()
+
+    def _read(self, start: int, stop: int):
+        """Rows [start, stop) of x and y as NumPy arrays: every read of the file goes through here."""
+        split = self._handle()[self.split]
+        return split["x"][start:stop], split["y"][start:stop]
+
+    def _handle(self):
+        import h5py
+        if self._file is None or self._file_pid != os.getpid():
+            self._file = h5py.File(self.path, "r")
+            self._file_pid = os.getpid()
+        return self._file
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int):
+        import torch
+        if not -len(self.rows) <= index < len(self.rows):
+            raise IndexError(f"index {index} out of range for {len(self.rows)} rows")
+        index %= len(self.rows)
+        if self.x is not None:
+            x, y = self.x[index], self.y[index]
+        else:
+            row = self.rows[index]
+            xs, ys = self._read(row, row + 1)
+            x, y = xs[0], ys[0]
+        return torch.from_numpy(np.asarray(x, dtype=np.float32)), torch.tensor(int(y), dtype=torch.int64)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __getstate__(self):
+        # DataLoader workers get a copy of the dataset: each opens its own file handle.
+        state = dict(self.__dict__)
+        state["_file"] = state["_file_pid"] = None
+        return state
+
+
+# ---- embedded digits data set -------------------------------------------------------------------
+
+def default_digits_path() -> str:
+    """Where the digits file lives when no path is given.
+
+    ``$MPIDIST_DATA_DIR/digits.h5`` when MPIDIST_DATA_DIR is set. Otherwise
+    ``<checkout>/data/digits.h5`` when mpidist runs from a source checkout (a ``setup.py``
+    beside the package), so every job of the checkout finds the same file whatever its working
+    directory; for an installed package, ``./data/digits.h5`` in the working directory.
+    """
+    directory = os.environ.get("MPIDIST_DATA_DIR")
+    if not directory:
+        checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        base = checkout if os.path.exists(os.path.join(checkout, "setup.py")) else os.getcwd()
+        directory = os.path.join(base, "data")
+    return os.path.join(directory, DIGITS_FILENAME)
+
+
+def prepare_digits(path) -> str:
+    """Write scikit-learn's handwritten digits (1797 8x8 images, shipped inside scikit-learn)
+    to the HDF5 file ``path``; returns the path.
+
+    Layout: ``train/x``, ``test/x`` float32 (N x 64, pixel values 0-16 divided by 16, so in
+    [0, 1]); ``train/y``, ``test/y`` int64 labels 0-9. Split: the first 1500 samples in
+    scikit-learn's order are ``train``, the last 297 ``test`` (no shuffling, so the split does
+    not depend on any RNG). The file is written beside ``path`` and renamed into place, so a
+    reader never sees a half-written file.
+    """
+    from sklearn import __version__ as sklearn_version
+    from sklearn.datasets import load_digits
+
+    from .checkpoint import atomic_hdf5
+
+    digits = load_digits()
+    x = (np.asarray(digits.data, dtype=np.float64) / 16.0).astype(np.float32)
+    y = np.asarray(digits.target, dtype=np.int64)
+    split = len(y) - DIGITS_TEST_SIZE
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with atomic_hdf5(path) as f:
+        f.attrs["source"] = "sklearn.datasets.load_digits (UCI ML hand-written digits, optdigits test set)"
+        f.attrs["sklearn_version"] = sklearn_version
+        f.attrs["description"] = "8x8 grey images of digits 0-9, flattened to 64 pixels, pixel values 0-16 scaled to [0, 1]"
+        f.attrs["split"] = f"train = samples 0..{split - 1}, test = samples {split}..{len(y) - 1} in load_digits order"
+        f.attrs["image_shape"] = np.array([8, 8], dtype=np.int64)
+        f.attrs["num_classes"] = 10
+        f.attrs["format_version"] = DIGITS_FORMAT_VERSION
+        for name, rows in (("train", slice(0, split)), ("test", slice(split, None))):
+            group = f.create_group(name)
+            group.create_dataset("x", data=x[rows])
+            group.create_dataset("y", data=y[rows])
+    return path
+
+
+def ensure_digits(path=None, comm=None) -> str:
+    """The digits file at ``path`` (default ``default_digits_path()``), made if missing.
+
+    With a communicator (mpidist Communicator or mpi4py communicator; every rank must call)
+    only rank 0 checks and writes, and the others wait for it; a failure on rank 0 is raised on
+    every rank (``DataPreparationError`` on the others), never a hang.
+    """
+    from .checkpoint import on_root
+
+    path = os.fspath(path) if path is not None else default_digits_path()
+
+    def prepare_if_missing():
+        if not os.path.exists(path):
+            prepare_digits(path)
+
+    on_root(comm, prepare_if_missing, f"preparing {path}", DataPreparationError)
+    return path
+
+
+# ---- command line -------------------------------------------------------------------------------
+
+def add_prepare_data_command(subparsers) -> None:
+    """Add ``prepare-data`` to the ``mpidist`` command's subparsers."""
+    parser = subparsers.add_parser(
+        "prepare-data", help="write the embedded handwritten-digits data set to HDF5",
+        description="Convert scikit-learn's digits (shipped with scikit-learn, no download) to HDF5.")
+    parser.add_argument("--path", default=None,
+                        help="output file (default: $MPIDIST_DATA_DIR/digits.h5, else data/digits.h5)")
+    parser.add_argument("--force", action="store_true", help="rewrite the file if it exists")
+    parser.set_defaults(run=cmd_prepare_data)
+
+
+def cmd_prepare_data(args) -> int:
+    path = args.path or default_digits_path()
+    if args.force or not os.path.exists(path):
+        prepare_digits(path)
+        print(f"wrote {path}", flush=True)
+    else:
+        print(f"{path} exists (--force rewrites it)", flush=True)
+    return 0

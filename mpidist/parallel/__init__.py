@@ -1,0 +1,1 @@
+"""Training modes over mpidist's collectives."""

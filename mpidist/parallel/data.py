@@ -1,0 +1,235 @@
+"""Synchronous data parallelism: DataParallel (gradient buckets overlapped with backward, like
+PyTorch DDP) and ParameterAveraging (average the weights every k local steps).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .. import kernels
+from ..comm import init
+from ..errors import InvalidArgumentError
+
+COMPRESSION_DTYPES = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def broadcast_module_state(module: torch.nn.Module, comm, root: int = 0) -> None:
+    """Give every rank `root`'s parameters and buffers (in place)."""
+    with torch.no_grad():
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            comm.broadcast(tensor.data if tensor.is_contiguous() else tensor.data.contiguous(), root=root)
+
+
+class _Bucket:
+    """Gradients of several parameters packed into one flat buffer and all-reduced together."""
+
+    def __init__(self, index: int, params, compression):
+        self.index = index
+        self.params = params
+        first = params[0]
+        self.flat = torch.empty(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
+        self.wire = (torch.empty_like(self.flat, dtype=compression)
+                     if compression is not None and compression != first.dtype else None)
+        self.pending = set()
+        self.handle = None
+
+    def reset(self):
+        self.pending = {id(p) for p in self.params}
+        self.handle = None
+
+
+class GradientBuckets:
+    """Packs gradients into buckets as backward produces them and all-reduces each full bucket
+    in the background; wait() puts the reduced gradients back. Shared by DataParallel and the
+    Horovod-style DistributedOptimizer.
+
+    Buckets hold parameters in reverse registration order (the order backward produces their
+    gradients) and are launched strictly in bucket order on every rank, so all ranks issue the
+    same collectives in the same order. A parameter that got no gradient counts as zero.
+    """
+
+    def __init__(self, params, comm, bucket_mb=25, compression=None, algorithm="auto", op="avg",
+                 predivide=1.0, passes_per_step=1):
+        if compression not in COMPRESSION_DTYPES:
+            raise InvalidArgumentError(f"compression={compression!r}; choose None, 'fp16' or 'bf16'")
+        if bucket_mb <= 0:
+            raise InvalidArgumentError(f"bucket_mb must be positive, got {bucket_mb}")
+        if passes_per_step < 1:
+            raise InvalidArgumentError(f"backward passes per step must be >= 1, got {passes_per_step}")
+        self.comm = comm
+        self.algorithm = algorithm
+        self.op = op
+        self.predivide = float(predivide)
+        self.passes_per_step = passes_per_step
+        self.buckets = self._make_buckets(params, bucket_mb, COMPRESSION_DTYPES[compression])
+        self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
+        self._passes = {id(p): 0 for bucket in self.buckets for p in bucket.params}
+        self._next_to_launch = 0
+        self.reset()
+
+    @staticmethod
+    def _make_buckets(params, bucket_mb, compression):
+        limit = int(bucket_mb * 1024 * 1024)
+        buckets, current, size = [], [], 0
+        for param in reversed(params):
+            nbytes = param.numel() * param.element_size()
+            if current and (size + nbytes > limit or (param.dtype, param.device) != (current[0].dtype, current[0].device)):
+                buckets.append(_Bucket(len(buckets), current, compression))
+                current, size = [], 0
+            current.append(param)
+            size += nbytes
+        if current:
+            buckets.append(_Bucket(len(buckets), current, compression))
+        return buckets
+
+    @property
+    def active(self) -> bool:
+        return self._next_to_launch > 0 or any(len(b.pending) < len(b.params) for b in self.buckets)
+
+    def gradient_ready(self, param) -> None:
+        key = id(param)
+        self._passes[key] += 1
+        if self._passes[key] < self.passes_per_step:
+            return
+        bucket = self._bucket_of[key]
+        bucket.pending.discard(key)
+        while self._next_to_launch < len(self.buckets) and not self.buckets[self._next_to_launch].pending:
+            self._launch(self.buckets[self._next_to_launch])
+            self._next_to_launch += 1
+
+    def _launch(self, bucket) -> None:
+        for param in bucket.params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        kernels.pack(bucket.flat, [param.grad for param in bucket.params])
+        op = self.op
+        if self.predivide != 1.0:
+            kernels.scale(bucket.flat, 1.0 / self.predivide)
+            op = "sum"
+        wire = bucket.flat
+        if bucket.wire is not None:
+            kernels.cast(bucket.wire, bucket.flat)
+            wire = bucket.wire
+        bucket.handle = self.comm.allreduce_async(wire, op=op, algorithm=self.algorithm)
+
+    def wait(self) -> None:
+        """Launch what is left, wait for every bucket and write the results into .grad."""
+        try:
+            while self._next_to_launch < len(self.buckets):
+                self._launch(self.buckets[self._next_to_launch])
+                self._next_to_launch += 1
+            for bucket in self.buckets:
+                bucket.handle.wait()
+                if bucket.wire is not None:
+                    kernels.cast(bucket.flat, bucket.wire)
+                if self.predivide != 1.0:
+                    post = self.predivide / self.comm.size if self.op == "avg" else self.predivide
+                    kernels.scale(bucket.flat, post)
+                kernels.unpack(bucket.flat, [param.grad for param in bucket.params])
+        finally:
+            self.reset()
+
+    def reset(self) -> None:
+        for bucket in self.buckets:
+            bucket.reset()
+        for key in self._passes:
+            self._passes[key] = 0
+        self._next_to_launch = 0
+
+
+def trainable_parameters(module_or_params):
+    """Parameters that need gradients, each once, in registration order."""
+    params = module_or_params.parameters() if isinstance(module_or_params, torch.nn.Module) else module_or_params
+    seen, unique = set(), []
+    for param in params:
+        if param.requires_grad and id(param) not in seen:
+            seen.add(id(param))
+            unique.append(param)
+    return unique
+
+
+class DataParallel(torch.nn.Module):
+    """Wrap a module for synchronous data-parallel training over MPI (PyTorch DDP semantics).
+
+    On construction rank 0's parameters and buffers are broadcast. During backward the gradients
+    are packed into buckets and each bucket's all-reduce starts in the background as soon as it
+    is full, overlapping the rest of backward. When backward returns, every gradient holds the
+    average over ranks.
+    """
+
+    def __init__(self, module: torch.nn.Module, comm=None, bucket_mb: float = 25,
+                 compression: str | None = None, algorithm: str = "auto", broadcast_buffers: bool = True):
+        super().__init__()
+        self.module = module
+        self.comm = comm if comm is not None else init()
+        self.broadcast_buffers = broadcast_buffers
+        self._sync_enabled = True
+        self._in_backward = False
+        broadcast_module_state(module, self.comm)
+        params = trainable_parameters(module)
+        self.buckets = GradientBuckets(params, self.comm, bucket_mb, compression, algorithm)
+        for param in params:
+            param.register_post_accumulate_grad_hook(self._gradient_ready)
+
+    def forward(self, *args, **kwargs):
+        if self.broadcast_buffers and self.training and self._sync_enabled:
+            with torch.no_grad():
+                for buffer in self.module.buffers():
+                    self.comm.broadcast(buffer.data, root=0)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally inside this block; the next synchronized backward
+        all-reduces the accumulated sum."""
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def _gradient_ready(self, param):
+        if not self._sync_enabled:
+            return
+        if not self._in_backward:
+            # Runs once autograd has finished this backward pass: wait for the buckets there,
+            # so the gradients are averaged when backward() returns.
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self.buckets.gradient_ready(param)
+
+    def _finish_backward(self):
+        try:
+            self.buckets.wait()
+        finally:
+            self._in_backward = False
+
+
+class ParameterAveraging:
+    """Hard-synchronous model averaging: call step() after each optimizer step; every `every`
+    calls the parameters are averaged over ranks (one packed all-reduce)."""
+
+    def __init__(self, module: torch.nn.Module, every: int = 1, comm=None, algorithm: str = "auto"):
+        if every < 1:
+            raise InvalidArgumentError(f"every must be >= 1, got {every}")
+        self.module = module
+        self.every = every
+        self.comm = comm if comm is not None else init()
+        self.algorithm = algorithm
+        self.steps = 0
+        broadcast_module_state(module, self.comm)
+        self._params = [p for p in module.parameters()]
+        self._flat = torch.empty(sum(p.numel() for p in self._params), dtype=self._params[0].dtype)
+
+    def step(self) -> bool:
+        """Count a local step; returns True when this step averaged the parameters."""
+        self.steps += 1
+        if self.steps % self.every:
+            return False
+        with torch.no_grad():
+            kernels.pack(self._flat, [p.data for p in self._params])
+            self.comm.allreduce(self._flat, op="avg", algorithm=self.algorithm)
+            kernels.unpack(self._flat, [p.data for p in self._params])
+        return True

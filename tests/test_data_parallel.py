@@ -1,0 +1,168 @@
+"""Data-parallel training equals single-process training on the union of the ranks' batches."""
+import pytest
+import torch
+
+import mpidist as md
+
+STEPS = 4
+BATCH = 8
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                               torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def batch(step, rank):
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(BATCH, 10, generator=generator), torch.randint(0, 3, (BATCH,), generator=generator)
+
+
+def reference_parameters(size, steps=STEPS, lr=0.1):
+    """Single-process training on the union of every rank's batch."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for step in range(steps):
+        parts = [batch(step, r) for r in range(size)]
+        x = torch.cat([p[0] for p in parts])
+        y = torch.cat([p[1] for p in parts])
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_close_to_reference(params, reference, tolerance=1e-5):
+    for mine, ref in zip(params, reference):
+        relative = (mine - ref).norm() / ref.norm()
+        assert relative < tolerance, f"relative difference {relative}"
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+@pytest.mark.parametrize("bucket_mb", [25, 0.0005])  # one bucket; a bucket per parameter
+def test_data_parallel_matches_single_process(mpi_ranks, mpi_world, bucket_mb):
+    model = make_model(seed=mpi_world.rank)  # different starts: construction broadcasts rank 0's
+    ddp = md.DataParallel(model, bucket_mb=bucket_mb)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        x, y = batch(step, mpi_world.rank)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+    assert_close_to_reference(list(model.parameters()), reference_parameters(mpi_ranks))
+
+
+@pytest.mark.mpi(ranks=[2])
+def test_no_sync_accumulates_then_averages(mpi_ranks, mpi_world):
+    model = make_model()
+    ddp = md.DataParallel(model)
+    reference = make_model()
+    x1, y1 = batch(0, mpi_world.rank)
+    x2, y2 = batch(1, mpi_world.rank)
+    with ddp.no_sync():
+        torch.nn.functional.cross_entropy(ddp(x1), y1).backward()
+    torch.nn.functional.cross_entropy(ddp(x2), y2).backward()
+    for r in range(mpi_ranks):
+        for step in (0, 1):
+            x, y = batch(step, r)
+            torch.nn.functional.cross_entropy(reference(x), y).backward()
+    for mine, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine.grad, ref.grad / mpi_ranks, rtol=1e-5, atol=1e-6)
+
+
+class TwoBranches(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(4, 2)
+        self.b = torch.nn.Linear(4, 2)
+
+    def forward(self, x, use_b):
+        return self.a(x) + (self.b(x) if use_b else 0)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_parameters_without_gradients_do_not_hang(mpi_ranks, mpi_world):
+    model = TwoBranches()
+    ddp = md.DataParallel(model, bucket_mb=0.00001)
+    use_b = mpi_world.rank == 0  # only rank 0 touches branch b
+    x = torch.ones(1, 4)
+    ddp(x, use_b).sum().backward()
+    ones = torch.ones(2, 4)
+    torch.testing.assert_close(model.a.weight.grad, ones)  # same on every rank: average of ones
+    torch.testing.assert_close(model.b.weight.grad, ones / mpi_ranks)  # rank 0's ones, zeros elsewhere
+
+
+@pytest.mark.mpi(ranks=[2])
+def test_compression_and_parameter_averaging(mpi_ranks, mpi_world):
+    model = make_model(seed=mpi_world.rank)
+    ddp = md.DataParallel(model, compression="bf16")
+    x, y = batch(0, mpi_world.rank)
+    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    reference = make_model()
+    for r in range(mpi_ranks):
+        xr, yr = batch(0, r)
+        torch.nn.functional.cross_entropy(reference(xr), yr).backward()
+    for mine, ref in zip(model.parameters(), reference.parameters()):
+        # bf16 on the wire: each gradient rounded once per rank and once more after the sum.
+        expected = ref.grad / mpi_ranks
+        assert ((mine.grad - expected).abs() <= 3 * 2 ** -8 * ref.grad.abs().max() + 1e-7).all()
+    averaging_model = make_model(seed=mpi_world.rank)
+    averaging = md.ParameterAveraging(averaging_model, every=2)
+    with torch.no_grad():
+        for p in averaging_model.parameters():
+            p.add_(float(mpi_world.rank))
+    assert averaging.step() is False
+    assert averaging.step() is True
+    start = make_model(seed=0)
+    for mine, ref in zip(averaging_model.parameters(), start.parameters()):
+        torch.testing.assert_close(mine, ref + sum(range(mpi_ranks)) / mpi_ranks)
+
+
+HOROVOD_SCRIPT = '''
+import torch
+import mpidist.torch as hvd
+
+hvd.init()
+torch.manual_seed(hvd.rank())
+model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                            torch.nn.Tanh(), torch.nn.Linear(16, 3))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * hvd.size() / hvd.size(), momentum=0.9)
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                     backward_passes_per_step=1, op=hvd.Average)
+for step in range(4):
+    generator = torch.Generator().manual_seed(1000 * step + hvd.rank())
+    x, y = torch.randn(8, 10, generator=generator), torch.randint(0, 3, (8,), generator=generator)
+    optimizer.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+total = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum)
+assert total.item() == sum(range(hvd.size()))
+handle = hvd.allreduce_async(torch.ones(3))
+assert hvd.synchronize(handle).tolist() == [1.0, 1.0, 1.0]
+gathered = hvd.allgather(torch.full((1, 2), float(hvd.rank())))
+assert gathered[:, 0].tolist() == [float(r) for r in range(hvd.size())]
+assert hvd.broadcast_object({"epoch": hvd.rank() + 5}, root_rank=0) == {"epoch": 5}
+assert hvd.mpi_enabled() and not hvd.nccl_built()
+try:
+    hvd.allreduce(torch.ones(1), op=hvd.Adasum)
+except hvd.NotOfferedError as exc:
+    assert "Adasum" in str(exc)
+else:
+    raise SystemExit("Adasum should be refused")
+if hvd.rank() == 0:
+    torch.save({str(i): p.detach() for i, p in enumerate(model.parameters())}, OUTPUT)
+'''
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_horovod_script_runs_unchanged(ranks, tmp_path):
+    from conftest import run_python
+    output = tmp_path / "params.pt"
+    result = run_python(f"OUTPUT = {str(output)!r}\n" + HOROVOD_SCRIPT, ranks=ranks, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    trained = torch.load(output)
+    assert_close_to_reference([trained[str(i)] for i in range(len(trained))], reference_parameters(ranks))
