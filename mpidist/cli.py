@@ -1,4 +1,4 @@
-"""The `mpidist` command: info (and the tools added beside it)."""
+"""The `mpidist` command: info, bench (collective micro-benchmarks) and tune (auto's table)."""
 from __future__ import annotations
 
 import argparse
@@ -17,12 +17,77 @@ def cmd_info(args) -> int:
     return 0
 
 
+def bench_options(args, collective):
+    from .bench import Options, parse_sizes
+    return Options(collective=collective, sizes=parse_sizes(args.sizes),
+                   dtypes=[d.strip() for d in args.dtype.split(",") if d.strip()],
+                   algorithms=[a.strip() for a in args.algorithms.split(",")] if args.algorithms else None,
+                   iters=args.iters, warmup=args.warmup, check_calls=args.check)
+
+
+def cmd_bench(args) -> int:
+    import mpidist as md
+    from . import bench
+
+    comm = md.init()
+    rows = bench.run(comm, bench_options(args, args.collective))
+    if comm.rank == 0:
+        if args.json:
+            bench.write_json(rows, args.json)
+        if args.plot:
+            bench.plot(rows, args.plot, title=f"mpidist bench {args.collective}, {comm.size} ranks")
+    return 0 if all(row["wrong"] == 0 for row in rows) else 1
+
+
+def cmd_tune(args) -> int:
+    import mpidist as md
+    from . import bench
+    from .collectives import select
+
+    comm = md.init()
+    table = bench.tune(comm, bench_options(args, "allreduce"))
+    if comm.rank == 0:
+        path = select.save_tuning_table(table, comm.size, args.output)
+        print(f"# wrote the {comm.size}-rank table to {path}: {json.dumps(table)}", flush=True)
+    return 0
+
+
+def add_measurement_options(parser, sizes: str, default_dtype: str = "float32") -> None:
+    parser.add_argument("--sizes", default=sizes,
+                        help="comma-separated message sizes in bytes, K/M/G suffixes allowed (default %(default)s)")
+    parser.add_argument("--dtype", default=default_dtype, help="comma-separated dtypes (default %(default)s)")
+    parser.add_argument("--iters", type=int, default=None,
+                        help="timed iterations per case (default: 200 up to 64K, 50 up to 1M, 20 above)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default iters/10, >= 2)")
+    parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=False,
+                        help="keep the per-call cross-rank signature check on (default off, as in training "
+                             "loops that set MPIDIST_CHECK=0)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mpidist", description="MPI-based HPC training for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="versions, MPI library, CUDA support, ranks and nodes")
     info.add_argument("--json", action="store_true", help="print the facts as JSON")
     info.set_defaults(run=cmd_info)
+
+    from .bench import COLLECTIVES, DEFAULT_SIZES
+    bench = sub.add_parser("bench", help="collective micro-benchmarks (nccl-tests style table, JSON, plot)")
+    bench.add_argument("collective", choices=COLLECTIVES)
+    add_measurement_options(bench, DEFAULT_SIZES)
+    bench.add_argument("--algorithms", default=None,
+                       help="comma-separated algorithms (default: all of mpidist's plus the peers mpi and gloo)")
+    bench.add_argument("--json", metavar="FILE", help="write the rows as JSON to FILE")
+    bench.add_argument("--plot", metavar="FILE.png", help="plot busbw against size to FILE.png")
+    bench.set_defaults(run=cmd_bench)
+
+    from .bench import TUNE_SIZES
+    tune = sub.add_parser("tune", help="measure the all-reduce algorithms here and write auto's decision table")
+    add_measurement_options(tune, TUNE_SIZES)
+    tune.add_argument("--output", default=None,
+                      help="table file (default: $MPIDIST_TUNING_FILE or ~/.cache/mpidist/tuning.json); "
+                           "other rank counts already in it are kept")
+    tune.set_defaults(run=cmd_tune, algorithms=None)
     from .data import add_prepare_data_command
     from .train import add_train_command
     add_train_command(sub)

@@ -16,6 +16,7 @@ from ..buffers import BufferInfo, DTYPES, FLOAT_DTYPES
 from ..errors import InvalidArgumentError, MismatchError, MpidistError, UnsupportedDtypeError
 from .broadcast import broadcast as broadcast_algorithm
 from .common import Context, split_counts
+from .hierarchical import hierarchical_allreduce
 from .native import native_allreduce
 from .recursive_doubling import recursive_doubling_allreduce
 from .recursive_halving import recursive_halving_allreduce
@@ -30,6 +31,7 @@ ALLREDUCE = {
     "recursive_halving": recursive_halving_allreduce,
     "recursive_doubling": recursive_doubling_allreduce,
     "reduce_bcast": reduce_bcast_allreduce,
+    "hierarchical": hierarchical_allreduce,
     "mpi": native_allreduce,
 }
 ALGORITHMS = ("auto",) + tuple(ALLREDUCE)

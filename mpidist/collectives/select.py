@@ -4,10 +4,21 @@ The built-in table below reflects the usual trade-off: recursive doubling has th
 (latency) but sends the whole buffer log2(p) times; ring and recursive halving send the
 bandwidth-optimal 2(p-1)/p * n bytes. MPIDIST_ALLREDUCE_ALGORITHM forces one algorithm, like
 Open MPI's coll_tuned forced algorithms.
+
+`mpidist tune` measures the algorithms on the machine at hand and writes a decision table per
+rank count (JSON: {"<ranks>": [{"max_bytes": b, "algorithm": a}, ..., {"max_bytes": null, ...}]})
+to MPIDIST_TUNING_FILE or ~/.cache/mpidist/tuning.json. Each Communicator loads the table for its
+rank count when it is built: rank 0 reads the file and broadcasts the table, so every rank
+chooses alike even when the ranks' home directories differ. Without an entry for the rank count
+the built-in table applies.
 """
 from __future__ import annotations
 
+import json
 import os
+import warnings
+
+import numpy as np
 
 # (upper bound in bytes, algorithm); the first row whose bound exceeds the message size wins.
 BUILTIN_TABLE = (
@@ -26,3 +37,78 @@ def choose_allreduce(nbytes: int, ranks: int, table=None) -> str:
         if nbytes < bound:
             return algorithm
     return (table or BUILTIN_TABLE)[-1][1]
+
+
+# ---- tuned tables -------------------------------------------------------------------------------
+
+def tuning_path(path: str | None = None) -> str:
+    return path or os.environ.get("MPIDIST_TUNING_FILE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "mpidist", "tuning.json")
+
+
+def table_from_rows(rows) -> tuple:
+    """[{"max_bytes": b, "algorithm": a}, ...] (max_bytes inclusive, None = no bound) as the
+    (exclusive bound, algorithm) pairs choose_allreduce reads."""
+    from .api import ALLREDUCE
+    table = []
+    for row in rows:
+        algorithm, bound = row["algorithm"], row["max_bytes"]
+        if algorithm not in ALLREDUCE:
+            raise ValueError(f"unknown algorithm {algorithm!r}")
+        table.append((float("inf") if bound is None else int(bound) + 1, algorithm))
+    if not table:
+        raise ValueError("empty table")
+    return tuple(table)
+
+
+def read_tuning_rows(ranks: int, path: str | None = None):
+    """This rank count's rows from the tuning file, or None when there is no file or no entry."""
+    path = tuning_path(path)
+    if not os.path.exists(path):
+        return None
+    with open(path) as handle:
+        tables = json.load(handle)
+    rows = tables.get(str(ranks))
+    if rows is not None:
+        table_from_rows(rows)  # refuse a malformed entry here, on the reading rank
+    return rows
+
+
+def load_tuning_table(mpi):
+    """The tuned table for this communicator's rank count, identical on every rank (rank 0 reads
+    the file and broadcasts it as bytes), or None for the built-in table. A malformed file is
+    reported once and ignored."""
+    payload = b""
+    if mpi.Get_rank() == 0:
+        try:
+            rows = read_tuning_rows(mpi.Get_size())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            warnings.warn(f"mpidist: ignoring the tuning file {tuning_path()}: {exc}", stacklevel=2)
+            rows = None
+        payload = json.dumps(rows).encode() if rows is not None else b""
+    length = np.array([len(payload)], dtype=np.int64)
+    mpi.Bcast(length, root=0)
+    message = np.frombuffer(payload, dtype=np.uint8).copy() if mpi.Get_rank() == 0 \
+        else np.empty(int(length[0]), dtype=np.uint8)
+    if length[0]:
+        mpi.Bcast(message, root=0)
+        return table_from_rows(json.loads(message.tobytes().decode()))
+    return None
+
+
+def save_tuning_table(rows, ranks: int, path: str | None = None) -> str:
+    """Write `rows` as the table for `ranks`, keeping the other rank counts already in the file."""
+    path = tuning_path(path)
+    tables = {}
+    if os.path.exists(path):
+        try:
+            with open(path) as handle:
+                tables = json.load(handle)
+        except (OSError, ValueError):
+            tables = {}
+    tables[str(ranks)] = rows
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as handle:
+        json.dump(tables, handle, indent=1, sort_keys=True)
+        handle.write("\n")
+    return path

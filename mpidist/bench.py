@@ -1,0 +1,449 @@
+"""Collective micro-benchmarks in the style of nccl-tests and the OSU micro-benchmarks.
+
+Every algorithm runs on the same torch CPU tensors, so the peers (the MPI library's own
+collective through mpi4py, and torch.distributed's gloo backend) see exactly what ours see.
+
+Timing follows OSU: each iteration resets the buffer, meets the other ranks at a barrier, and
+times only the collective call. Algorithms take turns iteration by iteration, so the noise of a
+shared machine falls on all of them alike and their ratios stay meaningful. Every result is
+compared with an exact reference (inputs are small integers, so sums are exact in every float
+dtype) and the wrong elements are counted over all iterations and ranks.
+
+Bandwidths follow nccl-tests: algbw = bytes / time, and busbw = algbw * factor, where the factor
+is 2(p-1)/p for all-reduce, (p-1)/p for allgather and reduce-scatter (whose size is the
+total, gathered or unreduced, buffer) and 1 for broadcast. time_us in the JSON rows is the mean
+over ranks of each rank's mean time per iteration.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import sys
+import time
+
+import numpy as np
+
+OUR_ALLREDUCE = ("ring", "tree", "recursive_halving", "recursive_doubling", "reduce_bcast",
+                 "hierarchical", "auto")
+PEERS = ("mpi", "gloo")
+# broadcast, allgather and reduce-scatter have one implementation each in mpidist.
+OURS = {"allreduce": OUR_ALLREDUCE, "broadcast": ("mpidist",), "allgather": ("mpidist",),
+        "reduce_scatter": ("mpidist",)}
+COLLECTIVES = tuple(OURS)
+DEFAULT_SIZES = "8,64,512,4K,32K,256K,1M,4M,16M"
+ROW_KEYS = ("collective", "algorithm", "dtype", "bytes", "count", "ranks", "time_us", "algbw_gbs",
+            "busbw_gbs", "wrong")
+SUFFIXES = {"": 1, "B": 1, "K": 1024, "KB": 1024, "KIB": 1024, "M": 1024 ** 2, "MB": 1024 ** 2,
+            "MIB": 1024 ** 2, "G": 1024 ** 3, "GB": 1024 ** 3, "GIB": 1024 ** 3}
+
+
+def parse_size(text: str) -> int:
+    """'8' -> 8, '4K' -> 4096, '1M' -> 1048576 (binary multiples, as nccl-tests)."""
+    stripped = text.strip().upper()
+    digits = stripped.rstrip("KMGIB")
+    suffix = stripped[len(digits):]
+    try:
+        return int(float(digits) * SUFFIXES[suffix])
+    except (ValueError, KeyError):
+        raise ValueError(f"cannot read size {text!r}: use a number with an optional K, M or G suffix") from None
+
+
+def parse_sizes(text: str) -> list[int]:
+    return [parse_size(part) for part in text.split(",") if part.strip()]
+
+
+def busbw_factor(collective: str, ranks: int) -> float:
+    if collective == "allreduce":
+        return 2 * (ranks - 1) / ranks
+    if collective in ("allgather", "reduce_scatter"):
+        return (ranks - 1) / ranks
+    return 1.0
+
+
+def default_iterations(nbytes: int) -> int:
+    if nbytes <= 64 * 1024:
+        return 200
+    if nbytes <= 1024 * 1024:
+        return 50
+    return 20
+
+
+def pattern(count: int, rank: int, dtype):
+    """Rank `rank`'s input: small integers in [-2, 2], exact in every dtype, as are their sums."""
+    import torch
+    return ((torch.arange(count, dtype=torch.int64) + 3 * rank) % 5 - 2).to(dtype)
+
+
+def sum_of_patterns(count: int, ranks: int, dtype):
+    import torch
+    total = torch.zeros(count, dtype=torch.int64)
+    for rank in range(ranks):
+        total += (torch.arange(count, dtype=torch.int64) + 3 * rank) % 5 - 2
+    return total.to(dtype)
+
+
+# ---- the peers ------------------------------------------------------------------------------
+
+class Gloo:
+    """torch.distributed with the gloo backend, its rendezvous done through MPI: rank 0 picks a
+    free port and broadcasts it with its host name."""
+
+    def __init__(self, comm):
+        import torch.distributed as dist
+        self.dist = dist
+        self.owned = not dist.is_initialized()
+        if not self.owned:
+            return
+        host = socket.gethostname()
+        port = 0
+        if comm.rank == 0:
+            with socket.socket() as probe:
+                probe.bind(("", 0))
+                port = probe.getsockname()[1]
+        message = np.zeros(256, dtype=np.uint8)
+        if comm.rank == 0:
+            encoded = f"{port} {host}".encode()
+            message[:len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
+        comm.mpi.Bcast(message, root=0)
+        port_text, root_host = bytes(message).rstrip(b"\0").decode().split(" ", 1)
+        address = "127.0.0.1" if root_host == host else root_host
+        dist.init_process_group("gloo", init_method=f"tcp://{address}:{port_text}",
+                                rank=comm.rank, world_size=comm.size)
+
+    def close(self, comm):
+        """Tear the group down while every rank is still here: gloo's threads abort the process
+        when they outlive MPI_Finalize."""
+        if self.owned:
+            comm.mpi.Barrier()
+            self.dist.destroy_process_group()
+
+
+def mpi_datatype(torch_dtype):
+    from mpi4py import MPI
+    import torch
+    return {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int32: MPI.INT32_T,
+            torch.int64: MPI.INT64_T}.get(torch_dtype)
+
+
+def mpi_memory(tensor):
+    from mpi4py import MPI
+    return MPI.buffer.fromaddress(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+
+# ---- one workload per collective: reset, call one algorithm, count the wrong elements -----------
+
+class Workload:
+    """Buffers and exact reference of one (collective, dtype, count) on this rank."""
+
+    def __init__(self, comm, dtype, count, gloo):
+        self.comm, self.dtype, self.count, self.gloo = comm, dtype, count, gloo
+        self.p, self.r = comm.size, comm.rank
+
+    def reset(self):
+        pass
+
+    def wrong(self, result) -> int:
+        return int((result != self.expected).sum()) if result.numel() == self.expected.numel() \
+            else max(result.numel(), self.expected.numel())
+
+
+class AllreduceWorkload(Workload):
+    def __init__(self, comm, dtype, count, gloo):
+        super().__init__(comm, dtype, count, gloo)
+        self.pristine = pattern(count, self.r, dtype)
+        self.buffer = self.pristine.clone()
+        self.expected = sum_of_patterns(count, self.p, dtype)
+        self.mpi_type = mpi_datatype(dtype)
+
+    def reset(self):
+        self.buffer.copy_(self.pristine)
+
+    def call(self, algorithm):
+        if algorithm == "gloo":
+            self.gloo.dist.all_reduce(self.buffer)
+        elif algorithm == "mpi" and self.mpi_type is not None:
+            from mpi4py import MPI
+            self.comm.mpi.Allreduce(MPI.IN_PLACE, [mpi_memory(self.buffer), self.count, self.mpi_type], MPI.SUM)
+        else:
+            # "mpi" for half types: mpidist's user route (upcast, MPI_Allreduce, round back).
+            self.comm.allreduce(self.buffer, op="sum", algorithm=algorithm)
+        return self.buffer
+
+
+class BroadcastWorkload(Workload):
+    def __init__(self, comm, dtype, count, gloo):
+        super().__init__(comm, dtype, count, gloo)
+        self.expected = pattern(count, 0, dtype)
+        self.pristine = self.expected if self.r == 0 else self.expected.new_zeros(count)
+        self.buffer = self.pristine.clone()
+
+    def reset(self):
+        self.buffer.copy_(self.pristine)
+
+    def call(self, algorithm):
+        if algorithm == "gloo":
+            self.gloo.dist.broadcast(self.buffer, src=0)
+        elif algorithm == "mpi":
+            from mpi4py import MPI
+            self.comm.mpi.Bcast([mpi_memory(self.buffer), MPI.BYTE], root=0)
+        else:
+            self.comm.broadcast(self.buffer, root=0)
+        return self.buffer
+
+
+class AllgatherWorkload(Workload):
+    """`count` is the gathered total; each rank contributes count / p elements."""
+
+    def __init__(self, comm, dtype, count, gloo):
+        super().__init__(comm, dtype, count, gloo)
+        self.block = count // self.p
+        self.mine = pattern(self.block, self.r, dtype)
+        self.expected = __import__("torch").cat([pattern(self.block, k, dtype) for k in range(self.p)])
+        self.gathered = self.expected.new_empty(self.block * self.p)
+
+    def call(self, algorithm):
+        if algorithm == "gloo":
+            self.gloo.dist.all_gather_into_tensor(self.gathered, self.mine)
+            return self.gathered
+        if algorithm == "mpi":
+            from mpi4py import MPI
+            self.comm.mpi.Allgather([mpi_memory(self.mine), MPI.BYTE], [mpi_memory(self.gathered), MPI.BYTE])
+            return self.gathered
+        return self.comm.allgather(self.mine)
+
+
+class ReduceScatterWorkload(Workload):
+    """`count` is the unreduced total; each rank ends with count / p reduced elements."""
+
+    def __init__(self, comm, dtype, count, gloo):
+        super().__init__(comm, dtype, count, gloo)
+        self.block = count // self.p
+        self.mine = pattern(self.block * self.p, self.r, dtype)
+        total = sum_of_patterns(self.block * self.p, self.p, dtype)
+        self.expected = total[self.r * self.block:(self.r + 1) * self.block].clone()
+        self.out = self.expected.new_empty(self.block)
+        self.mpi_type = mpi_datatype(dtype)
+
+    def call(self, algorithm):
+        import torch
+        if algorithm == "gloo":
+            self.gloo.dist.reduce_scatter_tensor(self.out, self.mine)
+            return self.out
+        if algorithm == "mpi":
+            from mpi4py import MPI
+            if self.mpi_type is not None:
+                self.comm.mpi.Reduce_scatter_block([mpi_memory(self.mine), self.block, self.mpi_type],
+                                                   [mpi_memory(self.out), self.block, self.mpi_type], MPI.SUM)
+                return self.out
+            # Half types: the user route, as for all-reduce (upcast, MPI, round back).
+            wide_in, wide_out = self.mine.to(torch.float32), torch.empty(self.block, dtype=torch.float32)
+            self.comm.mpi.Reduce_scatter_block([mpi_memory(wide_in), self.block, MPI.FLOAT],
+                                               [mpi_memory(wide_out), self.block, MPI.FLOAT], MPI.SUM)
+            self.out.copy_(wide_out)
+            return self.out
+        return self.comm.reduce_scatter(self.mine, op="sum")
+
+
+WORKLOADS = {"allreduce": AllreduceWorkload, "broadcast": BroadcastWorkload,
+             "allgather": AllgatherWorkload, "reduce_scatter": ReduceScatterWorkload}
+
+
+# ---- the measurement --------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Options:
+    collective: str = "allreduce"
+    sizes: list = dataclasses.field(default_factory=lambda: parse_sizes(DEFAULT_SIZES))
+    dtypes: list = dataclasses.field(default_factory=lambda: ["float32"])
+    algorithms: list | None = None  # None: all of ours plus the peers
+    iters: int | None = None  # None: by size (default_iterations)
+    warmup: int | None = None
+    check_calls: bool = False
+    quiet: bool = False
+
+
+def element_count(collective: str, nbytes: int, itemsize: int, ranks: int) -> int:
+    count = max(1, nbytes // itemsize)
+    if collective in ("allgather", "reduce_scatter"):
+        count = max(ranks, count - count % ranks)  # equal blocks per rank
+    return count
+
+
+def run(comm, options: Options, out=sys.stdout) -> list[dict]:
+    """Measure every (dtype, size, algorithm) of one collective; returns the rows (on every rank)."""
+    if options.collective not in WORKLOADS:
+        raise ValueError(f"unknown collective {options.collective!r}; choose one of {', '.join(COLLECTIVES)}")
+    algorithms = list(options.algorithms or (OURS[options.collective] + PEERS))
+    comm.check_calls = options.check_calls
+    gloo = Gloo(comm) if "gloo" in algorithms else None
+    printer = TablePrinter(out if comm.rank == 0 and not options.quiet else None, options.collective, comm.size)
+    try:
+        return measure(comm, options, algorithms, gloo, printer)
+    finally:
+        if gloo is not None:
+            gloo.close(comm)
+
+
+def measure(comm, options, algorithms, gloo, printer) -> list[dict]:
+    import torch
+    from mpi4py import MPI
+
+    p = comm.size
+    rows = []
+    for dtype_name in options.dtypes:
+        dtype = getattr(torch, dtype_name)
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        for nbytes in options.sizes:
+            count = element_count(options.collective, nbytes, itemsize, p)
+            workload = WORKLOADS[options.collective](comm, dtype, count, gloo)
+            iters = options.iters or default_iterations(count * itemsize)
+            warmup = options.warmup if options.warmup is not None else max(2, iters // 10)
+            active = [a for a in algorithms if supported(workload, a, printer)]
+            elapsed = np.zeros(len(active))
+            wrong = np.zeros(len(active), dtype=np.int64)
+            for iteration in range(warmup + iters):
+                for index, algorithm in enumerate(active):
+                    workload.reset()
+                    comm.mpi.Barrier()
+                    start = time.perf_counter()
+                    result = workload.call(algorithm)
+                    stop = time.perf_counter()
+                    if iteration >= warmup:
+                        elapsed[index] += stop - start
+                    wrong[index] += workload.wrong(result)
+            mean_us = elapsed / iters * 1e6
+            stats = {name: np.empty_like(mean_us) for name in ("sum", "min", "max")}
+            for name, op in (("sum", MPI.SUM), ("min", MPI.MIN), ("max", MPI.MAX)):
+                comm.mpi.Allreduce(mean_us, stats[name], op=op)
+            wrong_total = np.empty_like(wrong)
+            comm.mpi.Allreduce(wrong, wrong_total, op=MPI.SUM)
+            for index, algorithm in enumerate(active):
+                row = make_row(options.collective, algorithm, dtype_name, count * itemsize, count, p,
+                               stats["sum"][index] / p, int(wrong_total[index]))
+                rows.append(row)
+                printer.row(row, stats["min"][index], stats["max"][index])
+    return rows
+
+
+def supported(workload, algorithm, printer) -> bool:
+    """Peers that cannot run this case are left out with a note (e.g. gloo's missing reduce-scatter)."""
+    if algorithm != "gloo":
+        return True
+    try:
+        workload.reset()
+        workload.call("gloo")
+        return True
+    except (RuntimeError, ValueError, AttributeError) as exc:
+        printer.note(f"gloo skipped for {workload.dtype} {type(workload).__name__}: {str(exc).splitlines()[0]}")
+        return False
+
+
+def make_row(collective, algorithm, dtype, nbytes, count, ranks, time_us, wrong) -> dict:
+    algbw = nbytes / (time_us * 1e-6) / 1e9 if time_us > 0 else 0.0
+    return {"collective": collective, "algorithm": algorithm, "dtype": dtype, "bytes": int(nbytes),
+            "count": int(count), "ranks": int(ranks), "time_us": round(float(time_us), 3),
+            "algbw_gbs": round(algbw, 4), "busbw_gbs": round(algbw * busbw_factor(collective, ranks), 4),
+            "wrong": int(wrong)}
+
+
+class TablePrinter:
+    """nccl-tests-like table on rank 0, one line per measured row as soon as it is known."""
+
+    COLUMNS = ("size(B)", "count", "dtype", "algorithm", "time_us", "min_us", "max_us", "algbw_gbs",
+               "busbw_gbs", "#wrong")
+    FORMAT = "{:>12} {:>11} {:>9} {:>19} {:>11} {:>11} {:>11} {:>10} {:>10} {:>7}"
+
+    def __init__(self, out, collective, ranks):
+        self.out = out
+        self.header_done = False
+        self.title = f"# mpidist bench {collective}: {ranks} ranks; time = mean over ranks of the " \
+                     "per-iteration mean (min/max over ranks)"
+
+    def _print(self, text):
+        if self.out is not None:
+            print(text, file=self.out, flush=True)
+
+    def note(self, text):
+        self._print(f"# {text}")
+
+    def row(self, row, min_us, max_us):
+        if not self.header_done:
+            self._print(self.title)
+            self._print(self.FORMAT.format(*self.COLUMNS))
+            self.header_done = True
+        self._print(self.FORMAT.format(row["bytes"], row["count"], row["dtype"], row["algorithm"],
+                                       f"{row['time_us']:.1f}", f"{min_us:.1f}", f"{max_us:.1f}",
+                                       f"{row['algbw_gbs']:.3f}", f"{row['busbw_gbs']:.3f}", row["wrong"]))
+
+
+# ---- outputs ------------------------------------------------------------------------------------
+
+def write_json(rows, path: str) -> None:
+    with open(path, "w") as handle:
+        json.dump(rows, handle, indent=1)
+        handle.write("\n")
+
+
+def plot(rows, path: str, title: str = "") -> None:
+    """busbw against message size, one line per algorithm, one panel per (collective, dtype)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(row["collective"], row["dtype"], row["ranks"]) for row in rows})
+    figure, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    for axis, (collective, dtype, ranks) in zip(axes[0], panels):
+        chosen = [row for row in rows if (row["collective"], row["dtype"], row["ranks"]) == (collective, dtype, ranks)]
+        for algorithm in dict.fromkeys(row["algorithm"] for row in chosen):
+            points = sorted((row["bytes"], row["busbw_gbs"]) for row in chosen if row["algorithm"] == algorithm)
+            style = "--" if algorithm in PEERS else "-"
+            axis.plot([x for x, _ in points], [y for _, y in points], style, marker="o", markersize=3,
+                      label=algorithm)
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("message size (bytes)")
+        axis.set_ylabel("busbw (GB/s)")
+        axis.set_title(f"{collective} {dtype}, {ranks} ranks")
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=8)
+    if title:
+        figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+# ---- tuning: the decision table of algorithm="auto" ---------------------------------------------
+
+TUNE_SIZES = "8,64,512,4K,16K,64K,256K,1M,4M,16M"
+TUNED_ALGORITHMS = tuple(name for name in OUR_ALLREDUCE if name != "auto")
+
+
+def tune(comm, options: Options) -> list[dict]:
+    """Run the all-reduce benchmark for our algorithms and return the rows of a decision table:
+    [{"max_bytes": b, "algorithm": a}, ...], the fastest algorithm per size range (the bound
+    between two measured sizes is their geometric mean; the last row has max_bytes None)."""
+    options = dataclasses.replace(options, collective="allreduce",
+                                  algorithms=list(options.algorithms or TUNED_ALGORITHMS))
+    rows = run(comm, options)
+    return decision_table(rows)
+
+
+def decision_table(rows) -> list[dict]:
+    best = {}
+    for row in rows:
+        if row["wrong"]:
+            continue  # an algorithm that got a wrong answer is never chosen
+        held = best.get(row["bytes"])
+        if held is None or row["time_us"] < held["time_us"]:
+            best[row["bytes"]] = row
+    sizes = sorted(best)
+    table = []
+    for index, size in enumerate(sizes):
+        algorithm = best[size]["algorithm"]
+        bound = None if index + 1 == len(sizes) else int((size * sizes[index + 1]) ** 0.5)
+        if table and table[-1]["algorithm"] == algorithm:
+            table[-1]["max_bytes"] = bound
+        else:
+            table.append({"max_bytes": bound, "algorithm": algorithm})
+    return table

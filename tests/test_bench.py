@@ -1,0 +1,99 @@
+"""`mpidist bench` and `mpidist tune` under a real `mpirun -np 2`, plus their pure helpers."""
+import json
+import sys
+
+import pytest
+
+from conftest import run_python
+
+from mpidist.bench import ROW_KEYS, decision_table, parse_size, parse_sizes
+
+CLI = "import sys; from mpidist.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def test_sizes_read_like_nccl_tests():
+    assert parse_sizes("8, 1K,4KiB,1M,2G") == [8, 1024, 4096, 1024 ** 2, 2 * 1024 ** 3]
+    with pytest.raises(ValueError, match="cannot read size"):
+        parse_size("12Q")
+
+
+def test_decision_table_takes_the_fastest_per_size_and_merges_neighbours():
+    rows = [dict(bytes=b, algorithm=a, time_us=t, wrong=w) for b, a, t, w in [
+        (8, "tree", 5, 0), (8, "ring", 9, 0), (1024, "tree", 7, 0), (1024, "ring", 8, 0),
+        (65536, "tree", 50, 0), (65536, "ring", 30, 0), (1 << 20, "ring", 400, 0), (1 << 20, "tree", 1, 3)]]
+    assert decision_table(rows) == [{"max_bytes": 8192, "algorithm": "tree"},
+                                    {"max_bytes": None, "algorithm": "ring"}]
+
+
+def cli_under_mpirun(tmp_path, *args, env=None):
+    script = tmp_path / "cli.py"
+    script.write_text(CLI)
+    return run_python(f"import sys; sys.argv = ['mpidist'] + {list(args)!r}; exec(open({str(script)!r}).read())",
+                      ranks=2, env=env, timeout=240)
+
+
+def test_bench_allreduce_rows_are_right_and_complete(tmp_path):
+    out, png = tmp_path / "rows.json", tmp_path / "rows.png"
+    result = cli_under_mpirun(tmp_path, "bench", "allreduce", "--sizes", "8,4K,40000", "--dtype", "float32,bfloat16",
+                              "--iters", "3", "--warmup", "1", "--json", str(out), "--plot", str(png))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "busbw_gbs" in result.stdout and "#wrong" in result.stdout
+    rows = json.loads(out.read_text())
+    assert png.stat().st_size > 1000
+    algorithms = {row["algorithm"] for row in rows}
+    assert {"mpi", "gloo", "auto", "hierarchical", "ring"} <= algorithms
+    # 3 sizes x 2 dtypes x (7 of ours + mpi + gloo), unless gloo lacks bfloat16 here.
+    assert len(rows) >= 3 * 2 * 8
+    for row in rows:
+        assert tuple(row) == ROW_KEYS
+        assert row["wrong"] == 0, row
+        assert row["ranks"] == 2 and row["collective"] == "allreduce"
+        assert row["bytes"] == row["count"] * (4 if row["dtype"] == "float32" else 2)
+        assert row["time_us"] > 0
+        assert row["busbw_gbs"] == pytest.approx(row["algbw_gbs"] * 2 * (2 - 1) / 2, rel=1e-3, abs=1e-4)
+
+
+@pytest.mark.parametrize("collective,factor", [("broadcast", 1.0), ("allgather", 0.5), ("reduce_scatter", 0.5)])
+def test_bench_other_collectives(tmp_path, collective, factor):
+    out = tmp_path / "rows.json"
+    result = cli_under_mpirun(tmp_path, "bench", collective, "--sizes", "64,40000", "--iters", "2",
+                              "--warmup", "1", "--algorithms", "mpidist,mpi", "--json", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = json.loads(out.read_text())
+    assert {row["algorithm"] for row in rows} == {"mpidist", "mpi"} and len(rows) == 4
+    for row in rows:
+        assert row["wrong"] == 0, row
+        assert row["busbw_gbs"] == pytest.approx(row["algbw_gbs"] * factor, rel=1e-3, abs=1e-4)
+
+
+def test_tune_writes_a_table_that_auto_then_uses(tmp_path):
+    table_file = tmp_path / "tuning.json"
+    table_file.write_text(json.dumps({"7": [{"max_bytes": None, "algorithm": "ring"}]}))
+    env = {"MPIDIST_TUNING_FILE": str(table_file)}
+    result = cli_under_mpirun(tmp_path, "tune", "--sizes", "8,4K", "--iters", "3", "--warmup", "1", env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    tables = json.loads(table_file.read_text())
+    assert tables["7"] == [{"max_bytes": None, "algorithm": "ring"}], "other rank counts are kept"
+    assert tables["2"][-1]["max_bytes"] is None
+    assert all(row["algorithm"] in ("ring", "tree", "recursive_halving", "recursive_doubling",
+                                    "reduce_bcast", "hierarchical") for row in tables["2"])
+    # A table that picks "tree" everywhere changes auto's answer on every rank.
+    tables["2"] = [{"max_bytes": None, "algorithm": "tree"}]
+    table_file.write_text(json.dumps(tables))
+    code = """
+import numpy as np, mpidist as md
+from mpidist.collectives.select import choose_allreduce
+comm = md.init()
+assert choose_allreduce(1 << 20, 2) != "tree"
+assert choose_allreduce(1 << 20, 2, comm.tuning_table) == "tree"
+assert (md.allreduce(np.ones(5)) == 2).all()
+print("tuned", comm.rank)
+"""
+    result = run_python(code, ranks=2, env=env)
+    assert result.returncode == 0 and result.stdout.count("tuned") == 2, result.stdout + result.stderr
+    # A malformed entry is reported and ignored: auto falls back to the built-in table.
+    table_file.write_text(json.dumps({"2": [{"max_bytes": None, "algorithm": "butterfly"}]}))
+    result = run_python("import mpidist as md; assert md.init().tuning_table is None; print('fallback')",
+                        ranks=2, env=env)
+    assert result.returncode == 0 and result.stdout.count("fallback") == 2, result.stdout + result.stderr
+    assert "ignoring the tuning file" in result.stderr
