@@ -40,7 +40,7 @@ endif
 	touch $@
 
 run: install
-	$(MPIRUN) $(PY) -m mpidist.cli bench allreduce --sizes 4K,1M,16M --iters 20
+	$(MPIRUN) $(PY) -m mpidist.cli train
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
