@@ -239,6 +239,10 @@ class Communicator:
         """Release the duplicated MPI communicators (optional; MPI_Finalize releases them too)."""
         if self._engine is not None:
             self._engine.stop()
+            self._engine = None
+        window = getattr(self, "node_window", None)
+        if window is not None:
+            window.free()
         for comm in (self.leader_comm, self.node_comm, self.mpi):
             if comm is not None:
                 comm.Free()

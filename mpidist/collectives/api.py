@@ -187,7 +187,18 @@ def kernel_op(op: str) -> str:
 def allreduce(comm, array, op="sum", algorithm="auto", out=None):
     """All-reduce `array` across the communicator; in place unless `out` is given. Returns the result."""
     target, target_info = prepare_allreduce(array, op, algorithm, out)
-    return _run_allreduce(comm, comm.mpi, target, target_info, op, algorithm)
+    return in_order(comm, lambda channel: _run_allreduce(channel, target, target_info, op, algorithm))
+
+
+def in_order(comm, work):
+    """Run a blocking collective. Once the communicator has an asynchronous engine, the work
+    runs on the engine's thread behind the operations already queued there: the collectives of
+    one communicator then never run concurrently (MPI libraries do not all allow creating
+    shared-memory windows from two threads at once) and always in program order."""
+    engine = comm._engine
+    if engine is None:
+        return work(comm)
+    return engine.submit("collective", work).wait()
 
 
 def prepare_allreduce(array, op, algorithm, out):
@@ -206,9 +217,10 @@ def prepare_allreduce(array, op, algorithm, out):
     return out, out_info
 
 
-def _run_allreduce(comm, mpi, array, info, op, algorithm):
+def _run_allreduce(comm, array, info, op, algorithm):
+    mpi = comm.mpi
     check_same_call(comm, mpi, signature("allreduce", info, op, algorithm))
-    name = resolve_algorithm(algorithm, info, mpi.Get_size(), getattr(comm, "tuning_table", None))
+    name = resolve_algorithm(algorithm, info, comm.size, comm.tuning_table)
     with staged(comm, array, info) as work:
         ctx = Context(comm, mpi, work, op=kernel_op(op), tag=TAGS["allreduce"])
         ALLREDUCE[name](ctx)
@@ -218,6 +230,10 @@ def _run_allreduce(comm, mpi, array, info, op, algorithm):
 
 def broadcast(comm, array, root=0):
     """Broadcast `root`'s array into every rank's array, in place. Returns the array."""
+    return in_order(comm, lambda channel: _broadcast(channel, array, root))
+
+
+def _broadcast(comm, array, root=0):
     info = buffers.describe(array)
     root = check_root(root, comm.size)
     check_same_call(comm, comm.mpi, signature("broadcast", info, root=root))
@@ -229,6 +245,10 @@ def broadcast(comm, array, root=0):
 def allgather(comm, array):
     """Concatenate every rank's array along the first dimension (ranks may differ in that
     dimension, as in Horovod). Returns a new array of the same kind and device."""
+    return in_order(comm, lambda channel: _allgather(channel, array))
+
+
+def _allgather(comm, array):
     from mpi4py import MPI
     info = buffers.describe(array)
     shape = tuple(array.shape)
@@ -258,6 +278,10 @@ def allgather(comm, array):
 def reduce_scatter(comm, array, op="sum"):
     """Reduce across ranks and give rank r the r-th block of rows of the result (the first
     rows % p ranks get one extra row). The input is left unchanged. Returns a new array."""
+    return in_order(comm, lambda channel: _reduce_scatter(channel, array, op))
+
+
+def _reduce_scatter(comm, array, op="sum"):
     info = buffers.describe(array)
     check_op(op, info.dtype)
     shape = tuple(array.shape)
@@ -316,6 +340,7 @@ class AsyncEngine:
     def __init__(self, comm):
         self.comm = comm
         self.mpi = comm.mpi.Dup()
+        self.rank, self.size = comm.rank, comm.size
         self.scratch = buffers.ScratchPool()
         self.staging = buffers.HostStaging()
         self.check_calls = comm.check_calls
@@ -346,6 +371,12 @@ class AsyncEngine:
     def stop(self):
         self._queue.put(None)
         self._thread.join()
+        window = getattr(self, "node_window", None)
+        if window is not None:
+            window.free()
+            window.node_comm.Free()
+            if window.leader_comm is not None:
+                window.leader_comm.Free()
         self.mpi.Free()
 
 
@@ -353,4 +384,4 @@ def allreduce_async(comm, array, op="sum", algorithm="auto", out=None) -> Handle
     target, target_info = prepare_allreduce(array, op, algorithm, out)
     engine = comm.async_engine()
     return engine.submit("allreduce_async",
-                         lambda eng: _run_allreduce(eng, eng.mpi, target, target_info, op, algorithm))
+                         lambda eng: _run_allreduce(eng, target, target_info, op, algorithm))
