@@ -250,8 +250,15 @@ class Communicator:
 
 
 def api():
-    from .collectives import api as collectives_api
-    return collectives_api
+    # Imported on first use: the collectives import this module.
+    global _api
+    if _api is None:
+        from .collectives import api as collectives_api
+        _api = collectives_api
+    return _api
+
+
+_api = None
 
 
 def _byte():

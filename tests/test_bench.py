@@ -76,7 +76,7 @@ def test_tune_writes_a_table_that_auto_then_uses(tmp_path):
     assert tables["7"] == [{"max_bytes": None, "algorithm": "ring"}], "other rank counts are kept"
     assert tables["2"][-1]["max_bytes"] is None
     assert all(row["algorithm"] in ("ring", "tree", "recursive_halving", "recursive_doubling",
-                                    "reduce_bcast", "hierarchical") for row in tables["2"])
+                                    "reduce_bcast", "hierarchical", "mpi") for row in tables["2"])
     # A table that picks "tree" everywhere changes auto's answer on every rank.
     tables["2"] = [{"max_bytes": None, "algorithm": "tree"}]
     table_file.write_text(json.dumps(tables))

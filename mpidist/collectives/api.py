@@ -219,13 +219,20 @@ def prepare_allreduce(array, op, algorithm, out):
 
 def _run_allreduce(comm, array, info, op, algorithm):
     mpi = comm.mpi
-    check_same_call(comm, mpi, signature("allreduce", info, op, algorithm))
+    if comm.check_calls:
+        check_same_call(comm, mpi, signature("allreduce", info, op, algorithm))
     name = resolve_algorithm(algorithm, info, comm.size, comm.tuning_table)
-    with staged(comm, array, info) as work:
-        ctx = Context(comm, mpi, work, op=kernel_op(op), tag=TAGS["allreduce"])
-        ALLREDUCE[name](ctx)
-        finish_average(ctx, op)
+    if info.is_cuda:
+        with staged(comm, array, info) as work:
+            _reduce_with(ALLREDUCE[name], Context(comm, mpi, work, op=kernel_op(op), tag=TAGS["allreduce"]), op)
+    else:  # the hot path of small messages: no context manager
+        _reduce_with(ALLREDUCE[name], Context(comm, mpi, info, op=kernel_op(op), tag=TAGS["allreduce"]), op)
     return array
+
+
+def _reduce_with(algorithm, ctx: Context, op: str) -> None:
+    algorithm(ctx)
+    finish_average(ctx, op)
 
 
 def broadcast(comm, array, root=0):

@@ -1,14 +1,19 @@
 """How algorithm="auto" picks an all-reduce algorithm.
 
-The built-in table below reflects the usual trade-off: recursive doubling has the fewest steps
-(latency) but sends the whole buffer log2(p) times; ring and recursive halving send the
-bandwidth-optimal 2(p-1)/p * n bytes. MPIDIST_ALLREDUCE_ALGORITHM forces one algorithm, like
-Open MPI's coll_tuned forced algorithms.
+The built-in tables come from `mpidist bench allreduce` on one host with 2 and 4 ranks
+(benchmarks/results/collectives-cpu.md):
+- Small messages go to the MPI library's own MPI_Allreduce: each of our algorithm steps is driven
+  from Python and costs a few microseconds, which dominates below tens of KiB.
+- From there the hierarchical algorithm reduces through node-shared memory (no MPI messages
+  inside a node) and runs recursive halving between node leaders.
+- With 2 ranks and messages of 2 MiB and more, both ranks are bound by memory bandwidth and the
+  MPI library's single-copy transfers move fewer bytes than our copy-in/copy-out, so it wins.
+MPIDIST_ALLREDUCE_ALGORITHM forces one algorithm, like Open MPI's coll_tuned forced algorithms.
 
-`mpidist tune` measures the algorithms on the machine at hand and writes a decision table per
-rank count (JSON: {"<ranks>": [{"max_bytes": b, "algorithm": a}, ..., {"max_bytes": null, ...}]})
-to MPIDIST_TUNING_FILE or ~/.cache/mpidist/tuning.json. Each Communicator loads the table for its
-rank count when it is built: rank 0 reads the file and broadcasts the table, so every rank
+`mpidist tune` measures the algorithms (the MPI library's included) on the machine at hand and
+writes a decision table per rank count (JSON: {"<ranks>": [{"max_bytes": b, "algorithm": a},
+..., {"max_bytes": null, ...}]}) to MPIDIST_TUNING_FILE, default ~/.cache/mpidist/tuning.json.
+Each Communicator's rank 0 reads the file once and broadcasts the entry, so every rank
 chooses alike even when the ranks' home directories differ. Without an entry for the rank count
 the built-in table applies.
 """
@@ -22,8 +27,13 @@ import numpy as np
 
 # (upper bound in bytes, algorithm); the first row whose bound exceeds the message size wins.
 BUILTIN_TABLE = (
-    (32 * 1024, "recursive_doubling"),
-    (float("inf"), "recursive_halving"),
+    (32 * 1024, "mpi"),
+    (float("inf"), "hierarchical"),
+)
+TWO_RANK_TABLE = (
+    (128 * 1024, "mpi"),
+    (2 * 1024 * 1024, "hierarchical"),
+    (float("inf"), "mpi"),
 )
 
 
@@ -33,10 +43,11 @@ def choose_allreduce(nbytes: int, ranks: int, table=None) -> str:
         return forced
     if ranks == 1:
         return "ring"  # nothing to exchange; any algorithm returns at once
-    for bound, algorithm in (table or BUILTIN_TABLE):
+    table = table or (TWO_RANK_TABLE if ranks == 2 else BUILTIN_TABLE)
+    for bound, algorithm in table:
         if nbytes < bound:
             return algorithm
-    return (table or BUILTIN_TABLE)[-1][1]
+    return table[-1][1]
 
 
 # ---- tuned tables -------------------------------------------------------------------------------
