@@ -220,6 +220,18 @@ class HostStaging:
         copy_host_to_device(array, info, host.ptr)
 
 
+def synchronize(array, info: BufferInfo) -> None:
+    """Wait until the work queued on the array's current CUDA stream has finished: MPI reads and
+    writes GPU memory outside any stream."""
+    if info.kind == "cupy":
+        import cupy
+        with cupy.cuda.Device(info.device_index):
+            cupy.cuda.get_current_stream().synchronize()
+    else:
+        import torch
+        torch.cuda.current_stream(info.device_index).synchronize()
+
+
 def copy_device_to_host(host_ptr: int, array, info: BufferInfo) -> None:
     if info.kind == "cupy":
         import cupy

@@ -127,81 +127,68 @@ class Communicator:
         itemsize = info.itemsize
         return [MPI.buffer.fromaddress(info.ptr + offset * itemsize, count * itemsize), MPI.BYTE]
 
-    def _host_view(self, array, slot: int):
-        """(described host buffer, described original) for point-to-point on any array kind."""
+    def _send_view(self, array, slot: int) -> buffers.BufferInfo:
+        """The memory MPI should send from: the array itself, or a pinned host copy of it."""
         info = buffers.describe(array)
         if info.is_cuda and not self.is_cuda_aware():
-            return self.staging.stage_in(array, info, slot), info
+            return self.staging.stage_in(array, info, slot)
         if info.is_cuda:
-            _synchronize_device(info)
-        return info, info
+            buffers.synchronize(array, info)
+        return info
 
-    # ---- point to point (typed buffers, never pickled) ---------------------------------------
-
-    def send(self, array, dest: int, tag: int = 0) -> None:
-        self._check_peer(dest, "dest")
-        host, _ = self._host_view(array, slot=0)
-        if host.count:
-            self.mpi.Send(self.mpi_buffer(host), dest=dest, tag=tag)
-        else:
-            self.mpi.Send([None, 0, _byte()], dest=dest, tag=tag)
-
-    def recv(self, array, source: int, tag: int = 0) -> None:
-        """Receive exactly as many bytes as `array` holds; a size mismatch raises."""
-        from mpi4py import MPI
-        self._check_peer(source, "source")
-        info = buffers.describe(array)
-        host = self._receive_target(info, slot=1)
-        status = MPI.Status()
-        spec = self.mpi_buffer(host) if host.count else [None, 0, _byte()]
-        self._receive_checked(lambda: self.mpi.Recv(spec, source=source, tag=tag, status=status),
-                              info, source)
-        got = status.Get_count(MPI.BYTE)
-        if got != info.nbytes:
-            raise InvalidArgumentError(
-                f"rank {self.rank} expected {info.nbytes} bytes from rank {source}, received {got}")
-        self._finish_receive(array, info, host)
-
-    def sendrecv(self, send_array, dest: int, recv_array, source: int, tag: int = 0) -> None:
-        from mpi4py import MPI
-        self._check_peer(dest, "dest")
-        self._check_peer(source, "source")
-        send_host, _ = self._host_view(send_array, slot=0)
-        info = buffers.describe(recv_array)
-        recv_host = self._receive_target(info, slot=1)
-        status = MPI.Status()
-        send_spec = self.mpi_buffer(send_host) if send_host.count else [None, 0, _byte()]
-        recv_spec = self.mpi_buffer(recv_host) if recv_host.count else [None, 0, _byte()]
-        self._receive_checked(
-            lambda: self.mpi.Sendrecv(send_spec, dest=dest, sendtag=tag, recvbuf=recv_spec,
-                                      source=source, recvtag=tag, status=status),
-            info, source)
-        got = status.Get_count(MPI.BYTE)
-        if got != info.nbytes:
-            raise InvalidArgumentError(
-                f"rank {self.rank} expected {info.nbytes} bytes from rank {source}, received {got}")
-        self._finish_receive(recv_array, info, recv_host)
-
-    def _receive_target(self, info, slot):
+    def _receive_view(self, info: buffers.BufferInfo, slot: int) -> buffers.BufferInfo:
+        """The memory MPI should receive into: the array itself, or a pinned host buffer."""
         if info.is_cuda and not self.is_cuda_aware():
             host = self.staging.host_buffer(info.nbytes, slot)
             return buffers.BufferInfo(host.data_ptr(), info.count, info.dtype, "cpu", "torch")
         return info
 
-    def _finish_receive(self, array, info, host):
-        if host is not info:
-            self.staging.stage_out(array, info, host)
+    def _spec(self, info: buffers.BufferInfo):
+        return self.mpi_buffer(info) if info.count else [None, 0, _byte()]
 
-    def _receive_checked(self, receive, info, source):
+    def _receive(self, receive, array, info, view, source) -> None:
+        """Run receive(status); exactly info.nbytes must arrive (else a clear error), then move
+        a staged receive to the GPU."""
         from mpi4py import MPI
+        status = MPI.Status()
         try:
-            receive()
+            receive(status)
         except MPI.Exception as exc:
             if exc.Get_error_class() == MPI.ERR_TRUNCATE:
                 raise InvalidArgumentError(
                     f"rank {self.rank} expected {info.nbytes} bytes from rank {source}, "
                     "but the message was larger") from exc
             raise
+        got = status.Get_count(MPI.BYTE)
+        if got != info.nbytes:
+            raise InvalidArgumentError(
+                f"rank {self.rank} expected {info.nbytes} bytes from rank {source}, received {got}")
+        if view is not info:
+            self.staging.stage_out(array, info, view)
+
+    # ---- point to point (typed buffers, never pickled) ---------------------------------------
+
+    def send(self, array, dest: int, tag: int = 0) -> None:
+        self._check_peer(dest, "dest")
+        self.mpi.Send(self._spec(self._send_view(array, slot=0)), dest=dest, tag=tag)
+
+    def recv(self, array, source: int, tag: int = 0) -> None:
+        """Receive exactly as many bytes as `array` holds; a size mismatch raises."""
+        self._check_peer(source, "source")
+        info = buffers.describe(array)
+        view = self._receive_view(info, slot=1)
+        self._receive(lambda status: self.mpi.Recv(self._spec(view), source=source, tag=tag, status=status),
+                      array, info, view, source)
+
+    def sendrecv(self, send_array, dest: int, recv_array, source: int, tag: int = 0) -> None:
+        self._check_peer(dest, "dest")
+        self._check_peer(source, "source")
+        send_spec = self._spec(self._send_view(send_array, slot=0))
+        info = buffers.describe(recv_array)
+        view = self._receive_view(info, slot=1)
+        self._receive(lambda status: self.mpi.Sendrecv(send_spec, dest=dest, sendtag=tag, recvbuf=self._spec(view),
+                                                       source=source, recvtag=tag, status=status),
+                      recv_array, info, view, source)
 
     def _check_peer(self, peer, what):
         if not isinstance(peer, int) or not 0 <= peer < self.size:
@@ -264,17 +251,6 @@ _api = None
 def _byte():
     from mpi4py import MPI
     return MPI.BYTE
-
-
-def _synchronize_device(info):
-    # A CUDA-aware MPI reads device memory directly: kernels still queued on the array's stream
-    # must have finished writing it first.
-    if info.kind == "cupy":
-        import cupy
-        cupy.cuda.get_current_stream().synchronize()
-    else:
-        import torch
-        torch.cuda.current_stream(info.device_index).synchronize()
 
 
 _world: Communicator | None = None

@@ -154,7 +154,7 @@ def staged(comm, array, info: BufferInfo):
         comm.staging.stage_out(array, info, host)
         return
     if info.is_cuda:
-        kernels.synchronize(info.device)
+        buffers.synchronize(array, info)
     yield info
 
 
