@@ -22,7 +22,7 @@ endif
 export OMPI_MCA_rmaps_base_oversubscribe := 1
 MPIRUN := mpirun --oversubscribe --bind-to none -np $(NP)
 
-.PHONY: install run test test-slurm bench clean
+.PHONY: install run test test-slurm test-system-mpi clean
 
 install: $(VENV)/.installed
 
@@ -48,5 +48,12 @@ test: install
 test-slurm: install
 	bash slurm/test-scripts.sh
 
+# The cluster route: mpi4py built against the system's mpicc (Debian's openmpi-bin and
+# libopenmpi-dev here) in its own venv, checked with the multi-rank point-to-point and
+# collective tests under the system's mpirun.
+test-system-mpi:
+	$(MAKE) test MPI=system VENV=.venv-system \
+		PYTEST_ARGS="tests/test_point_to_point.py tests/test_collectives.py -k 'grid or point or mismatch'"
+
 clean:
-	rm -rf build $(VENV) *.egg-info mpidist/*.so
+	rm -rf build $(VENV) .venv-system *.egg-info mpidist/*.so
