@@ -17,6 +17,8 @@ falls on all of them alike:
 
 - `mpidist` DataParallel, one row per bucket size in `--buckets` (MB);
 - `ddp`: torch.nn.parallel.DistributedDataParallel over gloo (default buckets);
+- `local`: every rank trains its own model on its batches, no communication: what the ranks
+  reach together on this machine when nothing is shared, the ceiling for data parallelism;
 - `single`: rank 0 trains alone (batch `--batch`), the other ranks sleep in a polled barrier.
 
 samples_per_s is global: ranks x batch x steps / the slowest rank's time for the round (for
@@ -55,7 +57,7 @@ import torch  # noqa: E402
 ROW_KEYS = ("candidate", "bucket_mb", "ranks", "batch_per_rank", "params", "layers", "steps", "rounds",
             "samples_per_s", "samples_per_s_rounds", "step_ms", "forward_ms", "backward_ms",
             "exposed_wait_ms", "optimizer_ms", "comm_ms", "comm_hidden_ms", "buckets",
-            "vs_ddp", "vs_single", "max_rel_diff_vs_ddp", "correct")
+            "vs_ddp", "vs_single", "vs_local", "max_rel_diff_vs_ddp", "correct")
 LR = 0.01
 CLASSES = 10
 
@@ -192,6 +194,18 @@ class DDPCandidate(Candidate):
         self.buckets = None
 
 
+class LocalCandidate(Candidate):
+    """Every rank trains its own copy on its own batches with no communication at all: the
+    throughput the ranks reach together on this machine, the ceiling of any data parallelism."""
+    name = "local"
+
+    def __init__(self, sizes, seed):
+        super().__init__(sizes, seed)
+        self.wrapped = self.model
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LR)
+        self.buckets = None
+
+
 class SingleCandidate(Candidate):
     name = "single"
 
@@ -253,7 +267,8 @@ def measure(comm, args) -> list[dict]:
         candidates = [MpidistCandidate(sizes, args.seed, comm, mb) for mb in args.buckets]
         ddp = DDPCandidate(sizes, args.seed)
         single = SingleCandidate(sizes, args.seed)
-        candidates += [ddp, single]
+        local = LocalCandidate(sizes, args.seed)
+        candidates += [ddp, local, single]
         params = sum(p.numel() for p in single.model.parameters())
         pool = make_pool(sizes, args.batch, args.seed, comm.rank)
         single_pool = make_pool(sizes, args.batch, args.seed, 0)
@@ -303,20 +318,22 @@ def measure(comm, args) -> list[dict]:
             })
         ddp_rate = rows[candidates.index(ddp)]["samples_per_s"]
         single_rate = rows[candidates.index(single)]["samples_per_s"]
+        local_rate = rows[candidates.index(local)]["samples_per_s"]
         for row in rows:
             row["vs_ddp"] = round(row["samples_per_s"] / ddp_rate, 3)
             row["vs_single"] = round(row["samples_per_s"] / single_rate, 3)
+            row["vs_local"] = round(row["samples_per_s"] / local_rate, 3)
             row["max_rel_diff_vs_ddp"] = None
             row["correct"] = None
 
         # Correctness: DataParallel against DDP on every rank, and the ranks against each other.
         for index, candidate in enumerate(candidates):
-            if candidate is single:
+            if candidate in (single, local):
                 continue
             agree = ranks_agree(comm, candidate)
-            local = max_rel_diff(candidate, ddp) if candidate is not ddp else 0.0
+            mine = max_rel_diff(candidate, ddp) if candidate is not ddp else 0.0
             worst = np.empty(1)
-            comm.mpi.Allreduce(np.array([local]), worst, op=MPI.MAX)
+            comm.mpi.Allreduce(np.array([mine]), worst, op=MPI.MAX)
             rows[index]["max_rel_diff_vs_ddp"] = float(worst[0])
             rows[index]["correct"] = bool(agree and worst[0] <= args.tolerance)
         for candidate in candidates:
@@ -336,15 +353,16 @@ def markdown_table(rows) -> str:
     def fmt(value, digits=2):
         return "-" if value is None else f"{value:.{digits}f}"
 
-    lines = ["| candidate | buckets | samples/s (median) | rounds min-max | vs ddp | vs single | step ms | "
+    lines = ["| candidate | buckets | samples/s (median) | rounds min-max | vs ddp | vs single | vs local | step ms | "
              "forward ms | backward ms | exposed wait ms | optimizer ms | comm ms | comm hidden ms | "
              "max rel diff vs ddp | correct |",
-             "|" + "---|" * 15]
+             "|" + "---|" * 16]
     for row in rows:
         lines.append(
             f"| {label(row)} | {row['buckets'] if row['buckets'] is not None else '-'} | "
             f"{row['samples_per_s']:.0f} | {min(row['samples_per_s_rounds']):.0f}-"
             f"{max(row['samples_per_s_rounds']):.0f} | {row['vs_ddp']:.2f} | {row['vs_single']:.2f} | "
+            f"{row['vs_local']:.2f} | "
             f"{fmt(row['step_ms'])} | {fmt(row['forward_ms'])} | {fmt(row['backward_ms'])} | "
             f"{fmt(row['exposed_wait_ms'])} | {fmt(row['optimizer_ms'])} | {fmt(row['comm_ms'])} | "
             f"{fmt(row['comm_hidden_ms'])} | "
