@@ -43,6 +43,12 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Open MPI busy-polls while a request is pending. Here every rank has two busy threads (the
+# training loop and mpidist's async engine) on fewer cores, so a rank waiting for its peer's
+# bucket would steal the CPU the peer needs to produce it; yielding when idle avoids that (Open
+# MPI's advice for oversubscribed nodes). Set before MPI starts; `OMPI_MCA_mpi_yield_when_idle=0`
+# in the environment turns it off. Other MPI libraries ignore the variable.
+os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -57,7 +63,8 @@ import torch  # noqa: E402
 ROW_KEYS = ("candidate", "bucket_mb", "ranks", "batch_per_rank", "params", "layers", "steps", "rounds",
             "samples_per_s", "samples_per_s_rounds", "step_ms", "forward_ms", "backward_ms",
             "exposed_wait_ms", "optimizer_ms", "comm_ms", "comm_hidden_ms", "buckets",
-            "vs_ddp", "vs_single", "vs_local", "max_rel_diff_vs_ddp", "correct")
+            "vs_ddp", "vs_single", "vs_local", "max_rel_diff_vs_ddp", "correct",
+            "mpi_yield_when_idle")
 LR = 0.01
 CLASSES = 10
 
@@ -315,6 +322,7 @@ def measure(comm, args) -> list[dict]:
                 "comm_ms": round(float(mean[4]), 3) if is_mpidist else None,
                 "comm_hidden_ms": round(float(mean[5]), 3) if is_mpidist else None,
                 "buckets": candidate.buckets,
+                "mpi_yield_when_idle": os.environ.get("OMPI_MCA_mpi_yield_when_idle"),
             })
         ddp_rate = rows[candidates.index(ddp)]["samples_per_s"]
         single_rate = rows[candidates.index(single)]["samples_per_s"]
