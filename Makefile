@@ -20,6 +20,8 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 endif
 export OMPI_MCA_rmaps_base_oversubscribe := 1
+# Oversubscribed ranks must not spin while they wait: the rank they wait for needs the core.
+export OMPI_MCA_mpi_yield_when_idle := 1
 MPIRUN := mpirun --oversubscribe --bind-to none -np $(NP)
 
 .PHONY: install run test test-slurm test-system-mpi clean

@@ -11,6 +11,7 @@ from .. import kernels
 from ..comm import init
 from ..errors import InvalidArgumentError
 
+FIRST_BUCKET_BYTES = 1024 * 1024
 COMPRESSION_DTYPES = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -70,11 +71,15 @@ class GradientBuckets:
 
     @staticmethod
     def _make_buckets(params, bucket_mb, compression):
+        # Like DDP, the first bucket (the last layers, whose gradients backward produces first)
+        # is kept small, so its all-reduce starts early and overlaps the rest of backward.
         limit = int(bucket_mb * 1024 * 1024)
+        first_limit = min(limit, FIRST_BUCKET_BYTES)
         buckets, current, size = [], [], 0
         for param in reversed(params):
             nbytes = param.numel() * param.element_size()
-            if current and (size + nbytes > limit or (param.dtype, param.device) != (current[0].dtype, current[0].device)):
+            cap = first_limit if not buckets else limit
+            if current and (size + nbytes > cap or (param.dtype, param.device) != (current[0].dtype, current[0].device)):
                 buckets.append(_Bucket(len(buckets), current, compression))
                 current, size = [], 0
             current.append(param)
