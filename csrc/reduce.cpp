@@ -117,9 +117,16 @@ namespace avx2 {
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+// GCC 12 reports false -Wmaybe-uninitialized warnings from inside some AVX-512 intrinsics
+// (their _mm512_undefined_* placeholders) once they are inlined.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#define MPIDIST_LOOPS_AVX512 1
 namespace avx512 {
 #include "reduce_loops.h"
 }  // namespace avx512
+#undef MPIDIST_LOOPS_AVX512
+#pragma GCC diagnostic pop
 #pragma GCC pop_options
 #undef MPIDIST_LOOPS_F16C
 #endif

@@ -4,7 +4,8 @@
 // inside its own namespace and `#pragma GCC target` region, and picks one copy at run time. So
 // this file includes nothing itself and relies on reduce.cpp for <cstdint>, <cstring>,
 // <type_traits>, <immintrin.h> and the Half / BFloat16 storage types. MPIDIST_LOOPS_F16C is
-// defined for copies compiled with F16C, which then convert float16 with those instructions.
+// defined for copies compiled with F16C, which then convert float16 with those instructions, and
+// MPIDIST_LOOPS_AVX512 for the AVX-512 copy, which adds register loops for the half types.
 
 // ---- float16 / bfloat16 <-> float32 with integer bit operations (branch-free, vectorizable) ----
 
@@ -157,6 +158,157 @@ static inline A combine(A a, A b) {
     }
 }
 
+// ---- AVX-512 loops for the half types, with the conversions in registers ----------------------
+//
+// GCC vectorizes the bfloat16 element converters above with zero-extending widens and narrowing
+// moves, and the float16 block path stages 8-element F16C conversions through L1 arrays; both
+// leave the half-type kernels compute-bound where the data is in cache. These loops handle 32
+// elements per vector step, with every conversion in registers, and round exactly as the element
+// code (every non-NaN result is bitwise the same; a NaN result is a quiet NaN, but which input
+// NaN's sign and payload it carries when both inputs are NaN follows the operand order of the
+// vector instruction, which GCC may also commute in the element loops; float16 NaN results now
+// keep the F16C payload everywhere, where the last n % 8 elements of the old block path went
+// through float_to_half and came out as the canonical 0x7e00 with the sign):
+//  - bfloat16: one 512-bit load holds 32 values; as 32-bit lanes, `x << 16` are the even-indexed
+//    values as float32 and `x & 0xffff0000` the odd-indexed ones, so both halves are combined
+//    lane by lane with no permutes. Rounding is the same integer RNE as float_to_bfloat16, NaN
+//    lanes (found with an unordered compare) get the quiet bit instead, and the two rounded
+//    halves are merged back with one 16-bit blend.
+//  - float16: F16C vcvtph2ps / vcvtps2ph on 512-bit registers (round to nearest even).
+// The tail is handled with masked loads and stores, so there is no element loop.
+#ifdef MPIDIST_LOOPS_AVX512
+template <Op op>
+static inline __m512 combine16(__m512 a, __m512 b) {
+    if constexpr (op == Op::sum) {
+        return _mm512_add_ps(a, b);
+    } else if constexpr (op == Op::prod) {
+        return _mm512_mul_ps(a, b);
+    } else {
+        // Same selection as combine(): a wins when it is smaller (larger) or NaN.
+        constexpr int kPredicate = op == Op::min ? _CMP_LT_OQ : _CMP_GT_OQ;
+        const __mmask16 pick = _mm512_cmp_ps_mask(a, b, kPredicate) | _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+        return _mm512_mask_blend_ps(pick, b, a);
+    }
+}
+
+template <typename T>
+struct Wide {
+    static constexpr bool kAvailable = false;
+};
+
+template <>
+struct Wide<BFloat16> {
+    static constexpr bool kAvailable = true;
+    struct Pair {
+        __m512 even, odd;
+    };
+    static inline Pair widen(__m512i x) {
+        return {_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)),
+                _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)))};
+    }
+    static inline Pair load(const BFloat16* p) { return widen(_mm512_loadu_si512((const void*)p)); }
+    static inline Pair load(const BFloat16* p, __mmask32 m) { return widen(_mm512_maskz_loadu_epi16(m, p)); }
+    // float32 -> 32-bit lanes whose upper 16 bits are the bfloat16 (float_to_bfloat16, vectorized).
+    static inline __m512i round(__m512 r) {
+        const __m512i bits = _mm512_castps_si512(r);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb);
+        const __mmask16 nan = _mm512_cmp_ps_mask(r, r, _CMP_UNORD_Q);
+        return _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x00400000));
+    }
+    static inline __m512i narrow(Pair v) {
+        return _mm512_mask_blend_epi16(0xaaaaaaaau, _mm512_srli_epi32(round(v.even), 16), round(v.odd));
+    }
+    static inline void store(BFloat16* p, Pair v) { _mm512_storeu_si512((void*)p, narrow(v)); }
+    static inline void store(BFloat16* p, Pair v, __mmask32 m) { _mm512_mask_storeu_epi16(p, m, narrow(v)); }
+};
+
+template <>
+struct Wide<Half> {
+    static constexpr bool kAvailable = true;
+    struct Pair {
+        __m512 even, odd;  // elements 0-15 and 16-31 (the names only match Wide<BFloat16>)
+    };
+    static inline Pair widen(__m512i x) {
+        return {_mm512_cvtph_ps(_mm512_castsi512_si256(x)), _mm512_cvtph_ps(_mm512_extracti64x4_epi64(x, 1))};
+    }
+    static inline Pair load(const Half* p) { return widen(_mm512_loadu_si512((const void*)p)); }
+    static inline Pair load(const Half* p, __mmask32 m) { return widen(_mm512_maskz_loadu_epi16(m, p)); }
+    static inline __m512i narrow(Pair v) {
+        constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtps_ph(v.even, kRound)),
+                                  _mm512_cvtps_ph(v.odd, kRound), 1);
+    }
+    static inline void store(Half* p, Pair v) { _mm512_storeu_si512((void*)p, narrow(v)); }
+    static inline void store(Half* p, Pair v, __mmask32 m) { _mm512_mask_storeu_epi16(p, m, narrow(v)); }
+};
+
+template <typename T>
+struct WideLoops {
+    using W = Wide<T>;
+    using Pair = typename W::Pair;
+    static constexpr size_t kStep = 32;
+
+    template <Op op, bool kScaled>
+    static inline Pair step2(Pair x, Pair y, __m512 factor) {
+        Pair r{combine16<op>(x.even, y.even), combine16<op>(x.odd, y.odd)};
+        if constexpr (kScaled) r = Pair{_mm512_mul_ps(r.even, factor), _mm512_mul_ps(r.odd, factor)};
+        return r;
+    }
+
+    // dst = (a op b) [* factor]; dst may be a or b.
+    template <Op op, bool kScaled>
+    static void combine_into(T* dst, const T* a, const T* b, size_t n, float factor) {
+        const __m512 f = _mm512_set1_ps(factor);
+        size_t i = 0;
+        for (; i + 2 * kStep <= n; i += 2 * kStep) {
+            const Pair x0 = W::load(a + i), y0 = W::load(b + i);
+            const Pair x1 = W::load(a + i + kStep), y1 = W::load(b + i + kStep);
+            W::store(dst + i, step2<op, kScaled>(x0, y0, f));
+            W::store(dst + i + kStep, step2<op, kScaled>(x1, y1, f));
+        }
+        for (; i < n; i += kStep) {
+            const __mmask32 m = n - i >= kStep ? ~__mmask32(0) : (__mmask32)((1u << (n - i)) - 1u);
+            W::store(dst + i, step2<op, kScaled>(W::load(a + i, m), W::load(b + i, m), f), m);
+        }
+    }
+
+    // dst = s[0] op s[1] op ... op s[K-1], left to right in float32 registers, rounded once.
+    template <Op op, int K>
+    static void fused(T* dst, const T* const* srcs, size_t n) {
+        const __m512 one = _mm512_set1_ps(1.0f);
+        const T* s[K];
+        for (int j = 0; j < K; ++j) s[j] = srcs[j];
+        size_t i = 0;
+        for (; i + kStep <= n; i += kStep) {
+            Pair r = W::load(s[0] + i);
+            for (int j = 1; j < K; ++j) r = step2<op, false>(r, W::load(s[j] + i), one);
+            W::store(dst + i, r);
+        }
+        if (i < n) {
+            const __mmask32 m = (__mmask32)((1u << (n - i)) - 1u);
+            Pair r = W::load(s[0] + i, m);
+            for (int j = 1; j < K; ++j) r = step2<op, false>(r, W::load(s[j] + i, m), one);
+            W::store(dst + i, r, m);
+        }
+    }
+
+    // 3 to 8 sources; false when there are more (the caller then folds them in blocks).
+    template <Op op>
+    static bool fused_any(T* dst, const T* const* s, size_t k, size_t n) {
+        switch (k) {
+            case 3: fused<op, 3>(dst, s, n); return true;
+            case 4: fused<op, 4>(dst, s, n); return true;
+            case 5: fused<op, 5>(dst, s, n); return true;
+            case 6: fused<op, 6>(dst, s, n); return true;
+            case 7: fused<op, 7>(dst, s, n); return true;
+            case 8: fused<op, 8>(dst, s, n); return true;
+            default: return false;
+        }
+    }
+};
+#endif
+
 // ---- kernels over one contiguous range ------------------------------------------------------
 
 // Elements per block where kernels stage data in accumulators: a few blocks stay in L1.
@@ -171,6 +323,9 @@ struct Kernels {
     // dst may be a or b (element-wise, so exact aliasing is safe).
     template <Op op, bool kScaled>
     static void combine_into(T* dst, const T* a, const T* b, size_t n, Acc factor) {
+#ifdef MPIDIST_LOOPS_AVX512
+        if constexpr (Wide<T>::kAvailable) return WideLoops<T>::template combine_into<op, kScaled>(dst, a, b, n, factor);
+#endif
         if constexpr (E::kBlocked) {
             Acc x[kBlock], y[kBlock];
             for (size_t base = 0; base < n; base += kBlock) {
@@ -262,6 +417,12 @@ struct Kernels {
     // in order, then stored once. dst may alias any source: a block is read before it is written.
     template <Op op>
     static void reduce_many_op(T* dst, const T* const* srcs, size_t k, size_t n) {
+#ifdef MPIDIST_LOOPS_AVX512
+        // Few sources: all of them streamed at once, accumulated in registers.
+        if constexpr (Wide<T>::kAvailable) {
+            if (WideLoops<T>::template fused_any<op>(dst, srcs, k, n)) return;
+        }
+#endif
         if constexpr (!E::kBlocked) {
             if (k == 3) return fused<op, 3>(dst, srcs, n);
             if (k == 4) return fused<op, 4>(dst, srcs, n);
