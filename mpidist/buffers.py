@@ -7,8 +7,8 @@ read GPU memory.
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
+import typing
 
 import numpy as np
 
@@ -22,9 +22,11 @@ DTYPES = tuple(ITEMSIZE)
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
-@dataclasses.dataclass(frozen=True)
-class BufferInfo:
-    """What the communication layer needs to know about one contiguous array."""
+class BufferInfo(typing.NamedTuple):
+    """What the communication layer needs to know about one contiguous array.
+
+    A NamedTuple: made on every collective call, and a tuple is the cheapest immutable record.
+    """
 
     ptr: int
     count: int
@@ -103,9 +105,13 @@ class TorchAdapter:
             raise NonContiguousError(
                 f"torch tensor of shape {tuple(tensor.shape)} with strides {tensor.stride()} is not "
                 "contiguous; pass tensor.contiguous()")
-        if tensor.device.type not in ("cpu", "cuda"):
+        # is_cpu / is_cuda are plain flags; tensor.device builds an object on every call.
+        if tensor.is_cpu:
+            device = "cpu"
+        elif tensor.is_cuda:
+            device = f"cuda:{tensor.get_device()}"
+        else:
             raise UnsupportedBufferError(f"torch tensors on device {tensor.device} are not supported")
-        device = "cpu" if tensor.device.type == "cpu" else f"cuda:{tensor.device.index}"
         return BufferInfo(tensor.data_ptr(), tensor.numel(), dtype, device, "torch")
 
     @staticmethod

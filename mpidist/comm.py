@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import threading
 
 from . import buffers
@@ -15,6 +16,11 @@ from .errors import InvalidArgumentError, MPIUnavailableError, NotInitializedErr
 
 def load_mpi():
     """Import mpi4py's MPI module (this initializes MPI), with a clear error when it is missing."""
+    if "mpi4py.MPI" not in sys.modules:
+        # The hierarchical all-reduce makes shared-memory windows (osc/sm). Open MPI's UCX
+        # one-sided component, when it finds no UCX network, prints an error for every process
+        # at the first window; leave it out unless the user chose the components.
+        os.environ.setdefault("OMPI_MCA_osc", "^ucx")
     try:
         from mpi4py import MPI
     except ImportError as exc:

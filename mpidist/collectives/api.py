@@ -68,7 +68,7 @@ def check_algorithm(algorithm: str) -> str:
 def resolve_algorithm(algorithm: str, info: BufferInfo, size: int, table=None) -> str:
     if algorithm != "auto":
         return algorithm
-    chosen = choose_allreduce(info.nbytes, size, table)
+    chosen = choose_allreduce(info.nbytes, size, table, info.dtype)
     if chosen not in ALLREDUCE:
         raise InvalidArgumentError(
             f"MPIDIST_ALLREDUCE_ALGORITHM={chosen!r} is not an all-reduce algorithm; "

@@ -8,6 +8,7 @@ The built-in tables come from `mpidist bench allreduce` on one host with 2 and 4
   inside a node) and runs recursive halving between node leaders.
 - With 2 ranks and messages of 2 MiB and more, both ranks are bound by memory bandwidth and the
   MPI library's single-copy transfers move fewer bytes than our copy-in/copy-out, so it wins.
+- float16/bfloat16 never go to MPI, which cannot reduce them (it would upcast and round back).
 MPIDIST_ALLREDUCE_ALGORITHM forces one algorithm, like Open MPI's coll_tuned forced algorithms.
 
 `mpidist tune` measures the algorithms (the MPI library's included) on the machine at hand and
@@ -30,6 +31,11 @@ BUILTIN_TABLE = (
     (32 * 1024, "mpi"),
     (float("inf"), "hierarchical"),
 )
+HALF_DTYPES = ("float16", "bfloat16")
+HALF_TABLE = (
+    (16 * 1024, "recursive_doubling"),
+    (float("inf"), "hierarchical"),
+)
 TWO_RANK_TABLE = (
     (128 * 1024, "mpi"),
     (2 * 1024 * 1024, "hierarchical"),
@@ -37,13 +43,21 @@ TWO_RANK_TABLE = (
 )
 
 
-def choose_allreduce(nbytes: int, ranks: int, table=None) -> str:
+def choose_allreduce(nbytes: int, ranks: int, table=None, dtype: str = "float32") -> str:
     forced = os.environ.get("MPIDIST_ALLREDUCE_ALGORITHM")
     if forced and forced != "auto":
         return forced
     if ranks == 1:
         return "ring"  # nothing to exchange; any algorithm returns at once
-    table = table or (TWO_RANK_TABLE if ranks == 2 else BUILTIN_TABLE)
+    chosen = _lookup(table or (TWO_RANK_TABLE if ranks == 2 else BUILTIN_TABLE), nbytes)
+    if chosen == "mpi" and dtype in HALF_DTYPES:
+        # MPI cannot reduce float16/bfloat16: its route upcasts to float32 and back, which our
+        # algorithms beat at every size measured (benchmarks/results/collectives-cpu.md).
+        chosen = _lookup(HALF_TABLE, nbytes)
+    return chosen
+
+
+def _lookup(table, nbytes: int) -> str:
     for bound, algorithm in table:
         if nbytes < bound:
             return algorithm
