@@ -23,17 +23,37 @@ def broadcast_module_state(module: torch.nn.Module, comm, root: int = 0) -> None
 
 
 class _Bucket:
-    """Gradients of several parameters packed into one flat buffer and all-reduced together."""
+    """Gradients of several parameters all-reduced together.
+
+    A bucket of one parameter without compression all-reduces that gradient in place; larger
+    buckets pack their gradients into one flat buffer (made on first use) and unpack after.
+    """
 
     def __init__(self, index: int, params, compression):
         self.index = index
         self.params = params
         first = params[0]
-        self.flat = torch.empty(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
-        self.wire = (torch.empty_like(self.flat, dtype=compression)
-                     if compression is not None and compression != first.dtype else None)
+        self.wire_dtype = compression if compression is not None and compression != first.dtype else None
+        self._flat = None
+        self._wire = None
+        self.packed = True
         self.pending = set()
         self.handle = None
+
+    @property
+    def flat(self):
+        if self._flat is None:
+            first = self.params[0]
+            self._flat = torch.empty(sum(p.numel() for p in self.params), dtype=first.dtype, device=first.device)
+        return self._flat
+
+    @property
+    def wire(self):
+        if self.wire_dtype is None:
+            return None
+        if self._wire is None:
+            self._wire = torch.empty_like(self.flat, dtype=self.wire_dtype)
+        return self._wire
 
     def reset(self):
         self.pending = {id(p) for p in self.params}
@@ -107,16 +127,20 @@ class GradientBuckets:
         for param in bucket.params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-        kernels.pack(bucket.flat, [param.grad for param in bucket.params])
+        grads = [param.grad for param in bucket.params]
+        # One contiguous gradient needs no packing: it is all-reduced where it lies.
+        bucket.packed = len(grads) > 1 or bucket.wire_dtype is not None or not grads[0].is_contiguous()
+        buffer = bucket.flat if bucket.packed else grads[0]
+        if bucket.packed:
+            kernels.pack(buffer, grads)
         op = self.op
         if self.predivide != 1.0:
-            kernels.scale(bucket.flat, 1.0 / self.predivide)
+            kernels.scale(buffer, 1.0 / self.predivide)
             op = "sum"
-        wire = bucket.flat
         if bucket.wire is not None:
-            kernels.cast(bucket.wire, bucket.flat)
-            wire = bucket.wire
-        bucket.handle = self.comm.allreduce_async(wire, op=op, algorithm=self.algorithm)
+            kernels.cast(bucket.wire, buffer)
+            buffer = bucket.wire
+        bucket.handle = self.comm.allreduce_async(buffer, op=op, algorithm=self.algorithm)
 
     def wait(self) -> None:
         """Launch what is left, wait for every bucket and write the results into .grad."""
@@ -126,12 +150,14 @@ class GradientBuckets:
                 self._next_to_launch += 1
             for bucket in self.buckets:
                 bucket.handle.wait()
+                result = bucket.flat if bucket.packed else bucket.params[0].grad
                 if bucket.wire is not None:
-                    kernels.cast(bucket.flat, bucket.wire)
+                    kernels.cast(result, bucket.wire)
                 if self.predivide != 1.0:
                     post = self.predivide / self.comm.size if self.op == "avg" else self.predivide
-                    kernels.scale(bucket.flat, post)
-                kernels.unpack(bucket.flat, [param.grad for param in bucket.params])
+                    kernels.scale(result, post)
+                if bucket.packed:
+                    kernels.unpack(result, [param.grad for param in bucket.params])
         finally:
             self.reset()
 
