@@ -259,6 +259,18 @@ def copy_host_to_device(array, info: BufferInfo, host_ptr: int) -> None:
         array.reshape(-1).view(torch.uint8).copy_(host)
 
 
+def mpi_spec(info: BufferInfo, offset: int = 0, count: int | None = None):
+    """The [memory, MPI.BYTE] message of elements [offset, offset + count) of a described buffer:
+    MPI moves bytes, mpidist's kernels do the arithmetic."""
+    from mpi4py import MPI
+    if count is None:
+        count = info.count - offset
+    if count == 0:
+        return [None, 0, MPI.BYTE]
+    itemsize = ITEMSIZE[info.dtype]
+    return [MPI.buffer.fromaddress(info.ptr + offset * itemsize, count * itemsize), MPI.BYTE]
+
+
 def _host_memory(ptr: int, nbytes: int):
     from mpi4py import MPI
     return MPI.buffer.fromaddress(ptr, nbytes)

@@ -10,6 +10,8 @@ import os
 import sys
 import threading
 
+import numpy as np
+
 from . import buffers
 from .errors import InvalidArgumentError, MPIUnavailableError, NotInitializedError
 
@@ -89,9 +91,13 @@ class Communicator:
         is_leader = self.local_rank == 0
         leaders = self.mpi.Split(0 if is_leader else MPI.UNDEFINED, self.rank)
         self.leader_comm = None if leaders == MPI.COMM_NULL else leaders
-        node_rank = self.leader_comm.Get_rank() if is_leader else 0
-        self.node_rank = self.node_comm.bcast(node_rank, root=0)
-        self.num_nodes = self.mpi.allreduce(1 if is_leader else 0)
+        # Typed buffers, as everywhere in mpidist: nothing is pickled.
+        node_rank = np.array([self.leader_comm.Get_rank() if is_leader else 0], dtype=np.int64)
+        self.node_comm.Bcast(node_rank, root=0)
+        self.node_rank = int(node_rank[0])
+        leaders_total = np.array([1 if is_leader else 0], dtype=np.int64)
+        self.mpi.Allreduce(MPI.IN_PLACE, leaders_total, op=MPI.SUM)
+        self.num_nodes = int(leaders_total[0])
         self.cuda_aware = None  # asked lazily: only GPU buffers need to know
         self.scratch = buffers.ScratchPool()
         self.staging = buffers.HostStaging()
@@ -125,14 +131,6 @@ class Communicator:
             self.cuda_aware = mpi_library_cuda_aware()
         return self.cuda_aware
 
-    def mpi_buffer(self, info: buffers.BufferInfo, offset: int = 0, count: int | None = None):
-        """[memory, MPI.BYTE] spec for elements [offset, offset + count) of a described buffer."""
-        from mpi4py import MPI
-        if count is None:
-            count = info.count - offset
-        itemsize = info.itemsize
-        return [MPI.buffer.fromaddress(info.ptr + offset * itemsize, count * itemsize), MPI.BYTE]
-
     def _send_view(self, array, slot: int) -> buffers.BufferInfo:
         """The memory MPI should send from: the array itself, or a pinned host copy of it."""
         info = buffers.describe(array)
@@ -148,9 +146,6 @@ class Communicator:
             host = self.staging.host_buffer(info.nbytes, slot)
             return buffers.BufferInfo(host.data_ptr(), info.count, info.dtype, "cpu", "torch")
         return info
-
-    def _spec(self, info: buffers.BufferInfo):
-        return self.mpi_buffer(info) if info.count else [None, 0, _byte()]
 
     def _receive(self, receive, array, info, view, source) -> None:
         """Run receive(status); exactly info.nbytes must arrive (else a clear error), then move
@@ -176,23 +171,24 @@ class Communicator:
 
     def send(self, array, dest: int, tag: int = 0) -> None:
         self._check_peer(dest, "dest")
-        self.mpi.Send(self._spec(self._send_view(array, slot=0)), dest=dest, tag=tag)
+        self.mpi.Send(buffers.mpi_spec(self._send_view(array, slot=0)), dest=dest, tag=tag)
 
     def recv(self, array, source: int, tag: int = 0) -> None:
         """Receive exactly as many bytes as `array` holds; a size mismatch raises."""
         self._check_peer(source, "source")
         info = buffers.describe(array)
         view = self._receive_view(info, slot=1)
-        self._receive(lambda status: self.mpi.Recv(self._spec(view), source=source, tag=tag, status=status),
+        self._receive(lambda status: self.mpi.Recv(buffers.mpi_spec(view), source=source, tag=tag, status=status),
                       array, info, view, source)
 
     def sendrecv(self, send_array, dest: int, recv_array, source: int, tag: int = 0) -> None:
         self._check_peer(dest, "dest")
         self._check_peer(source, "source")
-        send_spec = self._spec(self._send_view(send_array, slot=0))
+        send_spec = buffers.mpi_spec(self._send_view(send_array, slot=0))
         info = buffers.describe(recv_array)
         view = self._receive_view(info, slot=1)
-        self._receive(lambda status: self.mpi.Sendrecv(send_spec, dest=dest, sendtag=tag, recvbuf=self._spec(view),
+        recv_spec = buffers.mpi_spec(view)
+        self._receive(lambda status: self.mpi.Sendrecv(send_spec, dest=dest, sendtag=tag, recvbuf=recv_spec,
                                                        source=source, recvtag=tag, status=status),
                       recv_array, info, view, source)
 
@@ -252,11 +248,6 @@ def api():
 
 
 _api = None
-
-
-def _byte():
-    from mpi4py import MPI
-    return MPI.BYTE
 
 
 _world: Communicator | None = None

@@ -9,7 +9,7 @@ import ctypes
 import os
 
 from .. import kernels
-from ..buffers import BufferInfo
+from ..buffers import BufferInfo, mpi_spec
 
 # Large messages are cut into segments so the reduction of one segment overlaps the arrival of
 # the next. 256 KiB keeps a segment in L2 while it is reduced.
@@ -32,11 +32,6 @@ class Context:
 
     def scratch(self, count: int, slot: int = 0) -> BufferInfo:
         return self.comm.scratch.get(self.info, count * self.info.itemsize, slot)
-
-    def spec(self, info: BufferInfo, offset: int, count: int):
-        from mpi4py import MPI
-        size = info.itemsize
-        return [MPI.buffer.fromaddress(info.ptr + offset * size, count * size), MPI.BYTE]
 
     def reduce(self, dst: BufferInfo, dst_offset: int, src: BufferInfo, src_offset: int, count: int):
         """dst[dst_offset:+count] = dst[...] op src[src_offset:+count] (fixed operand order)."""
@@ -62,18 +57,18 @@ class Context:
     # ---- point to point ------------------------------------------------------------------
 
     def isend(self, info: BufferInfo, offset: int, count: int, dest: int):
-        return self.mpi.Isend(self.spec(info, offset, count), dest=dest, tag=self.tag)
+        return self.mpi.Isend(mpi_spec(info, offset, count), dest=dest, tag=self.tag)
 
     def irecv(self, info: BufferInfo, offset: int, count: int, source: int):
-        return self.mpi.Irecv(self.spec(info, offset, count), source=source, tag=self.tag)
+        return self.mpi.Irecv(mpi_spec(info, offset, count), source=source, tag=self.tag)
 
     def send(self, info: BufferInfo, offset: int, count: int, dest: int):
         if count:
-            self.mpi.Send(self.spec(info, offset, count), dest=dest, tag=self.tag)
+            self.mpi.Send(mpi_spec(info, offset, count), dest=dest, tag=self.tag)
 
     def recv(self, info: BufferInfo, offset: int, count: int, source: int):
         if count:
-            self.mpi.Recv(self.spec(info, offset, count), source=source, tag=self.tag)
+            self.mpi.Recv(mpi_spec(info, offset, count), source=source, tag=self.tag)
 
     def sendrecv(self, send_offset: int, send_count: int, dest: int,
                  recv_into: BufferInfo, recv_offset: int, recv_count: int, source: int):
