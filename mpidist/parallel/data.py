@@ -29,8 +29,7 @@ class _Bucket:
     buckets pack their gradients into one flat buffer (made on first use) and unpack after.
     """
 
-    def __init__(self, index: int, params, compression):
-        self.index = index
+    def __init__(self, params, compression):
         self.params = params
         first = params[0]
         self.wire_dtype = compression if compression is not None and compression != first.dtype else None
@@ -100,12 +99,12 @@ class GradientBuckets:
             nbytes = param.numel() * param.element_size()
             cap = first_limit if not buckets else limit
             if current and (size + nbytes > cap or (param.dtype, param.device) != (current[0].dtype, current[0].device)):
-                buckets.append(_Bucket(len(buckets), current, compression))
+                buckets.append(_Bucket(current, compression))
                 current, size = [], 0
             current.append(param)
             size += nbytes
         if current:
-            buckets.append(_Bucket(len(buckets), current, compression))
+            buckets.append(_Bucket(current, compression))
         return buckets
 
     @property
