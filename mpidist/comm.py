@@ -103,8 +103,9 @@ class Communicator:
         self.staging = buffers.HostStaging()
         self.check_calls = os.environ.get("MPIDIST_CHECK", "1") != "0"
         # algorithm="auto"'s decision table from `mpidist tune` (None: the built-in one).
-        from .collectives.select import load_tuning_table
+        from .collectives.select import forced_algorithm, load_tuning_table
         self.tuning_table = load_tuning_table(self.mpi)
+        self.forced_algorithm = forced_algorithm()  # MPIDIST_ALLREDUCE_ALGORITHM
         self._lock = threading.Lock()
         self._engine = None
 

@@ -60,11 +60,11 @@ def check_allreduce(comm, algorithm, dtype, op, count, kind, in_place, seed=0):
     array = make_array(kind, inputs[r], dtype)
     before = raw_bytes(array)
     if in_place:
-        result = md.allreduce(array, op=op, algorithm=algorithm)
+        result = comm.allreduce(array, op=op, algorithm=algorithm)
         assert result is array
     else:
         out = make_array(kind, np.zeros(count), dtype)
-        result = md.allreduce(array, op=op, algorithm=algorithm, out=out)
+        result = comm.allreduce(array, op=op, algorithm=algorithm, out=out)
         assert result is out and raw_bytes(array) == before, "out= must leave the input alone"
     error = np.abs(to_float64(result) - reference(inputs, op))
     bound = tolerance(inputs, op, dtype)
@@ -125,14 +125,65 @@ def test_allreduce_properties(mpi_ranks, algorithm, dtype, op, count, seed, kind
 
 @pytest.mark.mpi(ranks=ALL_RANKS)
 def test_forced_algorithm_and_segmented_messages(mpi_ranks, mpi_world, monkeypatch):
-    monkeypatch.setenv("MPIDIST_ALLREDUCE_ALGORITHM", "tree")
+    from mpi4py import MPI
     from mpidist.collectives.select import choose_allreduce
-    assert choose_allreduce(10 ** 9, mpi_ranks) == "tree"
-    check_allreduce(mpi_world, "auto", "float32", "sum", 300001, "numpy", True)
+    # A communicator reads MPIDIST_ALLREDUCE_ALGORITHM when it is created.
+    monkeypatch.setenv("MPIDIST_ALLREDUCE_ALGORITHM", "tree")
+    assert mpi_world.forced_algorithm is None
+    comm = md.Communicator(MPI.COMM_WORLD)
+    try:
+        assert comm.forced_algorithm == "tree"
+        assert choose_allreduce(10 ** 9, mpi_ranks, forced=comm.forced_algorithm) == "tree"
+        check_allreduce(comm, "auto", "float32", "sum", 300001, "numpy", True)
+        check_allreduce(comm, "auto", "float32", "sum", 3, "torch", True)  # small messages too
+    finally:
+        comm.free()
     monkeypatch.setenv("MPIDIST_ALLREDUCE_ALGORITHM", "bogus")
-    if mpi_ranks > 1:
-        with pytest.raises(md.InvalidArgumentError, match="MPIDIST_ALLREDUCE_ALGORITHM='bogus'"):
-            md.allreduce(np.zeros(4), algorithm="auto")
+    comm = md.Communicator(MPI.COMM_WORLD)
+    try:
+        if mpi_ranks > 1:
+            with pytest.raises(md.InvalidArgumentError, match="MPIDIST_ALLREDUCE_ALGORITHM='bogus'"):
+                comm.allreduce(np.zeros(4), algorithm="auto")
+    finally:
+        comm.free()
+
+
+@pytest.mark.mpi(ranks=ALL_RANKS)
+def test_small_message_fast_path(mpi_ranks, mpi_world, monkeypatch):
+    """With the call check off, small CPU messages go straight to MPI_Allreduce; the results are
+    the general path's, and what the fast path cannot do falls back to the general path."""
+    from mpidist.collectives import api
+    taken = []
+    fast = api.small_cpu_allreduce
+    monkeypatch.setattr(api, "small_cpu_allreduce", lambda *args: taken.append(fast(*args)) or taken[-1])
+    monkeypatch.setattr(mpi_world, "check_calls", False)
+    for dtype in FLOAT_DTYPES + INT_DTYPES:
+        for op in OPS:
+            if op == "avg" and dtype in INT_DTYPES:
+                continue
+            for kind in ("numpy", "torch"):
+                for count in (0, 1, 7, 1009):
+                    if dtype == "bfloat16":
+                        kind = "torch"
+                    taken.clear()
+                    check_allreduce(mpi_world, "auto", dtype, op, count, kind, in_place=True)
+                    expect_fast = mpi_ranks > 1 and count > 0 and op != "avg" and dtype not in ("float16", "bfloat16")
+                    assert taken == [expect_fast], (dtype, op, kind, count, taken)
+    # Explicit algorithm="mpi" takes it at any size; other algorithms never do.
+    for algorithm, expect_fast in (("mpi", True), ("ring", False)):
+        taken.clear()
+        check_allreduce(mpi_world, algorithm, "float32", "sum", 70001, "torch", in_place=True)
+        assert taken == [expect_fast]
+    # Large messages under "auto" go to the tables' algorithms.
+    taken.clear()
+    check_allreduce(mpi_world, "auto", "float64", "sum", 300001, "numpy", in_place=True)
+    assert taken == [False]
+    # A torch Parameter is a tensor too; a non-contiguous array still gets the general path's error.
+    weight = torch.nn.Parameter(torch.full((3, 4), float(mpi_world.rank)), requires_grad=False)
+    md.allreduce(weight)
+    assert torch.equal(weight, torch.full((3, 4), float(sum(range(mpi_ranks)))))
+    with pytest.raises(md.NonContiguousError, match="not contiguous"):
+        md.allreduce(torch.zeros(4, 4).t())
 
 
 @pytest.mark.mpi(ranks=ALL_RANKS)

@@ -6,10 +6,12 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import sys
 import threading
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 from .. import buffers, kernels
 from ..buffers import BufferInfo, DTYPES, FLOAT_DTYPES
@@ -22,7 +24,8 @@ from .recursive_doubling import recursive_doubling_allreduce
 from .recursive_halving import recursive_halving_allreduce
 from .reduce_bcast import reduce_bcast_allreduce
 from .ring import allgather_ring, reduce_scatter_ring, ring_allreduce
-from .select import choose_allreduce
+from . import native
+from .select import BUILTIN_TABLE, TWO_RANK_TABLE, choose_allreduce
 from .tree import tree_allreduce
 
 ALLREDUCE = {
@@ -65,10 +68,10 @@ def check_algorithm(algorithm: str) -> str:
     return algorithm
 
 
-def resolve_algorithm(algorithm: str, info: BufferInfo, size: int, table=None) -> str:
+def resolve_algorithm(algorithm: str, info: BufferInfo, comm) -> str:
     if algorithm != "auto":
         return algorithm
-    chosen = choose_allreduce(info.nbytes, size, table, info.dtype)
+    chosen = choose_allreduce(info.nbytes, comm.size, comm.tuning_table, info.dtype, comm.forced_algorithm)
     if chosen not in ALLREDUCE:
         raise InvalidArgumentError(
             f"MPIDIST_ALLREDUCE_ALGORITHM={chosen!r} is not an all-reduce algorithm; "
@@ -92,7 +95,6 @@ def check_same_call(comm, mpi, fields: dict) -> None:
     """
     if not comm.check_calls or mpi.Get_size() == 1:
         return
-    from mpi4py import MPI
     mine = np.array([fields[name] for name in SIGNATURE_FIELDS], dtype=np.int64)
     table = np.empty((mpi.Get_size(), len(mine)), dtype=np.int64)
     request = mpi.Iallgather([mine, MPI.INT64_T], [table, MPI.INT64_T])
@@ -189,8 +191,73 @@ def kernel_op(op: str) -> str:
 
 def allreduce(comm, array, op="sum", algorithm="auto", out=None):
     """All-reduce `array` across the communicator; in place unless `out` is given. Returns the result."""
+    if out is None and small_cpu_allreduce(comm, array, op, algorithm):
+        return array
     target, target_info = prepare_allreduce(array, op, algorithm, out)
     return in_order(comm, lambda channel: _run_allreduce(channel, target, target_info, op, algorithm))
+
+
+# ---- the small-message fast path -----------------------------------------------------------------
+# A small MPI_Allreduce takes about a microsecond, so every microsecond of Python in front of it
+# shows. Small CPU messages that the general path would hand to the MPI library anyway skip it
+# (buffer description, context, dispatch) and go straight to MPI_Allreduce. With the cross-rank
+# call check on, the general path runs: the check is a collective of its own.
+
+FAST_OPS = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
+# dtype -> (MPI datatype, item size); the torch entries are filled in when torch is first seen.
+FAST_NUMPY_TYPES = {np.dtype(name): (native.MPI_TYPES[name], np.dtype(name).itemsize)
+                    for name in native.MPI_TYPES}
+FAST_TORCH_TYPES = {}
+
+
+def fast_torch_types(torch) -> dict:
+    if not FAST_TORCH_TYPES:
+        for name, mpi_type in native.MPI_TYPES.items():
+            dtype = getattr(torch, name)
+            FAST_TORCH_TYPES[dtype] = (mpi_type, torch.empty(0, dtype=dtype).element_size())
+    return FAST_TORCH_TYPES
+
+
+def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
+    """All-reduce a small contiguous CPU array with one MPI_Allreduce when that is where the
+    general path would end up too. Returns False, having done nothing, otherwise (the general
+    path then also gives the error messages)."""
+    if comm.check_calls or comm._engine is not None or (algorithm != "auto" and algorithm != "mpi"):
+        return False
+    mpi_op = FAST_OPS.get(op)
+    if mpi_op is None:
+        return False
+    kind = type(array)
+    if kind is np.ndarray:
+        spec = FAST_NUMPY_TYPES.get(array.dtype)
+        if spec is None or not array.flags.c_contiguous:
+            return False
+        nbytes = array.nbytes
+        message = [array, spec[0]]
+    else:
+        torch = sys.modules.get("torch")
+        if torch is None or kind is not torch.Tensor and not isinstance(array, torch.Tensor):
+            return False
+        spec = fast_torch_types(torch).get(array.dtype)
+        if spec is None or not array.is_cpu or not array.is_contiguous():
+            return False
+        nbytes = array.numel() * spec[1]
+        message = [MPI.buffer.fromaddress(array.data_ptr(), nbytes), spec[0]]
+    if nbytes == 0 or algorithm == "auto" and nbytes >= auto_mpi_bound(comm):
+        return False
+    comm.mpi.Allreduce(MPI.IN_PLACE, message, mpi_op)
+    return True
+
+
+def auto_mpi_bound(comm) -> float:
+    """Messages below this many bytes go to MPI_Allreduce under algorithm="auto" (0: none)."""
+    if comm.forced_algorithm:
+        return float("inf") if comm.forced_algorithm == "mpi" else 0
+    if comm.size == 1:
+        return 0
+    table = comm.tuning_table or (TWO_RANK_TABLE if comm.size == 2 else BUILTIN_TABLE)
+    bound, algorithm = table[0]
+    return bound if algorithm == "mpi" else 0
 
 
 def in_order(comm, work):
@@ -224,7 +291,7 @@ def _run_allreduce(comm, array, info, op, algorithm):
     mpi = comm.mpi
     if comm.check_calls:
         check_same_call(comm, mpi, signature("allreduce", info, op, algorithm))
-    name = resolve_algorithm(algorithm, info, comm.size, comm.tuning_table)
+    name = resolve_algorithm(algorithm, info, comm)
     if info.is_cuda:
         with staged(comm, array, info) as work:
             _reduce_with(ALLREDUCE[name], Context(comm, mpi, work, op=kernel_op(op), tag=TAGS["allreduce"]), op)
@@ -259,7 +326,6 @@ def allgather(comm, array):
 
 
 def _allgather(comm, array):
-    from mpi4py import MPI
     info = buffers.describe(array)
     shape = tuple(array.shape)
     rows = shape[0] if shape else 1
@@ -354,7 +420,8 @@ class AsyncEngine:
         self.scratch = buffers.ScratchPool()
         self.staging = buffers.HostStaging()
         self.check_calls = comm.check_calls
-        self.tuning_table = getattr(comm, "tuning_table", None)
+        self.tuning_table = comm.tuning_table
+        self.forced_algorithm = comm.forced_algorithm
         self._queue = queue.Queue()
         self._thread = threading.Thread(target=self._serve, name="mpidist-async", daemon=True)
         self._thread.start()

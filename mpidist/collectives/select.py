@@ -9,7 +9,8 @@ The built-in tables come from `mpidist bench allreduce` on one host with 2 and 4
 - With 2 ranks and messages of 2 MiB and more, both ranks are bound by memory bandwidth and the
   MPI library's single-copy transfers move fewer bytes than our copy-in/copy-out, so it wins.
 - float16/bfloat16 never go to MPI, which cannot reduce them (it would upcast and round back).
-MPIDIST_ALLREDUCE_ALGORITHM forces one algorithm, like Open MPI's coll_tuned forced algorithms.
+MPIDIST_ALLREDUCE_ALGORITHM forces one algorithm, like Open MPI's coll_tuned forced algorithms; a
+Communicator reads it when it is created.
 
 `mpidist tune` measures the algorithms (the MPI library's included) on the machine at hand and
 writes a decision table per rank count (JSON: {"<ranks>": [{"max_bytes": b, "algorithm": a},
@@ -43,9 +44,16 @@ TWO_RANK_TABLE = (
 )
 
 
-def choose_allreduce(nbytes: int, ranks: int, table=None, dtype: str = "float32") -> str:
+def forced_algorithm() -> str | None:
+    """MPIDIST_ALLREDUCE_ALGORITHM, read by each Communicator when it is created (as MPI libraries
+    read their tuning parameters at initialization): looking it up on every call would cost more
+    than a small MPI_Allreduce."""
     forced = os.environ.get("MPIDIST_ALLREDUCE_ALGORITHM")
-    if forced and forced != "auto":
+    return forced if forced and forced != "auto" else None
+
+
+def choose_allreduce(nbytes: int, ranks: int, table=None, dtype: str = "float32", forced: str | None = None) -> str:
+    if forced:
         return forced
     if ranks == 1:
         return "ring"  # nothing to exchange; any algorithm returns at once
