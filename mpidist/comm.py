@@ -108,6 +108,7 @@ class Communicator:
         self.forced_algorithm = forced_algorithm()  # MPIDIST_ALLREDUCE_ALGORITHM
         self._lock = threading.Lock()
         self._engine = None
+        self.fast_path_scratch = None  # float32 room for small float16/bfloat16 all-reduces
 
     def _split_node(self, MPI):
         shared = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)

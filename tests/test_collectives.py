@@ -167,7 +167,7 @@ def test_small_message_fast_path(mpi_ranks, mpi_world, monkeypatch):
                         kind = "torch"
                     taken.clear()
                     check_allreduce(mpi_world, "auto", dtype, op, count, kind, in_place=True)
-                    expect_fast = mpi_ranks > 1 and count > 0 and op != "avg" and dtype not in ("float16", "bfloat16")
+                    expect_fast = mpi_ranks > 1 and count > 0 and op != "avg"
                     assert taken == [expect_fast], (dtype, op, kind, count, taken)
     # Explicit algorithm="mpi" takes it at any size; other algorithms never do.
     for algorithm, expect_fast in (("mpi", True), ("ring", False)):

@@ -25,7 +25,7 @@ from .recursive_halving import recursive_halving_allreduce
 from .reduce_bcast import reduce_bcast_allreduce
 from .ring import allgather_ring, reduce_scatter_ring, ring_allreduce
 from . import native
-from .select import BUILTIN_TABLE, TWO_RANK_TABLE, choose_allreduce
+from .select import BUILTIN_TABLE, HALF_TABLE, TWO_RANK_TABLE, choose_allreduce
 from .tree import tree_allreduce
 
 ALLREDUCE = {
@@ -200,21 +200,25 @@ def allreduce(comm, array, op="sum", algorithm="auto", out=None):
 # ---- the small-message fast path -----------------------------------------------------------------
 # A small MPI_Allreduce takes about a microsecond, so every microsecond of Python in front of it
 # shows. Small CPU messages that the general path would hand to the MPI library anyway skip it
-# (buffer description, context, dispatch) and go straight to MPI_Allreduce. With the cross-rank
+# (buffer description, context, dispatch) and go straight to MPI_Allreduce; float16/bfloat16 take
+# the MPI route's float32 round trip through a scratch buffer kept for this. With the cross-rank
 # call check on, the general path runs: the check is a collective of its own.
 
 FAST_OPS = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
-# dtype -> (MPI datatype, item size); the torch entries are filled in when torch is first seen.
-FAST_NUMPY_TYPES = {np.dtype(name): (native.MPI_TYPES[name], np.dtype(name).itemsize)
+HALF_NAMES = ("float16", "bfloat16")
+# dtype -> (MPI datatype, item size, our name); the torch entries are made when torch is first seen.
+FAST_NUMPY_TYPES = {np.dtype(name): (native.MPI_TYPES[name], np.dtype(name).itemsize, name)
                     for name in native.MPI_TYPES}
+FAST_NUMPY_TYPES[np.dtype("float16")] = (MPI.FLOAT, 2, "float16")
 FAST_TORCH_TYPES = {}
 
 
 def fast_torch_types(torch) -> dict:
     if not FAST_TORCH_TYPES:
-        for name, mpi_type in native.MPI_TYPES.items():
+        for name in tuple(native.MPI_TYPES) + HALF_NAMES:
             dtype = getattr(torch, name)
-            FAST_TORCH_TYPES[dtype] = (mpi_type, torch.empty(0, dtype=dtype).element_size())
+            mpi_type = MPI.FLOAT if name in HALF_NAMES else native.MPI_TYPES[name]
+            FAST_TORCH_TYPES[dtype] = (mpi_type, torch.empty(0, dtype=dtype).element_size(), name)
     return FAST_TORCH_TYPES
 
 
@@ -233,7 +237,6 @@ def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
         if spec is None or not array.flags.c_contiguous:
             return False
         nbytes = array.nbytes
-        message = [array, spec[0]]
     else:
         torch = sys.modules.get("torch")
         if torch is None or kind is not torch.Tensor and not isinstance(array, torch.Tensor):
@@ -242,22 +245,39 @@ def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
         if spec is None or not array.is_cpu or not array.is_contiguous():
             return False
         nbytes = array.numel() * spec[1]
-        message = [MPI.buffer.fromaddress(array.data_ptr(), nbytes), spec[0]]
-    if nbytes == 0 or algorithm == "auto" and nbytes >= auto_mpi_bound(comm):
+    mpi_type, itemsize, name = spec
+    half = name in HALF_NAMES
+    if nbytes == 0 or algorithm == "auto" and nbytes >= auto_mpi_bound(comm, half):
         return False
-    comm.mpi.Allreduce(MPI.IN_PLACE, message, mpi_op)
+    if not half:
+        message = array if kind is np.ndarray else MPI.buffer.fromaddress(array.data_ptr(), nbytes)
+        comm.mpi.Allreduce(MPI.IN_PLACE, [message, mpi_type], mpi_op)
+        return True
+    address = array.ctypes.data if kind is np.ndarray else array.data_ptr()
+    count = nbytes // itemsize
+    wide = comm.fast_path_scratch
+    if wide is None or wide.size < count:
+        wide = comm.fast_path_scratch = np.empty(max(count, 1024), dtype=np.float32)
+    wide_address = wide.ctypes.data
+    kernels.cast_ptr(wide_address, "float32", address, name, count)
+    comm.mpi.Allreduce(MPI.IN_PLACE, [MPI.buffer.fromaddress(wide_address, count * 4), MPI.FLOAT], mpi_op)
+    kernels.cast_ptr(address, name, wide_address, "float32", count)
     return True
 
 
-def auto_mpi_bound(comm) -> float:
+def auto_mpi_bound(comm, half: bool) -> float:
     """Messages below this many bytes go to MPI_Allreduce under algorithm="auto" (0: none)."""
     if comm.forced_algorithm:
         return float("inf") if comm.forced_algorithm == "mpi" else 0
     if comm.size == 1:
         return 0
+    bound = 0
     table = comm.tuning_table or (TWO_RANK_TABLE if comm.size == 2 else BUILTIN_TABLE)
-    bound, algorithm = table[0]
-    return bound if algorithm == "mpi" else 0
+    if table[0][1] == "mpi":
+        bound = table[0][0]
+    if half and HALF_TABLE[0][1] != "mpi":
+        return 0
+    return min(bound, HALF_TABLE[0][0]) if half else bound
 
 
 def in_order(comm, work):

@@ -8,7 +8,9 @@ The built-in tables come from `mpidist bench allreduce` on one host with 2 and 4
   inside a node) and runs recursive halving between node leaders.
 - With 2 ranks and messages of 2 MiB and more, both ranks are bound by memory bandwidth and the
   MPI library's single-copy transfers move fewer bytes than our copy-in/copy-out, so it wins.
-- float16/bfloat16 never go to MPI, which cannot reduce them (it would upcast and round back).
+- MPI cannot reduce float16/bfloat16. Below 8 KiB they take the MPI route anyway (upcast to
+  float32 with our cast kernel, MPI_Allreduce, round back once): one MPI call beats several
+  Python-driven steps. Larger ones go to our algorithms, which move half the bytes.
 MPIDIST_ALLREDUCE_ALGORITHM forces one algorithm, like Open MPI's coll_tuned forced algorithms; a
 Communicator reads it when it is created.
 
@@ -34,7 +36,7 @@ BUILTIN_TABLE = (
 )
 HALF_DTYPES = ("float16", "bfloat16")
 HALF_TABLE = (
-    (16 * 1024, "recursive_doubling"),
+    (8 * 1024, "mpi"),
     (float("inf"), "hierarchical"),
 )
 TWO_RANK_TABLE = (
@@ -60,7 +62,7 @@ def choose_allreduce(nbytes: int, ranks: int, table=None, dtype: str = "float32"
     chosen = _lookup(table or (TWO_RANK_TABLE if ranks == 2 else BUILTIN_TABLE), nbytes)
     if chosen == "mpi" and dtype in HALF_DTYPES:
         # MPI cannot reduce float16/bfloat16: its route upcasts to float32 and back, which our
-        # algorithms beat at every size measured (benchmarks/results/collectives-cpu.md).
+        # algorithms beat once messages are a few KiB (benchmarks/results/collectives-cpu.md).
         chosen = _lookup(HALF_TABLE, nbytes)
     return chosen
 
