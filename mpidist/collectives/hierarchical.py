@@ -1,15 +1,32 @@
 """Hierarchical (node-aware) all-reduce through an MPI-3 shared-memory window.
 
-1. Every rank copies its buffer into its slot of a window shared by the ranks of its node.
-2. Each of the L local ranks reduces its 1/L slice of all L slots in one k-way pass
-   (reduce_many, operands always in local-rank order) into the window's result region.
-3. The node leaders all-reduce the node results across nodes (recursive halving, or the ring
-   for large messages on a node count that is not a power of two).
-4. Every rank copies the result out of the window.
-On the node nothing goes through MPI messages: each rank writes n bytes (copy in), reads L slices
-of n/L bytes and writes one (its reduction), and reads n bytes (copy out); between nodes only
-the leaders talk, each sending 2(N-1)/N * n bytes for N nodes (recursive halving or ring).
-The window is kept per communicator and grown when a larger message comes.
+The L ranks of a node share a window in which each has a slot as large as the message. The
+buffer is cut into L slices (split_counts); local rank i reduces slice i, its operands always in
+local-rank order, in one k-way pass (reduce_many), so every rank ends with the same bits.
+
+When the whole communicator is one node:
+1. Every rank copies into its slot the L-1 slices that the other ranks reduce; its own slice
+   stays in its own buffer.
+2. Node barrier.
+3. Each rank reduces its slice of its own buffer and of the other ranks' slots into its own
+   buffer, and publishes the result in its slot's own-slice region, which step 1 left free.
+4. Node barrier.
+5. Each rank copies the other ranks' result slices out of their slots.
+Per rank (n = message bytes): (L-1)/L·n read and written (copy in), n read and n/L written (its
+reduction), n/L read and written (publishing), (L-1)/L·n read and written (copy out): 4.5n bytes
+for L = 2, two node barriers, no MPI messages.
+
+With more than one node the node leaders need the whole node result in one buffer, so there
+1. every rank copies its whole buffer into its slot; node barrier;
+2. each rank reduces its slice of all L slots into a result region; node barrier;
+3. the node leaders all-reduce the result region across nodes (recursive halving, or the ring
+   for large messages on a node count that is not a power of two); node barrier;
+4. every rank copies the whole result out.
+Per rank that is 2n (copy in) + n + n/L (reduction) + 2n (copy out) inside the node and three
+node barriers; between nodes only the leaders talk, each sending 2(N-1)/N · n bytes for N nodes.
+
+The window is kept per communicator and grown when a larger message comes; it holds two slots
+per rank, and consecutive calls alternate between them (NodeWindow.next_slots says why).
 """
 from __future__ import annotations
 
@@ -29,15 +46,35 @@ RING_ACROSS_NODES_BYTES = 1024 * 1024
 
 
 class NodeWindow:
-    """The shared window of one node: L slots of `capacity` bytes plus a result region."""
+    """The shared window of one node: every local rank has two slots of `capacity` bytes, one
+    in each half of the window; with several nodes, local rank 0 also holds a result region."""
 
-    def __init__(self, node_comm, leader_comm):
+    def __init__(self, node_comm, leader_comm, spans_nodes: bool):
         self.node_comm = node_comm
         self.leader_comm = leader_comm
+        self.spans_nodes = spans_nodes
         self.local_rank = node_comm.Get_rank()
         self.local_size = node_comm.Get_size()
         self.win = None
         self.capacity = 0
+        self.calls = 0
+
+    def next_slots(self, nbytes: int) -> list:
+        """The slot addresses (in local-rank order) this call uses: consecutive calls alternate
+        between the two halves of the window.
+
+        On one node a rank leaves the call as soon as it has copied the results out of the other
+        ranks' slots, with no barrier behind it, so a fast rank starts its next call while a slow
+        one may still be copying. Had the next call the same slots and another message size,
+        its slices would lie elsewhere and the fast rank's copy-in could overwrite a result the
+        slow rank has not read yet. The next call uses the other half; the one after it comes
+        back to this half only after every rank has passed the barriers of the call between,
+        so after every rank has finished reading this one. Every rank makes the same calls in
+        the same order, so all agree on the half."""
+        self.ensure(nbytes)
+        half = self.calls % 2 * self.capacity
+        self.calls += 1
+        return [base + half for base in self.bases]
 
     def ensure(self, nbytes: int) -> None:
         """Grow the window to hold `nbytes` per slot (collective over the node; every local rank
@@ -49,12 +86,11 @@ class NodeWindow:
         if self.win is not None:
             self.node_comm.Barrier()  # nobody may still be copying out of the old window
         self.free()
-        # Local rank 0's segment also holds the result region, right after its slot.
-        mine = 2 * capacity if self.local_rank == 0 else capacity
-        self.win = MPI.Win.Allocate_shared(mine, 1, comm=self.node_comm)
+        with_result = self.spans_nodes and self.local_rank == 0
+        self.win = MPI.Win.Allocate_shared((3 if with_result else 2) * capacity, 1, comm=self.node_comm)
         self.win.Lock_all(MPI.MODE_NOCHECK)
-        self.slots = [self.win.Shared_query(k)[0].address for k in range(self.local_size)]
-        self.result = self.slots[0] + capacity
+        self.bases = [self.win.Shared_query(k)[0].address for k in range(self.local_size)]
+        self.result = self.bases[0] + 2 * capacity if self.spans_nodes else None
         self.capacity = capacity
 
     def sync(self) -> None:
@@ -84,7 +120,7 @@ def node_window(ctx: Context) -> NodeWindow:
             node = ctx.mpi.Split(owner.node_rank, owner.rank)
             leaders = ctx.mpi.Split(0 if owner.local_rank == 0 else MPI.UNDEFINED, owner.rank)
             leaders = None if leaders == MPI.COMM_NULL else leaders
-        window = NodeWindow(node, leaders)
+        window = NodeWindow(node, leaders, spans_nodes=node.Get_size() < ctx.size)
         ctx.comm.node_window = window
     return window
 
@@ -106,17 +142,48 @@ def hierarchical_allreduce(ctx: Context) -> None:
     if window.local_size == 1:
         across_nodes(ctx, window.leader_comm, info)  # one rank per node: nothing to share
         return
-    window.ensure(info.nbytes)
+    slots = window.next_slots(info.nbytes)
+    if window.spans_nodes:
+        reduce_across_nodes(ctx, window, slots)
+    else:
+        reduce_on_one_node(ctx, window, slots)
+
+
+def reduce_on_one_node(ctx: Context, window: NodeWindow, slots: list) -> None:
+    info, me = ctx.info, window.local_rank
     itemsize = info.itemsize
-    ctypes.memmove(window.slots[window.local_rank], info.ptr, info.nbytes)
+    slices = [(offset * itemsize, count * itemsize)
+              for offset, count in split_counts(info.count, window.local_size)]
+    start, length = slices[me]
+    end = start + length
+    # The other ranks' slices lie before and after this rank's own.
+    ctypes.memmove(slots[me], info.ptr, start)
+    ctypes.memmove(slots[me] + end, info.ptr + end, info.nbytes - end)
+    window.sync()
+    if length:
+        # reduce_many loads every operand of an element before storing it, so its destination
+        # may be one of its sources: this rank's own buffer.
+        sources = [info.ptr + start if k == me else slot + start for k, slot in enumerate(slots)]
+        kernels.reduce_many_ptr(info.ptr + start, sources, length // itemsize, info.dtype, ctx.op)
+        ctypes.memmove(slots[me] + start, info.ptr + start, length)
+    window.sync()
+    for k, (offset, size) in enumerate(slices):
+        if k != me:
+            ctypes.memmove(info.ptr + offset, slots[k] + offset, size)
+
+
+def reduce_across_nodes(ctx: Context, window: NodeWindow, slots: list) -> None:
+    info = ctx.info
+    ctypes.memmove(slots[window.local_rank], info.ptr, info.nbytes)
     window.sync()
     offset, count = split_counts(info.count, window.local_size)[window.local_rank]
     if count:
-        start = offset * itemsize
-        kernels.reduce_many_ptr(window.result + start, [slot + start for slot in window.slots],
-                                count, info.dtype, ctx.op)
+        start = offset * info.itemsize
+        kernels.reduce_many_ptr(window.result + start, [slot + start for slot in slots], count,
+                                info.dtype, ctx.op)
     window.sync()
-    if window.leader_comm is not None and window.leader_comm.Get_size() > 1:
-        across_nodes(ctx, window.leader_comm, BufferInfo(window.result, info.count, info.dtype, "cpu", "numpy"))
+    if window.leader_comm is not None:
+        result = BufferInfo(window.result, info.count, info.dtype, "cpu", "numpy")
+        across_nodes(ctx, window.leader_comm, result)
     window.sync()
     ctypes.memmove(info.ptr, window.result, info.nbytes)
