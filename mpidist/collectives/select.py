@@ -6,8 +6,8 @@ The built-in tables come from `mpidist bench allreduce` on one host with 2 and 4
   from Python and costs a few microseconds, which dominates below tens of KiB.
 - From there the hierarchical algorithm reduces through node-shared memory (no MPI messages
   inside a node) and runs recursive halving between node leaders.
-- With 2 ranks and messages of 2 MiB and more, both ranks are bound by memory bandwidth and the
-  MPI library's single-copy transfers move fewer bytes than our copy-in/copy-out, so it wins.
+- With 2 ranks the MPI library stays ahead up to 128 KiB; from there the hierarchical algorithm's
+  reduce-scatter in place through shared memory moves fewer bytes than MPI's exchange.
 - MPI cannot reduce float16/bfloat16. Below 8 KiB they take the MPI route anyway (upcast to
   float32 with our cast kernel, MPI_Allreduce, round back once): one MPI call beats several
   Python-driven steps. Larger ones go to our algorithms, which move half the bytes.
@@ -41,8 +41,7 @@ HALF_TABLE = (
 )
 TWO_RANK_TABLE = (
     (128 * 1024, "mpi"),
-    (2 * 1024 * 1024, "hierarchical"),
-    (float("inf"), "mpi"),
+    (float("inf"), "hierarchical"),
 )
 
 
