@@ -6,15 +6,23 @@ Each row is {"kernel", "dtype", "bytes", "gbs", "library_gbs", "copy_gbs"}: `byt
 one buffer; gbs counts every byte the kernel reads and writes (reduce: two reads and a write of
 `bytes`) per second; library_gbs is the best NumPy or torch route for the same result with the
 same byte count; copy_gbs is a plain copy of `bytes` (np.copyto or torch copy_, the faster),
-counted as read + write, measured in the same run. Times are medians of several repetitions.
-The kernels are timed through the pointer-level entry points the collectives use (reduce_ptr, ...,
-and mpidist._C for pack/unpack/cast), so per-call Python overhead is the hot path's.
+counted as read + write, measured in the same run. The kernels are timed through the
+pointer-level entry points the collectives use (reduce_ptr, ..., and mpidist._C for
+pack/unpack/cast), so per-call Python overhead is the hot path's.
+
+The routes of a row (ours and each library route; for copy_gbs, the two copies) are timed in
+alternation, one sample of each in turn, and each gets the median of its samples: drift in memory
+bandwidth, clock changes and other processes then hit every route alike instead of whichever ran
+while they lasted. Threaded routes share one OpenMP runtime (torch's libgomp and ours have the
+same soname, so a process maps one) and so the same worker threads; see Timer for how a sample
+starts with them awake.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -39,32 +47,49 @@ def parse_size(text: str) -> int:
 
 
 class Timer:
-    """Median seconds per call; short calls are batched so a sample lasts about 2 ms."""
+    """Median seconds per call of several routes, sampled in alternation.
 
-    def __init__(self, device: str, reps: int):
+    Each round takes one sample of every route, in a fresh random order, so that no route always
+    follows the same one. A sample is a batch of calls lasting about 2 ms, preceded by one untimed
+    call: a single-threaded route (NumPy) leaves the shared OpenMP workers idle long enough to fall
+    asleep, and waking them costs the next threaded call up to a few hundred microseconds; the
+    untimed call absorbs that, so every route is timed with its threads running.
+    """
+
+    def __init__(self, device: str, reps: int, seed: int = 0):
         self.cuda = device == "cuda"
         self.reps = reps
+        self.order = random.Random(seed)
 
     def sync(self):
         if self.cuda:
             torch.cuda.synchronize()
 
-    def __call__(self, fn) -> float:
+    def batch(self, fn) -> int:
         fn()
         self.sync()
         start = time.perf_counter()
         fn()
         self.sync()
         once = max(time.perf_counter() - start, 1e-7)
-        inner = int(min(10_000, max(1, 2e-3 / once)))
-        samples = []
+        return int(min(10_000, max(1, 2e-3 / once)))
+
+    def sample(self, fn, inner: int) -> float:
+        fn()
+        self.sync()
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        self.sync()
+        return (time.perf_counter() - start) / inner
+
+    def __call__(self, *routes) -> list:
+        inners = [self.batch(fn) for fn in routes]
+        samples = [[] for _ in routes]
         for _ in range(self.reps):
-            start = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            self.sync()
-            samples.append((time.perf_counter() - start) / inner)
-        return statistics.median(samples)
+            for i in self.order.sample(range(len(routes)), len(routes)):
+                samples[i].append(self.sample(routes[i], inners[i]))
+        return [statistics.median(s) for s in samples]
 
 
 def filled(dtype: str, n: int, device: str, seed: int):
@@ -80,10 +105,6 @@ def numpy_view(t):
     return t.numpy() if t.device.type == "cpu" and t.dtype != torch.bfloat16 else None
 
 
-def best(timer, routes) -> float:
-    return min(timer(route) for route in routes)
-
-
 TORCH_OPS = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum, "prod": torch.mul}
 NUMPY_OPS = {"sum": np.add, "min": np.minimum, "max": np.maximum, "prod": np.multiply}
 
@@ -92,8 +113,11 @@ def bench_size(nbytes: int, device: str, dtypes, timer, rows, op: str):
     prefix = "cuda_" if device == "cuda" else ""
     cast, pack, unpack = (getattr(_C, prefix + name) for name in ("cast", "pack", "unpack"))
     def row(kernel, dtype, moved, ours, library):
-        rows.append({"kernel": kernel, "dtype": dtype, "bytes": nbytes,
-                     "gbs": moved / ours / 1e9, "library_gbs": moved / library / 1e9, "copy_gbs": copy_gbs})
+        """Times `ours` against the library routes (a callable or a list), in alternation."""
+        library = library if isinstance(library, list) else [library]
+        times = timer(ours, *library)
+        rows.append({"kernel": kernel, "dtype": dtype, "bytes": nbytes, "gbs": moved / times[0] / 1e9,
+                     "library_gbs": moved / min(times[1:]) / 1e9, "copy_gbs": copy_gbs})
         print(f"{kernel:<14}{dtype:<20}{nbytes:>12}{rows[-1]['gbs']:>10.1f}{rows[-1]['library_gbs']:>10.1f}"
               f"{copy_gbs:>10.1f}{rows[-1]['gbs'] / copy_gbs:>8.2f}", flush=True)
 
@@ -103,7 +127,7 @@ def bench_size(nbytes: int, device: str, dtypes, timer, rows, op: str):
     if device == "cpu":
         na, nb = raw_a.numpy(), raw_b.numpy()
         copies.append(lambda: np.copyto(nb, na))
-    copy_gbs = 2 * nbytes / best(timer, copies) / 1e9
+    copy_gbs = 2 * nbytes / min(timer(*copies)) / 1e9
     del raw_a, raw_b
 
     for dtype in dtypes:
@@ -113,21 +137,19 @@ def bench_size(nbytes: int, device: str, dtypes, timer, rows, op: str):
         top, nop = TORCH_OPS[op], NUMPY_OPS[op]
 
         pa, pb, dev = a.data_ptr(), b.data_ptr(), device
-        ours = timer(lambda: kernels.reduce_ptr(pa, pb, n, dtype, op, dev))
         library = [lambda: top(a, b, out=a)] + ([lambda: nop(na, nb, out=na)] if na is not None else [])
-        row("reduce", dtype, 3 * nbytes, ours, best(timer, library))
+        row("reduce", dtype, 3 * nbytes, lambda: kernels.reduce_ptr(pa, pb, n, dtype, op, dev), library)
 
         if dtype in FLOATS:
-            ours = timer(lambda: kernels.reduce_scale_ptr(pa, pb, n, dtype, op, 0.5, dev))
             library = [lambda: top(a, b, out=a).mul_(0.5)]
             if na is not None:
                 library.append(lambda: np.multiply(nop(na, nb, out=na), na.dtype.type(0.5), out=na))
-            row("reduce_scale", dtype, 3 * nbytes, ours, best(timer, library))
+            row("reduce_scale", dtype, 3 * nbytes,
+                lambda: kernels.reduce_scale_ptr(pa, pb, n, dtype, op, 0.5, dev), library)
 
-            ours = timer(lambda: kernels.scale_ptr(pa, n, dtype, 1.0, dev))
             library = [lambda: a.mul_(1.0)] + ([lambda: np.multiply(na, na.dtype.type(1.0), out=na)]
                                                if na is not None else [])
-            row("scale", dtype, 2 * nbytes, ours, best(timer, library))
+            row("scale", dtype, 2 * nbytes, lambda: kernels.scale_ptr(pa, n, dtype, 1.0, dev), library)
 
         srcs = [a, b] + [filled(dtype, n, device, j) for j in range(2, MANY)]
         dst = torch.empty_like(a)
@@ -145,9 +167,9 @@ def bench_size(nbytes: int, device: str, dtypes, timer, rows, op: str):
                 nop(ndst, s, out=ndst)
 
         ptrs, pd = [s.data_ptr() for s in srcs], dst.data_ptr()
-        ours = timer(lambda: kernels.reduce_many_ptr(pd, ptrs, n, dtype, op, dev))
-        row(f"reduce_many{MANY}", dtype, (MANY + 1) * nbytes, ours,
-            best(timer, [torch_many] + ([numpy_many] if ndst is not None else [])))
+        row(f"reduce_many{MANY}", dtype, (MANY + 1) * nbytes,
+            lambda: kernels.reduce_many_ptr(pd, ptrs, n, dtype, op, dev),
+            [torch_many] + ([numpy_many] if ndst is not None else []))
         del srcs, dst, nsrcs, ndst, a, b, na, nb
 
     # Conversions: bytes moved are n * (source itemsize + destination itemsize).
@@ -156,10 +178,8 @@ def bench_size(nbytes: int, device: str, dtypes, timer, rows, op: str):
     for half in ("bfloat16", "float16"):
         h = torch.empty(n, dtype=getattr(torch, half), device=device)
         ph, pf = h.data_ptr(), f32.data_ptr()
-        ours = timer(lambda: cast(ph, half, pf, "float32", n))
-        row("cast", f"float32->{half}", 6 * n, ours, timer(lambda: h.copy_(f32)))
-        ours = timer(lambda: cast(pf, "float32", ph, half, n))
-        row("cast", f"{half}->float32", 6 * n, ours, timer(lambda: f32.copy_(h)))
+        row("cast", f"float32->{half}", 6 * n, lambda: cast(ph, half, pf, "float32", n), lambda: h.copy_(f32))
+        row("cast", f"{half}->float32", 6 * n, lambda: cast(pf, "float32", ph, half, n), lambda: f32.copy_(h))
     del f32, h
 
     # pack/unpack: PACK_PARTS float32 tensors of uneven sizes adding up to `nbytes`.
@@ -169,16 +189,15 @@ def bench_size(nbytes: int, device: str, dtypes, timer, rows, op: str):
     parts = [filled("float32", int(hi - lo), device, 0) for lo, hi in zip(cuts[:-1], cuts[1:])]
     flat = torch.empty(count, dtype=torch.float32, device=device)
     part_ptrs, part_bytes, pflat = [p.data_ptr() for p in parts], [p.numel() * 4 for p in parts], flat.data_ptr()
-    ours = timer(lambda: pack(pflat, part_ptrs, part_bytes))
-    row("pack", "float32", 2 * nbytes, ours, timer(lambda: torch.cat(parts, out=flat)))
+    row("pack", "float32", 2 * nbytes, lambda: pack(pflat, part_ptrs, part_bytes),
+        lambda: torch.cat(parts, out=flat))
     views = list(torch.split(flat, [p.numel() for p in parts]))
 
     def torch_unpack():
         for p, v in zip(parts, views):
             p.copy_(v)
 
-    ours = timer(lambda: unpack(pflat, part_ptrs, part_bytes))
-    row("unpack", "float32", 2 * nbytes, ours, timer(torch_unpack))
+    row("unpack", "float32", 2 * nbytes, lambda: unpack(pflat, part_ptrs, part_bytes), torch_unpack)
 
 
 def plot(rows, path: str):
@@ -217,7 +236,7 @@ def main(argv=None):
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--op", choices=kernels.OPS, default="sum")
-    parser.add_argument("--reps", type=int, default=7, help="timed samples per measurement (median taken)")
+    parser.add_argument("--reps", type=int, default=15, help="timed samples per route and row (median taken)")
     parser.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES} and float32/bfloat16 only")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not kernels.cuda_available():

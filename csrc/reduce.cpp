@@ -16,6 +16,8 @@
 #include <stdexcept>
 #include <type_traits>
 
+#include "combine.h"
+
 namespace mpidist {
 
 DType parse_dtype(const std::string& name) {

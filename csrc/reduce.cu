@@ -14,6 +14,7 @@
 #include <string>
 #include <type_traits>
 
+#include "combine.h"
 #include "reduce.h"
 
 namespace mpidist {
@@ -79,38 +80,6 @@ struct Elem<BFloat16> {
     __device__ static Acc load(BFloat16 v) { return __uint_as_float(uint32_t(v.bits) << 16); }
     __device__ static BFloat16 store(Acc a) { return BFloat16{__bfloat16_as_ushort(__float2bfloat16_rn(a))}; }
 };
-
-// Integers combine as unsigned so that overflow wraps, as on the CPU.
-template <typename A>
-struct Wrap {
-    using type = A;
-};
-template <>
-struct Wrap<int32_t> {
-    using type = uint32_t;
-};
-template <>
-struct Wrap<int64_t> {
-    using type = uint64_t;
-};
-template <>
-struct Wrap<int8_t> {
-    using type = uint8_t;
-};
-
-template <Op op, typename A>
-__device__ __forceinline__ A combine(A a, A b) {
-    using W = typename Wrap<A>::type;
-    if constexpr (op == Op::sum) {
-        return (A)(W)((W)a + (W)b);
-    } else if constexpr (op == Op::prod) {
-        return (A)(W)((W)a * (W)b);
-    } else if constexpr (op == Op::min) {
-        return (a < b || a != a) ? a : b;  // NaN on either side wins
-    } else {
-        return (a > b || a != a) ? a : b;
-    }
-}
 
 // ---- vector packs ----------------------------------------------------------------------------
 
@@ -300,8 +269,8 @@ void launch_combine(T* dst, const T* a, const T* b, std::size_t n, double factor
     check(cudaGetLastError(), "reduce kernel launch");
 }
 
-void combine(void* dst, const void* src, std::size_t n, DType dtype, Op op, bool scaled, double factor,
-             std::uintptr_t stream, int device) {
+void reduce_any(void* dst, const void* src, std::size_t n, DType dtype, Op op, bool scaled, double factor,
+                std::uintptr_t stream, int device) {
     if (n == 0) return;
     DeviceGuard guard(device);
     with_dtype(dtype, [&](auto tag) {
@@ -350,13 +319,13 @@ void copy_ranges(char* const* dsts, const char* const* srcs, const std::size_t* 
 }  // namespace
 
 void reduce(void* dst, const void* src, std::size_t n, DType dtype, Op op, std::uintptr_t stream, int device) {
-    combine(dst, src, n, dtype, op, false, 1.0, stream, device);
+    reduce_any(dst, src, n, dtype, op, false, 1.0, stream, device);
 }
 
 void reduce_scale(void* dst, const void* src, std::size_t n, DType dtype, Op op, double factor,
                   std::uintptr_t stream, int device) {
     check_scalable(dtype, factor);
-    combine(dst, src, n, dtype, op, factor != 1.0, factor, stream, device);
+    reduce_any(dst, src, n, dtype, op, factor != 1.0, factor, stream, device);
 }
 
 void scale(void* dst, std::size_t n, DType dtype, double factor, std::uintptr_t stream, int device) {

@@ -3,7 +3,8 @@
 // No include guard on purpose: reduce.cpp includes this file once per instruction set, each time
 // inside its own namespace and `#pragma GCC target` region, and picks one copy at run time. So
 // this file includes nothing itself and relies on reduce.cpp for <cstdint>, <cstring>,
-// <type_traits>, <immintrin.h> and the Half / BFloat16 storage types. MPIDIST_LOOPS_F16C is
+// <type_traits>, <immintrin.h>, combine.h (the element combine, shared with the CUDA kernels) and
+// the Half / BFloat16 storage types. MPIDIST_LOOPS_F16C is
 // defined for copies compiled with F16C, which then convert float16 with those instructions, and
 // MPIDIST_LOOPS_AVX512 for the AVX-512 copy, which adds register loops for the half types.
 
@@ -123,39 +124,6 @@ template <typename T, typename Acc>
 inline void ElemBase<T, Acc>::store_n(const Acc* in, T* dst, size_t m) {
 #pragma omp simd
     for (size_t i = 0; i < m; ++i) dst[i] = Elem<T>::store(in[i]);
-}
-
-// Integers are combined as unsigned so that overflow wraps (as in NumPy and torch) without UB.
-template <typename A>
-struct Wrap {
-    using type = A;
-};
-template <>
-struct Wrap<int32_t> {
-    using type = uint32_t;
-};
-template <>
-struct Wrap<int64_t> {
-    using type = uint64_t;
-};
-template <>
-struct Wrap<int8_t> {
-    using type = uint8_t;
-};
-
-// `a != a` is the NaN test: a NaN on either side wins, like torch.minimum / torch.maximum.
-template <Op op, typename A>
-static inline A combine(A a, A b) {
-    using W = typename Wrap<A>::type;
-    if constexpr (op == Op::sum) {
-        return (A)(W)((W)a + (W)b);
-    } else if constexpr (op == Op::prod) {
-        return (A)(W)((W)a * (W)b);
-    } else if constexpr (op == Op::min) {
-        return ((a < b) | (a != a)) ? a : b;
-    } else {
-        return ((a > b) | (a != a)) ? a : b;
-    }
 }
 
 // ---- AVX-512 loops for the half types, with the conversions in registers ----------------------
