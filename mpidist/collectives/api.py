@@ -191,13 +191,11 @@ def kernel_op(op: str) -> str:
 
 def allreduce(comm, array, op="sum", algorithm="auto", out=None):
     """All-reduce `array` across the communicator; in place unless `out` is given. Returns the result."""
-    if out is None and small_cpu_allreduce(comm, array, op, algorithm):
-        return array
     target, target_info = prepare_allreduce(array, op, algorithm, out)
     return in_order(comm, lambda channel: _run_allreduce(channel, target, target_info, op, algorithm))
 
 
-# ---- the small-message fast path -----------------------------------------------------------------
+# ---- the small-message fast path (Communicator.allreduce tries it first) ---------------------------
 # A small MPI_Allreduce takes about a microsecond, so every microsecond of Python in front of it
 # shows. Small CPU messages that the general path would hand to the MPI library anyway skip it
 # (buffer description, context, dispatch) and go straight to MPI_Allreduce; float16/bfloat16 take
@@ -213,13 +211,11 @@ FAST_NUMPY_TYPES[np.dtype("float16")] = (MPI.FLOAT, 2, "float16")
 FAST_TORCH_TYPES = {}
 
 
-def fast_torch_types(torch) -> dict:
-    if not FAST_TORCH_TYPES:
-        for name in tuple(native.MPI_TYPES) + HALF_NAMES:
-            dtype = getattr(torch, name)
-            mpi_type = MPI.FLOAT if name in HALF_NAMES else native.MPI_TYPES[name]
-            FAST_TORCH_TYPES[dtype] = (mpi_type, torch.empty(0, dtype=dtype).element_size(), name)
-    return FAST_TORCH_TYPES
+def fill_fast_torch_types(torch) -> None:
+    for name in tuple(native.MPI_TYPES) + HALF_NAMES:
+        dtype = getattr(torch, name)
+        mpi_type = MPI.FLOAT if name in HALF_NAMES else native.MPI_TYPES[name]
+        FAST_TORCH_TYPES[dtype] = (mpi_type, torch.empty(0, dtype=dtype).element_size(), name)
 
 
 def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
@@ -241,13 +237,15 @@ def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
         torch = sys.modules.get("torch")
         if torch is None or kind is not torch.Tensor and not isinstance(array, torch.Tensor):
             return False
-        spec = fast_torch_types(torch).get(array.dtype)
+        if not FAST_TORCH_TYPES:
+            fill_fast_torch_types(torch)
+        spec = FAST_TORCH_TYPES.get(array.dtype)
         if spec is None or not array.is_cpu or not array.is_contiguous():
             return False
         nbytes = array.numel() * spec[1]
     mpi_type, itemsize, name = spec
     half = name in HALF_NAMES
-    if nbytes == 0 or algorithm == "auto" and nbytes >= auto_mpi_bound(comm, half):
+    if nbytes == 0 or algorithm == "auto" and nbytes >= comm.fast_path_bounds[half]:
         return False
     if not half:
         message = array if kind is np.ndarray else MPI.buffer.fromaddress(array.data_ptr(), nbytes)
@@ -265,19 +263,18 @@ def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
     return True
 
 
-def auto_mpi_bound(comm, half: bool) -> float:
-    """Messages below this many bytes go to MPI_Allreduce under algorithm="auto" (0: none)."""
-    if comm.forced_algorithm:
-        return float("inf") if comm.forced_algorithm == "mpi" else 0
-    if comm.size == 1:
-        return 0
-    bound = 0
-    table = comm.tuning_table or (TWO_RANK_TABLE if comm.size == 2 else BUILTIN_TABLE)
-    if table[0][1] == "mpi":
-        bound = table[0][0]
-    if half and HALF_TABLE[0][1] != "mpi":
-        return 0
-    return min(bound, HALF_TABLE[0][0]) if half else bound
+def fast_path_bounds(size: int, table, forced) -> tuple:
+    """(bound for other dtypes, bound for float16/bfloat16): messages below it go to
+    MPI_Allreduce under algorithm="auto" (0: none do). As choose_allreduce decides."""
+    if forced:
+        bound = float("inf") if forced == "mpi" else 0
+        return bound, bound
+    if size == 1:
+        return 0, 0
+    table = table or (TWO_RANK_TABLE if size == 2 else BUILTIN_TABLE)
+    bound = table[0][0] if table[0][1] == "mpi" else 0
+    half_bound = min(bound, HALF_TABLE[0][0]) if HALF_TABLE[0][1] == "mpi" else 0
+    return bound, half_bound
 
 
 def in_order(comm, work):
