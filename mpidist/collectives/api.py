@@ -318,8 +318,10 @@ def _run_allreduce(comm, array, info, op, algorithm):
 
 
 def _reduce_with(algorithm, ctx: Context, op: str) -> None:
+    ctx.average = op == "avg"
     algorithm(ctx)
-    finish_average(ctx, op)
+    if ctx.average:  # the algorithm left the division to us
+        finish_average(ctx, op)
 
 
 def broadcast(comm, array, root=0):

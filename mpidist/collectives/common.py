@@ -27,6 +27,10 @@ class Context:
         self.info = info
         self.op = op
         self.tag = tag
+        # op="avg": the sum still has to be divided by the rank count. An algorithm that can do
+        # it while the data is still in cache does so and clears this; otherwise the caller
+        # scales the whole result afterwards.
+        self.average = False
 
     # ---- memory --------------------------------------------------------------------------
 

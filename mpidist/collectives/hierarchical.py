@@ -9,7 +9,8 @@ When the whole communicator is one node:
    stays in its own buffer.
 2. Node barrier.
 3. Each rank reduces its slice of its own buffer and of the other ranks' slots into its own
-   buffer, and publishes the result in its slot's own-slice region, which step 1 left free.
+   buffer (for op="avg" it divides the slice right away, while it is in cache), and publishes
+   the result in its slot's own-slice region, which step 1 left free.
 4. Node barrier.
 5. Each rank copies the other ranks' result slices out of their slots.
 Per rank (n = message bytes): (L-1)/L·n read and written (copy in), n read and n/L written (its
@@ -165,7 +166,10 @@ def reduce_on_one_node(ctx: Context, window: NodeWindow, slots: list) -> None:
         # may be one of its sources: this rank's own buffer.
         sources = [info.ptr + start if k == me else slot + start for k, slot in enumerate(slots)]
         kernels.reduce_many_ptr(info.ptr + start, sources, length // itemsize, info.dtype, ctx.op)
+        if ctx.average:  # divide the slice now, while it is in cache, not the whole buffer later
+            kernels.scale_ptr(info.ptr + start, length // itemsize, info.dtype, 1.0 / ctx.size)
         ctypes.memmove(slots[me] + start, info.ptr + start, length)
+    ctx.average = False
     window.sync()
     for k, (offset, size) in enumerate(slices):
         if k != me:

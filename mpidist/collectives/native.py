@@ -28,7 +28,10 @@ def native_allreduce(ctx: Context) -> None:
                                     info.count * 4, slot=7)
         kernels.cast_ptr(wide.ptr, "float32", info.ptr, info.dtype, info.count, device=info.device)
         _mpi_allreduce(ctx, wide)
-        kernels.cast_ptr(info.ptr, info.dtype, wide.ptr, "float32", info.count, device=info.device)
+        # op="avg": the cast back divides too, so the result is rounded once.
+        scale = 1.0 / ctx.size if ctx.average else 1.0
+        kernels.cast_ptr(info.ptr, info.dtype, wide.ptr, "float32", info.count, scale=scale, device=info.device)
+        ctx.average = False
     else:
         _mpi_allreduce(ctx, info)
 
