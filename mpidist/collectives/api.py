@@ -150,10 +150,11 @@ def signature(collective: str, info: BufferInfo, op: str = "sum", algorithm: str
 # ---- staging ---------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def staged(comm, array, info: BufferInfo):
+def staged(comm, array, info: BufferInfo, host_only: bool = False):
     """The buffer the algorithm should work on: the array itself, or a pinned host copy when
-    the array lives on a GPU and the MPI library cannot read GPU memory."""
-    if info.is_cuda and not comm.is_cuda_aware():
+    the array lives on a GPU and the MPI library cannot read GPU memory (or the algorithm
+    works in host memory only: `host_only`)."""
+    if info.is_cuda and (host_only or not comm.is_cuda_aware()):
         host = comm.staging.stage_in(array, info)
         yield host
         comm.staging.stage_out(array, info, host)
@@ -310,7 +311,9 @@ def _run_allreduce(comm, array, info, op, algorithm):
         check_same_call(comm, mpi, signature("allreduce", info, op, algorithm))
     name = resolve_algorithm(algorithm, info, comm)
     if info.is_cuda:
-        with staged(comm, array, info) as work:
+        # The hierarchical algorithm reduces in a node-shared window of host memory, which CUDA
+        # kernels cannot address: GPU buffers always go through host staging for it.
+        with staged(comm, array, info, host_only=name == "hierarchical") as work:
             _reduce_with(ALLREDUCE[name], Context(comm, mpi, work, op=kernel_op(op), tag=TAGS["allreduce"]), op)
     else:  # the hot path of small messages: no context manager
         _reduce_with(ALLREDUCE[name], Context(comm, mpi, info, op=kernel_op(op), tag=TAGS["allreduce"]), op)
