@@ -26,8 +26,8 @@ With more than one node the node leaders need the whole node result in one buffe
 Per rank that is 2n (copy in) + n + n/L (reduction) + 2n (copy out) inside the node and three
 node barriers; between nodes only the leaders talk, each sending 2(N-1)/N · n bytes for N nodes.
 
-The window is kept per communicator and grown when a larger message comes; it holds two slots
-per rank, and consecutive calls alternate between them (NodeWindow.next_slots says why).
+The window is kept per communicator and grown when a larger message comes. On one node it holds
+two slots per rank, and consecutive calls alternate between them (NodeWindow.next_slots says why).
 """
 from __future__ import annotations
 
@@ -47,8 +47,9 @@ RING_ACROSS_NODES_BYTES = 1024 * 1024
 
 
 class NodeWindow:
-    """The shared window of one node: every local rank has two slots of `capacity` bytes, one
-    in each half of the window; with several nodes, local rank 0 also holds a result region."""
+    """The shared window of one node. On one node every local rank has two slots of `capacity`
+    bytes, one in each half of the window; with several nodes it has one slot, and local rank 0
+    also holds a result region."""
 
     def __init__(self, node_comm, leader_comm, spans_nodes: bool):
         self.node_comm = node_comm
@@ -73,6 +74,11 @@ class NodeWindow:
         so after every rank has finished reading this one. Every rank makes the same calls in
         the same order, so all agree on the half."""
         self.ensure(nbytes)
+        if self.spans_nodes:
+            # That path reads the slots only before its second barrier, and rewrites the result
+            # region only after the next call's first barrier, which every rank reaches only
+            # once it has copied the result out: one slot per rank is enough.
+            return list(self.bases)
         half = self.calls % 2 * self.capacity
         self.calls += 1
         return [base + half for base in self.bases]
@@ -87,11 +93,14 @@ class NodeWindow:
         if self.win is not None:
             self.node_comm.Barrier()  # nobody may still be copying out of the old window
         self.free()
-        with_result = self.spans_nodes and self.local_rank == 0
-        self.win = MPI.Win.Allocate_shared((3 if with_result else 2) * capacity, 1, comm=self.node_comm)
+        if self.spans_nodes:  # one slot, and the result region after local rank 0's slot
+            mine = 2 * capacity if self.local_rank == 0 else capacity
+        else:  # two slots
+            mine = 2 * capacity
+        self.win = MPI.Win.Allocate_shared(mine, 1, comm=self.node_comm)
         self.win.Lock_all(MPI.MODE_NOCHECK)
         self.bases = [self.win.Shared_query(k)[0].address for k in range(self.local_size)]
-        self.result = self.bases[0] + 2 * capacity if self.spans_nodes else None
+        self.result = self.bases[0] + capacity if self.spans_nodes else None
         self.capacity = capacity
 
     def sync(self) -> None:
