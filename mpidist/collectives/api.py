@@ -16,6 +16,7 @@ from mpi4py import MPI
 from .. import buffers, kernels
 from ..buffers import BufferInfo, DTYPES, FLOAT_DTYPES
 from ..errors import InvalidArgumentError, MismatchError, MpidistError, UnsupportedDtypeError
+from . import native
 from .broadcast import broadcast as broadcast_algorithm
 from .common import Context, split_counts
 from .hierarchical import hierarchical_allreduce
@@ -24,7 +25,6 @@ from .recursive_doubling import recursive_doubling_allreduce
 from .recursive_halving import recursive_halving_allreduce
 from .reduce_bcast import reduce_bcast_allreduce
 from .ring import allgather_ring, reduce_scatter_ring, ring_allreduce
-from . import native
 from .select import BUILTIN_TABLE, HALF_TABLE, TWO_RANK_TABLE, choose_allreduce
 from .tree import tree_allreduce
 
