@@ -203,7 +203,7 @@ def allreduce(comm, array, op="sum", algorithm="auto", out=None):
 # the MPI route's float32 round trip through a scratch buffer kept for this. With the cross-rank
 # call check on, the general path runs: the check is a collective of its own.
 
-FAST_OPS = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
+FAST_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
 HALF_NAMES = ("float16", "bfloat16")
 # dtype -> (MPI datatype, item size, our name); the torch entries are made when torch is first seen.
 FAST_NUMPY_TYPES = {np.dtype(name): (native.MPI_TYPES[name], np.dtype(name).itemsize, name)
@@ -246,21 +246,27 @@ def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
         nbytes = array.numel() * spec[1]
     mpi_type, itemsize, name = spec
     half = name in HALF_NAMES
-    if nbytes == 0 or algorithm == "auto" and nbytes >= comm.fast_path_bounds[half]:
+    average = op == "avg"
+    if nbytes == 0 or algorithm == "auto" and nbytes >= comm.fast_path_bounds[half] \
+            or average and name not in FLOAT_DTYPES:  # the general path refuses an integer average
         return False
+    count = nbytes // itemsize
     if not half:
         message = array if kind is np.ndarray else MPI.buffer.fromaddress(array.data_ptr(), nbytes)
         comm.mpi.Allreduce(MPI.IN_PLACE, [message, mpi_type], mpi_op)
+        if average:  # as finish_average does
+            address = array.ctypes.data if kind is np.ndarray else array.data_ptr()
+            kernels.scale_ptr(address, count, name, 1.0 / comm.size)
         return True
     address = array.ctypes.data if kind is np.ndarray else array.data_ptr()
-    count = nbytes // itemsize
     wide = comm.fast_path_scratch
     if wide is None or wide.size < count:
         wide = comm.fast_path_scratch = np.empty(max(count, 1024), dtype=np.float32)
     wide_address = wide.ctypes.data
     kernels.cast_ptr(wide_address, "float32", address, name, count)
     comm.mpi.Allreduce(MPI.IN_PLACE, [MPI.buffer.fromaddress(wide_address, count * 4), MPI.FLOAT], mpi_op)
-    kernels.cast_ptr(address, name, wide_address, "float32", count)
+    # As the general path's MPI route: op="avg" divides in the cast back (one rounding).
+    kernels.cast_ptr(address, name, wide_address, "float32", count, scale=1.0 / comm.size if average else 1.0)
     return True
 
 
