@@ -213,14 +213,9 @@ class LocalCandidate(Candidate):
         self.buckets = None
 
 
-class SingleCandidate(Candidate):
+class SingleCandidate(LocalCandidate):
+    """The same plain training, run by rank 0 alone (measure() lets the other ranks wait)."""
     name = "single"
-
-    def __init__(self, sizes, seed):
-        super().__init__(sizes, seed)
-        self.wrapped = self.model
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LR)
-        self.buckets = None
 
 
 # ---- the measurement ----------------------------------------------------------------------------

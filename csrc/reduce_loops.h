@@ -211,6 +211,11 @@ struct Wide<Half> {
     static inline void store(Half* p, Pair v, __mmask32 m) { _mm512_mask_storeu_epi16(p, m, narrow(v)); }
 };
 
+// The mask of the first `left` of 32 16-bit lanes (all of them when left >= 32): the tails.
+static inline __mmask32 tail_mask(size_t left) {
+    return left >= 32 ? ~__mmask32(0) : (__mmask32)((1u << left) - 1u);
+}
+
 template <typename T>
 struct WideLoops {
     using W = Wide<T>;
@@ -236,7 +241,7 @@ struct WideLoops {
             W::store(dst + i + kStep, step2<op, kScaled>(x1, y1, f));
         }
         for (; i < n; i += kStep) {
-            const __mmask32 m = n - i >= kStep ? ~__mmask32(0) : (__mmask32)((1u << (n - i)) - 1u);
+            const __mmask32 m = tail_mask(n - i);
             W::store(dst + i, step2<op, kScaled>(W::load(a + i, m), W::load(b + i, m), f), m);
         }
     }
@@ -254,7 +259,7 @@ struct WideLoops {
             W::store(dst + i, r);
         }
         if (i < n) {
-            const __mmask32 m = (__mmask32)((1u << (n - i)) - 1u);
+            const __mmask32 m = tail_mask(n - i);
             Pair r = W::load(s[0] + i, m);
             for (int j = 1; j < K; ++j) r = step2<op, false>(r, W::load(s[j] + i, m), one);
             W::store(dst + i, r, m);
@@ -275,15 +280,12 @@ struct WideLoops {
         }
     }
 };
+
 // float32 <-> float16 in registers (F16C on 512-bit registers, round to nearest even), `factor`
 // applied in float32 before the one rounding. The staged block loop spends most of its time on
 // the staging, and measured at half of torch's speed.
 struct WideHalfCast {
     using W = Wide<Half>;
-
-    static inline __mmask32 mask_for(size_t left) {
-        return left >= 32 ? ~__mmask32(0) : (__mmask32)((1u << left) - 1u);
-    }
 
     static void from_float(Half* dst, const float* src, size_t n, float factor) {
         const __m512 f = _mm512_set1_ps(factor);
@@ -293,7 +295,7 @@ struct WideHalfCast {
             W::store(dst + i, W::Pair{_mm512_mul_ps(low, f), _mm512_mul_ps(high, f)});
         }
         if (i < n) {  // the tail, with masks
-            const __mmask32 m = mask_for(n - i);
+            const __mmask32 m = tail_mask(n - i);
             const __m512 low = _mm512_maskz_loadu_ps((__mmask16)m, src + i);
             const __m512 high = _mm512_maskz_loadu_ps((__mmask16)(m >> 16), src + i + 16);
             W::store(dst + i, W::Pair{_mm512_mul_ps(low, f), _mm512_mul_ps(high, f)}, m);
@@ -309,7 +311,7 @@ struct WideHalfCast {
             _mm512_storeu_ps(dst + i + 16, _mm512_mul_ps(v.odd, f));
         }
         if (i < n) {
-            const __mmask32 m = mask_for(n - i);
+            const __mmask32 m = tail_mask(n - i);
             const W::Pair v = W::load(src + i, m);
             _mm512_mask_storeu_ps(dst + i, (__mmask16)m, _mm512_mul_ps(v.even, f));
             _mm512_mask_storeu_ps(dst + i + 16, (__mmask16)(m >> 16), _mm512_mul_ps(v.odd, f));

@@ -103,10 +103,11 @@ class Communicator:
         self.staging = buffers.HostStaging()
         self.check_calls = os.environ.get("MPIDIST_CHECK", "1") != "0"
         # algorithm="auto"'s decision table from `mpidist tune` (None: the built-in one).
-        from .collectives.select import forced_algorithm, load_tuning_table
+        from .collectives.select import forced_algorithm, load_tuning_table, mpi_bounds
         self.tuning_table = load_tuning_table(self.mpi)
         self.forced_algorithm = forced_algorithm()  # MPIDIST_ALLREDUCE_ALGORITHM
-        self.fast_path_bounds = api().fast_path_bounds(self.size, self.tuning_table, self.forced_algorithm)
+        # Below these sizes `auto` hands all-reduces to MPI: the small-message fast path's limit.
+        self.fast_path_bounds = mpi_bounds(self.size, self.tuning_table, self.forced_algorithm)
         self._lock = threading.Lock()
         self._engine = None
         self.fast_path_scratch = None  # float32 room for small float16/bfloat16 all-reduces
@@ -205,9 +206,10 @@ class Communicator:
     # ---- collectives (mpidist's own algorithms; see mpidist/collectives/) ----------------------
 
     def allreduce(self, array, op="sum", algorithm="auto", out=None):
-        if out is None and _api.small_cpu_allreduce(self, array, op, algorithm):
+        collectives = api()
+        if out is None and collectives.small_cpu_allreduce(self, array, op, algorithm):
             return array  # small CPU messages: straight to MPI_Allreduce
-        return _api.allreduce(self, array, op=op, algorithm=algorithm, out=out)
+        return collectives.allreduce(self, array, op=op, algorithm=algorithm, out=out)
 
     def allreduce_async(self, array, op="sum", algorithm="auto", out=None):
         return api().allreduce_async(self, array, op=op, algorithm=algorithm, out=out)

@@ -14,7 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import buffers, kernels
-from ..buffers import BufferInfo, DTYPES, FLOAT_DTYPES
+from ..buffers import ITEMSIZE, BufferInfo, DTYPES, FLOAT_DTYPES
 from ..errors import InvalidArgumentError, MismatchError, MpidistError, UnsupportedDtypeError
 from . import native
 from .broadcast import broadcast as broadcast_algorithm
@@ -25,7 +25,7 @@ from .recursive_doubling import recursive_doubling_allreduce
 from .recursive_halving import recursive_halving_allreduce
 from .reduce_bcast import reduce_bcast_allreduce
 from .ring import allgather_ring, reduce_scatter_ring, ring_allreduce
-from .select import BUILTIN_TABLE, HALF_TABLE, TWO_RANK_TABLE, choose_allreduce
+from .select import choose_allreduce
 from .tree import tree_allreduce
 
 ALLREDUCE = {
@@ -203,20 +203,23 @@ def allreduce(comm, array, op="sum", algorithm="auto", out=None):
 # the MPI route's float32 round trip through a scratch buffer kept for this. With the cross-rank
 # call check on, the general path runs: the check is a collective of its own.
 
-FAST_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
-HALF_NAMES = ("float16", "bfloat16")
-# dtype -> (MPI datatype, item size, our name); the torch entries are made when torch is first seen.
-FAST_NUMPY_TYPES = {np.dtype(name): (native.MPI_TYPES[name], np.dtype(name).itemsize, name)
-                    for name in native.MPI_TYPES}
-FAST_NUMPY_TYPES[np.dtype("float16")] = (MPI.FLOAT, 2, "float16")
+FAST_OPS = dict(native.MPI_OPS, avg=MPI.SUM)
+HALF_NAMES = native.HALF_TYPES
+
+
+def fast_spec(name: str) -> tuple:
+    """(MPI datatype, item size, our name): half types travel as float32."""
+    return (MPI.FLOAT if name in HALF_NAMES else native.MPI_TYPES[name], ITEMSIZE[name], name)
+
+
+# dtype -> fast_spec; the torch entries are made when torch is first seen.
+FAST_NUMPY_TYPES = {np.dtype(name): fast_spec(name) for name in tuple(native.MPI_TYPES) + ("float16",)}
 FAST_TORCH_TYPES = {}
 
 
 def fill_fast_torch_types(torch) -> None:
     for name in tuple(native.MPI_TYPES) + HALF_NAMES:
-        dtype = getattr(torch, name)
-        mpi_type = MPI.FLOAT if name in HALF_NAMES else native.MPI_TYPES[name]
-        FAST_TORCH_TYPES[dtype] = (mpi_type, torch.empty(0, dtype=dtype).element_size(), name)
+        FAST_TORCH_TYPES[getattr(torch, name)] = fast_spec(name)
 
 
 def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
@@ -258,30 +261,12 @@ def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
             address = array.ctypes.data if kind is np.ndarray else array.data_ptr()
             kernels.scale_ptr(address, count, name, 1.0 / comm.size)
         return True
-    address = array.ctypes.data if kind is np.ndarray else array.data_ptr()
     wide = comm.fast_path_scratch
     if wide is None or wide.size < count:
         wide = comm.fast_path_scratch = np.empty(max(count, 1024), dtype=np.float32)
-    wide_address = wide.ctypes.data
-    kernels.cast_ptr(wide_address, "float32", address, name, count)
-    comm.mpi.Allreduce(MPI.IN_PLACE, [MPI.buffer.fromaddress(wide_address, count * 4), MPI.FLOAT], mpi_op)
-    # As the general path's MPI route: op="avg" divides in the cast back (one rounding).
-    kernels.cast_ptr(address, name, wide_address, "float32", count, scale=1.0 / comm.size if average else 1.0)
+    native.allreduce_through_float32(comm.mpi, array.ctypes.data if kind is np.ndarray else array.data_ptr(),
+                                     name, count, wide.ctypes.data, mpi_op, 1.0 / comm.size if average else 1.0)
     return True
-
-
-def fast_path_bounds(size: int, table, forced) -> tuple:
-    """(bound for other dtypes, bound for float16/bfloat16): messages below it go to
-    MPI_Allreduce under algorithm="auto" (0: none do). As choose_allreduce decides."""
-    if forced:
-        bound = float("inf") if forced == "mpi" else 0
-        return bound, bound
-    if size == 1:
-        return 0, 0
-    table = table or (TWO_RANK_TABLE if size == 2 else BUILTIN_TABLE)
-    bound = table[0][0] if table[0][1] == "mpi" else 0
-    half_bound = min(bound, HALF_TABLE[0][0]) if HALF_TABLE[0][1] == "mpi" else 0
-    return bound, half_bound
 
 
 def in_order(comm, work):

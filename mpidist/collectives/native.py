@@ -26,14 +26,22 @@ def native_allreduce(ctx: Context) -> None:
     if info.dtype in HALF_TYPES:
         wide = ctx.comm.scratch.get(BufferInfo(info.ptr, info.count, "float32", info.device, info.kind),
                                     info.count * 4, slot=7)
-        kernels.cast_ptr(wide.ptr, "float32", info.ptr, info.dtype, info.count, device=info.device)
-        _mpi_allreduce(ctx, wide)
         # op="avg": the cast back divides too, so the result is rounded once.
         scale = 1.0 / ctx.size if ctx.average else 1.0
-        kernels.cast_ptr(info.ptr, info.dtype, wide.ptr, "float32", info.count, scale=scale, device=info.device)
+        allreduce_through_float32(ctx.mpi, info.ptr, info.dtype, info.count, wide.ptr, MPI_OPS[ctx.op],
+                                  scale, info.device)
         ctx.average = False
     else:
         _mpi_allreduce(ctx, info)
+
+
+def allreduce_through_float32(mpi, ptr: int, dtype: str, count: int, wide_ptr: int, mpi_op, scale: float,
+                              device: str = "cpu") -> None:
+    """MPI_Allreduce of `count` float16/bfloat16 at `ptr` through float32 room at `wide_ptr`:
+    upcast, reduce, and round back once (times `scale`)."""
+    kernels.cast_ptr(wide_ptr, "float32", ptr, dtype, count, device=device)
+    mpi.Allreduce(MPI.IN_PLACE, [MPI.buffer.fromaddress(wide_ptr, count * 4), count, MPI.FLOAT], mpi_op)
+    kernels.cast_ptr(ptr, dtype, wide_ptr, "float32", count, scale=scale, device=device)
 
 
 def _mpi_allreduce(ctx: Context, info: BufferInfo) -> None:

@@ -58,12 +58,31 @@ def choose_allreduce(nbytes: int, ranks: int, table=None, dtype: str = "float32"
         return forced
     if ranks == 1:
         return "ring"  # nothing to exchange; any algorithm returns at once
-    chosen = _lookup(table or (TWO_RANK_TABLE if ranks == 2 else BUILTIN_TABLE), nbytes)
+    chosen = _lookup(table_for(ranks, table), nbytes)
     if chosen == "mpi" and dtype in HALF_DTYPES:
         # MPI cannot reduce float16/bfloat16: its route upcasts to float32 and back, which our
         # algorithms beat once messages are a few KiB (benchmarks/results/collectives-cpu.md).
         chosen = _lookup(HALF_TABLE, nbytes)
     return chosen
+
+
+def mpi_bounds(ranks: int, table=None, forced: str | None = None) -> tuple:
+    """(bound for other dtypes, bound for float16/bfloat16): messages below it are the ones
+    choose_allreduce gives to "mpi" from its first table row (0: none are)."""
+    if forced:
+        bound = float("inf") if forced == "mpi" else 0
+        return bound, bound
+    if ranks == 1:
+        return 0, 0
+    first_bound, first = table_for(ranks, table)[0]
+    bound = first_bound if first == "mpi" else 0
+    half_bound = min(bound, HALF_TABLE[0][0]) if HALF_TABLE[0][1] == "mpi" else 0
+    return bound, half_bound
+
+
+def table_for(ranks: int, table=None) -> tuple:
+    """The tuned table when there is one, else the built-in one for this rank count."""
+    return table or (TWO_RANK_TABLE if ranks == 2 else BUILTIN_TABLE)
 
 
 def _lookup(table, nbytes: int) -> str:
