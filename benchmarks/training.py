@@ -28,10 +28,11 @@ Breakdown (mpidist rows; per step, median over measured steps, mean over ranks):
 the loss), backward compute (backward minus the wait below), exposed wait (GradientBuckets.wait
 in the callback that ends backward: launching the buckets still pending, waiting for every
 all-reduce, unpacking), optimizer (step and zero_grad). comm_ms is the sum of the buckets'
-all-reduce times on the async engine's thread (start to finish of each), comm_hidden_ms the
-part of it that ran before the exposed wait began, i.e. behind backward. The timestamps come
-from wrapping GradientBuckets.wait and the engine's submit on the instances used here; mpidist
-itself is unchanged by them.
+all-reduce times, start to finish of each (GradientBuckets.trace: on one node from the copy-in
+at launch to the copy-out, through the polled shared slots; otherwise on the async engine's
+thread), comm_hidden_ms the part of it that ran before the exposed wait began, i.e. behind
+backward. The wait's timestamps come from wrapping GradientBuckets.wait on the instances used
+here; mpidist itself is unchanged by that.
 
 Correctness: after the measured steps, every mpidist model's parameters are compared with DDP's
 (same initial weights, same batches, same number of steps): max over tensors of
@@ -145,11 +146,11 @@ class MpidistCandidate(Candidate):
         self.optimizer = torch.optim.SGD(self.wrapped.parameters(), lr=LR)
         self.buckets = len(self.wrapped.buckets.buckets)
         self.waits, self.comms = [], []
-        self._instrument(comm)
+        self._instrument()
 
-    def _instrument(self, comm):
-        """Timestamps of GradientBuckets.wait and of each all-reduce on the engine's thread,
-        through instance attributes (the classes are untouched)."""
+    def _instrument(self):
+        """Timestamps of GradientBuckets.wait (through an instance attribute; the class is
+        untouched) and of each bucket's all-reduce (GradientBuckets.trace)."""
         buckets = self.wrapped.buckets
         plain_wait = buckets.wait
 
@@ -161,22 +162,7 @@ class MpidistCandidate(Candidate):
                 self.waits.append((start, time.perf_counter()))
 
         buckets.wait = timed_wait
-        engine = comm.async_engine()
-        if not hasattr(engine, "_training_bench_spans"):
-            plain_submit = engine.submit
-            engine._training_bench_spans = []
-
-            def timed_submit(description, work):
-                def timed_work(eng):
-                    start = time.perf_counter()
-                    try:
-                        return work(eng)
-                    finally:
-                        engine._training_bench_spans.append((start, time.perf_counter()))
-                return plain_submit(description, timed_work)
-
-            engine.submit = timed_submit
-        self.spans = engine._training_bench_spans
+        self.spans = buckets.trace = []
 
     def train_step(self, x, y, record: bool) -> None:
         self.waits.clear()

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "counters.h"
 #include "reduce.h"
 
 namespace py = pybind11;
@@ -218,6 +219,10 @@ PYBIND11_MODULE(_C, m) {
     m.def("set_num_threads", &mpidist::cpu::set_num_threads, py::arg("n"),
           "Threads the CPU kernels use for buffers of 1 MiB and more.");
     m.def("get_num_threads", &mpidist::cpu::get_num_threads);
+    m.def("store_counter", &mpidist::store_counter, py::arg("address"), py::arg("value"),
+          "Publish a progress counter in shared memory (after a full fence).");
+    m.def("counters_reached", &mpidist::counters_reached, py::arg("addresses"), py::arg("value"),
+          "Whether every progress counter at these addresses has reached value.");
     m.def("cpu_isa", &mpidist::cpu::isa, "Instruction set the CPU loops were compiled for and chosen at load.");
 #ifdef MPIDIST_WITH_CUDA
     bind_kernels<CudaBackend, std::uintptr_t, int>(m, "cuda_", py::arg("stream") = std::uintptr_t(0), py::arg("device") = -1);

@@ -405,9 +405,11 @@ class Handle:
         self._finished = threading.Event()
         self._result = None
         self._error = None
+        self.started = self.finished = None  # perf_counter times on the engine's thread
 
     def _complete(self, result=None, error=None):
         self._result, self._error = result, error
+        self.finished = time.perf_counter()
         self._finished.set()
 
     def done(self) -> bool:
@@ -453,6 +455,7 @@ class AsyncEngine:
             if item is None:
                 return
             handle, work = item
+            handle.started = time.perf_counter()
             try:
                 handle._complete(result=work(self))
             except BaseException as exc:  # handed to the waiting caller

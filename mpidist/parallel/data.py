@@ -8,6 +8,7 @@ import contextlib
 import torch
 
 from .. import kernels
+from ..collectives.polled import NodeSlots
 from ..comm import init
 from ..errors import InvalidArgumentError
 
@@ -54,6 +55,12 @@ class _Bucket:
             self._wire = torch.empty_like(self.flat, dtype=self.wire_dtype)
         return self._wire
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffer this bucket all-reduces (its gradient, flat buffer or wire buffer)."""
+        itemsize = torch.empty(0, dtype=self.wire_dtype or self.params[0].dtype).element_size()
+        return sum(p.numel() for p in self.params) * itemsize
+
     def reset(self):
         self.pending = {id(p) for p in self.params}
         self.handle = None
@@ -67,6 +74,12 @@ class GradientBuckets:
     Buckets hold parameters in reverse registration order (the order backward produces their
     gradients) and are launched strictly in bucket order on every rank, so all ranks issue the
     same collectives in the same order. A parameter that got no gradient counts as zero.
+
+    When every rank runs on one node and the buckets are on the CPU, each bucket has slots in a
+    shared window and its all-reduce is advanced by polling from the gradient hooks on the
+    caller's thread (collectives/polled.py); otherwise each bucket is handed to the
+    communicator's asynchronous engine. `trace`, when set to a list, receives (start, finish)
+    perf_counter times of each bucket's all-reduce.
     """
 
     def __init__(self, params, comm, bucket_mb=25, compression=None, algorithm="auto", op="avg",
@@ -86,7 +99,16 @@ class GradientBuckets:
         self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self._passes = {id(p): 0 for bucket in self.buckets for p in bucket.params}
         self._next_to_launch = 0
+        self.slots = NodeSlots(comm.node_comm, [b.nbytes for b in self.buckets]) if self._polled() else None
+        self.trace = None
         self.reset()
+
+    def _polled(self) -> bool:
+        """Whether the buckets are all-reduced through shared slots polled from the hooks."""
+        comm = self.comm
+        return (comm.size > 1 and comm.local_size == comm.size and self.algorithm in ("auto", "hierarchical")
+                and comm.forced_algorithm in (None, "hierarchical")
+                and all(p.device.type == "cpu" for b in self.buckets for p in b.params))
 
     @staticmethod
     def _make_buckets(params, bucket_mb, compression):
@@ -119,36 +141,51 @@ class GradientBuckets:
         bucket = self._bucket_of[key]
         bucket.pending.discard(key)
         while self._next_to_launch < len(self.buckets) and not self.buckets[self._next_to_launch].pending:
-            self._launch(self.buckets[self._next_to_launch])
+            self._launch(self._next_to_launch)
             self._next_to_launch += 1
+        if self.slots is not None:
+            for bucket in self.buckets[:self._next_to_launch]:
+                bucket.handle.progress()
 
-    def _launch(self, bucket) -> None:
+    def _launch(self, index: int) -> None:
+        bucket = self.buckets[index]
         for param in bucket.params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
         grads = [param.grad for param in bucket.params]
+        op = self.op
+        if self.slots is not None and bucket.wire is None and self.predivide == 1.0 \
+                and all(g.is_contiguous() for g in grads):
+            # The shared slots reduce the gradients where they lie: nothing to pack.
+            bucket.packed = False
+            bucket.handle = self.slots.start(index, grads, "sum" if op == "avg" else op, average=op == "avg")
+            return
         # One contiguous gradient needs no packing: it is all-reduced where it lies.
         bucket.packed = len(grads) > 1 or bucket.wire_dtype is not None or not grads[0].is_contiguous()
         buffer = bucket.flat if bucket.packed else grads[0]
         if bucket.packed:
             kernels.pack(buffer, grads)
-        op = self.op
         if self.predivide != 1.0:
             kernels.scale(buffer, 1.0 / self.predivide)
             op = "sum"
         if bucket.wire is not None:
             kernels.cast(bucket.wire, buffer)
             buffer = bucket.wire
-        bucket.handle = self.comm.allreduce_async(buffer, op=op, algorithm=self.algorithm)
+        if self.slots is not None:
+            bucket.handle = self.slots.start(index, [buffer], "sum" if op == "avg" else op, average=op == "avg")
+        else:
+            bucket.handle = self.comm.allreduce_async(buffer, op=op, algorithm=self.algorithm)
 
     def wait(self) -> None:
         """Launch what is left, wait for every bucket and write the results into .grad."""
         try:
             while self._next_to_launch < len(self.buckets):
-                self._launch(self.buckets[self._next_to_launch])
+                self._launch(self._next_to_launch)
                 self._next_to_launch += 1
             for bucket in self.buckets:
                 bucket.handle.wait()
+                if self.trace is not None:
+                    self.trace.append((bucket.handle.started, bucket.handle.finished))
                 result = bucket.flat if bucket.packed else bucket.params[0].grad
                 if bucket.wire is not None:
                     kernels.cast(result, bucket.wire)

@@ -1,0 +1,198 @@
+"""Shared-memory all-reduce of fixed buffers on one node, advanced by polling from the caller's
+thread: the gradient buckets' all-reduce when every rank shares one node.
+
+The algorithm is the one-node path of the hierarchical all-reduce (hierarchical.py): each rank
+copies into its slot the slices the other ranks reduce, reduces its own slice of all operands
+in local-rank order (so every rank ends with the same bits), publishes it, and copies the
+others' results out. What differs is how the ranks wait for each other. Instead of node
+barriers on a communication thread, each rank publishes a progress counter in shared memory
+after each step, and the caller advances the all-reduce with progress(), which does whatever
+the other ranks' counters allow and never blocks. GradientBuckets calls it from its gradient
+hooks, so with one core per rank the exchange happens between the layers of backward, with no
+thread to schedule and no core spent spinning while a peer computes.
+
+A bucket's buffer may be several arrays (its gradients, laid end to end): the copies and the
+reduction then work on the gradients where they lie, with no packing into a flat buffer.
+
+Each bucket has its own slot per rank and its own counter per rank, kept for the life
+of the buckets, so all buckets can be in flight at once. Counters only grow: call c of a bucket
+moves its rank's counter to 2c+1 once the copy-in is done and to 2c+2 once the reduced slice is
+published. One slot per bucket is enough because the calls of a bucket never overlap: a rank
+starts call c+1 only after finishing call c, and it writes into its slot in call c+1 (1) the
+other ranks' slices, which those ranks read in call c before publishing it, and this rank has
+seen them publish; (2) its own slice, only once every rank's counter says it has started call
+c+1, so has finished copying call c's result out.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import _C, kernels
+from ..buffers import ITEMSIZE, describe
+from ..errors import InvalidArgumentError, MpidistError
+from .common import split_counts
+
+COUNTER_BYTES = 64  # one cache line per counter: ranks never write the same line
+
+
+def timeout_seconds() -> float:
+    return float(os.environ.get("MPIDIST_TIMEOUT", "300"))
+
+
+class NodeSlots:
+    """One shared window for a fixed list of buffer sizes: per rank, a counter and a slot for each.
+
+    Collective over the node communicator; every local rank must pass the same sizes (checked,
+    with the same error on every rank).
+    """
+
+    def __init__(self, node_comm, sizes):
+        self.node_comm = node_comm
+        self.local_rank = node_comm.Get_rank()
+        self.local_size = node_comm.Get_size()
+        sizes = [int(s) for s in sizes]
+        check_same_sizes(node_comm, sizes)
+        header = (len(sizes) * COUNTER_BYTES + 4095) // 4096 * 4096
+        offsets, position = [], header
+        for size in sizes:
+            offsets.append(position)
+            position += (size + 63) // 64 * 64
+        self.win = MPI.Win.Allocate_shared(position, 1, comm=node_comm)
+        self.win.Lock_all(MPI.MODE_NOCHECK)
+        bases = [self.win.Shared_query(k)[0].address for k in range(self.local_size)]
+        ctypes.memset(bases[self.local_rank], 0, header)
+        self.win.Sync()
+        node_comm.Barrier()  # every counter is zero before anyone publishes
+        self.win.Sync()
+        # counters[b][k] / slots[b][k]: bucket b's counter and slot in local rank k's segment.
+        self.counters = [[base + b * COUNTER_BYTES for base in bases] for b in range(len(sizes))]
+        self.slots = [[base + offset for base in bases] for offset in offsets]
+        self.sizes = sizes
+        self.calls = [0] * len(sizes)
+
+    def start(self, index: int, arrays, op: str, average: bool) -> "PolledAllreduce":
+        """Start the in-place all-reduce of bucket `index`: `arrays` (contiguous CPU arrays of one
+        dtype, reduced as if laid end to end). op is a kernel op (sum, min, max, prod); average
+        divides the sum by the rank count."""
+        infos = [describe(a) for a in arrays]
+        if len({info.dtype for info in infos}) != 1:
+            raise InvalidArgumentError(f"bucket {index} mixes dtypes {sorted({i.dtype for i in infos})}")
+        nbytes = sum(info.nbytes for info in infos)
+        if nbytes != self.sizes[index]:
+            raise InvalidArgumentError(
+                f"bucket {index} holds {nbytes} bytes but its shared slot was made for {self.sizes[index]}")
+        self.calls[index] += 1
+        segments = [(info.ptr, info.nbytes) for info in infos]
+        return PolledAllreduce(self, index, self.calls[index], segments, infos[0].dtype, op, average)
+
+    def free(self) -> None:
+        if self.win is not None:
+            self.win.Unlock_all()
+            self.win.Free()
+            self.win = None
+
+
+def check_same_sizes(node_comm, sizes) -> None:
+    mine = np.array([len(sizes)] + sizes, dtype=np.int64)
+    lengths = np.empty(node_comm.Get_size(), dtype=np.int64)
+    node_comm.Allgather(mine[:1], lengths)
+    if (lengths != lengths[0]).any():
+        raise InvalidArgumentError(
+            f"ranks of this node have different numbers of gradient buckets: {lengths.tolist()} "
+            "(is the model the same on every rank?)")
+    table = np.empty((node_comm.Get_size(), mine.size), dtype=np.int64)
+    node_comm.Allgather(mine, table)
+    differing = [k for k in range(table.shape[0]) if (table[k] != mine).any()]
+    if (table != table[0]).any():
+        raise InvalidArgumentError(
+            f"gradient bucket sizes differ between ranks of this node (local ranks {differing} differ "
+            f"from this one): bytes per bucket {table[:, 1:].tolist()} (is the model the same on every rank?)")
+
+
+def pieces(segments, start: int, length: int):
+    """(address, offset, length) of the parts of bytes [start, start + length) of `segments`
+    ((address, length) pairs) laid end to end; offset counts from the start of the first."""
+    position, end = 0, start + length
+    for address, size in segments:
+        low, high = max(start, position), min(end, position + size)
+        if low < high:
+            yield address + low - position, low, high - low
+        position += size
+
+
+class PolledAllreduce:
+    """One in-place all-reduce of one bucket; progress() advances it without blocking, wait()
+    finishes it. The copy-in happens at once, in the constructor."""
+
+    def __init__(self, slots: NodeSlots, index: int, call: int, segments, dtype: str, op: str, average: bool):
+        self.slots = slots
+        self.index = index
+        self.segments = segments
+        self.dtype = dtype
+        self.op = op
+        self.average = average
+        self.copied_in = 2 * call - 1
+        self.published = 2 * call
+        self.started = time.perf_counter()
+        self.finished = None
+        me, itemsize = slots.local_rank, ITEMSIZE[dtype]
+        count = sum(size for _, size in segments) // itemsize
+        self.slices = [(offset * itemsize, part * itemsize) for offset, part in split_counts(count, slots.local_size)]
+        self.mine = slots.slots[index][me]
+        self.counter = slots.counters[index][me]
+        self.others = [c for k, c in enumerate(slots.counters[index]) if k != me]
+        for k, (start, length) in enumerate(self.slices):
+            if k != me:
+                for address, offset, size in pieces(segments, start, length):
+                    ctypes.memmove(self.mine + offset, address, size)
+        _C.store_counter(self.counter, self.copied_in)
+        self.stage = self.copied_in
+
+    def done(self) -> bool:
+        return self.finished is not None
+
+    def progress(self) -> bool:
+        """Do every step the other ranks' counters allow; True once the result is in place."""
+        if self.stage == self.copied_in and _C.counters_reached(self.others, self.copied_in):
+            self._reduce_own_slice()
+        if self.stage == self.published and _C.counters_reached(self.others, self.published):
+            self._copy_out()
+        return self.finished is not None
+
+    def wait(self) -> None:
+        deadline = time.monotonic() + timeout_seconds()
+        while not self.progress():
+            if time.monotonic() > deadline:
+                raise MpidistError(
+                    f"local rank {self.slots.local_rank}: the all-reduce of gradient bucket {self.index} did not "
+                    f"complete within {timeout_seconds():.0f} s (MPIDIST_TIMEOUT): another rank of this node "
+                    "stopped before reaching it (different numbers of backward passes?)")
+            os.sched_yield()
+
+    def _reduce_own_slice(self):
+        me, itemsize = self.slots.local_rank, ITEMSIZE[self.dtype]
+        slots = self.slots.slots[self.index]
+        for address, offset, size in pieces(self.segments, *self.slices[me]):
+            # reduce_many loads every operand of an element before storing it, so its
+            # destination may be one of its sources: this rank's own array.
+            sources = [address if k == me else slot + offset for k, slot in enumerate(slots)]
+            count = size // itemsize
+            kernels.reduce_many_ptr(address, sources, count, self.dtype, self.op)
+            if self.average:  # divide while the piece is in cache
+                kernels.scale_ptr(address, count, self.dtype, 1.0 / self.slots.local_size)
+            ctypes.memmove(self.mine + offset, address, size)
+        _C.store_counter(self.counter, self.published)
+        self.stage = self.published
+
+    def _copy_out(self):
+        me, slots = self.slots.local_rank, self.slots.slots[self.index]
+        for k, (start, length) in enumerate(self.slices):
+            if k != me:
+                for address, offset, size in pieces(self.segments, start, length):
+                    ctypes.memmove(address, slots[k] + offset, size)
+        self.finished = time.perf_counter()
