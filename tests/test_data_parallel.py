@@ -1,6 +1,7 @@
 """Data-parallel training equals single-process training on the union of the ranks' batches."""
 import pytest
 import torch
+from mpi4py import MPI
 
 import mpidist as md
 
@@ -41,9 +42,16 @@ def assert_close_to_reference(params, reference, tolerance=1e-5):
 
 @pytest.mark.mpi(ranks=[2, 3])
 @pytest.mark.parametrize("bucket_mb", [25, 0.0005])  # one bucket; a bucket per parameter
-def test_data_parallel_matches_single_process(mpi_ranks, mpi_world, bucket_mb):
+@pytest.mark.parametrize("ranks_per_node", [None, "1"])
+def test_data_parallel_matches_single_process(mpi_ranks, mpi_world, bucket_mb, ranks_per_node, monkeypatch):
+    # On one node the buckets go through the shared slots polled from the hooks; on (emulated)
+    # separate nodes through the asynchronous engine.
+    if ranks_per_node:
+        monkeypatch.setenv("MPIDIST_RANKS_PER_NODE", ranks_per_node)
+    comm = md.Communicator(MPI.COMM_WORLD)
     model = make_model(seed=mpi_world.rank)  # different starts: construction broadcasts rank 0's
-    ddp = md.DataParallel(model, bucket_mb=bucket_mb)
+    ddp = md.DataParallel(model, comm=comm, bucket_mb=bucket_mb)
+    assert (ddp.buckets.slots is None) == bool(ranks_per_node)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
         x, y = batch(step, mpi_world.rank)

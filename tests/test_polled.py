@@ -1,0 +1,95 @@
+"""The gradient buckets' shared-slot all-reduce, advanced by polling (collectives/polled.py), on
+1 to 5 ranks against the float64 NumPy reference and tolerances of test_collectives, and its
+errors."""
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+import mpidist as md
+from conftest import make_array, raw_bytes, to_float64
+from mpidist.collectives.polled import NodeSlots
+from test_collectives import FLOAT_DTYPES, INT_DTYPES, OPS, rank_values, reference, tolerance
+
+# Bucket 0 is several gradients of odd lengths laid end to end, so the ranks' slices cut across
+# them; bucket 1 is one array.
+BUCKETS = [[1, 7, 130, 3], [1001]]
+
+
+def start(slots, index, arrays, op):
+    return slots.start(index, arrays, "sum" if op == "avg" else op, average=op == "avg")
+
+
+@pytest.mark.mpi(ranks=[1, 2, 3, 4, 5])
+def test_polled_buckets_match_reference(mpi_ranks):
+    comm = md.Communicator(MPI.COMM_WORLD)
+    p, r = comm.size, comm.rank
+    for dtype in FLOAT_DTYPES + INT_DTYPES:
+        itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+        slots = NodeSlots(comm.node_comm, [sum(parts) * itemsize for parts in BUCKETS])
+        # Every op in turn: each call reuses the slots of the call before.
+        for call, op in enumerate(OPS):
+            if dtype in INT_DTYPES and op == "avg":
+                continue
+            inputs, flats, handles = [], [], []
+            for index, parts in enumerate(BUCKETS):
+                values = [rank_values(10 * call + index, k, sum(parts), dtype, op) for k in range(p)]
+                flat = make_array("torch", values[r], dtype)
+                inputs.append(values)
+                flats.append(flat)
+                handles.append(start(slots, index, list(torch.split(flat, parts)), op))
+            for handle in handles:
+                handle.progress()  # never blocks; may or may not finish
+            for handle in reversed(handles):  # any order of waiting completes
+                handle.wait()
+            for index, flat in enumerate(flats):
+                where = f"polled {dtype} {op} bucket {index} p={p}"
+                error = np.abs(to_float64(flat) - reference(inputs[index], op))
+                assert (error <= tolerance(inputs[index], op, dtype)).all(), f"{where}: error {error.max()}"
+                everyone = comm.mpi.allgather(raw_bytes(flat))
+                assert all(b == everyone[0] for b in everyone), f"{where}: ranks differ"
+        slots.free()
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_progress_does_not_wait_for_other_ranks(mpi_ranks):
+    comm = md.Communicator(MPI.COMM_WORLD)
+    slots = NodeSlots(comm.node_comm, [64 * 4])
+    data = torch.full((64,), float(comm.rank + 1))
+    if comm.rank == 0:
+        handle = start(slots, 0, [data], "sum")
+        # The others start only after the barrier below: nothing can be reduced yet.
+        assert not handle.progress() and not handle.done()
+        comm.mpi.Barrier()
+    else:
+        comm.mpi.Barrier()
+        handle = start(slots, 0, [data], "sum")
+    handle.wait()
+    assert handle.done()
+    assert torch.equal(data, torch.full((64,), float(sum(range(1, comm.size + 1)))))
+    slots.free()
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_different_bucket_sizes_are_an_error_on_every_rank(mpi_ranks):
+    comm = md.Communicator(MPI.COMM_WORLD)
+    with pytest.raises(md.InvalidArgumentError, match="bucket sizes differ between ranks"):
+        NodeSlots(comm.node_comm, [64, 128 if comm.rank == 1 else 256])
+    with pytest.raises(md.InvalidArgumentError, match="different numbers of gradient buckets"):
+        NodeSlots(comm.node_comm, [64] * (2 if comm.rank == 0 else 1))
+
+
+@pytest.mark.mpi(ranks=[2])
+def test_wrong_size_and_missing_rank_are_errors(mpi_ranks, monkeypatch):
+    comm = md.Communicator(MPI.COMM_WORLD)
+    slots = NodeSlots(comm.node_comm, [16 * 4])
+    with pytest.raises(md.InvalidArgumentError, match="holds 32 bytes but its shared slot was made for 64"):
+        slots.start(0, [torch.zeros(8)], "sum", average=False)
+    if comm.rank == 0:
+        # Rank 1 never joins this all-reduce: rank 0 gets an error instead of hanging.
+        monkeypatch.setenv("MPIDIST_TIMEOUT", "1")
+        handle = slots.start(0, [torch.zeros(16)], "sum", average=False)
+        with pytest.raises(md.MpidistError, match="did not complete within 1 s"):
+            handle.wait()
+    comm.mpi.Barrier()
+    slots.free()
