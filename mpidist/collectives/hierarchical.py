@@ -36,10 +36,15 @@ import ctypes
 from mpi4py import MPI
 
 from .. import kernels
-from ..buffers import BufferInfo
+from ..buffers import ITEMSIZE, BufferInfo
 from .common import Context, split_counts
 from .recursive_halving import recursive_halving_allreduce
 from .ring import ring_allreduce
+
+# The reduced slice is divided (op="avg") and published piece by piece, while each piece is still
+# in the L2 cache of the core(s) that reduced it: a 12 MB all-reduce on 2 ranks took 2.3 ms with
+# whole-slice passes, 1.4 ms with pieces of 256 KiB per kernel thread (64 KiB: 1.5 ms, 1 MiB: 2.0).
+PIECE_BYTES_PER_THREAD = 256 * 1024
 
 # Across nodes, the ring avoids recursive halving's fold (2n extra bytes for the extra
 # nodes) once messages are this large and the node count is not a power of two.
@@ -170,19 +175,31 @@ def reduce_on_one_node(ctx: Context, window: NodeWindow, slots: list) -> None:
     ctypes.memmove(slots[me], info.ptr, start)
     ctypes.memmove(slots[me] + end, info.ptr + end, info.nbytes - end)
     window.sync()
-    if length:
-        # reduce_many loads every operand of an element before storing it, so its destination
-        # may be one of its sources: this rank's own buffer.
-        sources = [info.ptr + start if k == me else slot + start for k, slot in enumerate(slots)]
-        kernels.reduce_many_ptr(info.ptr + start, sources, length // itemsize, info.dtype, ctx.op)
-        if ctx.average:  # divide the slice now, while it is in cache, not the whole buffer later
-            kernels.scale_ptr(info.ptr + start, length // itemsize, info.dtype, 1.0 / ctx.size)
-        ctypes.memmove(slots[me] + start, info.ptr + start, length)
+    # reduce_many loads every operand of an element before storing it, so its destination may be
+    # one of its sources: this rank's own buffer.
+    sources = [info.ptr + start if k == me else slot + start for k, slot in enumerate(slots)]
+    # Divide the slice now, while it is in cache, not the whole buffer later.
+    scale = 1.0 / ctx.size if ctx.average else 1.0
+    reduce_and_publish(info.ptr + start, sources, length, info.dtype, ctx.op, scale, slots[me] + start)
     ctx.average = False
     window.sync()
     for k, (offset, size) in enumerate(slices):
         if k != me:
             ctypes.memmove(info.ptr + offset, slots[k] + offset, size)
+
+
+def reduce_and_publish(dst: int, sources, nbytes: int, dtype: str, op: str, scale: float, publish: int) -> None:
+    """dst = sources[0] op sources[1] op ... (dst may be one of them), times `scale` unless it is
+    1, and copied to `publish`: piece by piece, each piece's three steps while it is in cache."""
+    itemsize = ITEMSIZE[dtype]
+    step = max(itemsize, PIECE_BYTES_PER_THREAD * kernels.get_num_threads() // itemsize * itemsize)
+    for low in range(0, nbytes, step):
+        size = min(step, nbytes - low)
+        count = size // itemsize
+        kernels.reduce_many_ptr(dst + low, [source + low for source in sources], count, dtype, op)
+        if scale != 1.0:
+            kernels.scale_ptr(dst + low, count, dtype, scale)
+        ctypes.memmove(publish + low, dst + low, size)
 
 
 def reduce_across_nodes(ctx: Context, window: NodeWindow, slots: list) -> None:

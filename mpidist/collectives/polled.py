@@ -32,10 +32,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .. import _C, kernels
+from .. import _C
 from ..buffers import ITEMSIZE, describe
 from ..errors import InvalidArgumentError, MpidistError
 from .common import split_counts
+from .hierarchical import reduce_and_publish
 
 COUNTER_BYTES = 64  # one cache line per counter: ranks never write the same line
 
@@ -175,17 +176,14 @@ class PolledAllreduce:
             os.sched_yield()
 
     def _reduce_own_slice(self):
-        me, itemsize = self.slots.local_rank, ITEMSIZE[self.dtype]
+        me = self.slots.local_rank
         slots = self.slots.slots[self.index]
+        scale = 1.0 / self.slots.local_size if self.average else 1.0
         for address, offset, size in pieces(self.segments, *self.slices[me]):
             # reduce_many loads every operand of an element before storing it, so its
             # destination may be one of its sources: this rank's own array.
             sources = [address if k == me else slot + offset for k, slot in enumerate(slots)]
-            count = size // itemsize
-            kernels.reduce_many_ptr(address, sources, count, self.dtype, self.op)
-            if self.average:  # divide while the piece is in cache
-                kernels.scale_ptr(address, count, self.dtype, 1.0 / self.slots.local_size)
-            ctypes.memmove(self.mine + offset, address, size)
+            reduce_and_publish(address, sources, size, self.dtype, self.op, scale, self.mine + offset)
         _C.store_counter(self.counter, self.published)
         self.stage = self.published
 
