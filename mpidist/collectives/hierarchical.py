@@ -42,8 +42,9 @@ from .recursive_halving import recursive_halving_allreduce
 from .ring import ring_allreduce
 
 # The reduced slice is divided (op="avg") and published piece by piece, while each piece is still
-# in the L2 cache of the core(s) that reduced it: a 12 MB all-reduce on 2 ranks took 2.3 ms with
-# whole-slice passes, 1.4 ms with pieces of 256 KiB per kernel thread (64 KiB: 1.5 ms, 1 MiB: 2.0).
+# in the L2 cache of the core(s) that reduced it. benchmarks/pieces.py (results/pieces-cpu.md):
+# on 2 ranks a 12 MiB avg all-reduce of cold buffers takes 1.76 ms in whole-slice passes, 1.50 ms
+# in pieces of 256 KiB, 1.56 and 1.64 ms in pieces of 64 KiB and 1 MiB.
 PIECE_BYTES_PER_THREAD = 256 * 1024
 
 # Across nodes, the ring avoids recursive halving's fold (2n extra bytes for the extra
