@@ -1,7 +1,7 @@
 """Piece size of the hierarchical all-reduce's reduce-divide-publish step (one node).
 
 Each rank reduces its slice of the buffer, divides it (op="avg") and publishes it in its shared
-slot piece by piece (hierarchical.PIECE_BYTES_PER_THREAD per kernel thread), so that each piece
+slot piece by piece (common.PIECE_BYTES_PER_THREAD per kernel thread), so that each piece
 is still in cache for the second and third step. This measures the all-reduce time for several
 piece sizes, in a shuffled order every iteration (same seed on every rank), on a buffer that is
 reused every call ("hot": in cache) and on buffers taken in turn from a pool larger than the
@@ -30,7 +30,7 @@ def main(argv=None):
     sizes = [parse(s) for s in args.sizes.split(",")]
     pieces = [parse(p) for p in args.pieces.split(",")]
     comm = md.init()
-    from mpidist.collectives import hierarchical  # after init: it imports mpi4py.MPI
+    from mpidist.collectives import common
     rng = np.random.default_rng(0)
     if comm.rank == 0:
         print(f"# {comm.size} ranks, op=avg, float32, kernel threads {md.kernels.get_num_threads()}, median us of {args.iterations}")
@@ -42,7 +42,7 @@ def main(argv=None):
         times = {}
         for iteration in range(args.iterations):
             for piece in rng.permutation(pieces):
-                hierarchical.PIECE_BYTES_PER_THREAD = int(piece)
+                common.PIECE_BYTES_PER_THREAD = int(piece)
                 for kind in ("hot", "cold"):
                     buffer = pool[0] if kind == "hot" else pool[1 + iteration % (len(pool) - 1)]
                     comm.mpi.Barrier()

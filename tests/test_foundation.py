@@ -38,6 +38,15 @@ def test_use_before_init_is_a_clear_error():
     assert result.stdout.strip() == "ok"
 
 
+def test_importing_leaves_mpi_uninitialized():
+    # MPI starts in init(), after mpidist has set its defaults for MPI's options (comm.load_mpi).
+    result = run_python(
+        "import sys, mpidist, mpidist.torch, mpidist.parallel.data\n"
+        "print('mpi4py.MPI' in sys.modules)\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
 def test_missing_mpi4py_is_a_clear_error():
     result = run_python(
         "import sys; sys.modules['mpi4py'] = None\n"  # what a machine without mpi4py sees

@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 import mpidist as md
 from conftest import make_array, raw_bytes, to_float64
-from mpidist.collectives import hierarchical
+from mpidist.collectives import common
 from mpidist.collectives.polled import NodeSlots
 from test_collectives import FLOAT_DTYPES, INT_DTYPES, OPS, rank_values, reference, tolerance
 
@@ -25,7 +25,7 @@ def start(slots, index, arrays, op):
 def test_polled_buckets_match_reference(mpi_ranks, monkeypatch):
     # Reduce and publish in pieces of 36 bytes (32 for 8-byte types), so that the pieces'
     # bounds fall anywhere in the slices (the default, 256 KiB, is one piece at these sizes).
-    monkeypatch.setattr(hierarchical, "PIECE_BYTES_PER_THREAD", 36)
+    monkeypatch.setattr(common, "PIECE_BYTES_PER_THREAD", 36)
     comm = md.Communicator(MPI.COMM_WORLD)
     p, r = comm.size, comm.rank
     for dtype in FLOAT_DTYPES + INT_DTYPES:

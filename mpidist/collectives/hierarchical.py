@@ -36,16 +36,10 @@ import ctypes
 from mpi4py import MPI
 
 from .. import kernels
-from ..buffers import ITEMSIZE, BufferInfo
-from .common import Context, split_counts
+from ..buffers import BufferInfo
+from .common import Context, reduce_and_publish, split_counts
 from .recursive_halving import recursive_halving_allreduce
 from .ring import ring_allreduce
-
-# The reduced slice is divided (op="avg") and published piece by piece, while each piece is still
-# in the L2 cache of the core(s) that reduced it. benchmarks/pieces.py (results/pieces-cpu.md):
-# on 2 ranks a 12 MiB avg all-reduce of cold buffers takes 1.76 ms in whole-slice passes, 1.50 ms
-# in pieces of 256 KiB, 1.56 and 1.64 ms in pieces of 64 KiB and 1 MiB.
-PIECE_BYTES_PER_THREAD = 256 * 1024
 
 # Across nodes, the ring avoids recursive halving's fold (2n extra bytes for the extra
 # nodes) once messages are this large and the node count is not a power of two.
@@ -187,20 +181,6 @@ def reduce_on_one_node(ctx: Context, window: NodeWindow, slots: list) -> None:
     for k, (offset, size) in enumerate(slices):
         if k != me:
             ctypes.memmove(info.ptr + offset, slots[k] + offset, size)
-
-
-def reduce_and_publish(dst: int, sources, nbytes: int, dtype: str, op: str, scale: float, publish: int) -> None:
-    """dst = sources[0] op sources[1] op ... (dst may be one of them), times `scale` unless it is
-    1, and copied to `publish`: piece by piece, each piece's three steps while it is in cache."""
-    itemsize = ITEMSIZE[dtype]
-    step = max(itemsize, PIECE_BYTES_PER_THREAD * kernels.get_num_threads() // itemsize * itemsize)
-    for low in range(0, nbytes, step):
-        size = min(step, nbytes - low)
-        count = size // itemsize
-        kernels.reduce_many_ptr(dst + low, [source + low for source in sources], count, dtype, op)
-        if scale != 1.0:
-            kernels.scale_ptr(dst + low, count, dtype, scale)
-        ctypes.memmove(publish + low, dst + low, size)
 
 
 def reduce_across_nodes(ctx: Context, window: NodeWindow, slots: list) -> None:

@@ -30,13 +30,12 @@ import os
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 from .. import _C
 from ..buffers import ITEMSIZE, describe
+from ..comm import load_mpi
 from ..errors import InvalidArgumentError, MpidistError
-from .common import split_counts
-from .hierarchical import reduce_and_publish
+from .common import reduce_and_publish, split_counts
 
 COUNTER_BYTES = 64  # one cache line per counter: ranks never write the same line
 
@@ -63,6 +62,7 @@ class NodeSlots:
         for size in sizes:
             offsets.append(position)
             position += (size + 63) // 64 * 64
+        MPI = load_mpi()
         self.win = MPI.Win.Allocate_shared(position, 1, comm=node_comm)
         self.win.Lock_all(MPI.MODE_NOCHECK)
         bases = [self.win.Shared_query(k)[0].address for k in range(self.local_size)]

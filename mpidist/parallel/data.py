@@ -8,7 +8,6 @@ import contextlib
 import torch
 
 from .. import kernels
-from ..collectives.polled import NodeSlots
 from ..comm import init
 from ..errors import InvalidArgumentError
 
@@ -99,7 +98,12 @@ class GradientBuckets:
         self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self._passes = {id(p): 0 for bucket in self.buckets for p in bucket.params}
         self._next_to_launch = 0
-        self.slots = NodeSlots(comm.node_comm, [b.nbytes for b in self.buckets]) if self._polled() else None
+        self.slots = None
+        if self._polled():
+            # Imported here: the collectives package initializes MPI when imported, and
+            # `import mpidist.torch` must not (mpidist sets MPI's options first, see comm.load_mpi).
+            from ..collectives.polled import NodeSlots
+            self.slots = NodeSlots(comm.node_comm, [b.nbytes for b in self.buckets])
         self.trace = None
         self.reset()
 
