@@ -44,11 +44,12 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Open MPI busy-polls while a request is pending. Here every rank has two busy threads (the
-# training loop and mpidist's async engine) on fewer cores, so a rank waiting for its peer's
-# bucket would steal the CPU the peer needs to produce it; yielding when idle avoids that (Open
-# MPI's advice for oversubscribed nodes). Set before MPI starts; `OMPI_MCA_mpi_yield_when_idle=0`
-# in the environment turns it off. Other MPI libraries ignore the variable.
+# Open MPI busy-polls while a request is pending. Where a rank has two busy threads (the
+# training loop and mpidist's async engine, which serves the buckets unless all ranks share one
+# node) on fewer cores, a rank waiting for its peer's bucket would steal the CPU the peer needs
+# to produce it; yielding when idle avoids that (Open MPI's advice for
+# oversubscribed nodes). Set before MPI starts; `OMPI_MCA_mpi_yield_when_idle=0` in the
+# environment turns it off. Other MPI libraries ignore the variable.
 os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
 import argparse  # noqa: E402
