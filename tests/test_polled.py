@@ -89,6 +89,8 @@ def test_wrong_size_and_missing_rank_are_errors(mpi_ranks, monkeypatch):
     slots = NodeSlots(comm.node_comm, [16 * 4])
     with pytest.raises(md.InvalidArgumentError, match="holds 32 bytes but its shared slot was made for 64"):
         slots.start(0, [torch.zeros(8)], "sum", average=False)
+    with pytest.raises(md.InvalidArgumentError, match="mixes dtypes"):
+        slots.start(0, [torch.zeros(8), torch.zeros(4, dtype=torch.float64)], "sum", average=False)
     if comm.rank == 0:
         # Rank 1 never joins this all-reduce: rank 0 gets an error instead of hanging.
         monkeypatch.setenv("MPIDIST_TIMEOUT", "1")

@@ -35,15 +35,12 @@ from .. import _C
 from ..buffers import ITEMSIZE, describe
 from ..comm import load_mpi
 from ..errors import InvalidArgumentError, MpidistError
+from .api import call_timeout
 from .common import reduce_and_publish, split_counts
 
 COUNTER_BYTES = 64  # one cache line per counter: ranks never write the same line
 SPIN_SECONDS = 100e-6  # how long wait() polls without sleeping
 NAP_SECONDS = 50e-6  # then the sleep between polls
-
-
-def timeout_seconds() -> float:
-    return float(os.environ.get("MPIDIST_TIMEOUT", "300"))
 
 
 class NodeSlots:
@@ -83,6 +80,8 @@ class NodeSlots:
         dtype, reduced as if laid end to end). op is a kernel op (sum, min, max, prod); average
         divides the sum by the rank count."""
         infos = [describe(a) for a in arrays]
+        if any(info.device != "cpu" for info in infos):
+            raise InvalidArgumentError(f"bucket {index}: the shared slots hold host memory; got a {infos[0].device} array")
         if len({info.dtype for info in infos}) != 1:
             raise InvalidArgumentError(f"bucket {index} mixes dtypes {sorted({i.dtype for i in infos})}")
         nbytes = sum(info.nbytes for info in infos)
@@ -172,7 +171,7 @@ class PolledAllreduce:
         # the core its peer needs to catch up. benchmarks/training.py with 3 ranks on 2 cores
         # (25 MB buckets): 32.7 ms per step spinning, 27.1 ms with naps (training-cpu.md).
         start = time.perf_counter()
-        deadline = time.monotonic() + timeout_seconds()
+        deadline = time.monotonic() + call_timeout()
         while not self.progress():
             if time.perf_counter() - start < SPIN_SECONDS:
                 os.sched_yield()
@@ -181,7 +180,7 @@ class PolledAllreduce:
             if time.monotonic() > deadline:
                 raise MpidistError(
                     f"local rank {self.slots.local_rank}: the all-reduce of gradient bucket {self.index} did not "
-                    f"complete within {timeout_seconds():.0f} s (MPIDIST_TIMEOUT): another rank of this node "
+                    f"complete within {call_timeout():.0f} s (MPIDIST_TIMEOUT): another rank of this node "
                     "stopped before reaching it (different numbers of backward passes?)")
 
     def _reduce_own_slice(self):
