@@ -22,6 +22,16 @@ starts call c+1 only after finishing call c, and it writes into its slot in call
 other ranks' slices, which those ranks read in call c before publishing it, and this rank has
 seen them publish; (2) its own slice, only once every rank's counter says it has started call
 c+1, so has finished copying call c's result out.
+
+With two ranks the reduced slice is published into the other rank's slot instead, over that
+rank's contribution to it, which the reduction has just read (piece by piece, each piece read
+before it is overwritten); each rank then copies the other's result out of its own slot. Each
+slot then only ever holds the other rank's half: half the shared memory in use, which the caches
+feel (two ranks, 12.6 MB of gradients: 0.2 ms per step less on average, training-cpu.md). It is
+safe because a rank writes that half in call c+1 only after its own copy-out of call c, and the
+other rank publishes into it only after seeing this rank's copy-in of call c+1. With more ranks a
+result is read by several, and one of them could still be reading call c's result when another
+copies call c+1 in; there each result stays in its owner's slot.
 """
 from __future__ import annotations
 
@@ -183,6 +193,11 @@ class PolledAllreduce:
                     f"complete within {call_timeout():.0f} s (MPIDIST_TIMEOUT): another rank of this node "
                     "stopped before reaching it (different numbers of backward passes?)")
 
+    def result_slot(self, owner: int) -> int:
+        """The slot that receives the reduced slice of local rank `owner` (see the module notes)."""
+        slots = self.slots.slots[self.index]
+        return slots[1 - owner] if len(slots) == 2 else slots[owner]
+
     def _reduce_own_slice(self):
         me = self.slots.local_rank
         slots = self.slots.slots[self.index]
@@ -191,14 +206,14 @@ class PolledAllreduce:
             # reduce_many loads every operand of an element before storing it, so its
             # destination may be one of its sources: this rank's own array.
             sources = [address if k == me else slot + offset for k, slot in enumerate(slots)]
-            reduce_and_publish(address, sources, size, self.dtype, self.op, scale, self.mine + offset)
+            reduce_and_publish(address, sources, size, self.dtype, self.op, scale, self.result_slot(me) + offset)
         _C.store_counter(self.counter, self.published)
         self.stage = self.published
 
     def _copy_out(self):
-        me, slots = self.slots.local_rank, self.slots.slots[self.index]
+        me = self.slots.local_rank
         for k, (start, length) in enumerate(self.slices):
             if k != me:
                 for address, offset, size in pieces(self.segments, start, length):
-                    ctypes.memmove(address, slots[k] + offset, size)
+                    ctypes.memmove(address, self.result_slot(k) + offset, size)
         self.finished = time.perf_counter()
