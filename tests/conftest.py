@@ -18,6 +18,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # machine (tests of the tuning file pass their own path).
 os.environ["MPIDIST_TUNING_FILE"] = os.path.join(REPO, "tests", "no-such-dir", "tuning.json")
 
+# The MPI test processes import mpi4py (initializing MPI) before mpidist can set its default
+# leaving out Open MPI's UCX one-sided component (comm.load_mpi), which prints an error at the
+# first shared window when no UCX network is present. They inherit this environment.
+os.environ.setdefault("OMPI_MCA_osc", "^ucx")
+
 # Unit roundoff per dtype: a correctly rounded operation is off by at most u * |result|.
 UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24, "float64": 2.0 ** -53}
 
