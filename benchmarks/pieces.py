@@ -20,17 +20,24 @@ import mpidist as md
 WHOLE = 1 << 40  # larger than any slice: one piece
 
 
+def parse_size(text: str) -> int:
+    """'256K' -> 262144, '4M' -> 4194304, 'whole' -> one piece."""
+    if text == "whole":
+        return WHOLE
+    scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:].upper(), 1)
+    return int(text.rstrip("KMkm")) * scale
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1M,4M,16M", help="buffer sizes (K/M suffixes)")
     parser.add_argument("--pieces", default="64K,256K,1M,whole", help="piece sizes per thread")
     parser.add_argument("--iterations", type=int, default=40)
     args = parser.parse_args(argv)
-    parse = lambda text: WHOLE if text == "whole" else int(text.rstrip("KM")) << (10 if text.endswith("K") else 20 if text.endswith("M") else 0)
-    sizes = [parse(s) for s in args.sizes.split(",")]
-    pieces = [parse(p) for p in args.pieces.split(",")]
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    pieces = [parse_size(p) for p in args.pieces.split(",")]
     comm = md.init()
-    from mpidist.collectives import common
+    from mpidist.collectives import common  # after init: importing the collectives starts MPI
     rng = np.random.default_rng(0)
     if comm.rank == 0:
         print(f"# {comm.size} ranks, op=avg, float32, kernel threads {md.kernels.get_num_threads()}, median us of {args.iterations}")
