@@ -146,7 +146,7 @@ class MpidistCandidate(Candidate):
         self.wrapped = md.DataParallel(self.model, comm=comm, bucket_mb=bucket_mb)
         self.optimizer = torch.optim.SGD(self.wrapped.parameters(), lr=LR)
         self.buckets = len(self.wrapped.buckets.buckets)
-        self.waits, self.comms = [], []
+        self.waits = []
         self._instrument()
 
     def _instrument(self):

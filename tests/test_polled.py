@@ -17,10 +17,6 @@ from test_collectives import FLOAT_DTYPES, INT_DTYPES, OPS, rank_values, referen
 BUCKETS = [[1, 7, 130, 3], [1001]]
 
 
-def start(slots, index, arrays, op):
-    return slots.start(index, arrays, "sum" if op == "avg" else op, average=op == "avg")
-
-
 @pytest.mark.mpi(ranks=[1, 2, 3, 4, 5])
 def test_polled_buckets_match_reference(mpi_ranks, monkeypatch):
     # Reduce and publish in pieces of 36 bytes (32 for 8-byte types), so that the pieces'
@@ -41,7 +37,7 @@ def test_polled_buckets_match_reference(mpi_ranks, monkeypatch):
                 flat = make_array("torch", values[r], dtype)
                 inputs.append(values)
                 flats.append(flat)
-                handles.append(start(slots, index, list(torch.split(flat, parts)), op))
+                handles.append(slots.start(index, list(torch.split(flat, parts)), op))
             for handle in handles:
                 handle.progress()  # never blocks; may or may not finish
             for handle in reversed(handles):  # any order of waiting completes
@@ -61,16 +57,21 @@ def test_progress_does_not_wait_for_other_ranks(mpi_ranks):
     slots = NodeSlots(comm.node_comm, [64 * 4])
     data = torch.full((64,), float(comm.rank + 1))
     if comm.rank == 0:
-        handle = start(slots, 0, [data], "sum")
+        handle = slots.start(0, [data], "sum")
         # The others start only after the barrier below: nothing can be reduced yet.
         assert not handle.progress() and not handle.done()
         comm.mpi.Barrier()
     else:
         comm.mpi.Barrier()
-        handle = start(slots, 0, [data], "sum")
+        handle = slots.start(0, [data], "sum")
     handle.wait()
     assert handle.done()
     assert torch.equal(data, torch.full((64,), float(sum(range(1, comm.size + 1)))))
+    # A finished all-reduce leaves the arrays alone, however often the hooks ask.
+    data.fill_(-1.0)
+    assert handle.progress()
+    assert torch.equal(data, torch.full((64,), -1.0))
+    comm.mpi.Barrier()
     slots.free()
 
 
@@ -88,13 +89,13 @@ def test_wrong_size_and_missing_rank_are_errors(mpi_ranks, monkeypatch):
     comm = md.Communicator(MPI.COMM_WORLD)
     slots = NodeSlots(comm.node_comm, [16 * 4])
     with pytest.raises(md.InvalidArgumentError, match="holds 32 bytes but its shared slot was made for 64"):
-        slots.start(0, [torch.zeros(8)], "sum", average=False)
+        slots.start(0, [torch.zeros(8)], "sum")
     with pytest.raises(md.InvalidArgumentError, match="mixes dtypes"):
-        slots.start(0, [torch.zeros(8), torch.zeros(4, dtype=torch.float64)], "sum", average=False)
+        slots.start(0, [torch.zeros(8), torch.zeros(4, dtype=torch.float64)], "sum")
     if comm.rank == 0:
         # Rank 1 never joins this all-reduce: rank 0 gets an error instead of hanging.
         monkeypatch.setenv("MPIDIST_TIMEOUT", "1")
-        handle = slots.start(0, [torch.zeros(16)], "sum", average=False)
+        handle = slots.start(0, [torch.zeros(16)], "sum")
         with pytest.raises(md.MpidistError, match="did not complete within 1 s"):
             handle.wait()
     comm.mpi.Barrier()

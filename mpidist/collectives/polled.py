@@ -45,7 +45,7 @@ from .. import _C
 from ..buffers import ITEMSIZE, describe
 from ..comm import load_mpi
 from ..errors import InvalidArgumentError, MpidistError
-from .api import call_timeout
+from .api import call_timeout, kernel_op
 from .common import reduce_and_publish, split_counts
 
 COUNTER_BYTES = 64  # one cache line per counter: ranks never write the same line
@@ -85,10 +85,9 @@ class NodeSlots:
         self.sizes = sizes
         self.calls = [0] * len(sizes)
 
-    def start(self, index: int, arrays, op: str, average: bool) -> "PolledAllreduce":
+    def start(self, index: int, arrays, op: str) -> "PolledAllreduce":
         """Start the in-place all-reduce of bucket `index`: `arrays` (contiguous CPU arrays of one
-        dtype, reduced as if laid end to end). op is a kernel op (sum, min, max, prod); average
-        divides the sum by the rank count."""
+        dtype, reduced as if laid end to end) with op sum, avg, min, max or prod."""
         infos = [describe(a) for a in arrays]
         if any(info.device != "cpu" for info in infos):
             raise InvalidArgumentError(f"bucket {index}: the shared slots hold host memory; got a {infos[0].device} array")
@@ -100,7 +99,8 @@ class NodeSlots:
                 f"bucket {index} holds {nbytes} bytes but its shared slot was made for {self.sizes[index]}")
         self.calls[index] += 1
         segments = [(info.ptr, info.nbytes) for info in infos]
-        return PolledAllreduce(self, index, self.calls[index], segments, infos[0].dtype, op, average)
+        return PolledAllreduce(self, index, self.calls[index], segments, infos[0].dtype, kernel_op(op),
+                               average=op == "avg")
 
     def free(self) -> None:
         if self.win is not None:
@@ -170,6 +170,8 @@ class PolledAllreduce:
 
     def progress(self) -> bool:
         """Do every step the other ranks' counters allow; True once the result is in place."""
+        if self.finished is not None:  # copied out already: the hooks keep asking
+            return True
         if self.stage == self.copied_in and _C.counters_reached(self.others, self.copied_in):
             self._reduce_own_slice()
         if self.stage == self.published and _C.counters_reached(self.others, self.published):

@@ -57,8 +57,7 @@ class _Bucket:
     @property
     def nbytes(self) -> int:
         """Bytes of the buffer this bucket all-reduces (its gradient, flat buffer or wire buffer)."""
-        itemsize = torch.empty(0, dtype=self.wire_dtype or self.params[0].dtype).element_size()
-        return sum(p.numel() for p in self.params) * itemsize
+        return sum(p.numel() for p in self.params) * (self.wire_dtype or self.params[0].dtype).itemsize
 
     def reset(self):
         self.pending = {id(p) for p in self.params}
@@ -162,7 +161,7 @@ class GradientBuckets:
                 and all(g.is_contiguous() for g in grads):
             # The shared slots reduce the gradients where they lie: nothing to pack.
             bucket.packed = False
-            bucket.handle = self.slots.start(index, grads, "sum" if op == "avg" else op, average=op == "avg")
+            bucket.handle = self.slots.start(index, grads, op)
             return
         # One contiguous gradient needs no packing: it is all-reduced where it lies.
         bucket.packed = len(grads) > 1 or bucket.wire_dtype is not None or not grads[0].is_contiguous()
@@ -176,7 +175,7 @@ class GradientBuckets:
             kernels.cast(bucket.wire, buffer)
             buffer = bucket.wire
         if self.slots is not None:
-            bucket.handle = self.slots.start(index, [buffer], "sum" if op == "avg" else op, average=op == "avg")
+            bucket.handle = self.slots.start(index, [buffer], op)
         else:
             bucket.handle = self.comm.allreduce_async(buffer, op=op, algorithm=self.algorithm)
 
