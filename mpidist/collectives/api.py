@@ -104,25 +104,34 @@ def check_same_call(comm, mpi, fields: dict) -> None:
     raise MismatchError(describe_mismatch(table))
 
 
-def wait_with_deadline(request, mpi, what: str) -> None:
+def poll_until(test, on_timeout, yield_seconds: float, nap_seconds: float) -> None:
+    """Call test() until it returns True: yielding the core between calls for the first
+    `yield_seconds`, then sleeping `nap_seconds` between calls; after MPIDIST_TIMEOUT seconds
+    on_timeout() is called, which raises the caller's error.
+
+    Yielding hands the core to an oversubscribed peer without a timer's delay; the naps stop a
+    long wait from burning the core the awaited rank may need. Each caller measured its own
+    timings (see them)."""
     start = time.monotonic()
-    polls = 0
-    while not request.Test():
-        polls += 1
-        if polls < 64:
-            continue
+    while not test():
         waited = time.monotonic() - start
-        if waited < 0.01:
-            # Short waits: hand the core to an oversubscribed peer without a timer's delay.
+        if waited < yield_seconds:
             os.sched_yield()
             continue
-        time.sleep(0.0005)  # a long wait: stop burning a core
         if waited > call_timeout():
-            raise MismatchError(
-                f"rank {mpi.Get_rank()}: the {what} did not complete within {call_timeout():.0f} s "
-                "(MPIDIST_TIMEOUT): some rank did not enter the same collective (it may have "
-                "raised an error, or called a different collective). This communicator can no "
-                "longer be used safely.")
+            on_timeout()
+        time.sleep(nap_seconds)
+
+
+def wait_with_deadline(request, mpi, what: str) -> None:
+    def timed_out():
+        raise MismatchError(
+            f"rank {mpi.Get_rank()}: the {what} did not complete within {call_timeout():.0f} s "
+            "(MPIDIST_TIMEOUT): some rank did not enter the same collective (it may have "
+            "raised an error, or called a different collective). This communicator can no "
+            "longer be used safely.")
+
+    poll_until(request.Test, timed_out, yield_seconds=0.01, nap_seconds=0.0005)
 
 
 def describe_mismatch(table: np.ndarray) -> str:
