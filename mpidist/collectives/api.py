@@ -38,6 +38,9 @@ ALLREDUCE = {
     "mpi": native_allreduce,
 }
 ALGORITHMS = ("auto",) + tuple(ALLREDUCE)
+# Algorithms that work in host memory only (the hierarchical one reduces in a node-shared window,
+# which CUDA kernels cannot address): GPU buffers reach them through host staging, always.
+HOST_MEMORY_ALGORITHMS = frozenset({"hierarchical"})
 OPS = ("sum", "avg", "min", "max", "prod")
 COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter")
 # Tags keep the messages of different collectives apart should a rank ever run ahead.
@@ -311,9 +314,7 @@ def _run_allreduce(comm, array, info, op, algorithm):
         check_same_call(comm, mpi, signature("allreduce", info, op, algorithm))
     name = resolve_algorithm(algorithm, info, comm)
     if info.is_cuda:
-        # The hierarchical algorithm reduces in a node-shared window of host memory, which CUDA
-        # kernels cannot address: GPU buffers always go through host staging for it.
-        with staged(comm, array, info, host_only=name == "hierarchical") as work:
+        with staged(comm, array, info, host_only=name in HOST_MEMORY_ALGORITHMS) as work:
             _reduce_with(ALLREDUCE[name], Context(comm, mpi, work, op=kernel_op(op), tag=TAGS["allreduce"]), op)
     else:  # the hot path of small messages: no context manager
         _reduce_with(ALLREDUCE[name], Context(comm, mpi, info, op=kernel_op(op), tag=TAGS["allreduce"]), op)
