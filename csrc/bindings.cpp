@@ -226,6 +226,9 @@ PYBIND11_MODULE(_C, m) {
     m.def("cpu_isa", &mpidist::cpu::isa, "Instruction set the CPU loops were compiled for and chosen at load.");
 #ifdef MPIDIST_WITH_CUDA
     bind_kernels<CudaBackend, std::uintptr_t, int>(m, "cuda_", py::arg("stream") = std::uintptr_t(0), py::arg("device") = -1);
+    m.def("cuda_synchronize", &mpidist::cuda::synchronize, py::arg("stream") = std::uintptr_t(0),
+          py::arg("device") = -1, py::call_guard<py::gil_scoped_release>(),
+          "Wait for the work queued on a stream (0: the legacy default stream) of a device.");
     m.def("cuda_device_count", &mpidist::cuda::device_count,
           "Number of CUDA devices; 0 when there is no driver or GPU.");
     m.attr("cuda_max_sources") = mpidist::cuda::kMaxSources;

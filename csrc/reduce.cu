@@ -436,6 +436,11 @@ void cast(void* dst, DType dst_dtype, const void* src, DType src_dtype, std::siz
     });
 }
 
+void synchronize(std::uintptr_t stream, int device) {
+    DeviceGuard guard(device);
+    check(cudaStreamSynchronize(as_stream(stream)), "cudaStreamSynchronize");
+}
+
 int device_count() {
     int count = 0;
     if (cudaGetDeviceCount(&count) != cudaSuccess) {

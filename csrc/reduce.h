@@ -69,6 +69,9 @@ void unpack(const void* src, const std::vector<void*>& dsts, const std::vector<s
             std::uintptr_t stream, int device);
 void cast(void* dst, DType dst_dtype, const void* src, DType src_dtype, std::size_t n, double scale,
           std::uintptr_t stream, int device);
+// Waits until the work queued on `stream` of `device` has finished (MPI reads and writes device
+// memory outside any stream).
+void synchronize(std::uintptr_t stream, int device);
 // Number of CUDA devices; 0 (never an exception) when there is no driver or no GPU.
 int device_count();
 // Most sources one reduce_many launch accepts (they travel as kernel parameters).

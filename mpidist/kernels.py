@@ -241,9 +241,9 @@ def copy_ptr(dst_ptr: int, src_ptr: int, nbytes: int, device: str = "cpu", strea
     _call("pack", device, stream, dst_ptr, [src_ptr], [nbytes])
 
 
-def synchronize(device: str) -> None:
-    """Wait for the kernels queued on the current stream of a CUDA device (MPI reads the memory
-    next, outside any stream)."""
+def synchronize(device: str, stream=None) -> None:
+    """Wait for the kernels queued on `stream` of a CUDA device (MPI reads the memory next,
+    outside any stream). The default is the stream the pointer-level kernels run on when given
+    none: the legacy default stream. A no-op for the CPU."""
     if _is_cuda(device):
-        import torch
-        torch.cuda.current_stream(_device_index(device)).synchronize()
+        _call("synchronize", device, stream)

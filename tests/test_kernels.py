@@ -384,6 +384,9 @@ def test_cuda_call_without_gpu_raises_the_cuda_error():
     assert kernels.cuda_available() is False
     with pytest.raises(MpidistError, match="mpidist CUDA error"):
         kernels.reduce_ptr(16, 16, 4, "float32", "sum", device="cuda:0")
+    with pytest.raises(MpidistError, match="synchronize: mpidist CUDA error"):
+        kernels.synchronize("cuda:0")
+    kernels.synchronize("cpu")  # nothing to wait for
 
 
 def test_thread_count_setting():
@@ -453,6 +456,22 @@ def test_cuda_misaligned_and_reduce_many_on_a_stream(dtype, offset):
         kernels.reduce_many(gpu[1], gpu, "sum")
     stream.synchronize()
     assert_bitwise(gpu[1], want)
+
+
+@cuda
+def test_cuda_synchronize_waits_for_the_pointer_kernels_stream():
+    # The pointer-level kernels run on the legacy default stream when given none, and
+    # kernels.synchronize waits for that stream, whatever stream torch has made current
+    # (torch's own streams do not wait for the legacy one).
+    n = 1 << 24
+    dst, src = torch.ones(n, device="cuda"), torch.ones(n, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        for _ in range(20):
+            kernels.reduce_ptr(dst.data_ptr(), src.data_ptr(), n, "float32", "sum", device="cuda:0")
+        kernels.synchronize("cuda:0")
+        host = dst.cpu()  # copies on torch's current stream
+    assert (host == 21).all()
 
 
 @cuda
