@@ -23,6 +23,16 @@ os.environ["MPIDIST_TUNING_FILE"] = os.path.join(REPO, "tests", "no-such-dir", "
 # first shared window when no UCX network is present. They inherit this environment.
 os.environ.setdefault("OMPI_MCA_osc", "^ucx")
 
+
+
+def pytest_configure(config):
+    # pytest-isolate-mpi passes the verbosity on to the ranks' pytest as "-" + "v" * verbosity,
+    # which for `pytest -q` (verbosity -1) is a bare "-" that the ranks reject, failing every
+    # multi-rank test. Quiet runs therefore report at the default verbosity.
+    if config.option.verbose < 0:
+        config.option.verbose = 0
+
+
 # Unit roundoff per dtype: a correctly rounded operation is off by at most u * |result|.
 UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24, "float64": 2.0 ** -53}
 
