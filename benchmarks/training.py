@@ -2,7 +2,7 @@
 
     mpirun --oversubscribe --bind-to none -np 2 python benchmarks/training.py \
         [--params 3M] [--batch 64] [--steps 20] [--rounds 5] [--warmup 5] [--buckets 25,1] \
-        [--json FILE] [--plot FILE]
+        [--views] [--json FILE] [--plot FILE]
 
 Model: an MLP of `--depth` linear layers, width x width (ReLU between) and a last width x 10
 layer; the width is chosen so the model has about `--params` parameters (3M: width 1024,
@@ -17,6 +17,8 @@ falls on all of them alike:
 
 - `mpidist` DataParallel, one row per bucket size in `--buckets` (MB);
 - `ddp`: torch.nn.parallel.DistributedDataParallel over gloo (default buckets);
+- with `--views`, also `mpidist ... views` and `ddp views`: the same with
+  gradient_as_bucket_view=True (their vs_ddp is against `ddp views`);
 - `local`: every rank trains its own model on its batches, no communication: what the ranks
   reach together on this machine when nothing is shared, the ceiling for data parallelism;
 - `single`: rank 0 trains alone (batch `--batch`), the other ranks sleep in a polled barrier.
@@ -62,7 +64,8 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-ROW_KEYS = ("candidate", "bucket_mb", "ranks", "batch_per_rank", "params", "layers", "steps", "rounds",
+ROW_KEYS = ("candidate", "bucket_mb", "gradient_as_bucket_view", "ranks", "batch_per_rank", "params", "layers",
+            "steps", "rounds",
             "samples_per_s", "samples_per_s_rounds", "step_ms", "forward_ms", "backward_ms",
             "exposed_wait_ms", "optimizer_ms", "comm_ms", "comm_hidden_ms", "buckets",
             "vs_ddp", "vs_single", "vs_local", "max_rel_diff_vs_ddp", "correct",
@@ -109,6 +112,7 @@ def sleeping_barrier(comm) -> None:
 class Candidate:
     name = ""
     bucket_mb = None
+    views = False  # gradient_as_bucket_view
 
     def __init__(self, sizes, seed):
         torch.manual_seed(seed)
@@ -139,11 +143,11 @@ class Candidate:
 
 
 class MpidistCandidate(Candidate):
-    def __init__(self, sizes, seed, comm, bucket_mb):
+    def __init__(self, sizes, seed, comm, bucket_mb, views=False):
         super().__init__(sizes, seed)
         import mpidist as md
-        self.name, self.bucket_mb = "mpidist", bucket_mb
-        self.wrapped = md.DataParallel(self.model, comm=comm, bucket_mb=bucket_mb)
+        self.name, self.bucket_mb, self.views = "mpidist", bucket_mb, views
+        self.wrapped = md.DataParallel(self.model, comm=comm, bucket_mb=bucket_mb, gradient_as_bucket_view=views)
         self.optimizer = torch.optim.SGD(self.wrapped.parameters(), lr=LR)
         self.buckets = len(self.wrapped.buckets.buckets)
         self.waits = []
@@ -181,9 +185,10 @@ class MpidistCandidate(Candidate):
 class DDPCandidate(Candidate):
     name = "ddp"
 
-    def __init__(self, sizes, seed):
+    def __init__(self, sizes, seed, views=False):
         super().__init__(sizes, seed)
-        self.wrapped = torch.nn.parallel.DistributedDataParallel(self.model)
+        self.views = views
+        self.wrapped = torch.nn.parallel.DistributedDataParallel(self.model, gradient_as_bucket_view=views)
         self.optimizer = torch.optim.SGD(self.wrapped.parameters(), lr=LR)
         self.buckets = None
 
@@ -253,11 +258,13 @@ def measure(comm, args) -> list[dict]:
     sizes = layer_sizes(parse_count(args.params), args.depth)
     gloo = Gloo(comm)
     try:
-        candidates = [MpidistCandidate(sizes, args.seed, comm, mb) for mb in args.buckets]
-        ddp = DDPCandidate(sizes, args.seed)
+        settings = (False, True) if args.views else (False,)
+        candidates = [MpidistCandidate(sizes, args.seed, comm, mb, views) for views in settings for mb in args.buckets]
+        ddps = {views: DDPCandidate(sizes, args.seed, views) for views in settings}
+        ddp = ddps[False]
         single = SingleCandidate(sizes, args.seed)
         local = LocalCandidate(sizes, args.seed)
-        candidates += [ddp, local, single]
+        candidates += list(ddps.values()) + [local, single]
         params = sum(p.numel() for p in single.model.parameters())
         pool = make_pool(sizes, args.batch, args.seed, comm.rank)
         single_pool = make_pool(sizes, args.batch, args.seed, 0)
@@ -293,7 +300,8 @@ def measure(comm, args) -> list[dict]:
             comm.mpi.Allreduce(np.array([0.0 if math.isnan(step_ms) else step_ms]), step_sum, op=MPI.SUM)
             is_mpidist = candidate.name == "mpidist"
             rows.append({
-                "candidate": candidate.name, "bucket_mb": candidate.bucket_mb, "ranks": ranks,
+                "candidate": candidate.name, "bucket_mb": candidate.bucket_mb,
+                "gradient_as_bucket_view": candidate.views, "ranks": ranks,
                 "batch_per_rank": args.batch, "params": params, "layers": sizes, "steps": args.steps,
                 "rounds": args.rounds, "samples_per_s": round(statistics.median(rates), 2),
                 "samples_per_s_rounds": [round(r, 2) for r in rates],
@@ -306,11 +314,12 @@ def measure(comm, args) -> list[dict]:
                 "buckets": candidate.buckets,
                 "mpi_yield_when_idle": os.environ.get("OMPI_MCA_mpi_yield_when_idle"),
             })
-        ddp_rate = rows[candidates.index(ddp)]["samples_per_s"]
+        # vs_ddp: against DDP with the same gradient_as_bucket_view setting.
+        ddp_rates = {views: rows[candidates.index(c)]["samples_per_s"] for views, c in ddps.items()}
         single_rate = rows[candidates.index(single)]["samples_per_s"]
         local_rate = rows[candidates.index(local)]["samples_per_s"]
         for row in rows:
-            row["vs_ddp"] = round(row["samples_per_s"] / ddp_rate, 3)
+            row["vs_ddp"] = round(row["samples_per_s"] / ddp_rates[row["gradient_as_bucket_view"]], 3)
             row["vs_single"] = round(row["samples_per_s"] / single_rate, 3)
             row["vs_local"] = round(row["samples_per_s"] / local_rate, 3)
             row["max_rel_diff_vs_ddp"] = None
@@ -336,7 +345,8 @@ def measure(comm, args) -> list[dict]:
 # ---- outputs ------------------------------------------------------------------------------------
 
 def label(row) -> str:
-    return f"mpidist {row['bucket_mb']:g} MB" if row["candidate"] == "mpidist" else row["candidate"]
+    name = f"mpidist {row['bucket_mb']:g} MB" if row["candidate"] == "mpidist" else row["candidate"]
+    return name + " views" if row.get("gradient_as_bucket_view") else name
 
 
 def markdown_table(rows) -> str:
@@ -408,6 +418,8 @@ def parse_args(argv):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=5, help="steps per candidate before the rounds")
     parser.add_argument("--buckets", default="25,1", help="mpidist bucket sizes in MB, comma-separated")
+    parser.add_argument("--views", action="store_true",
+                        help="also measure each mpidist bucket size and DDP with gradient_as_bucket_view=True")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tolerance", type=float, default=1e-5)
     parser.add_argument("--check", action="store_true",

@@ -61,6 +61,68 @@ def test_data_parallel_matches_single_process(mpi_ranks, mpi_world, bucket_mb, r
     assert_close_to_reference(list(model.parameters()), reference_parameters(mpi_ranks))
 
 
+def train_with_views(comm, rank, views, set_to_none, compression, bucket_mb):
+    """Trains STEPS steps with gradient clipping in place; returns the parameters, a copy of the
+    gradients of every step and the DataParallel."""
+    model = make_model(seed=rank)
+    ddp = md.DataParallel(model, comm=comm, bucket_mb=bucket_mb, compression=compression,
+                          gradient_as_bucket_view=views)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    grads = []
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        optimizer.zero_grad(set_to_none=set_to_none)
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # changes the gradients in place
+        grads.append([p.grad.clone() for p in model.parameters()])
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()], grads, ddp
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+@pytest.mark.parametrize("ranks_per_node", [None, "1"])
+@pytest.mark.parametrize("compression", [None, "bf16"])
+def test_gradient_as_bucket_view_trains_like_copying(mpi_ranks, mpi_world, ranks_per_node, compression, monkeypatch):
+    # gradient_as_bucket_view leaves the averages in the buckets' memory (the shared slots on one
+    # node, the flat buffers otherwise) and makes the gradients views of it; training must not
+    # change by a bit, with zero_grad setting the gradients to None or zeroing them in place.
+    if ranks_per_node:
+        monkeypatch.setenv("MPIDIST_RANKS_PER_NODE", ranks_per_node)
+    comm = md.Communicator(MPI.COMM_WORLD)
+    for bucket_mb in (25, 0.0005):
+        for set_to_none in (True, False):
+            copied, copied_grads, _ = train_with_views(comm, mpi_world.rank, False, set_to_none, compression, bucket_mb)
+            viewed, viewed_grads, ddp = train_with_views(comm, mpi_world.rank, True, set_to_none, compression, bucket_mb)
+            for a, b in zip(copied, viewed):
+                assert torch.equal(a, b)
+            for step_a, step_b in zip(copied_grads, viewed_grads):
+                for a, b in zip(step_a, step_b):
+                    assert torch.equal(a, b)
+            # After backward each gradient is its view (a bucket of one gradient without
+            # compression is all-reduced in that gradient itself: it has none).
+            grads = {id(p.grad) for p in ddp.module.parameters()}
+            with_views = [b for b in ddp.buckets.buckets if b.views is not None]
+            assert with_views or (bucket_mb < 1 and compression is None and ranks_per_node)
+            assert all(id(v) in grads for b in with_views for v in b.views)
+    if compression is None:
+        # And the same as one process on all the batches, without clipping.
+        model = make_model(seed=mpi_world.rank)
+        ddp = md.DataParallel(model, comm=comm, gradient_as_bucket_view=True)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        for step in range(STEPS):
+            x, y = batch(step, mpi_world.rank)
+            optimizer.zero_grad(set_to_none=False)
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            optimizer.step()
+        assert_close_to_reference(list(model.parameters()), reference_parameters(mpi_ranks))
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_gradient_as_bucket_view_must_agree_on_one_node(mpi_ranks, mpi_world):
+    with pytest.raises(md.InvalidArgumentError, match="gradient_as_bucket_view differs between ranks"):
+        md.DataParallel(make_model(), gradient_as_bucket_view=mpi_world.rank == 1)
+
+
 @pytest.mark.mpi(ranks=[2])
 def test_no_sync_accumulates_then_averages(mpi_ranks, mpi_world):
     model = make_model()

@@ -10,6 +10,7 @@ import mpidist as md
 from conftest import make_array, raw_bytes, to_float64
 from mpidist.collectives import common
 from mpidist.collectives.polled import NodeSlots
+from mpidist.parallel.data import tensor_at
 from test_collectives import FLOAT_DTYPES, INT_DTYPES, OPS, rank_values, reference, tolerance
 
 # Bucket 0 is several gradients of odd lengths laid end to end, so the ranks' slices cut across
@@ -18,7 +19,8 @@ BUCKETS = [[1, 7, 130, 3], [1001]]
 
 
 @pytest.mark.mpi(ranks=[1, 2, 3, 4, 5])
-def test_polled_buckets_match_reference(mpi_ranks, monkeypatch):
+@pytest.mark.parametrize("results_in_slots", [False, True])
+def test_polled_buckets_match_reference(mpi_ranks, results_in_slots, monkeypatch):
     # Reduce and publish in pieces of 36 bytes (32 for 8-byte types), so that the pieces'
     # bounds fall anywhere in the slices (the default, 256 KiB, is one piece at these sizes).
     monkeypatch.setattr(common, "PIECE_BYTES_PER_THREAD", 36)
@@ -26,7 +28,8 @@ def test_polled_buckets_match_reference(mpi_ranks, monkeypatch):
     p, r = comm.size, comm.rank
     for dtype in FLOAT_DTYPES + INT_DTYPES:
         itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-        slots = NodeSlots(comm.node_comm, [sum(parts) * itemsize for parts in BUCKETS])
+        slots = NodeSlots(comm.node_comm, [sum(parts) * itemsize for parts in BUCKETS], results_in_slots)
+        in_slot = [tensor_at(slots.address(i), sum(parts), getattr(torch, dtype)) for i, parts in enumerate(BUCKETS)]
         # Every op in turn: each call reuses the slots of the call before.
         for call, op in enumerate(OPS):
             if dtype in INT_DTYPES and op == "avg":
@@ -35,6 +38,9 @@ def test_polled_buckets_match_reference(mpi_ranks, monkeypatch):
             for index, parts in enumerate(BUCKETS):
                 values = [rank_values(10 * call + index, k, sum(parts), dtype, op) for k in range(p)]
                 flat = make_array("torch", values[r], dtype)
+                if results_in_slots and call % 2:
+                    # The arrays may be views of the slot (the last call's result, overwritten).
+                    flat = in_slot[index].copy_(flat)
                 inputs.append(values)
                 flats.append(flat)
                 handles.append(slots.start(index, list(torch.split(flat, parts)), op))
@@ -42,8 +48,13 @@ def test_polled_buckets_match_reference(mpi_ranks, monkeypatch):
                 handle.progress()  # never blocks; may or may not finish
             for handle in reversed(handles):  # any order of waiting completes
                 handle.wait()
+            if results_in_slots:
+                for index, flat in enumerate(flats):
+                    if flat.data_ptr() != in_slot[index].data_ptr():  # only read
+                        assert torch.equal(flat, make_array("torch", inputs[index][r], dtype))
+                flats = in_slot
             for index, flat in enumerate(flats):
-                where = f"polled {dtype} {op} bucket {index} p={p}"
+                where = f"polled {dtype} {op} bucket {index} p={p} results_in_slots={results_in_slots}"
                 error = np.abs(to_float64(flat) - reference(inputs[index], op))
                 assert (error <= tolerance(inputs[index], op, dtype)).all(), f"{where}: error {error.max()}"
                 everyone = comm.mpi.allgather(raw_bytes(flat))

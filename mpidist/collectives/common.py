@@ -164,9 +164,10 @@ def fold_out(ctx: Context, new_rank: int, p2: int) -> None:
             ctx.send(ctx.info, 0, ctx.info.count, ctx.rank - 1)
 
 
-def reduce_and_publish(dst: int, sources, nbytes: int, dtype: str, op: str, scale: float, publish: int) -> None:
+def reduce_and_publish(dst: int, sources, nbytes: int, dtype: str, op: str, scale: float, publish) -> None:
     """dst = sources[0] op sources[1] op ... (dst may be one of them), times `scale` unless it is
-    1, and copied to `publish`: piece by piece, each piece's three steps while it is in cache."""
+    1, and copied to each address in `publish`: piece by piece, each piece's steps while it is in
+    cache."""
     itemsize = ITEMSIZE[dtype]
     step = max(itemsize, PIECE_BYTES_PER_THREAD * kernels.get_num_threads() // itemsize * itemsize)
     for low in range(0, nbytes, step):
@@ -175,4 +176,5 @@ def reduce_and_publish(dst: int, sources, nbytes: int, dtype: str, op: str, scal
         kernels.reduce_many_ptr(dst + low, [source + low for source in sources], count, dtype, op)
         if scale != 1.0:
             kernels.scale_ptr(dst + low, count, dtype, scale)
-        ctypes.memmove(publish + low, dst + low, size)
+        for address in publish:
+            ctypes.memmove(address + low, dst + low, size)

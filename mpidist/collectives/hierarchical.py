@@ -175,7 +175,7 @@ def reduce_on_one_node(ctx: Context, window: NodeWindow, slots: list) -> None:
     sources = [info.ptr + start if k == me else slot + start for k, slot in enumerate(slots)]
     # Divide the slice now, while it is in cache, not the whole buffer later.
     scale = 1.0 / ctx.size if ctx.average else 1.0
-    reduce_and_publish(info.ptr + start, sources, length, info.dtype, ctx.op, scale, slots[me] + start)
+    reduce_and_publish(info.ptr + start, sources, length, info.dtype, ctx.op, scale, [slots[me] + start])
     ctx.average = False
     window.sync()
     for k, (offset, size) in enumerate(slices):

@@ -32,6 +32,15 @@ safe because a rank writes that half in call c+1 only after its own copy-out of 
 other rank publishes into it only after seeing this rank's copy-in of call c+1. With more ranks a
 result is read by several, and one of them could still be reading call c's result when another
 copies call c+1 in; there each result stays in its owner's slot.
+
+With results_in_slots (DataParallel's gradient_as_bucket_view) every rank writes its reduced slice
+into its own slot and into every other rank's, over the contribution to that slice it has just
+read there (piece by piece, as above; only the slice's owner ever reads it), so each slot ends
+with the whole result and the caller's gradients become views of its slot: no copy-out. The
+arrays given to start() are then only read, and may be those views; the copy-in skips them. Safe
+for the same reason as above: nobody writes a rank's slot from the end of its call c until its
+copy-in of call c+1, so between the two its gradients (the views) are its own, and backward
+may accumulate into them.
 """
 from __future__ import annotations
 
@@ -55,16 +64,20 @@ NAP_SECONDS = 50e-6  # then the sleep between polls
 class NodeSlots:
     """One shared window for a fixed list of buffer sizes: per rank, a counter and a slot for each.
 
-    Collective over the node communicator; every local rank must pass the same sizes (checked,
-    with the same error on every rank).
+    With `results_in_slots`, each all-reduce leaves its result in this rank's slot of the bucket
+    (address(index), the arrays laid end to end) and only reads the arrays it was given, which may
+    be views of that slot: no copy-out. Collective over the node communicator; every local rank
+    must pass the same sizes and the same `results_in_slots` (checked, with the same error on
+    every rank).
     """
 
-    def __init__(self, node_comm, sizes):
+    def __init__(self, node_comm, sizes, results_in_slots: bool = False):
         self.node_comm = node_comm
         self.local_rank = node_comm.Get_rank()
         self.local_size = node_comm.Get_size()
+        self.results_in_slots = bool(results_in_slots)
         sizes = [int(s) for s in sizes]
-        check_same_sizes(node_comm, sizes)
+        check_same_layout(node_comm, sizes, self.results_in_slots)
         header = (len(sizes) * COUNTER_BYTES + 4095) // 4096 * 4096
         offsets, position = [], header
         for size in sizes:
@@ -85,8 +98,9 @@ class NodeSlots:
         self.calls = [0] * len(sizes)
 
     def start(self, index: int, arrays, op: str) -> "PolledAllreduce":
-        """Start the in-place all-reduce of bucket `index`: `arrays` (contiguous CPU arrays of one
-        dtype, reduced as if laid end to end) with op sum, avg, min, max or prod."""
+        """Start the all-reduce of bucket `index`: `arrays` (contiguous CPU arrays of one dtype,
+        reduced as if laid end to end) with op sum, avg, min, max or prod. The result replaces the
+        arrays, or with results_in_slots is left in this rank's slot."""
         infos = [describe(a) for a in arrays]
         if any(info.device != "cpu" for info in infos):
             raise InvalidArgumentError(f"bucket {index}: the shared slots hold host memory; got a {infos[0].device} array")
@@ -99,7 +113,11 @@ class NodeSlots:
         self.calls[index] += 1
         segments = [(info.ptr, info.nbytes) for info in infos]
         return PolledAllreduce(self, index, self.calls[index], segments, infos[0].dtype, kernel_op(op),
-                               average=op == "avg")
+                               average=op == "avg", into_slot=self.results_in_slots)
+
+    def address(self, index: int) -> int:
+        """Where this rank's slot of bucket `index` starts."""
+        return self.slots[index][self.local_rank]
 
     def free(self) -> None:
         if self.win is not None:
@@ -108,7 +126,7 @@ class NodeSlots:
             self.win = None
 
 
-def check_same_sizes(node_comm, sizes) -> None:
+def check_same_layout(node_comm, sizes, results_in_slots: bool) -> None:
     mine = np.array([len(sizes)] + sizes, dtype=np.int64)
     lengths = np.empty(node_comm.Get_size(), dtype=np.int64)
     node_comm.Allgather(mine[:1], lengths)
@@ -123,6 +141,12 @@ def check_same_sizes(node_comm, sizes) -> None:
         raise InvalidArgumentError(
             f"gradient bucket sizes differ between ranks of this node (local ranks {differing} differ "
             f"from this one): bytes per bucket {table[:, 1:].tolist()} (is the model the same on every rank?)")
+    modes = np.empty(node_comm.Get_size(), dtype=np.int64)
+    node_comm.Allgather(np.array([int(results_in_slots)], dtype=np.int64), modes)
+    if (modes != modes[0]).any():
+        raise InvalidArgumentError(
+            "gradient_as_bucket_view differs between ranks of this node: "
+            f"{[bool(m) for m in modes]} by local rank; pass the same value on every rank")
 
 
 def pieces(segments, start: int, length: int):
@@ -140,8 +164,10 @@ class PolledAllreduce:
     """One in-place all-reduce of one bucket; progress() advances it without blocking, wait()
     finishes it. The copy-in happens at once, in the constructor."""
 
-    def __init__(self, slots: NodeSlots, index: int, call: int, segments, dtype: str, op: str, average: bool):
+    def __init__(self, slots: NodeSlots, index: int, call: int, segments, dtype: str, op: str, average: bool,
+                 into_slot: bool = False):
         self.slots = slots
+        self.into_slot = into_slot
         self.index = index
         self.segments = segments
         self.dtype = dtype
@@ -160,7 +186,8 @@ class PolledAllreduce:
         for k, (start, length) in enumerate(self.slices):
             if k != me:
                 for address, offset, size in pieces(segments, start, length):
-                    ctypes.memmove(self.mine + offset, address, size)
+                    if address != self.mine + offset:  # not already there (a view of the slot)
+                        ctypes.memmove(self.mine + offset, address, size)
         _C.store_counter(self.counter, self.copied_in)
         self.stage = self.copied_in
 
@@ -174,7 +201,9 @@ class PolledAllreduce:
         if self.stage == self.copied_in and _C.counters_reached(self.others, self.copied_in):
             self._reduce_own_slice()
         if self.stage == self.published and _C.counters_reached(self.others, self.published):
-            self._copy_out()
+            if not self.into_slot:
+                self._copy_out()
+            self.finished = time.perf_counter()
         return self.finished is not None
 
     def wait(self) -> None:
@@ -190,7 +219,8 @@ class PolledAllreduce:
         poll_until(self.progress, timed_out, YIELD_SECONDS, NAP_SECONDS)
 
     def result_slot(self, owner: int) -> int:
-        """The slot that receives the reduced slice of local rank `owner` (see the module notes)."""
+        """Without into_slot, the slot that receives the reduced slice of local rank `owner`
+        (see the module notes)."""
         slots = self.slots.slots[self.index]
         return slots[1 - owner] if len(slots) == 2 else slots[owner]
 
@@ -202,7 +232,12 @@ class PolledAllreduce:
             # reduce_many loads every operand of an element before storing it, so its
             # destination may be one of its sources: this rank's own array.
             sources = [address if k == me else slot + offset for k, slot in enumerate(slots)]
-            reduce_and_publish(address, sources, size, self.dtype, self.op, scale, self.result_slot(me) + offset)
+            if self.into_slot:
+                destination = self.mine + offset
+                publish = [slot + offset for k, slot in enumerate(slots) if k != me]
+            else:
+                destination, publish = address, [self.result_slot(me) + offset]
+            reduce_and_publish(destination, sources, size, self.dtype, self.op, scale, publish)
         _C.store_counter(self.counter, self.published)
         self.stage = self.published
 
@@ -212,4 +247,3 @@ class PolledAllreduce:
             if k != me:
                 for address, offset, size in pieces(self.segments, start, length):
                     ctypes.memmove(address, self.result_slot(k) + offset, size)
-        self.finished = time.perf_counter()

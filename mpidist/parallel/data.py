@@ -4,6 +4,7 @@ PyTorch DDP) and ParameterAveraging (average the weights every k local steps).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 
 import torch
 
@@ -38,6 +39,7 @@ class _Bucket:
         self.packed = True
         self.pending = set()
         self.handle = None
+        self.views = None  # with gradient_as_bucket_view: each parameter's gradient inside the bucket
 
     @property
     def flat(self):
@@ -63,6 +65,33 @@ class _Bucket:
         self.pending = {id(p) for p in self.params}
         self.handle = None
 
+    def make_views(self, flat: torch.Tensor) -> None:
+        """Views of `flat` shaped like the parameters, laid end to end (made once)."""
+        if self.views is None:
+            sizes = [p.numel() for p in self.params]
+            self.views = [part.view_as(p) for part, p in zip(flat.split(sizes), self.params)]
+
+    def pack(self, grads) -> None:
+        """Gather the gradients into the flat buffer; those that are its views are there."""
+        if self.views is None or not any(g is v for g, v in zip(grads, self.views)):
+            kernels.pack(self.flat, grads)
+            return
+        for grad, view in zip(grads, self.views):
+            if grad is not view:
+                view.copy_(grad)
+
+    def use_views(self) -> None:
+        """Make each gradient its view: the result is already there, nothing to copy."""
+        for param, view in zip(self.params, self.views):
+            if param.grad is not view:
+                param.grad = view
+
+
+def tensor_at(address: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor over memory this process does not own through torch (a shared window)."""
+    memory = (ctypes.c_char * (numel * dtype.itemsize)).from_address(address)
+    return torch.frombuffer(memory, dtype=dtype, count=numel)
+
 
 class GradientBuckets:
     """Packs gradients into buckets as backward produces them and all-reduces each full bucket
@@ -78,10 +107,14 @@ class GradientBuckets:
     caller's thread (collectives/polled.py); otherwise each bucket is handed to the
     communicator's asynchronous engine. `trace`, when set to a list, receives (start, finish)
     perf_counter times of each bucket's all-reduce.
+
+    With `gradient_as_bucket_view` (PyTorch DDP's option of that name), after the first step each
+    gradient is a view of its bucket's memory (the shared slot or the flat buffer) where the
+    all-reduce leaves its result, so the results are not copied back (see DataParallel).
     """
 
     def __init__(self, params, comm, bucket_mb=25, compression=None, algorithm="auto", op="avg",
-                 predivide=1.0, passes_per_step=1):
+                 predivide=1.0, passes_per_step=1, gradient_as_bucket_view=False):
         if compression not in COMPRESSION_DTYPES:
             raise InvalidArgumentError(f"compression={compression!r}; choose None, 'fp16' or 'bf16'")
         if bucket_mb <= 0:
@@ -93,6 +126,7 @@ class GradientBuckets:
         self.op = op
         self.predivide = float(predivide)
         self.passes_per_step = passes_per_step
+        self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.buckets = self._make_buckets(params, bucket_mb, COMPRESSION_DTYPES[compression])
         self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self._passes = {id(p): 0 for bucket in self.buckets for p in bucket.params}
@@ -102,7 +136,15 @@ class GradientBuckets:
             # Imported here: the collectives package initializes MPI when imported, and
             # `import mpidist.torch` must not (mpidist sets MPI's options first, see comm.load_mpi).
             from ..collectives.polled import NodeSlots
-            self.slots = NodeSlots(comm.node_comm, [b.nbytes for b in self.buckets])
+            # The slots keep the results when the gradients are views of them; a compressed or
+            # predivided bucket goes through its flat buffer instead (and its views are there).
+            in_slots = self.gradient_as_bucket_view and self._direct()
+            self.slots = NodeSlots(comm.node_comm, [b.nbytes for b in self.buckets], results_in_slots=in_slots)
+            if in_slots:
+                for index, bucket in enumerate(self.buckets):
+                    first = bucket.params[0]
+                    numel = sum(p.numel() for p in bucket.params)
+                    bucket.make_views(tensor_at(self.slots.address(index), numel, first.dtype))
         self.trace = None
         self.reset()
 
@@ -112,6 +154,11 @@ class GradientBuckets:
         return (comm.size > 1 and comm.local_size == comm.size and self.algorithm in ("auto", "hierarchical")
                 and comm.forced_algorithm in (None, "hierarchical")
                 and all(p.device.type == "cpu" for b in self.buckets for p in b.params))
+
+    def _direct(self) -> bool:
+        """Whether the shared slots can take the gradients themselves (no compression or
+        predivision, which work on a flat copy)."""
+        return all(b.wire is None for b in self.buckets) and self.predivide == 1.0
 
     @staticmethod
     def _make_buckets(params, bucket_mb, compression):
@@ -157,8 +204,13 @@ class GradientBuckets:
                 param.grad = torch.zeros_like(param)
         grads = [param.grad for param in bucket.params]
         op = self.op
-        if self.slots is not None and bucket.wire is None and self.predivide == 1.0 \
-                and all(g.is_contiguous() for g in grads):
+        if self.slots is not None and self.slots.results_in_slots:
+            # The slots read the gradients (views of the slot already, or fresh ones) and keep
+            # the result.
+            bucket.packed = False
+            bucket.handle = self.slots.start(index, [g.contiguous() for g in grads], op)
+            return
+        if self.slots is not None and self._direct() and all(g.is_contiguous() for g in grads):
             # The shared slots reduce the gradients where they lie: nothing to pack.
             bucket.packed = False
             bucket.handle = self.slots.start(index, grads, op)
@@ -167,7 +219,9 @@ class GradientBuckets:
         bucket.packed = len(grads) > 1 or bucket.wire_dtype is not None or not grads[0].is_contiguous()
         buffer = bucket.flat if bucket.packed else grads[0]
         if bucket.packed:
-            kernels.pack(buffer, grads)
+            if self.gradient_as_bucket_view:
+                bucket.make_views(bucket.flat)
+            bucket.pack(grads)
         if self.predivide != 1.0:
             kernels.scale(buffer, 1.0 / self.predivide)
             op = "sum"
@@ -189,13 +243,18 @@ class GradientBuckets:
                 bucket.handle.wait()
                 if self.trace is not None:
                     self.trace.append((bucket.handle.started, bucket.handle.finished))
+                if self.slots is not None and self.slots.results_in_slots:
+                    bucket.use_views()
+                    continue
                 result = bucket.flat if bucket.packed else bucket.params[0].grad
                 if bucket.wire is not None:
                     kernels.cast(result, bucket.wire)
                 if self.predivide != 1.0:
                     post = self.predivide / self.comm.size if self.op == "avg" else self.predivide
                     kernels.scale(result, post)
-                if bucket.packed:
+                if bucket.packed and self.gradient_as_bucket_view:
+                    bucket.use_views()
+                elif bucket.packed:
                     kernels.unpack(result, [param.grad for param in bucket.params])
         finally:
             self.reset()
@@ -226,10 +285,18 @@ class DataParallel(torch.nn.Module):
     are packed into buckets and each bucket's all-reduce starts in the background as soon as it
     is full, overlapping the rest of backward. When backward returns, every gradient holds the
     average over ranks.
+
+    gradient_as_bucket_view=True (as in DDP): from the first step on, each parameter's .grad is a
+    view of its bucket's memory, where the all-reduce leaves the average; the copy back into the
+    gradients is saved (and, without compression on one node, the gradients live in the shared
+    slots). Like DDP's option, a gradient tensor kept from an earlier step changes when a later
+    step's all-reduce runs; zero_grad() with or without set_to_none works, and so do in-place
+    changes to .grad (clipping).
     """
 
     def __init__(self, module: torch.nn.Module, comm=None, bucket_mb: float = 25,
-                 compression: str | None = None, algorithm: str = "auto", broadcast_buffers: bool = True):
+                 compression: str | None = None, algorithm: str = "auto", broadcast_buffers: bool = True,
+                 gradient_as_bucket_view: bool = False):
         super().__init__()
         self.module = module
         self.comm = comm if comm is not None else init()
@@ -238,7 +305,8 @@ class DataParallel(torch.nn.Module):
         self._in_backward = False
         broadcast_module_state(module, self.comm)
         params = trainable_parameters(module)
-        self.buckets = GradientBuckets(params, self.comm, bucket_mb, compression, algorithm)
+        self.buckets = GradientBuckets(params, self.comm, bucket_mb, compression, algorithm,
+                                       gradient_as_bucket_view=gradient_as_bucket_view)
         for param in params:
             param.register_post_accumulate_grad_hook(self._gradient_ready)
 
