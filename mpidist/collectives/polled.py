@@ -161,8 +161,9 @@ def pieces(segments, start: int, length: int):
 
 
 class PolledAllreduce:
-    """One in-place all-reduce of one bucket; progress() advances it without blocking, wait()
-    finishes it. The copy-in happens at once, in the constructor."""
+    """One all-reduce of one bucket (in place, or into the slots with into_slot); progress()
+    advances it without blocking, wait() finishes it. The copy-in happens at once, in the
+    constructor."""
 
     def __init__(self, slots: NodeSlots, index: int, call: int, segments, dtype: str, op: str, average: bool,
                  into_slot: bool = False):
