@@ -117,6 +117,63 @@ def test_gradient_as_bucket_view_trains_like_copying(mpi_ranks, mpi_world, ranks
         assert_close_to_reference(list(model.parameters()), reference_parameters(mpi_ranks))
 
 
+class ChannelsLast(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv1 = torch.nn.Conv2d(3, 8, 3)
+        self.conv2 = torch.nn.Conv2d(8, 8, 3)
+        self.head = torch.nn.Linear(8, 3)
+        self.to(memory_format=torch.channels_last)
+
+    def forward(self, x):
+        x = torch.relu(self.conv2(torch.relu(self.conv1(x))))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def image_batch(step, rank):
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(4, 3, 12, 12, generator=generator).to(memory_format=torch.channels_last)
+    return x, torch.randint(0, 3, (4,), generator=generator)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+@pytest.mark.parametrize("bucket_mb", [25, 0.001])
+@pytest.mark.parametrize("ranks_per_node", [None, "1"])
+def test_channels_last_gradients(mpi_ranks, mpi_world, bucket_mb, ranks_per_node, monkeypatch):
+    # Gradients of channels_last weights are not contiguous: they are packed and unpacked by
+    # torch copies, and with gradient_as_bucket_view the shared slots read contiguous copies of
+    # them, which must live until the all-reduce has read them.
+    if ranks_per_node:
+        monkeypatch.setenv("MPIDIST_RANKS_PER_NODE", ranks_per_node)
+    comm = md.Communicator(MPI.COMM_WORLD)
+
+    def train(views):
+        model = ChannelsLast()
+        ddp = md.DataParallel(model, comm=comm, bucket_mb=bucket_mb, gradient_as_bucket_view=views)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        for step in range(STEPS):
+            x, y = image_batch(step, mpi_world.rank)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            assert views or not model.conv1.weight.grad.is_contiguous()
+            optimizer.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    reference = ChannelsLast()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        parts = [image_batch(step, r) for r in range(mpi_ranks)]
+        optimizer.zero_grad()
+        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        torch.nn.functional.cross_entropy(reference(x), y).backward()
+        optimizer.step()
+    copied, viewed = train(False), train(True)
+    assert_close_to_reference(copied, [p.detach() for p in reference.parameters()])
+    for a, b in zip(copied, viewed):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.mpi(ranks=[2, 3])
 def test_gradient_as_bucket_view_must_agree_on_one_node(mpi_ranks, mpi_world):
     with pytest.raises(md.InvalidArgumentError, match="gradient_as_bucket_view differs between ranks"):

@@ -35,10 +35,12 @@ class _Bucket:
         first = params[0]
         self.wire_dtype = compression if compression is not None and compression != first.dtype else None
         self._flat = None
+        self._flat_parts = None
         self._wire = None
         self.packed = True
         self.pending = set()
         self.handle = None
+        self.sources = None  # the arrays an all-reduce into the shared slots is reading
         self.views = None  # with gradient_as_bucket_view: each parameter's gradient inside the bucket
 
     @property
@@ -64,27 +66,45 @@ class _Bucket:
     def reset(self):
         self.pending = {id(p) for p in self.params}
         self.handle = None
+        self.sources = None
 
-    def make_views(self, flat: torch.Tensor) -> None:
-        """Views of `flat` shaped like the parameters, laid end to end (made once)."""
-        if self.views is None:
-            sizes = [p.numel() for p in self.params]
-            self.views = [part.view_as(p) for part, p in zip(flat.split(sizes), self.params)]
+    @property
+    def flat_parts(self):
+        """The flat buffer as one contiguous view per parameter (made once)."""
+        if self._flat_parts is None:
+            self._flat_parts = shaped_like(self.params, self.flat)
+        return self._flat_parts
 
     def pack(self, grads) -> None:
-        """Gather the gradients into the flat buffer; those that are its views are there."""
-        if self.views is None or not any(g is v for g, v in zip(grads, self.views)):
+        """Gather the gradients into the flat buffer, in one kernel call when they are contiguous
+        (and not already its views); torch copies the others, whatever their strides."""
+        parts = self.flat_parts
+        if all(g.is_contiguous() and g is not part for g, part in zip(grads, parts)):
             kernels.pack(self.flat, grads)
             return
-        for grad, view in zip(grads, self.views):
-            if grad is not view:
-                view.copy_(grad)
+        for grad, part in zip(grads, parts):
+            if grad is not part:
+                part.copy_(grad)
+
+    def unpack(self, grads) -> None:
+        """Scatter the flat buffer back into the gradients (the inverse of pack)."""
+        if all(g.is_contiguous() for g in grads):
+            kernels.unpack(self.flat, grads)
+            return
+        for grad, part in zip(grads, self.flat_parts):
+            grad.copy_(part)
 
     def use_views(self) -> None:
         """Make each gradient its view: the result is already there, nothing to copy."""
         for param, view in zip(self.params, self.views):
             if param.grad is not view:
                 param.grad = view
+
+
+def shaped_like(params, flat: torch.Tensor):
+    """Views of `flat` shaped like `params` (contiguous), laid end to end."""
+    parts = flat.split([p.numel() for p in params])
+    return [part.view(p.shape) for part, p in zip(parts, params)]
 
 
 def tensor_at(address: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -144,7 +164,7 @@ class GradientBuckets:
                 for index, bucket in enumerate(self.buckets):
                     first = bucket.params[0]
                     numel = sum(p.numel() for p in bucket.params)
-                    bucket.make_views(tensor_at(self.slots.address(index), numel, first.dtype))
+                    bucket.views = shaped_like(bucket.params, tensor_at(self.slots.address(index), numel, first.dtype))
         self.trace = None
         self.reset()
 
@@ -208,7 +228,9 @@ class GradientBuckets:
             # The slots read the gradients (views of the slot already, or fresh ones) and keep
             # the result.
             bucket.packed = False
-            bucket.handle = self.slots.start(index, [g.contiguous() for g in grads], op)
+            # Kept until the all-reduce ends: it reads them through their addresses.
+            bucket.sources = [g.contiguous() for g in grads]
+            bucket.handle = self.slots.start(index, bucket.sources, op)
             return
         if self.slots is not None and self._direct() and all(g.is_contiguous() for g in grads):
             # The shared slots reduce the gradients where they lie: nothing to pack.
@@ -220,7 +242,7 @@ class GradientBuckets:
         buffer = bucket.flat if bucket.packed else grads[0]
         if bucket.packed:
             if self.gradient_as_bucket_view:
-                bucket.make_views(bucket.flat)
+                bucket.views = bucket.flat_parts
             bucket.pack(grads)
         if self.predivide != 1.0:
             kernels.scale(buffer, 1.0 / self.predivide)
@@ -255,7 +277,7 @@ class GradientBuckets:
                 if bucket.packed and self.gradient_as_bucket_view:
                     bucket.use_views()
                 elif bucket.packed:
-                    kernels.unpack(result, [param.grad for param in bucket.params])
+                    bucket.unpack([param.grad for param in bucket.params])
         finally:
             self.reset()
 
