@@ -14,7 +14,7 @@ import torch
 
 from . import comm as _comm
 from .errors import InvalidArgumentError, MpidistError
-from .parallel.data import GradientBuckets, trainable_parameters
+from .parallel.data import GradientBuckets, broadcast_in_place, trainable_parameters
 
 
 class NotOfferedError(MpidistError):
@@ -266,7 +266,7 @@ def broadcast_parameters(params, root_rank=0):
     with torch.no_grad():
         for _, tensor in items:
             if isinstance(tensor, torch.Tensor):
-                broadcast_(tensor.data, root_rank)
+                broadcast_in_place(_comm.world(), tensor.data, root_rank)
 
 
 def broadcast_optimizer_state(optimizer, root_rank=0):

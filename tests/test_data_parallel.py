@@ -118,9 +118,9 @@ def test_gradient_as_bucket_view_trains_like_copying(mpi_ranks, mpi_world, ranks
 
 
 class ChannelsLast(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, seed=0):
         super().__init__()
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         self.conv1 = torch.nn.Conv2d(3, 8, 3)
         self.conv2 = torch.nn.Conv2d(8, 8, 3)
         self.head = torch.nn.Linear(8, 3)
@@ -149,7 +149,7 @@ def test_channels_last_gradients(mpi_ranks, mpi_world, bucket_mb, ranks_per_node
     comm = md.Communicator(MPI.COMM_WORLD)
 
     def train(views):
-        model = ChannelsLast()
+        model = ChannelsLast(seed=mpi_world.rank)  # construction broadcasts rank 0's weights
         ddp = md.DataParallel(model, comm=comm, bucket_mb=bucket_mb, gradient_as_bucket_view=views)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
         for step in range(STEPS):
@@ -172,6 +172,24 @@ def test_channels_last_gradients(mpi_ranks, mpi_world, bucket_mb, ranks_per_node
     assert_close_to_reference(copied, [p.detach() for p in reference.parameters()])
     for a, b in zip(copied, viewed):
         assert torch.equal(a, b)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_channels_last_parameter_averaging_and_horovod_broadcast(mpi_ranks, mpi_world):
+    import mpidist.torch as hvd
+    model = ChannelsLast(seed=mpi_world.rank)
+    assert not model.conv1.weight.is_contiguous()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    for mine, ref in zip(model.parameters(), ChannelsLast(seed=0).parameters()):
+        assert torch.equal(mine, ref)
+    averaging = md.ParameterAveraging(model, every=1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(float(mpi_world.rank))
+    assert averaging.step()
+    for mine, ref in zip(model.parameters(), ChannelsLast(seed=0).parameters()):
+        torch.testing.assert_close(mine, ref + sum(range(mpi_ranks)) / mpi_ranks)
+    assert not model.conv1.weight.is_contiguous()  # still channels_last
 
 
 @pytest.mark.mpi(ranks=[2, 3])

@@ -16,11 +16,21 @@ FIRST_BUCKET_BYTES = 1024 * 1024
 COMPRESSION_DTYPES = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+def broadcast_in_place(comm, tensor: torch.Tensor, root: int = 0) -> None:
+    """Give every rank `root`'s values of `tensor`, in place, whatever its strides."""
+    if tensor.is_contiguous():
+        comm.broadcast(tensor, root=root)
+        return
+    staging = tensor.contiguous()  # channels_last weights, for example
+    comm.broadcast(staging, root=root)
+    tensor.copy_(staging)
+
+
 def broadcast_module_state(module: torch.nn.Module, comm, root: int = 0) -> None:
     """Give every rank `root`'s parameters and buffers (in place)."""
     with torch.no_grad():
         for tensor in list(module.parameters()) + list(module.buffers()):
-            comm.broadcast(tensor.data if tensor.is_contiguous() else tensor.data.contiguous(), root=root)
+            broadcast_in_place(comm, tensor.data, root)
 
 
 class _Bucket:
@@ -76,23 +86,10 @@ class _Bucket:
         return self._flat_parts
 
     def pack(self, grads) -> None:
-        """Gather the gradients into the flat buffer, in one kernel call when they are contiguous
-        (and not already its views); torch copies the others, whatever their strides."""
-        parts = self.flat_parts
-        if all(g.is_contiguous() and g is not part for g, part in zip(grads, parts)):
-            kernels.pack(self.flat, grads)
-            return
-        for grad, part in zip(grads, parts):
-            if grad is not part:
-                part.copy_(grad)
+        pack_tensors(self.flat, self.flat_parts, grads)
 
     def unpack(self, grads) -> None:
-        """Scatter the flat buffer back into the gradients (the inverse of pack)."""
-        if all(g.is_contiguous() for g in grads):
-            kernels.unpack(self.flat, grads)
-            return
-        for grad, part in zip(grads, self.flat_parts):
-            grad.copy_(part)
+        unpack_tensors(self.flat, self.flat_parts, grads)
 
     def use_views(self) -> None:
         """Make each gradient its view: the result is already there, nothing to copy."""
@@ -105,6 +102,27 @@ def shaped_like(params, flat: torch.Tensor):
     """Views of `flat` shaped like `params` (contiguous), laid end to end."""
     parts = flat.split([p.numel() for p in params])
     return [part.view(p.shape) for part, p in zip(parts, params)]
+
+
+def pack_tensors(flat: torch.Tensor, parts, tensors) -> None:
+    """Gather `tensors` into `flat` (`parts`: shaped_like views of it): in one kernel call when
+    they are contiguous and none is already its part; torch copies the others, whatever their
+    strides (the kernel takes contiguous memory only)."""
+    if all(t.is_contiguous() and t is not part for t, part in zip(tensors, parts)):
+        kernels.pack(flat, tensors)
+        return
+    for tensor, part in zip(tensors, parts):
+        if tensor is not part:
+            part.copy_(tensor)
+
+
+def unpack_tensors(flat: torch.Tensor, parts, tensors) -> None:
+    """Scatter `flat` back into `tensors` (the inverse of pack_tensors)."""
+    if all(t.is_contiguous() for t in tensors):
+        kernels.unpack(flat, tensors)
+        return
+    for tensor, part in zip(tensors, parts):
+        tensor.copy_(part)
 
 
 def tensor_at(address: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -382,6 +400,7 @@ class ParameterAveraging:
         broadcast_module_state(module, self.comm)
         self._params = [p for p in module.parameters()]
         self._flat = torch.empty(sum(p.numel() for p in self._params), dtype=self._params[0].dtype)
+        self._parts = shaped_like(self._params, self._flat)
 
     def step(self) -> bool:
         """Count a local step; returns True when this step averaged the parameters."""
@@ -389,7 +408,7 @@ class ParameterAveraging:
         if self.steps % self.every:
             return False
         with torch.no_grad():
-            kernels.pack(self._flat, [p.data for p in self._params])
+            pack_tensors(self._flat, self._parts, [p.data for p in self._params])
             self.comm.allreduce(self._flat, op="avg", algorithm=self.algorithm)
-            kernels.unpack(self._flat, [p.data for p in self._params])
+            unpack_tensors(self._flat, self._parts, [p.data for p in self._params])
         return True
