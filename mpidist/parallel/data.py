@@ -354,7 +354,7 @@ class DataParallel(torch.nn.Module):
         if self.broadcast_buffers and self.training and self._sync_enabled:
             with torch.no_grad():
                 for buffer in self.module.buffers():
-                    self.comm.broadcast(buffer.data, root=0)
+                    broadcast_in_place(self.comm, buffer.data)
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
