@@ -113,7 +113,7 @@ class NodeSlots:
         self.calls[index] += 1
         segments = [(info.ptr, info.nbytes) for info in infos]
         return PolledAllreduce(self, index, self.calls[index], segments, infos[0].dtype, kernel_op(op),
-                               average=op == "avg", into_slot=self.results_in_slots)
+                               average=op == "avg")
 
     def address(self, index: int) -> int:
         """Where this rank's slot of bucket `index` starts."""
@@ -127,13 +127,18 @@ class NodeSlots:
 
 
 def check_same_layout(node_comm, sizes, results_in_slots: bool) -> None:
-    mine = np.array([len(sizes)] + sizes, dtype=np.int64)
-    lengths = np.empty(node_comm.Get_size(), dtype=np.int64)
-    node_comm.Allgather(mine[:1], lengths)
+    heads = np.empty((node_comm.Get_size(), 2), dtype=np.int64)  # per rank: bucket count, mode
+    node_comm.Allgather(np.array([len(sizes), int(results_in_slots)], dtype=np.int64), heads)
+    lengths, modes = heads[:, 0], heads[:, 1]
+    if (modes != modes[0]).any():
+        raise InvalidArgumentError(
+            "gradient_as_bucket_view differs between ranks of this node: "
+            f"{[bool(m) for m in modes]} by local rank; pass the same value on every rank")
     if (lengths != lengths[0]).any():
         raise InvalidArgumentError(
             f"ranks of this node have different numbers of gradient buckets: {lengths.tolist()} "
             "(is the model the same on every rank?)")
+    mine = np.array([len(sizes)] + sizes, dtype=np.int64)
     table = np.empty((node_comm.Get_size(), mine.size), dtype=np.int64)
     node_comm.Allgather(mine, table)
     differing = [k for k in range(table.shape[0]) if (table[k] != mine).any()]
@@ -141,12 +146,6 @@ def check_same_layout(node_comm, sizes, results_in_slots: bool) -> None:
         raise InvalidArgumentError(
             f"gradient bucket sizes differ between ranks of this node (local ranks {differing} differ "
             f"from this one): bytes per bucket {table[:, 1:].tolist()} (is the model the same on every rank?)")
-    modes = np.empty(node_comm.Get_size(), dtype=np.int64)
-    node_comm.Allgather(np.array([int(results_in_slots)], dtype=np.int64), modes)
-    if (modes != modes[0]).any():
-        raise InvalidArgumentError(
-            "gradient_as_bucket_view differs between ranks of this node: "
-            f"{[bool(m) for m in modes]} by local rank; pass the same value on every rank")
 
 
 def pieces(segments, start: int, length: int):
@@ -161,14 +160,12 @@ def pieces(segments, start: int, length: int):
 
 
 class PolledAllreduce:
-    """One all-reduce of one bucket (in place, or into the slots with into_slot); progress()
-    advances it without blocking, wait() finishes it. The copy-in happens at once, in the
-    constructor."""
+    """One all-reduce of one bucket (in place, or into the slots with results_in_slots);
+    progress() advances it without blocking, wait() finishes it. The copy-in happens at once, in
+    the constructor."""
 
-    def __init__(self, slots: NodeSlots, index: int, call: int, segments, dtype: str, op: str, average: bool,
-                 into_slot: bool = False):
+    def __init__(self, slots: NodeSlots, index: int, call: int, segments, dtype: str, op: str, average: bool):
         self.slots = slots
-        self.into_slot = into_slot
         self.index = index
         self.segments = segments
         self.dtype = dtype
@@ -202,7 +199,7 @@ class PolledAllreduce:
         if self.stage == self.copied_in and _C.counters_reached(self.others, self.copied_in):
             self._reduce_own_slice()
         if self.stage == self.published and _C.counters_reached(self.others, self.published):
-            if not self.into_slot:
+            if not self.slots.results_in_slots:
                 self._copy_out()
             self.finished = time.perf_counter()
         return self.finished is not None
@@ -220,7 +217,7 @@ class PolledAllreduce:
         poll_until(self.progress, timed_out, YIELD_SECONDS, NAP_SECONDS)
 
     def result_slot(self, owner: int) -> int:
-        """Without into_slot, the slot that receives the reduced slice of local rank `owner`
+        """Without results_in_slots, the slot that receives the reduced slice of local rank `owner`
         (see the module notes)."""
         slots = self.slots.slots[self.index]
         return slots[1 - owner] if len(slots) == 2 else slots[owner]
@@ -233,7 +230,7 @@ class PolledAllreduce:
             # reduce_many loads every operand of an element before storing it, so its
             # destination may be one of its sources: this rank's own array.
             sources = [address if k == me else slot + offset for k, slot in enumerate(slots)]
-            if self.into_slot:
+            if self.slots.results_in_slots:
                 destination = self.mine + offset
                 publish = [slot + offset for k, slot in enumerate(slots) if k != me]
             else:

@@ -176,7 +176,8 @@ class GradientBuckets:
             from ..collectives.polled import NodeSlots
             # The slots keep the results when the gradients are views of them; a compressed or
             # predivided bucket goes through its flat buffer instead (and its views are there).
-            in_slots = self.gradient_as_bucket_view and self._direct()
+            in_slots = (self.gradient_as_bucket_view and self.predivide == 1.0
+                        and all(b.wire is None for b in self.buckets))
             self.slots = NodeSlots(comm.node_comm, [b.nbytes for b in self.buckets], results_in_slots=in_slots)
             if in_slots:
                 for index, bucket in enumerate(self.buckets):
@@ -192,11 +193,6 @@ class GradientBuckets:
         return (comm.size > 1 and comm.local_size == comm.size and self.algorithm in ("auto", "hierarchical")
                 and comm.forced_algorithm in (None, "hierarchical")
                 and all(p.device.type == "cpu" for b in self.buckets for p in b.params))
-
-    def _direct(self) -> bool:
-        """Whether the shared slots can take the gradients themselves (no compression or
-        predivision, which work on a flat copy)."""
-        return all(b.wire is None for b in self.buckets) and self.predivide == 1.0
 
     @staticmethod
     def _make_buckets(params, bucket_mb, compression):
@@ -250,7 +246,8 @@ class GradientBuckets:
             bucket.sources = [g.contiguous() for g in grads]
             bucket.handle = self.slots.start(index, bucket.sources, op)
             return
-        if self.slots is not None and self._direct() and all(g.is_contiguous() for g in grads):
+        if self.slots is not None and bucket.wire is None and self.predivide == 1.0 \
+                and all(g.is_contiguous() for g in grads):
             # The shared slots reduce the gradients where they lie: nothing to pack.
             bucket.packed = False
             bucket.handle = self.slots.start(index, grads, op)
@@ -283,16 +280,13 @@ class GradientBuckets:
                 bucket.handle.wait()
                 if self.trace is not None:
                     self.trace.append((bucket.handle.started, bucket.handle.finished))
-                if self.slots is not None and self.slots.results_in_slots:
-                    bucket.use_views()
-                    continue
                 result = bucket.flat if bucket.packed else bucket.params[0].grad
                 if bucket.wire is not None:
                     kernels.cast(result, bucket.wire)
                 if self.predivide != 1.0:
                     post = self.predivide / self.comm.size if self.op == "avg" else self.predivide
                     kernels.scale(result, post)
-                if bucket.packed and self.gradient_as_bucket_view:
+                if bucket.views is not None:  # the result is in them (shared slot or flat buffer)
                     bucket.use_views()
                 elif bucket.packed:
                     bucket.unpack([param.grad for param in bucket.params])
