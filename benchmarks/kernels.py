@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from mpidist import _C, kernels
+from mpidist.bench import parse_size
 
 DTYPES = ("float32", "bfloat16", "float16", "float64", "int32", "int64", "uint8", "int8")
 FLOATS = ("float32", "bfloat16", "float16", "float64")
@@ -38,12 +39,6 @@ MANY = 4  # sources of the reduce_many rows
 PACK_PARTS = 64  # tensors per pack/unpack row
 DEFAULT_SIZES = [4 << (2 * i) << 10 for i in range(9)]  # 4 KiB .. 256 MiB
 QUICK_SIZES = [4 << 10, 256 << 10, 4 << 20, 64 << 20]
-
-
-def parse_size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    text = text.strip().lower().rstrip("ib")
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
 class Timer:

@@ -16,16 +16,14 @@ import time
 import numpy as np
 
 import mpidist as md
+from mpidist.bench import parse_size, parse_sizes
 
 WHOLE = 1 << 40  # larger than any slice: one piece
 
 
-def parse_size(text: str) -> int:
-    """'256K' -> 262144, '4M' -> 4194304, 'whole' -> one piece."""
-    if text == "whole":
-        return WHOLE
-    scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:].upper(), 1)
-    return int(text.rstrip("KMkm")) * scale
+def piece_size(text: str) -> int:
+    """'256K' -> 262144, '4M' -> 4194304 (mpidist bench's sizes), 'whole' -> one piece."""
+    return WHOLE if text == "whole" else parse_size(text)
 
 
 def main(argv=None):
@@ -34,8 +32,8 @@ def main(argv=None):
     parser.add_argument("--pieces", default="64K,256K,1M,whole", help="piece sizes per thread")
     parser.add_argument("--iterations", type=int, default=40)
     args = parser.parse_args(argv)
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
-    pieces = [parse_size(p) for p in args.pieces.split(",")]
+    sizes = parse_sizes(args.sizes)
+    pieces = [piece_size(p) for p in args.pieces.split(",")]
     comm = md.init()
     from mpidist.collectives import common  # after init: importing the collectives starts MPI
     rng = np.random.default_rng(0)

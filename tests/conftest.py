@@ -24,7 +24,6 @@ os.environ["MPIDIST_TUNING_FILE"] = os.path.join(REPO, "tests", "no-such-dir", "
 os.environ.setdefault("OMPI_MCA_osc", "^ucx")
 
 
-
 def pytest_configure(config):
     # pytest-isolate-mpi passes the verbosity on to the ranks' pytest as "-" + "v" * verbosity,
     # which for `pytest -q` (verbosity -1) is a bare "-" that the ranks reject, failing every
