@@ -21,6 +21,9 @@ falls on all of them alike:
   gradient_as_bucket_view=True (their vs_ddp is against `ddp views`);
 - `local`: every rank trains its own model on its batches, no communication: what the ranks
   reach together on this machine when nothing is shared, the ceiling for data parallelism;
+- `lockstep` (all ranks on one node): `local` plus one synchronization of the ranks after each
+  backward (a one-element all-reduce through the shared slots), no gradients exchanged: the
+  ceiling for synchronous data parallelism, whose every step waits for the slowest rank;
 - `single`: rank 0 trains alone (batch `--batch`), the other ranks sleep in a polled barrier.
 
 samples_per_s is global: ranks x batch x steps / the slowest rank's time for the round (for
@@ -124,13 +127,16 @@ class Candidate:
         t0 = time.perf_counter()
         loss = self.loss(self.wrapped(x), y)
         t1 = time.perf_counter()
-        loss.backward()
+        self.backward(loss)
         t2 = time.perf_counter()
         self.optimizer.step()
         self.optimizer.zero_grad()
         t3 = time.perf_counter()
         if record:
             self.phases.append(self.breakdown(t0, t1, t2, t3))
+
+    def backward(self, loss) -> None:
+        loss.backward()
 
     def breakdown(self, t0, t1, t2, t3):
         return (t1 - t0, t2 - t1, 0.0, t3 - t2, 0.0, 0.0)
@@ -205,6 +211,29 @@ class LocalCandidate(Candidate):
         self.buckets = None
 
 
+class LockstepCandidate(LocalCandidate):
+    """`local` plus one synchronization of the ranks after each backward, and no data moved:
+    the ceiling of any synchronous data parallelism, which runs every step at the pace of the
+    slowest rank. The ranks meet through a one-element all-reduce in the shared slots, polled
+    and napping as DataParallel's buckets wait (all ranks on one node)."""
+    name = "lockstep"
+
+    def __init__(self, sizes, seed, comm):
+        super().__init__(sizes, seed)
+        from mpidist.collectives.polled import NodeSlots
+        self.flag = np.zeros(1, dtype=np.float32)
+        self.slots = NodeSlots(comm.node_comm, [self.flag.nbytes])
+
+    def backward(self, loss) -> None:
+        loss.backward()
+        start = time.perf_counter()
+        self.slots.start(0, [self.flag], "sum").wait()
+        self.wait = time.perf_counter() - start
+
+    def breakdown(self, t0, t1, t2, t3):
+        return (t1 - t0, t2 - t1 - self.wait, self.wait, t3 - t2, 0.0, 0.0)
+
+
 class SingleCandidate(LocalCandidate):
     """The same plain training, run by rank 0 alone (measure() lets the other ranks wait)."""
     name = "single"
@@ -264,7 +293,10 @@ def measure(comm, args) -> list[dict]:
         ddp = ddps[False]
         single = SingleCandidate(sizes, args.seed)
         local = LocalCandidate(sizes, args.seed)
-        candidates += list(ddps.values()) + [local, single]
+        references = [local, single]
+        if comm.local_size == comm.size:
+            references.insert(1, LockstepCandidate(sizes, args.seed, comm))
+        candidates += list(ddps.values()) + references
         params = sum(p.numel() for p in single.model.parameters())
         pool = make_pool(sizes, args.batch, args.seed, comm.rank)
         single_pool = make_pool(sizes, args.batch, args.seed, 0)
@@ -307,7 +339,7 @@ def measure(comm, args) -> list[dict]:
                 "samples_per_s_rounds": [round(r, 2) for r in rates],
                 "step_ms": round(float(step_sum[0]) / (1 if candidate is single else comm.size), 3),
                 "forward_ms": round(float(mean[0]), 3), "backward_ms": round(float(mean[1]), 3),
-                "exposed_wait_ms": round(float(mean[2]), 3) if is_mpidist else None,
+                "exposed_wait_ms": round(float(mean[2]), 3) if is_mpidist or candidate.name == "lockstep" else None,
                 "optimizer_ms": round(float(mean[3]), 3),
                 "comm_ms": round(float(mean[4]), 3) if is_mpidist else None,
                 "comm_hidden_ms": round(float(mean[5]), 3) if is_mpidist else None,
@@ -327,7 +359,7 @@ def measure(comm, args) -> list[dict]:
 
         # Correctness: DataParallel against DDP on every rank, and the ranks against each other.
         for index, candidate in enumerate(candidates):
-            if candidate in (single, local):
+            if candidate in references:
                 continue
             agree = ranks_agree(comm, candidate)
             mine = max_rel_diff(candidate, ddp) if candidate is not ddp else 0.0

@@ -1,4 +1,6 @@
 """Data-parallel training equals single-process training on the union of the ranks' batches."""
+import copy
+
 import pytest
 import torch
 from mpi4py import MPI
@@ -59,6 +61,38 @@ def test_data_parallel_matches_single_process(mpi_ranks, mpi_world, bucket_mb, r
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         optimizer.step()
     assert_close_to_reference(list(model.parameters()), reference_parameters(mpi_ranks))
+
+
+@pytest.mark.mpi(ranks=[2])
+@pytest.mark.parametrize("ranks_per_node", [None, "1"])
+def test_shared_slot_buckets_hold_at_most_4_mb(mpi_world, ranks_per_node, monkeypatch):
+    # Through the shared slots (one node) buckets are capped at 4 MiB whatever bucket_mb says;
+    # a gradient larger than that gets a bucket of its own. Through the engine bucket_mb rules.
+    if ranks_per_node:
+        monkeypatch.setenv("MPIDIST_RANKS_PER_NODE", ranks_per_node)
+    comm = md.Communicator(MPI.COMM_WORLD)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(600, 600), torch.nn.Linear(600, 600), torch.nn.Linear(600, 600),
+                                torch.nn.Linear(600, 1800), torch.nn.Linear(1800, 10))
+    ddp = md.DataParallel(model, comm=comm, bucket_mb=25)
+    sizes = [sum(p.numel() * 4 for p in bucket.params) for bucket in ddp.buckets.buckets]
+    assert sum(sizes) == sum(p.numel() * 4 for p in model.parameters())
+    if ranks_per_node:
+        assert ddp.buckets.slots is None and len(sizes) == 2 and sizes[0] <= 1024 * 1024
+    else:
+        alone = 600 * 1800 * 4  # 4.3 MB: more than the cap
+        assert ddp.buckets.slots is not None and len(sizes) > 2
+        assert all(size <= 4 * 1024 * 1024 for size in sizes if size != alone), sizes
+        assert alone in sizes
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 600, generator=torch.Generator().manual_seed(mpi_world.rank))
+    ddp(x).square().mean().backward()
+    plain(x).square().mean().backward()
+    for param, local in zip(model.parameters(), plain.parameters()):
+        expected = local.grad.numpy().astype("float64")  # MPI's own sum of the local gradients
+        MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, expected, op=MPI.SUM)
+        torch.testing.assert_close(param.grad.double(), torch.from_numpy(expected) / comm.size,
+                                   rtol=1e-5, atol=1e-7)
 
 
 def train_with_views(comm, rank, views, set_to_none, compression, bucket_mb):

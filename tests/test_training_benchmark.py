@@ -26,7 +26,8 @@ def test_training_benchmark_rows_and_correctness(tmp_path):
     rows = json.loads(out.read_text())
     assert [(row["candidate"], row["bucket_mb"], row["gradient_as_bucket_view"]) for row in rows] == [
         ("mpidist", 25.0, False), ("mpidist", 0.01, False), ("mpidist", 25.0, True), ("mpidist", 0.01, True),
-        ("ddp", None, False), ("ddp", None, True), ("local", None, False), ("single", None, False)]
+        ("ddp", None, False), ("ddp", None, True), ("local", None, False), ("lockstep", None, False),
+        ("single", None, False)]
     for row in rows:
         assert set(row) == set(ROW_KEYS)
         assert row["samples_per_s"] > 0 and len(row["samples_per_s_rounds"]) == 2
@@ -38,3 +39,7 @@ def test_training_benchmark_rows_and_correctness(tmp_path):
     assert abs(rows[2]["vs_ddp"] - rows[2]["samples_per_s"] / rows[5]["samples_per_s"]) < 1e-2
     assert rows[0]["buckets"] == 1 and rows[1]["buckets"] > 1
     assert rows[1]["comm_ms"] > 0 and rows[1]["exposed_wait_ms"] > 0
+    local, lockstep, single = rows[6:]
+    assert lockstep["exposed_wait_ms"] >= 0 and lockstep["comm_ms"] is None
+    assert local["exposed_wait_ms"] is None and single["exposed_wait_ms"] is None
+    assert all(row["correct"] is None for row in rows[6:])

@@ -13,6 +13,11 @@ from ..comm import init
 from ..errors import InvalidArgumentError
 
 FIRST_BUCKET_BYTES = 1024 * 1024
+# Largest bucket exchanged through the shared slots on one node. There no message cost is saved
+# by bigger buckets, and a smaller one starts its exchange earlier in backward, while the
+# gradients it copies are still in cache: 4 MB buckets ran 0.01-0.09x single faster than 25 MB
+# in every run of benchmarks/results/training-cpu.md (runs G-M).
+SHARED_SLOTS_BUCKET_BYTES = 4 * 1024 * 1024
 COMPRESSION_DTYPES = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -165,12 +170,16 @@ class GradientBuckets:
         self.predivide = float(predivide)
         self.passes_per_step = passes_per_step
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
-        self.buckets = self._make_buckets(params, bucket_mb, COMPRESSION_DTYPES[compression])
+        polled = self._polled(params)
+        limit = int(bucket_mb * 1024 * 1024)
+        if polled:
+            limit = min(limit, SHARED_SLOTS_BUCKET_BYTES)
+        self.buckets = self._make_buckets(params, limit, COMPRESSION_DTYPES[compression])
         self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self._passes = {id(p): 0 for bucket in self.buckets for p in bucket.params}
         self._next_to_launch = 0
         self.slots = None
-        if self._polled():
+        if polled:
             # Imported here: the collectives package initializes MPI when imported, and
             # `import mpidist.torch` must not (mpidist sets MPI's options first, see comm.load_mpi).
             from ..collectives.polled import NodeSlots
@@ -187,18 +196,18 @@ class GradientBuckets:
         self.trace = None
         self.reset()
 
-    def _polled(self) -> bool:
+    def _polled(self, params) -> bool:
         """Whether the buckets are all-reduced through shared slots polled from the hooks."""
         comm = self.comm
         return (comm.size > 1 and comm.local_size == comm.size and self.algorithm in ("auto", "hierarchical")
                 and comm.forced_algorithm in (None, "hierarchical")
-                and all(p.device.type == "cpu" for b in self.buckets for p in b.params))
+                and all(p.device.type == "cpu" for p in params))
 
     @staticmethod
-    def _make_buckets(params, bucket_mb, compression):
-        # Like DDP, the first bucket (the last layers, whose gradients backward produces first)
-        # is kept small, so its all-reduce starts early and overlaps the rest of backward.
-        limit = int(bucket_mb * 1024 * 1024)
+    def _make_buckets(params, limit, compression):
+        """Buckets of at most `limit` bytes (a bigger gradient gets a bucket of its own). Like
+        DDP, the first bucket (the last layers, whose gradients backward produces first) is kept
+        small, so its all-reduce starts early and overlaps the rest of backward."""
         first_limit = min(limit, FIRST_BUCKET_BYTES)
         buckets, current, size = [], [], 0
         for param in reversed(params):
