@@ -436,6 +436,10 @@ def plot(rows, path: str) -> None:
     right.set_title("per-step breakdown")
     right.legend(fontsize=8)
     right.grid(True, axis="y", alpha=0.3)
+    for axes in (left, right):  # long candidate names: slanted so they do not overlap
+        axes.tick_params(axis="x", labelrotation=30)
+        for tick in axes.get_xticklabels():
+            tick.set_horizontalalignment("right")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
