@@ -2,11 +2,16 @@
 
     python benchmarks/kernels.py --json results/kernels-cpu.json --plot results/kernels-cpu.png
 
-Each row is {"kernel", "dtype", "bytes", "gbs", "library_gbs", "copy_gbs"}: `bytes` is the size of
-one buffer; gbs counts every byte the kernel reads and writes (reduce: two reads and a write of
-`bytes`) per second; library_gbs is the best NumPy or torch route for the same result with the
-same byte count; copy_gbs is a plain copy of `bytes` (np.copyto or torch copy_, the faster),
-counted as read + write, measured in the same run. The kernels are timed through the
+Each row is {"kernel", "dtype", "bytes", "gbs", "library_gbs", "copy_gbs", "vs_library",
+"vs_library_low", "vs_library_high"}: `bytes` is the size of one buffer; gbs counts every byte the
+kernel reads and writes (reduce: two reads and a write of `bytes`) per second; library_gbs is the
+best NumPy or torch route for the same result with the same byte count; copy_gbs is a plain copy
+of `bytes` (np.copyto or torch copy_, the faster), counted as read + write, measured in the same
+run. vs_library is the median over rounds of the library route's time divided by ours in the
+same round (> 1: ours is faster), against the library route with the better median;
+vs_library_low/high bound a 95% confidence interval of that median (see paired_ratio): where
+both routes run at the memory's speed, the ratio is 1 and the interval says how closely the
+run could tell. The kernels are timed through the
 pointer-level entry points the collectives use (reduce_ptr, ..., and mpidist._C for
 pack/unpack/cast), so per-call Python overhead is the hot path's.
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -79,12 +85,24 @@ class Timer:
         return (time.perf_counter() - start) / inner
 
     def __call__(self, *routes) -> list:
+        """Seconds per call of each route: a list of samples per route, one per round."""
         inners = [self.batch(fn) for fn in routes]
         samples = [[] for _ in routes]
         for _ in range(self.reps):
             for i in self.order.sample(range(len(routes)), len(routes)):
                 samples[i].append(self.sample(routes[i], inners[i]))
-        return [statistics.median(s) for s in samples]
+        return samples
+
+
+def paired_ratio(theirs, ours):
+    """Median over rounds of theirs[i] / ours[i] (samples of the same round), with a 95%
+    distribution-free confidence interval of that median: the order statistics whose ranks a
+    binomial(n, 1/2) count reaches with 2.5% and 97.5% probability."""
+    ratios = sorted(t / o for t, o in zip(theirs, ours))
+    n = len(ratios)
+    half = 1.96 * math.sqrt(n) / 2
+    low, high = max(0, math.floor(n / 2 - half)), min(n - 1, math.ceil(n / 2 + half) - 1)
+    return statistics.median(ratios), ratios[low], ratios[high]
 
 
 def filled(dtype: str, n: int, device: str, seed: int):
@@ -110,11 +128,15 @@ def bench_size(nbytes: int, device: str, dtypes, timer, rows, op: str):
     def row(kernel, dtype, moved, ours, library):
         """Times `ours` against the library routes (a callable or a list), in alternation."""
         library = library if isinstance(library, list) else [library]
-        times = timer(ours, *library)
+        samples = timer(ours, *library)
+        times = [statistics.median(s) for s in samples]
+        best = min(range(1, len(times)), key=times.__getitem__)
+        ratio, low, high = paired_ratio(samples[best], samples[0])
         rows.append({"kernel": kernel, "dtype": dtype, "bytes": nbytes, "gbs": moved / times[0] / 1e9,
-                     "library_gbs": moved / min(times[1:]) / 1e9, "copy_gbs": copy_gbs})
+                     "library_gbs": moved / times[best] / 1e9, "copy_gbs": copy_gbs,
+                     "vs_library": ratio, "vs_library_low": low, "vs_library_high": high})
         print(f"{kernel:<14}{dtype:<20}{nbytes:>12}{rows[-1]['gbs']:>10.1f}{rows[-1]['library_gbs']:>10.1f}"
-              f"{copy_gbs:>10.1f}{rows[-1]['gbs'] / copy_gbs:>8.2f}", flush=True)
+              f"{copy_gbs:>10.1f}{rows[-1]['gbs'] / copy_gbs:>8.2f}{ratio:>8.2f} [{low:.2f}, {high:.2f}]", flush=True)
 
     raw_a = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
     raw_b = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -122,7 +144,7 @@ def bench_size(nbytes: int, device: str, dtypes, timer, rows, op: str):
     if device == "cpu":
         na, nb = raw_a.numpy(), raw_b.numpy()
         copies.append(lambda: np.copyto(nb, na))
-    copy_gbs = 2 * nbytes / min(timer(*copies)) / 1e9
+    copy_gbs = 2 * nbytes / min(statistics.median(s) for s in timer(*copies)) / 1e9
     del raw_a, raw_b
 
     for dtype in dtypes:
@@ -231,7 +253,7 @@ def main(argv=None):
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--op", choices=kernels.OPS, default="sum")
-    parser.add_argument("--reps", type=int, default=15, help="timed samples per route and row (median taken)")
+    parser.add_argument("--reps", type=int, default=40, help="timed samples (rounds) per route and row")
     parser.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES} and float32/bfloat16 only")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not kernels.cuda_available():
@@ -241,7 +263,8 @@ def main(argv=None):
 
     print(f"mpidist kernels on {args.device}: {kernels.get_num_threads()} threads, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), numpy {np.__version__}")
-    print(f"{'kernel':<14}{'dtype':<20}{'bytes':>12}{'GB/s':>10}{'library':>10}{'copy':>10}{'/copy':>8}")
+    print(f"{'kernel':<14}{'dtype':<20}{'bytes':>12}{'GB/s':>10}{'library':>10}{'copy':>10}{'/copy':>8}"
+          f"{'/library':>9} [95% CI]")
     timer = Timer(args.device, args.reps)
     rows = []
     for nbytes in sizes:

@@ -246,6 +246,22 @@ struct WideLoops {
         }
     }
 
+    // data *= factor in float32 registers, rounded once (the staged block loop spends most of
+    // its time staging: 0.67-0.71x torch's float16 mul_ at 4-16 MiB).
+    static void scale(T* data, size_t n, float factor) {
+        const __m512 f = _mm512_set1_ps(factor);
+        size_t i = 0;
+        for (; i + kStep <= n; i += kStep) {
+            const Pair x = W::load(data + i);
+            W::store(data + i, Pair{_mm512_mul_ps(x.even, f), _mm512_mul_ps(x.odd, f)});
+        }
+        if (i < n) {
+            const __mmask32 m = tail_mask(n - i);
+            const Pair x = W::load(data + i, m);
+            W::store(data + i, Pair{_mm512_mul_ps(x.even, f), _mm512_mul_ps(x.odd, f)}, m);
+        }
+    }
+
     // dst = s[0] op s[1] op ... op s[K-1], left to right in float32 registers, rounded once.
     template <Op op, int K>
     static void fused(T* dst, const T* const* srcs, size_t n) {
@@ -462,6 +478,9 @@ struct Kernels {
     static void scale(void* data, size_t n, double factor) {
         T* d = (T*)data;
         const Acc f = (Acc)factor;
+#ifdef MPIDIST_LOOPS_AVX512
+        if constexpr (Wide<T>::kAvailable) return WideLoops<T>::scale(d, n, (float)factor);
+#endif
         if constexpr (E::kBlocked) {
             Acc x[kBlock];
             for (size_t base = 0; base < n; base += kBlock) {

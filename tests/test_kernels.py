@@ -186,6 +186,24 @@ def test_reduce_scale_integers_only_by_one(dtype):
         kernels.scale(dst, 0.5)
 
 
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+def test_half_scale_specials_and_misaligned_match_torch(dtype):
+    # An odd count at an odd element offset (not 64-byte aligned), with NaN, infinities, signed
+    # zeros, subnormals and values that overflow or round at the halfway point once scaled:
+    # bitwise torch's float32 multiply rounded once to nearest even.
+    torch_dtype = getattr(torch, dtype)
+    values = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 6e-8, 1e-40, 65504.0,
+                           3e38, 1.0009765625, -2.5, 1.5], dtype=torch.float32)
+    base = torch.cat([values, torch.randn(70001, generator=torch.Generator().manual_seed(3)) * 100])
+    storage = base.to(torch_dtype)
+    x = storage[1:-2]  # odd length
+    for factor in (0.5, 3.0, 1e-3, -7.25):
+        want = (x.float() * torch.tensor(factor, dtype=torch.float32)).to(torch_dtype)
+        got = torch.empty(x.numel() + 1, dtype=torch_dtype)[1:].copy_(x)  # at an odd address
+        kernels.scale(got, factor)
+        assert_bitwise(got, want)
+
+
 @pytest.mark.parametrize("n", (0, 7, (1 << 20) + 3))
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_scale_rounds_once(dtype, n):
