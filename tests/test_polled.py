@@ -1,6 +1,8 @@
 """The gradient buckets' shared-slot all-reduce, advanced by polling (collectives/polled.py), on
 1 to 5 ranks against the float64 NumPy reference and tolerances of test_collectives, and its
 errors."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +11,7 @@ from mpi4py import MPI
 import mpidist as md
 from conftest import make_array, raw_bytes, to_float64
 from mpidist.collectives import common
-from mpidist.collectives.polled import NodeSlots
+from mpidist.collectives.polled import OWN_CORE_YIELD_SECONDS, YIELD_SECONDS, NodeSlots, yield_seconds
 from mpidist.parallel.data import tensor_at
 from test_collectives import FLOAT_DTYPES, INT_DTYPES, OPS, rank_values, reference, tolerance
 
@@ -83,6 +85,24 @@ def test_progress_does_not_wait_for_other_ranks(mpi_ranks):
     assert handle.progress()
     assert torch.equal(data, torch.full((64,), -1.0))
     comm.mpi.Barrier()
+    slots.free()
+
+
+def test_waiting_polls_longer_only_where_every_rank_can_have_a_core():
+    assert yield_seconds([{0}, {1}], 2) == OWN_CORE_YIELD_SECONDS  # bound to a core each
+    assert yield_seconds([{0, 1}, {0, 1}], 2) == OWN_CORE_YIELD_SECONDS  # unbound, 2 cores
+    assert yield_seconds([{0, 1}] * 3, 3) == YIELD_SECONDS  # 3 ranks on 2 cores
+    assert yield_seconds([{0}, {0}], 2) == YIELD_SECONDS  # bound to the same core
+    assert OWN_CORE_YIELD_SECONDS > YIELD_SECONDS
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_slots_choose_how_long_to_poll_from_the_ranks_cpus(mpi_ranks):
+    comm = md.Communicator(MPI.COMM_WORLD)
+    slots = NodeSlots(comm.node_comm, [64])
+    cpus = set().union(*comm.mpi.allgather(os.sched_getaffinity(0)))
+    expected = OWN_CORE_YIELD_SECONDS if len(cpus) >= comm.size else YIELD_SECONDS
+    assert slots.yield_seconds == expected
     slots.free()
 
 

@@ -45,6 +45,7 @@ may accumulate into them.
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 
 import numpy as np
@@ -57,8 +58,19 @@ from .api import call_timeout, kernel_op, poll_until
 from .common import reduce_and_publish, split_counts
 
 COUNTER_BYTES = 64  # one cache line per counter: ranks never write the same line
-YIELD_SECONDS = 100e-6  # how long wait() polls without sleeping
+YIELD_SECONDS = 100e-6  # how long wait() polls without sleeping, with more ranks than cores
+OWN_CORE_YIELD_SECONDS = 1e-3  # the same where every rank can have a core of its own
 NAP_SECONDS = 50e-6  # then the sleep between polls
+
+
+def yield_seconds(affinities, local_size: int) -> float:
+    """How long a waiting rank polls before napping, from the CPUs each local rank may run on.
+
+    A nap of 50 us sleeps 120-140 us on Linux (timer slack), so a rank that naps reacts late to
+    its peer; polling costs nothing where the peer has a core of its own, and takes the core
+    the peer needs where it has not (training-cpu.md, 3 ranks on 2 cores)."""
+    cpus = set().union(*affinities)
+    return OWN_CORE_YIELD_SECONDS if len(cpus) >= local_size else YIELD_SECONDS
 
 
 class NodeSlots:
@@ -96,6 +108,7 @@ class NodeSlots:
         self.slots = [[base + offset for base in bases] for offset in offsets]
         self.sizes = sizes
         self.calls = [0] * len(sizes)
+        self.yield_seconds = yield_seconds(node_comm.allgather(os.sched_getaffinity(0)), self.local_size)
 
     def start(self, index: int, arrays, op: str) -> "PolledAllreduce":
         """Start the all-reduce of bucket `index`: `arrays` (contiguous CPU arrays of one dtype,
@@ -205,16 +218,17 @@ class PolledAllreduce:
         return self.finished is not None
 
     def wait(self) -> None:
-        # Yield briefly, then nap: with more ranks than cores a spinning rank takes the core its
-        # peer needs to catch up. benchmarks/training.py with 3 ranks on 2 cores (25 MB
-        # buckets): 32.7 ms per step yielding only, 27.1 ms with naps (training-cpu.md).
+        # Yield, then nap: with more ranks than cores a spinning rank takes the core its peer
+        # needs to catch up. benchmarks/training.py with 3 ranks on 2 cores (25 MB buckets):
+        # 32.7 ms per step yielding only, 27.1 ms with naps (training-cpu.md). With a core per
+        # rank the yielding lasts longer (yield_seconds).
         def timed_out():
             raise MpidistError(
                 f"local rank {self.slots.local_rank}: the all-reduce of gradient bucket {self.index} did not "
                 f"complete within {call_timeout():.0f} s (MPIDIST_TIMEOUT): another rank of this node "
                 "stopped before reaching it (different numbers of backward passes?)")
 
-        poll_until(self.progress, timed_out, YIELD_SECONDS, NAP_SECONDS)
+        poll_until(self.progress, timed_out, self.slots.yield_seconds, NAP_SECONDS)
 
     def result_slot(self, owner: int) -> int:
         """Without results_in_slots, the slot that receives the reduced slice of local rank `owner`
