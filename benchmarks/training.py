@@ -233,6 +233,9 @@ class LockstepCandidate(LocalCandidate):
     def breakdown(self, t0, t1, t2, t3):
         return (t1 - t0, t2 - t1 - self.wait, self.wait, t3 - t2, 0.0, 0.0)
 
+    def close(self):
+        self.slots.free()
+
 
 class SingleCandidate(LocalCandidate):
     """The same plain training, run by rank 0 alone (measure() lets the other ranks wait)."""
