@@ -135,7 +135,7 @@ def bench_size(nbytes: int, device: str, dtypes, timer, rows, op: str):
         rows.append({"kernel": kernel, "dtype": dtype, "bytes": nbytes, "gbs": moved / times[0] / 1e9,
                      "library_gbs": moved / times[best] / 1e9, "copy_gbs": copy_gbs,
                      "vs_library": ratio, "vs_library_low": low, "vs_library_high": high})
-        print(f"{kernel:<14}{dtype:<20}{nbytes:>12}{rows[-1]['gbs']:>10.1f}{rows[-1]['library_gbs']:>10.1f}"
+        print(f"{kernel:<16}{dtype:<20}{nbytes:>12}{rows[-1]['gbs']:>10.1f}{rows[-1]['library_gbs']:>10.1f}"
               f"{copy_gbs:>10.1f}{rows[-1]['gbs'] / copy_gbs:>8.2f}{ratio:>8.2f} [{low:.2f}, {high:.2f}]", flush=True)
 
     raw_a = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
@@ -167,6 +167,14 @@ def bench_size(nbytes: int, device: str, dtypes, timer, rows, op: str):
             library = [lambda: a.mul_(1.0)] + ([lambda: np.multiply(na, na.dtype.type(1.0), out=na)]
                                                if na is not None else [])
             row("scale", dtype, 2 * nbytes, lambda: kernels.scale_ptr(pa, n, dtype, 1.0, dev), library)
+
+            # The one-node all-reduce's publish step on two ranks: a = b = (a op b) * 0.5 (the
+            # result over both sources). Reads a and b, writes a and b.
+            library = [lambda: b.copy_(top(a, b, out=a).mul_(0.5))]
+            if na is not None:
+                library.append(lambda: np.copyto(nb, np.multiply(nop(na, nb, out=na), na.dtype.type(0.5), out=na)))
+            row("reduce_many_to", dtype, 4 * nbytes,
+                lambda: kernels.reduce_many_to_ptr([pa, pb], [pa, pb], n, dtype, op, 0.5, dev), library)
 
         srcs = [a, b] + [filled(dtype, n, device, j) for j in range(2, MANY)]
         dst = torch.empty_like(a)
@@ -263,7 +271,7 @@ def main(argv=None):
 
     print(f"mpidist kernels on {args.device}: {kernels.get_num_threads()} threads, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), numpy {np.__version__}")
-    print(f"{'kernel':<14}{'dtype':<20}{'bytes':>12}{'GB/s':>10}{'library':>10}{'copy':>10}{'/copy':>8}"
+    print(f"{'kernel':<16}{'dtype':<20}{'bytes':>12}{'GB/s':>10}{'library':>10}{'copy':>10}{'/copy':>8}"
           f"{'/library':>9} [95% CI]")
     timer = Timer(args.device, args.reps)
     rows = []

@@ -66,6 +66,10 @@ struct CpuBackend {
     static void reduce_many(void* d, const std::vector<const void*>& s, std::size_t n, DType t, Op o, Launch) {
         mpidist::cpu::reduce_many(d, s, n, t, o);
     }
+    static void reduce_many_to(const std::vector<void*>& d, const std::vector<const void*>& s, std::size_t n, DType t,
+                               Op o, double f, Launch) {
+        mpidist::cpu::reduce_many_to(d, s, n, t, o, f);
+    }
     static void pack(void* d, const std::vector<const void*>& s, const std::vector<std::size_t>& b, Launch) {
         mpidist::cpu::pack(d, s, b);
     }
@@ -92,6 +96,10 @@ struct CudaBackend {
     static void scale(void* d, std::size_t n, DType t, double f, Launch l) { mpidist::cuda::scale(d, n, t, f, l.stream, l.device); }
     static void reduce_many(void* d, const std::vector<const void*>& s, std::size_t n, DType t, Op o, Launch l) {
         mpidist::cuda::reduce_many(d, s, n, t, o, l.stream, l.device);
+    }
+    static void reduce_many_to(const std::vector<void*>& d, const std::vector<const void*>& s, std::size_t n, DType t,
+                               Op o, double f, Launch l) {
+        mpidist::cuda::reduce_many_to(d, s, n, t, o, f, l.stream, l.device);
     }
     static void pack(void* d, const std::vector<const void*>& s, const std::vector<std::size_t>& b, Launch l) {
         mpidist::cuda::pack(d, s, b, l.stream, l.device);
@@ -163,6 +171,25 @@ void bind_kernels(py::module_& m, const std::string& prefix, Extra... extra) {
           },
           "dst = srcs[0] op srcs[1] op ... in one pass, left to right; dst may be one of srcs.",
           py::arg("dst"), py::arg("srcs"), py::arg("n"), py::arg("dtype"), py::arg("op"), extra...);
+    m.def((prefix + "reduce_many_to").c_str(),
+          [](const std::vector<std::uintptr_t>& dsts, const std::vector<std::uintptr_t>& srcs, std::size_t n,
+                   const std::string& dtype, const std::string& op, double factor, A... args) {
+              const DType t = mpidist::parse_dtype(dtype);
+              const Op o = mpidist::parse_op(op);
+              mpidist::check_scalable(t, factor);
+              if (srcs.empty()) throw std::invalid_argument("reduce_many_to needs at least one source");
+              if (dsts.empty()) throw std::invalid_argument("reduce_many_to needs at least one destination");
+              const std::size_t bytes = n * mpidist::itemsize(t);
+              std::vector<void*> d;
+              for (auto p : dsts) d.push_back(address(p, bytes, "a destination"));
+              const std::vector<const void*> s = const_addresses(srcs, bytes, "a source");
+              py::gil_scoped_release release;
+              Backend::reduce_many_to(d, s, n, t, o, factor, Launch{args...});
+          },
+          "Every dsts[j] = (srcs[0] op srcs[1] op ...) * scale in one pass (bitwise reduce_many, then "
+          "scale, then copies); a destination may be a source, never overlap one partially.",
+          py::arg("dsts"), py::arg("srcs"), py::arg("n"), py::arg("dtype"), py::arg("op"), py::arg("scale") = 1.0,
+          extra...);
     m.def((prefix + "pack").c_str(),
           [](std::uintptr_t dst, const std::vector<std::uintptr_t>& srcs, const std::vector<std::size_t>& nbytes,
                    A... args) {

@@ -306,6 +306,41 @@ void reduce_many(void* dst, const std::vector<const void*>& srcs, size_t n, DTyp
     });
 }
 
+// Elements are reduced, scaled and copied in blocks of this many bytes per operand, so that a
+// block's result is still in L1 when it is scaled and copied (a 6 MB float32 slice of two ranks,
+// scaled and published to one more address: 0.24 ms against 0.30 ms for the same three steps
+// over 256 KiB pieces in L2; 4 and 16 KiB blocks measured level with 8).
+constexpr size_t kBlockBytes = 8 << 10;
+
+void reduce_many_to(const std::vector<void*>& dsts, const std::vector<const void*>& srcs, size_t n, DType dtype,
+                    Op op, double factor) {
+    if (srcs.empty()) throw std::invalid_argument("reduce_many_to needs at least one source");
+    if (dsts.empty()) throw std::invalid_argument("reduce_many_to needs at least one destination");
+    check_scalable(dtype, factor);
+    if (n == 0) return;
+    const LoopTable* loops = selected().loops;
+    const size_t size = itemsize(dtype), k = srcs.size(), block = std::max<size_t>(1, kBlockBytes / size);
+    parallel_chunks(n, size, k + dsts.size(), [&](size_t begin, size_t end) {
+        std::vector<const void*> shifted(k);
+        for (size_t low = begin; low < end; low += block) {
+            const size_t count = std::min(block, end - low), offset = low * size;
+            char* first = bytes(dsts[0]) + offset;
+            for (size_t j = 0; j < k; ++j) shifted[j] = bytes(srcs[j]) + offset;
+            // Every source's block is read here, before any destination's block is written
+            // (a destination may be a source).
+            if (k > 1)
+                loops->reduce_many(first, shifted.data(), k, count, dtype, op);
+            else if (shifted[0] != first)
+                std::memcpy(first, shifted[0], count * size);
+            if (factor != 1.0) loops->scale(first, count, dtype, factor);
+            for (size_t j = 1; j < dsts.size(); ++j) {
+                char* other = bytes(dsts[j]) + offset;
+                if (other != first) std::memcpy(other, first, count * size);
+            }
+        }
+    });
+}
+
 void pack(void* dst, const std::vector<const void*>& srcs, const std::vector<size_t>& nbytes) {
     check_lengths(srcs.size(), nbytes.size());
     std::vector<char*> to(srcs.size());

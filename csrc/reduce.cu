@@ -382,6 +382,27 @@ void reduce_many(void* dst, const std::vector<const void*>& srcs, std::size_t n,
     });
 }
 
+// Three launches in stream order (reduce, scale, copies): on a GPU the result is not reused from a
+// cache between them, and the order makes any exact aliasing of a destination and a source safe.
+void reduce_many_to(const std::vector<void*>& dsts, const std::vector<const void*>& srcs, std::size_t n,
+                    DType dtype, Op op, double factor, std::uintptr_t stream, int device) {
+    if (dsts.empty()) throw std::invalid_argument("reduce_many_to needs at least one destination");
+    check_scalable(dtype, factor);
+    reduce_many(dsts[0], srcs, n, dtype, op, stream, device);
+    if (n == 0) return;
+    if (factor != 1.0) scale(dsts[0], n, dtype, factor, stream, device);
+    std::vector<char*> to;
+    std::vector<const char*> from;
+    std::vector<std::size_t> lens;
+    for (std::size_t j = 1; j < dsts.size(); ++j) {
+        if (dsts[j] == dsts[0]) continue;
+        to.push_back(static_cast<char*>(dsts[j]));
+        from.push_back(static_cast<const char*>(dsts[0]));
+        lens.push_back(n * itemsize(dtype));
+    }
+    copy_ranges(to.data(), from.data(), lens.data(), to.size(), stream, device);
+}
+
 void pack(void* dst, const std::vector<const void*>& srcs, const std::vector<std::size_t>& nbytes,
           std::uintptr_t stream, int device) {
     if (srcs.size() != nbytes.size()) throw std::invalid_argument("pack: sources and byte counts differ in number");

@@ -39,6 +39,11 @@ void reduce(void* dst, const void* src, std::size_t n, DType dtype, Op op);
 void reduce_scale(void* dst, const void* src, std::size_t n, DType dtype, Op op, double scale);
 void scale(void* dst, std::size_t n, DType dtype, double factor);
 void reduce_many(void* dst, const std::vector<const void*>& srcs, std::size_t n, DType dtype, Op op);
+// Every dsts[j] = (srcs[0] op ... op srcs[k-1]) * scale in one pass over memory: bitwise what
+// reduce_many into dsts[0], then scale (unless scale is 1), then copies give. A destination may
+// be a source (the same address), but must not overlap one partially.
+void reduce_many_to(const std::vector<void*>& dsts, const std::vector<const void*>& srcs, std::size_t n,
+                    DType dtype, Op op, double scale);
 void pack(void* dst, const std::vector<const void*>& srcs, const std::vector<std::size_t>& nbytes);
 void unpack(const void* src, const std::vector<void*>& dsts, const std::vector<std::size_t>& nbytes);
 void cast(void* dst, DType dst_dtype, const void* src, DType src_dtype, std::size_t n, double scale);
@@ -63,6 +68,8 @@ void reduce_scale(void* dst, const void* src, std::size_t n, DType dtype, Op op,
 void scale(void* dst, std::size_t n, DType dtype, double factor, std::uintptr_t stream, int device);
 void reduce_many(void* dst, const std::vector<const void*>& srcs, std::size_t n, DType dtype, Op op,
                  std::uintptr_t stream, int device);
+void reduce_many_to(const std::vector<void*>& dsts, const std::vector<const void*>& srcs, std::size_t n,
+                    DType dtype, Op op, double scale, std::uintptr_t stream, int device);
 void pack(void* dst, const std::vector<const void*>& srcs, const std::vector<std::size_t>& nbytes,
           std::uintptr_t stream, int device);
 void unpack(const void* src, const std::vector<void*>& dsts, const std::vector<std::size_t>& nbytes,

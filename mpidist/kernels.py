@@ -19,8 +19,8 @@ OPS = ("sum", "min", "max", "prod")
 CAST_DTYPES = ("float32", "float16", "bfloat16")
 
 __all__ = [
-    "OPS", "reduce", "reduce_scale", "scale", "reduce_many", "pack", "unpack", "cast",
-    "reduce_ptr", "reduce_scale_ptr", "scale_ptr", "reduce_many_ptr",
+    "OPS", "reduce", "reduce_scale", "scale", "reduce_many", "reduce_many_to", "pack", "unpack", "cast",
+    "reduce_ptr", "reduce_scale_ptr", "scale_ptr", "reduce_many_ptr", "reduce_many_to_ptr",
     "cuda_available", "set_num_threads", "get_num_threads",
 ]
 
@@ -137,6 +137,20 @@ def reduce_many_ptr(dst_ptr: int, src_ptrs, count: int, dtype: str, op: str,
     _call("reduce_many", device, stream, dst_ptr, src_ptrs, count, dtype, _check_op(op))
 
 
+def reduce_many_to_ptr(dst_ptrs, src_ptrs, count: int, dtype: str, op: str, scale: float = 1.0,
+                       device: str = "cpu", stream=None) -> None:
+    """Every dst = (src[0] op src[1] op ...) * scale, in one pass over memory on the CPU: bitwise
+    reduce_many into the first destination, then scale unless scale is 1, then copies. A
+    destination may be one of the sources (the same address), never overlap one partially."""
+    dst_ptrs, src_ptrs = [int(p) for p in dst_ptrs], [int(p) for p in src_ptrs]
+    if not src_ptrs:
+        raise InvalidArgumentError("reduce_many_to needs at least one source")
+    if not dst_ptrs:
+        raise InvalidArgumentError("reduce_many_to needs at least one destination")
+    _check_scale(dtype, scale, "reduce_many_to")
+    _call("reduce_many_to", device, stream, dst_ptrs, src_ptrs, count, dtype, _check_op(op), float(scale))
+
+
 # ---- array-level forms ------------------------------------------------------------------------
 
 def reduce(dst, src, op: str = "sum") -> None:
@@ -174,6 +188,27 @@ def reduce_many(dst, srcs, op: str = "sum") -> None:
         _same("dst", d, f"srcs[{i}]", info, "reduce_many")
     reduce_many_ptr(d.ptr, [i.ptr for i in infos], d.count, d.dtype, op, d.device,
                     _stream_of(dst, d) if d.is_cuda else None)
+
+
+def reduce_many_to(dsts, srcs, op: str = "sum", scale: float = 1.0) -> None:
+    """Every array of `dsts` = (srcs[0] op srcs[1] op ... op srcs[-1]) * scale, in one pass over
+    memory (an averaging all-reduce publishes its result this way). Bitwise what reduce_many into
+    dsts[0], then scale, then copies give; a destination may be one of the sources."""
+    _check_op(op)
+    dsts, srcs = list(dsts), list(srcs)
+    if not srcs:
+        raise InvalidArgumentError("reduce_many_to needs at least one source")
+    if not dsts:
+        raise InvalidArgumentError("reduce_many_to needs at least one destination")
+    infos = [describe(d) for d in dsts]
+    first = infos[0]
+    for i, info in enumerate(infos[1:], 1):
+        _same("dsts[0]", first, f"dsts[{i}]", info, "reduce_many_to")
+    sources = [describe(s) for s in srcs]
+    for i, info in enumerate(sources):
+        _same("dsts[0]", first, f"srcs[{i}]", info, "reduce_many_to")
+    reduce_many_to_ptr([i.ptr for i in infos], [i.ptr for i in sources], first.count, first.dtype, op, scale,
+                       first.device, _stream_of(dsts[0], first) if first.is_cuda else None)
 
 
 def _ranges(big, parts, what: str):

@@ -9,6 +9,8 @@ Tolerances come from the dtype's unit roundoff u (2**-24 float32, 2**-53 float64
   - reduce_scale: two operations, so |got - ref| <= 2u|ref| (halves: u_half|ref| + 2u_f32|ref|).
   - reduce_many: bitwise against the documented model (float32 accumulation left to right, one
     rounding), and against float64 within u|ref| + (k-1) u_acc sum|x_i|.
+  - reduce_many_to: bitwise against the same model followed by scale's rounding (the product in
+    float32, float64 for float64, rounded once).
 """
 import os
 import subprocess
@@ -281,6 +283,70 @@ def test_reduce_many_is_deterministic_across_thread_counts(dtype):
         assert torch.equal(bits(results[0]), bits(other))
 
 
+# ---- reduce_many_to --------------------------------------------------------------------------
+
+def model_scale(x, factor):
+    """scale's documented rounding: the product in float32 (float64 for float64), rounded once."""
+    if x.dtype == torch.float64:
+        return x * factor
+    return (x.to(torch.float32) * torch.tensor(factor, dtype=torch.float32)).to(x.dtype)
+
+
+# 5003 elements span several of the kernel's 8 KiB blocks; (1 << 19) + 3 runs on several threads.
+@pytest.mark.parametrize("k", (1, 2, 3))
+@pytest.mark.parametrize("n", (0, 7, 5003, (1 << 19) + 3))
+@pytest.mark.parametrize("op", kernels.OPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reduce_many_to(dtype, op, n, k):
+    srcs = [make(dtype, n, op, seed=100 + j) for j in range(k)]
+    factor = 1.0 / 3.0 if dtype in FLOATS else 1.0
+    want = model_reduce_many(srcs, op)
+    if factor != 1.0:
+        want = model_scale(want, factor)
+    dsts = [torch.empty_like(srcs[0]) for _ in range(3)]
+    kernels.reduce_many_to(dsts, srcs, op, factor)
+    for dst in dsts:
+        assert_bitwise(dst, want)
+
+
+@pytest.mark.parametrize("threads", (1, 2))
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16", "float16", "float64"))
+def test_reduce_many_to_publishes_over_its_sources(dtype, threads):
+    # The shared-memory all-reduce's shape: the result goes over both sources (the rank's own
+    # array and its peer's contribution), at an odd address, across many blocks and threads.
+    n = (1 << 19) + 5
+    before = kernels.get_num_threads()
+    try:
+        kernels.set_num_threads(threads)
+        for dsts_of in (lambda s: [s[0], s[1]], lambda s: [torch.empty_like(s[0]), s[1]]):
+            srcs = [make(dtype, n + 1, seed=110 + j)[1:] for j in range(2)]
+            want = model_scale(model_reduce_many(srcs, "sum"), 0.5)
+            dsts = dsts_of(srcs)
+            kernels.reduce_many_to(dsts, srcs, "sum", 0.5)
+            for dst in dsts:
+                assert_bitwise(dst, want)
+    finally:
+        kernels.set_num_threads(before)
+
+
+def test_reduce_many_to_errors():
+    x = torch.zeros(4)
+    with pytest.raises(InvalidArgumentError, match="at least one destination"):
+        kernels.reduce_many_to([], [x])
+    with pytest.raises(InvalidArgumentError, match="at least one source"):
+        kernels.reduce_many_to([x], [])
+    with pytest.raises(InvalidArgumentError, match="count"):
+        kernels.reduce_many_to([x, torch.zeros(3)], [x])
+    with pytest.raises(InvalidArgumentError, match="dtype"):
+        kernels.reduce_many_to([x], [x, torch.zeros(4, dtype=torch.float64)])
+    with pytest.raises(UnsupportedDtypeError, match="truncated"):
+        kernels.reduce_many_to([torch.zeros(4, dtype=torch.int32)], [torch.zeros(4, dtype=torch.int32)], "sum", 0.5)
+    with pytest.raises(InvalidArgumentError, match="valid ops"):
+        kernels.reduce_many_to([x], [x], "mean")
+    with pytest.raises(InvalidArgumentError, match="null pointer"):
+        kernels.reduce_many_to_ptr([0], [x.data_ptr()], 4, "float32", "sum")
+
+
 # ---- casts -----------------------------------------------------------------------------------
 
 def float32_edge_values():
@@ -508,6 +574,22 @@ def test_cuda_matches_cpu_kernels(dtype):
     kernels.scale(gpu, 0.3)
     torch.cuda.synchronize()
     assert_bitwise(gpu, cpu)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_reduce_many_to_matches_cpu(dtype):
+    n = 300_001
+    srcs = [make(dtype, n, seed=120 + j) for j in range(3)]
+    factor = 0.25 if dtype in FLOATS else 1.0
+    cpu = [torch.empty_like(srcs[0]) for _ in range(2)]
+    kernels.reduce_many_to(cpu, srcs, "sum", factor)
+    gpu_srcs = [s.cuda() for s in srcs]
+    gpu = [torch.empty_like(gpu_srcs[0]), gpu_srcs[2]]  # the second over a source
+    kernels.reduce_many_to(gpu, gpu_srcs, "sum", factor)
+    torch.cuda.synchronize()
+    for got in gpu:
+        assert_bitwise(got, cpu[0])
 
 
 @cuda

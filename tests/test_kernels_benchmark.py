@@ -47,7 +47,7 @@ def test_kernels_benchmark_rows(tmp_path):
     for nbytes in (4096, 65536):
         for dtype in ("float32", "bfloat16", "int32"):
             assert ("reduce", dtype, nbytes) in kernels and ("reduce_many4", dtype, nbytes) in kernels
-        for name in ("reduce_scale", "scale"):
+        for name in ("reduce_scale", "scale", "reduce_many_to"):
             assert (name, "float32", nbytes) in kernels and (name, "int32", nbytes) not in kernels
         assert ("pack", "float32", nbytes) in kernels and ("cast", "float32->bfloat16", nbytes) in kernels
     for row in rows:

@@ -10,22 +10,19 @@ from mpi4py import MPI
 
 import mpidist as md
 from conftest import make_array, raw_bytes, to_float64
-from mpidist.collectives import common
 from mpidist.collectives.polled import OWN_CORE_YIELD_SECONDS, YIELD_SECONDS, NodeSlots, yield_seconds
 from mpidist.parallel.data import tensor_at
 from test_collectives import FLOAT_DTYPES, INT_DTYPES, OPS, rank_values, reference, tolerance
 
 # Bucket 0 is several gradients of odd lengths laid end to end, so the ranks' slices cut across
-# them; bucket 1 is one array.
-BUCKETS = [[1, 7, 130, 3], [1001]]
+# them; bucket 1 is one array; bucket 2 spans several of the reduction kernel's 8 KiB blocks per
+# slice for every dtype, so the publish over a source crosses block bounds.
+BUCKETS = [[1, 7, 130, 3], [1001], [3, 40001]]
 
 
 @pytest.mark.mpi(ranks=[1, 2, 3, 4, 5])
 @pytest.mark.parametrize("results_in_slots", [False, True])
-def test_polled_buckets_match_reference(mpi_ranks, results_in_slots, monkeypatch):
-    # Reduce and publish in pieces of 36 bytes (32 for 8-byte types), so that the pieces'
-    # bounds fall anywhere in the slices (the default, 256 KiB, is one piece at these sizes).
-    monkeypatch.setattr(common, "PIECE_BYTES_PER_THREAD", 36)
+def test_polled_buckets_match_reference(mpi_ranks, results_in_slots):
     comm = md.Communicator(MPI.COMM_WORLD)
     p, r = comm.size, comm.rank
     for dtype in FLOAT_DTYPES + INT_DTYPES:

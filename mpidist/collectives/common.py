@@ -15,14 +15,6 @@ from ..buffers import ITEMSIZE, BufferInfo, mpi_spec
 # the next. 256 KiB keeps a segment in L2 while it is reduced.
 SEGMENT_BYTES = int(os.environ.get("MPIDIST_SEGMENT_BYTES", 256 * 1024))
 
-# The shared-memory algorithms (hierarchical, polled) reduce a slice, divide it (op="avg") and
-# publish it piece by piece, while each piece is still
-# in the L2 cache of the core(s) that reduced it. benchmarks/pieces.py (results/pieces-cpu.md):
-# on 2 ranks a 12 MiB avg all-reduce of cold buffers takes 1.76 ms in whole-slice passes, 1.50 ms
-# in pieces of 256 KiB, 1.56 and 1.64 ms in pieces of 64 KiB and 1 MiB.
-PIECE_BYTES_PER_THREAD = 256 * 1024
-
-
 class Context:
     """One collective call: the MPI communicator to use, the buffer, the reduction op, scratch."""
 
@@ -166,15 +158,6 @@ def fold_out(ctx: Context, new_rank: int, p2: int) -> None:
 
 def reduce_and_publish(dst: int, sources, nbytes: int, dtype: str, op: str, scale: float, publish) -> None:
     """dst = sources[0] op sources[1] op ... (dst may be one of them), times `scale` unless it is
-    1, and copied to each address in `publish`: piece by piece, each piece's steps while it is in
-    cache."""
-    itemsize = ITEMSIZE[dtype]
-    step = max(itemsize, PIECE_BYTES_PER_THREAD * kernels.get_num_threads() // itemsize * itemsize)
-    for low in range(0, nbytes, step):
-        size = min(step, nbytes - low)
-        count = size // itemsize
-        kernels.reduce_many_ptr(dst + low, [source + low for source in sources], count, dtype, op)
-        if scale != 1.0:
-            kernels.scale_ptr(dst + low, count, dtype, scale)
-        for address in publish:
-            ctypes.memmove(address + low, dst + low, size)
+    1, and copied to each address in `publish` (which may be sources too): one kernel call that
+    does the three steps block by block while each block is in L1 (results/publish-cpu.md)."""
+    kernels.reduce_many_to_ptr([dst, *publish], sources, nbytes // ITEMSIZE[dtype], dtype, op, scale)
