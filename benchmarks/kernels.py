@@ -125,6 +125,7 @@ NUMPY_OPS = {"sum": np.add, "min": np.minimum, "max": np.maximum, "prod": np.mul
 def bench_size(nbytes: int, device: str, dtypes, timer, rows, op: str):
     prefix = "cuda_" if device == "cuda" else ""
     cast, pack, unpack = (getattr(_C, prefix + name) for name in ("cast", "pack", "unpack"))
+
     def row(kernel, dtype, moved, ours, library):
         """Times `ours` against the library routes (a callable or a list), in alternation."""
         library = library if isinstance(library, list) else [library]
@@ -138,66 +139,77 @@ def bench_size(nbytes: int, device: str, dtypes, timer, rows, op: str):
         print(f"{kernel:<16}{dtype:<20}{nbytes:>12}{rows[-1]['gbs']:>10.1f}{rows[-1]['library_gbs']:>10.1f}"
               f"{copy_gbs:>10.1f}{rows[-1]['gbs'] / copy_gbs:>8.2f}{ratio:>8.2f} [{low:.2f}, {high:.2f}]", flush=True)
 
+    copy_gbs = copy_bandwidth(nbytes, device, timer)
+    for dtype in dtypes:
+        bench_dtype(dtype, nbytes, device, op, row)
+    bench_casts(nbytes, device, cast, row)
+    bench_pack(nbytes, device, pack, unpack, row)
+
+
+def copy_bandwidth(nbytes: int, device: str, timer) -> float:
+    """GB/s (read + written) of the faster plain copy of `nbytes`: torch's copy_ or np.copyto."""
     raw_a = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
     raw_b = torch.empty(nbytes, dtype=torch.uint8, device=device)
     copies = [lambda: raw_b.copy_(raw_a)]
     if device == "cpu":
         na, nb = raw_a.numpy(), raw_b.numpy()
         copies.append(lambda: np.copyto(nb, na))
-    copy_gbs = 2 * nbytes / min(statistics.median(s) for s in timer(*copies)) / 1e9
-    del raw_a, raw_b
+    return 2 * nbytes / min(statistics.median(s) for s in timer(*copies)) / 1e9
 
-    for dtype in dtypes:
-        n = nbytes // torch.tensor([], dtype=getattr(torch, dtype)).element_size()
-        a, b = filled(dtype, n, device, 0), filled(dtype, n, device, 1)
-        na, nb = numpy_view(a), numpy_view(b)
-        top, nop = TORCH_OPS[op], NUMPY_OPS[op]
 
-        pa, pb, dev = a.data_ptr(), b.data_ptr(), device
-        library = [lambda: top(a, b, out=a)] + ([lambda: nop(na, nb, out=na)] if na is not None else [])
-        row("reduce", dtype, 3 * nbytes, lambda: kernels.reduce_ptr(pa, pb, n, dtype, op, dev), library)
+def bench_dtype(dtype: str, nbytes: int, device: str, op: str, row) -> None:
+    """The reductions and scaling of one dtype (its buffers are freed on return)."""
+    n = nbytes // torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    a, b = filled(dtype, n, device, 0), filled(dtype, n, device, 1)
+    na, nb = numpy_view(a), numpy_view(b)
+    top, nop = TORCH_OPS[op], NUMPY_OPS[op]
 
-        if dtype in FLOATS:
-            library = [lambda: top(a, b, out=a).mul_(0.5)]
-            if na is not None:
-                library.append(lambda: np.multiply(nop(na, nb, out=na), na.dtype.type(0.5), out=na))
-            row("reduce_scale", dtype, 3 * nbytes,
-                lambda: kernels.reduce_scale_ptr(pa, pb, n, dtype, op, 0.5, dev), library)
+    pa, pb, dev = a.data_ptr(), b.data_ptr(), device
+    library = [lambda: top(a, b, out=a)] + ([lambda: nop(na, nb, out=na)] if na is not None else [])
+    row("reduce", dtype, 3 * nbytes, lambda: kernels.reduce_ptr(pa, pb, n, dtype, op, dev), library)
 
-            library = [lambda: a.mul_(1.0)] + ([lambda: np.multiply(na, na.dtype.type(1.0), out=na)]
-                                               if na is not None else [])
-            row("scale", dtype, 2 * nbytes, lambda: kernels.scale_ptr(pa, n, dtype, 1.0, dev), library)
+    if dtype in FLOATS:
+        library = [lambda: top(a, b, out=a).mul_(0.5)]
+        if na is not None:
+            library.append(lambda: np.multiply(nop(na, nb, out=na), na.dtype.type(0.5), out=na))
+        row("reduce_scale", dtype, 3 * nbytes,
+            lambda: kernels.reduce_scale_ptr(pa, pb, n, dtype, op, 0.5, dev), library)
 
-            # The one-node all-reduce's publish step on two ranks: a = b = (a op b) * 0.5 (the
-            # result over both sources). Reads a and b, writes a and b.
-            library = [lambda: b.copy_(top(a, b, out=a).mul_(0.5))]
-            if na is not None:
-                library.append(lambda: np.copyto(nb, np.multiply(nop(na, nb, out=na), na.dtype.type(0.5), out=na)))
-            row("reduce_many_to", dtype, 4 * nbytes,
-                lambda: kernels.reduce_many_to_ptr([pa, pb], [pa, pb], n, dtype, op, 0.5, dev), library)
+        library = [lambda: a.mul_(1.0)] + ([lambda: np.multiply(na, na.dtype.type(1.0), out=na)]
+                                           if na is not None else [])
+        row("scale", dtype, 2 * nbytes, lambda: kernels.scale_ptr(pa, n, dtype, 1.0, dev), library)
 
-        srcs = [a, b] + [filled(dtype, n, device, j) for j in range(2, MANY)]
-        dst = torch.empty_like(a)
-        nsrcs = [numpy_view(s) for s in srcs]
-        ndst = numpy_view(dst)
+        # The one-node all-reduce's publish step on two ranks: a = b = (a op b) * 0.5 (the
+        # result over both sources). Reads a and b, writes a and b.
+        library = [lambda: b.copy_(top(a, b, out=a).mul_(0.5))]
+        if na is not None:
+            library.append(lambda: np.copyto(nb, np.multiply(nop(na, nb, out=na), na.dtype.type(0.5), out=na)))
+        row("reduce_many_to", dtype, 4 * nbytes,
+            lambda: kernels.reduce_many_to_ptr([pa, pb], [pa, pb], n, dtype, op, 0.5, dev), library)
 
-        def torch_many():
-            top(srcs[0], srcs[1], out=dst)
-            for s in srcs[2:]:
-                top(dst, s, out=dst)
+    srcs = [a, b] + [filled(dtype, n, device, j) for j in range(2, MANY)]
+    dst = torch.empty_like(a)
+    nsrcs = [numpy_view(s) for s in srcs]
+    ndst = numpy_view(dst)
 
-        def numpy_many():
-            nop(nsrcs[0], nsrcs[1], out=ndst)
-            for s in nsrcs[2:]:
-                nop(ndst, s, out=ndst)
+    def torch_many():
+        top(srcs[0], srcs[1], out=dst)
+        for s in srcs[2:]:
+            top(dst, s, out=dst)
 
-        ptrs, pd = [s.data_ptr() for s in srcs], dst.data_ptr()
-        row(f"reduce_many{MANY}", dtype, (MANY + 1) * nbytes,
-            lambda: kernels.reduce_many_ptr(pd, ptrs, n, dtype, op, dev),
-            [torch_many] + ([numpy_many] if ndst is not None else []))
-        del srcs, dst, nsrcs, ndst, a, b, na, nb
+    def numpy_many():
+        nop(nsrcs[0], nsrcs[1], out=ndst)
+        for s in nsrcs[2:]:
+            nop(ndst, s, out=ndst)
 
-    # Conversions: bytes moved are n * (source itemsize + destination itemsize).
+    ptrs, pd = [s.data_ptr() for s in srcs], dst.data_ptr()
+    row(f"reduce_many{MANY}", dtype, (MANY + 1) * nbytes,
+        lambda: kernels.reduce_many_ptr(pd, ptrs, n, dtype, op, dev),
+        [torch_many] + ([numpy_many] if ndst is not None else []))
+
+
+def bench_casts(nbytes: int, device: str, cast, row) -> None:
+    """Conversions: bytes moved are n * (source itemsize + destination itemsize)."""
     n = nbytes // 4
     f32 = filled("float32", n, device, 0)
     for half in ("bfloat16", "float16"):
@@ -205,9 +217,10 @@ def bench_size(nbytes: int, device: str, dtypes, timer, rows, op: str):
         ph, pf = h.data_ptr(), f32.data_ptr()
         row("cast", f"float32->{half}", 6 * n, lambda: cast(ph, half, pf, "float32", n), lambda: h.copy_(f32))
         row("cast", f"{half}->float32", 6 * n, lambda: cast(pf, "float32", ph, half, n), lambda: f32.copy_(h))
-    del f32, h
 
-    # pack/unpack: PACK_PARTS float32 tensors of uneven sizes adding up to `nbytes`.
+
+def bench_pack(nbytes: int, device: str, pack, unpack, row) -> None:
+    """pack/unpack: PACK_PARTS float32 tensors of uneven sizes adding up to `nbytes`."""
     count = nbytes // 4
     cuts = np.linspace(0, count, PACK_PARTS + 1).astype(np.int64) if count >= PACK_PARTS else np.array([0, count])
     cuts[1:-1] += (np.arange(1, len(cuts) - 1) % 3) - 1  # uneven, misaligned parts

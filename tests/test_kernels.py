@@ -265,20 +265,24 @@ def test_reduce_many_dst_aliases_a_source(position):
     assert_bitwise(srcs[position], want)
 
 
+@pytest.fixture
+def kernel_threads():
+    """Restores the kernels' thread count after a test that changes it."""
+    before = kernels.get_num_threads()
+    yield
+    kernels.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", ("float32", "bfloat16", "float16"))
-def test_reduce_many_is_deterministic_across_thread_counts(dtype):
+def test_reduce_many_is_deterministic_across_thread_counts(dtype, kernel_threads):
     n = (1 << 21) + 5
     srcs = [make(dtype, n, seed=50 + j) for j in range(6)]
-    before = kernels.get_num_threads()
     results = []
-    try:
-        for threads in (1, 2, 3, 1):
-            kernels.set_num_threads(threads)
-            dst = torch.empty_like(srcs[0])
-            kernels.reduce_many(dst, srcs, "sum")
-            results.append(dst)
-    finally:
-        kernels.set_num_threads(before)
+    for threads in (1, 2, 3, 1):
+        kernels.set_num_threads(threads)
+        dst = torch.empty_like(srcs[0])
+        kernels.reduce_many(dst, srcs, "sum")
+        results.append(dst)
     for other in results[1:]:
         assert torch.equal(bits(results[0]), bits(other))
 
@@ -311,22 +315,18 @@ def test_reduce_many_to(dtype, op, n, k):
 
 @pytest.mark.parametrize("threads", (1, 2))
 @pytest.mark.parametrize("dtype", ("float32", "bfloat16", "float16", "float64"))
-def test_reduce_many_to_publishes_over_its_sources(dtype, threads):
+def test_reduce_many_to_publishes_over_its_sources(dtype, threads, kernel_threads):
     # The shared-memory all-reduce's shape: the result goes over both sources (the rank's own
     # array and its peer's contribution), at an odd address, across many blocks and threads.
     n = (1 << 19) + 5
-    before = kernels.get_num_threads()
-    try:
-        kernels.set_num_threads(threads)
-        for dsts_of in (lambda s: [s[0], s[1]], lambda s: [torch.empty_like(s[0]), s[1]]):
-            srcs = [make(dtype, n + 1, seed=110 + j)[1:] for j in range(2)]
-            want = model_scale(model_reduce_many(srcs, "sum"), 0.5)
-            dsts = dsts_of(srcs)
-            kernels.reduce_many_to(dsts, srcs, "sum", 0.5)
-            for dst in dsts:
-                assert_bitwise(dst, want)
-    finally:
-        kernels.set_num_threads(before)
+    kernels.set_num_threads(threads)
+    for dsts_of in (lambda s: [s[0], s[1]], lambda s: [torch.empty_like(s[0]), s[1]]):
+        srcs = [make(dtype, n + 1, seed=110 + j)[1:] for j in range(2)]
+        want = model_scale(model_reduce_many(srcs, "sum"), 0.5)
+        dsts = dsts_of(srcs)
+        kernels.reduce_many_to(dsts, srcs, "sum", 0.5)
+        for dst in dsts:
+            assert_bitwise(dst, want)
 
 
 def test_reduce_many_to_errors():
@@ -473,15 +473,11 @@ def test_cuda_call_without_gpu_raises_the_cuda_error():
     kernels.synchronize("cpu")  # nothing to wait for
 
 
-def test_thread_count_setting():
-    before = kernels.get_num_threads()
-    try:
-        kernels.set_num_threads(3)
-        assert kernels.get_num_threads() == 3
-        with pytest.raises(InvalidArgumentError):
-            kernels.set_num_threads(0)
-    finally:
-        kernels.set_num_threads(before)
+def test_thread_count_setting(kernel_threads):
+    kernels.set_num_threads(3)
+    assert kernels.get_num_threads() == 3
+    with pytest.raises(InvalidArgumentError):
+        kernels.set_num_threads(0)
 
 
 @pytest.mark.parametrize("env,expected", [
