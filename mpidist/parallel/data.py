@@ -11,6 +11,7 @@ import torch
 from .. import kernels
 from ..comm import init
 from ..errors import InvalidArgumentError
+from ..memory import keep_freed_memory
 
 FIRST_BUCKET_BYTES = 1024 * 1024
 # Largest bucket exchanged through the shared slots on one node. There no message cost is saved
@@ -151,6 +152,9 @@ class GradientBuckets:
     communicator's asynchronous engine. `trace`, when set to a list, receives (start, finish)
     perf_counter times of each bucket's all-reduce.
 
+    For CPU parameters it makes glibc's malloc keep freed memory for reuse, process-wide
+    (mpidist/memory.py; MPIDIST_KEEP_FREED_MEMORY=0 turns that off).
+
     With `gradient_as_bucket_view` (PyTorch DDP's option of that name), after the first step each
     gradient is a view of its bucket's memory (the shared slot or the flat buffer) where the
     all-reduce leaves its result, so the results are not copied back (see DataParallel).
@@ -170,6 +174,10 @@ class GradientBuckets:
         self.predivide = float(predivide)
         self.passes_per_step = passes_per_step
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
+        if any(p.device.type == "cpu" for p in params):
+            # Each step frees and reallocates the gradients: reuse the memory rather than fault
+            # it in afresh every step (mpidist/memory.py).
+            keep_freed_memory()
         polled = self._polled(params)
         limit = int(bucket_mb * 1024 * 1024)
         if polled:

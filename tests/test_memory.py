@@ -1,0 +1,64 @@
+"""DataParallel keeps the CPU memory a step frees for the next step (mpidist/memory.py)."""
+import json
+
+import pytest
+from conftest import run_python
+
+# A plain training loop, as users write it (torch's default zero_grad(set_to_none=True) frees the
+# 12 MiB of gradients every step); prints, per rank, the median of the minor page faults per step
+# after warm-up (the heap may still grow once in a while; what matters is every step).
+SCRIPT = '''
+import json, resource, statistics, torch
+import mpidist as md
+from mpidist.memory import keep_freed_memory
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+layers = [torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+          torch.nn.Linear(1024, 1024)]
+model = md.DataParallel(torch.nn.Sequential(*layers))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+x = torch.randn(16, 1024)
+
+def step():
+    optimizer.zero_grad()
+    model(x).square().mean().backward()
+    optimizer.step()
+
+for _ in range(3):
+    step()
+counts = []
+for _ in range(20):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    step()
+    counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"faults": statistics.median(counts), "kept": keep_freed_memory()}))
+'''
+
+
+def faults_per_step(ranks, env):
+    result = run_python(SCRIPT, ranks=ranks, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == ranks, result.stdout
+    return reports
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_gradient_memory_is_reused_not_faulted_in_every_step(ranks):
+    # 12 MiB of gradients are 3,072 pages: without the setting glibc gives most of them back to
+    # the kernel each step (2,016 faults per step here: the control run shows the test would see
+    # it), with it none.
+    default = faults_per_step(ranks, {})
+    control = faults_per_step(ranks, {"MPIDIST_KEEP_FREED_MEMORY": "0"})
+    assert all(report["kept"] for report in default)
+    assert not any(report["kept"] for report in control)
+    assert all(report["faults"] < 32 for report in default), default
+    assert all(report["faults"] > 1000 for report in control), control
+
+
+def test_opting_out_leaves_malloc_alone(monkeypatch):
+    from mpidist import memory
+    monkeypatch.setattr(memory, "_kept", False)
+    monkeypatch.setenv("MPIDIST_KEEP_FREED_MEMORY", "0")
+    assert memory.keep_freed_memory() is False
