@@ -5,10 +5,9 @@ With torch's default `zero_grad(set_to_none=True)` every step frees its gradient
 backward allocates them again. glibc's malloc returns the top of its heap to the kernel once
 more than its trim threshold is free there (by default twice the largest block it has served
 from mmap, so a few MB), and every page of the next allocation is then a fresh, zeroed page: on
-the 2-core test machine a plain training script with 12.6 MB of gradients took 1,100-1,900
-page faults per step, and its steps took 15-25% longer than with the memory kept
-(benchmarks/results/heap-cpu.md). MPI libraries that register memory do the same for the same
-reason (Open MPI's leave_pinned turns trimming off).
+the 2-core test machine plain training scripts with 12.6 MB of gradients (one process, and
+DataParallel on 2 ranks) took about 2,000 page faults per step, and their steps took 17-24%
+longer than with the memory kept (benchmarks/results/heap-cpu.md).
 
 keep_freed_memory() sets two of glibc's malloc parameters, for the whole process:
 - M_MMAP_THRESHOLD to 32 MiB, the largest glibc accepts on 64-bit systems: blocks up to that
