@@ -15,14 +15,14 @@ scripts, one process per configuration, started afresh each round:
 
 each with MPIDIST_KEEP_FREED_MEMORY=1 (`kept`: the single and DDP scripts call
 mpidist.memory.keep_freed_memory() themselves, DataParallel does it when constructed) and =0
-(`returned`: glibc's defaults, what a DDP user gets). The configurations run in a shuffled order each round, so the
-host's drift falls on all of them alike. Model, data and optimizer as benchmarks/training.py's
+(`returned`: glibc's defaults, what a DDP user gets). The configurations run in a shuffled
+order each round, so the host's drift falls on all of them alike. Model, data and optimizer as benchmarks/training.py's
 defaults (MLP 1024-1024-1024-1024-10, batch 64 per rank, SGD lr 0.01, one thread per process).
 
 Per process: the time of `--steps` steps after `--warmup` steps, and the median over those steps
 of the minor page faults per step (getrusage). samples/s is processes x batch x steps / the
-slowest process's time; the table shows medians over rounds and each row against `single` with
-the same setting and against `single returned` (a plain script as users write it).
+slowest process's time; the table shows medians over rounds and each row against `single` and
+`ddp` with the same setting, and against `single returned` (a plain script as users write it).
 """
 from __future__ import annotations
 
@@ -49,14 +49,15 @@ def worker(args) -> None:
     sys.path.insert(0, HERE)
     from training import LR, build_model, layer_sizes, make_pool, parse_count
 
+    from mpidist.memory import keep_freed_memory
+
     torch.set_num_threads(1)
     rank, gloo = 0, None
     sizes = layer_sizes(parse_count("3M"), 4)
     model = build_model(sizes)
-    if args.worker == "single":
-        from mpidist.memory import keep_freed_memory
+    if args.worker != "dataparallel":
         keep_freed_memory()  # as DataParallel does; MPIDIST_KEEP_FREED_MEMORY=0 makes it a no-op
-    else:
+    if args.worker != "single":
         import mpidist as md
         from mpidist import kernels
         kernels.set_num_threads(1)
@@ -67,8 +68,6 @@ def worker(args) -> None:
             model = md.DataParallel(model, comm=comm)
         else:
             from mpidist.bench import Gloo
-            from mpidist.memory import keep_freed_memory
-            keep_freed_memory()
             gloo = Gloo(comm)
             model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)

@@ -3,19 +3,16 @@ DataParallel and DDP): every configuration reports, and the page-fault counts te
 malloc settings apart (no timing assertions)."""
 import json
 import os
-import subprocess
-import sys
 
-from conftest import REPO
+from conftest import REPO, run_python
 
 
 def test_heap_benchmark_rows(tmp_path):
     out = tmp_path / "rows.json"
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PYTEST_ISOLATE_MPI_IS_FORKED")}
-    result = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "heap.py"), "--rounds", "1",
-                             "--steps", "3", "--warmup", "2", "--json", str(out)],
-                            capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    script = os.path.join(REPO, "benchmarks", "heap.py")
+    code = (f"import sys, runpy; sys.argv = [{script!r}, '--rounds', '1', '--steps', '3', '--warmup', '2', "
+            f"'--json', {str(out)!r}]; runpy.run_path({script!r}, run_name='__main__')")
+    result = run_python(code, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = {row["configuration"]: row for row in json.loads(out.read_text())}
     assert list(rows) == ["single kept", "single returned", "dataparallel kept", "dataparallel returned",
