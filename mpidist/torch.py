@@ -14,7 +14,7 @@ import torch
 
 from . import comm as _comm
 from .errors import InvalidArgumentError, MpidistError
-from .parallel.data import GradientBuckets, broadcast_in_place, trainable_parameters
+from .parallel.data import GradientBuckets, broadcast_in_place, register_gradient_hooks, trainable_parameters
 
 
 class NotOfferedError(MpidistError):
@@ -346,8 +346,7 @@ class _DistributedOptimizer:
                                         predivide=gradient_predivide_factor,
                                         passes_per_step=backward_passes_per_step)
         self._skip_sync = False
-        for param in trainable_parameters(params):
-            param.register_post_accumulate_grad_hook(self._buckets.gradient_ready)
+        register_gradient_hooks(self._buckets, "gradient_ready", trainable_parameters(params))
 
     def synchronize(self):
         """Wait for the gradients' all-reduces (call before clipping gradients, then step()

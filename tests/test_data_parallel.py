@@ -299,6 +299,98 @@ def test_compression_and_parameter_averaging(mpi_ranks, mpi_world):
         torch.testing.assert_close(mine, ref + sum(range(mpi_ranks)) / mpi_ranks)
 
 
+def shared_mapping_bytes() -> int:
+    """Bytes of this process's writable shared mappings (the MPI shared windows among them)."""
+    total = 0
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            addresses, permissions = line.split()[:2]
+            if permissions == "rw-s":
+                low, high = (int(a, 16) for a in addresses.split("-"))
+                total += high - low
+    return total
+
+
+def local_gradients(x, y):
+    """This rank's own gradients of the test model (nothing averaged)."""
+    model = make_model()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    return [p.grad for p in model.parameters()]
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+@pytest.mark.parametrize("views", [False, True], ids=["copy", "views"])
+def test_dropped_data_parallel_stops_and_gives_back_its_memory(mpi_ranks, mpi_world, views):
+    # A program that wraps its model again (a new bucket size, another trial) must neither keep
+    # all-reducing through the old wrapper's hooks nor keep its shared window.
+    model = make_model()
+    wide = torch.nn.Linear(256, 256)  # 256 KB of gradients: windows big enough to see
+    x, y = batch(0, mpi_world.rank)
+
+    def wrap_and_step():
+        ddp = md.DataParallel(model, gradient_as_bucket_view=views)
+        wide_ddp = md.DataParallel(wide, gradient_as_bucket_view=views)
+        for _ in range(2):  # with views, the gradients are slot views from the second step on
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            wide_ddp(torch.ones(1, 256)).sum().backward()
+        return ddp, wide_ddp
+
+    kept = wrap_and_step()
+    before = shared_mapping_bytes()
+    also_kept = wrap_and_step()
+    one_wrap = shared_mapping_bytes() - before  # the windows of one wrap
+    del also_kept
+    for _ in range(5):
+        del kept
+        model.zero_grad()
+        wide.zero_grad()
+        kept = wrap_and_step()
+    grown = shared_mapping_bytes() - before
+    assert one_wrap > 256 * 1024, one_wrap
+    assert grown <= one_wrap, f"shared mappings grew by {grown} bytes over five wraps (one wrap: {one_wrap})"
+    del kept
+    model.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    for mine, own in zip(model.parameters(), local_gradients(x, y)):
+        torch.testing.assert_close(mine.grad, own)  # not averaged any more
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_gradient_views_outlive_their_data_parallel(mpi_ranks, mpi_world):
+    model = make_model()
+    ddp = md.DataParallel(model, gradient_as_bucket_view=True)
+    x, y = batch(0, mpi_world.rank)
+    for _ in range(2):
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    grads = [p.grad for p in model.parameters()]  # views of the shared slots now
+    expected = [g.clone() for g in grads]
+    del ddp, model
+    for _ in range(3):  # each construction frees the windows every rank has dropped
+        md.DataParallel(make_model())
+    for grad, value in zip(grads, expected):
+        torch.testing.assert_close(grad, value)
+
+
+@pytest.mark.mpi(ranks=[2])
+def test_dropped_distributed_optimizer_stops_exchanging(mpi_ranks, mpi_world):
+    import mpidist.torch as hvd
+    hvd.init()
+    model = make_model()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = batch(0, mpi_world.rank)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.synchronize()
+    average = [hvd.allreduce(g) for g in local_gradients(x, y)]
+    for mine, expected in zip(model.parameters(), average):
+        torch.testing.assert_close(mine.grad, expected)
+    del optimizer
+    model.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    for mine, own in zip(model.parameters(), local_gradients(x, y)):
+        torch.testing.assert_close(mine.grad, own)
+
+
 HOROVOD_SCRIPT = '''
 import torch
 import mpidist.torch as hvd

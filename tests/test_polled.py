@@ -28,7 +28,8 @@ def test_polled_buckets_match_reference(mpi_ranks, results_in_slots):
     for dtype in FLOAT_DTYPES + INT_DTYPES:
         itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
         slots = NodeSlots(comm.node_comm, [sum(parts) * itemsize for parts in BUCKETS], results_in_slots)
-        in_slot = [tensor_at(slots.address(i), sum(parts), getattr(torch, dtype)) for i, parts in enumerate(BUCKETS)]
+        in_slot = [tensor_at(slots.address(i), sum(parts), getattr(torch, dtype), slots)
+                   for i, parts in enumerate(BUCKETS)]
         # Every op in turn: each call reuses the slots of the call before.
         for call, op in enumerate(OPS):
             if dtype in INT_DTYPES and op == "avg":

@@ -47,6 +47,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+import weakref
 
 import numpy as np
 
@@ -73,6 +74,48 @@ def yield_seconds(affinities, local_size: int) -> float:
     return OWN_CORE_YIELD_SECONDS if len(cpus) >= local_size else YIELD_SECONDS
 
 
+class ReleasedWindows:
+    """The windows of one node communicator whose NodeSlots this rank no longer uses.
+
+    A NodeSlots lives as long as anything refers to it (its buckets, a pending all-reduce, a
+    gradient that is a view of a slot) and is dropped at a different moment on each rank, while
+    freeing its window is collective. So a dropped NodeSlots only puts its window here, and each
+    new NodeSlots on the communicator (a collective step) first frees the windows that every rank
+    has put here: memory is given back before more is taken, and a program that builds
+    DataParallel again and again holds at most the windows still in use plus the ones dropped
+    since the last construction.
+    """
+
+    def __init__(self, node_comm):
+        self.node_comm = node_comm  # kept alive: the registry is keyed by its id()
+        self.created = 0  # windows made on this communicator; the same count on every rank
+        self.windows = {}  # window number -> MPI window, released on this rank
+
+    def release(self, number: int, win) -> None:
+        self.windows[number] = win
+
+    def free_common(self) -> int:
+        """Free the windows every rank has released (collective over the node communicator);
+        returns how many."""
+        everyone = self.node_comm.allgather(sorted(self.windows))
+        common = sorted(set(everyone[0]).intersection(*everyone[1:]))
+        for number in common:  # the same windows in the same order on every rank
+            win = self.windows.pop(number)
+            win.Unlock_all()
+            win.Free()
+        return len(common)
+
+
+_released = {}  # id(node communicator) -> its ReleasedWindows
+
+
+def released_windows(node_comm) -> ReleasedWindows:
+    registry = _released.get(id(node_comm))
+    if registry is None or registry.node_comm is not node_comm:
+        registry = _released[id(node_comm)] = ReleasedWindows(node_comm)
+    return registry
+
+
 class NodeSlots:
     """One shared window for a fixed list of buffer sizes: per rank, a counter and a slot for each.
 
@@ -80,7 +123,8 @@ class NodeSlots:
     (address(index), the arrays laid end to end) and only reads the arrays it was given, which may
     be views of that slot: no copy-out. Collective over the node communicator; every local rank
     must pass the same sizes and the same `results_in_slots` (checked, with the same error on
-    every rank).
+    every rank). A NodeSlots no longer referred to gives its window back at the next NodeSlots
+    construction on the same communicator (ReleasedWindows), or free() gives it back at once.
     """
 
     def __init__(self, node_comm, sizes, results_in_slots: bool = False):
@@ -95,8 +139,13 @@ class NodeSlots:
         for size in sizes:
             offsets.append(position)
             position += (size + 63) // 64 * 64
+        registry = released_windows(node_comm)
+        registry.free_common()
         MPI = load_mpi()
         self.win = MPI.Win.Allocate_shared(position, 1, comm=node_comm)
+        self.number = registry.created
+        registry.created += 1
+        self._release = weakref.finalize(self, registry.release, self.number, self.win)
         self.win.Lock_all(MPI.MODE_NOCHECK)
         bases = [self.win.Shared_query(k)[0].address for k in range(self.local_size)]
         ctypes.memset(bases[self.local_rank], 0, header)
@@ -133,7 +182,9 @@ class NodeSlots:
         return self.slots[index][self.local_rank]
 
     def free(self) -> None:
+        """Free the window now (collective over the node communicator)."""
         if self.win is not None:
+            self._release.detach()
             self.win.Unlock_all()
             self.win.Free()
             self.win = None

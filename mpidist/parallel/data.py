@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import weakref
 
 import torch
 
@@ -56,7 +57,7 @@ class _Bucket:
         self.packed = True
         self.pending = set()
         self.handle = None
-        self.sources = None  # the arrays an all-reduce into the shared slots is reading
+        self.sources = None  # the arrays an all-reduce through the shared slots reads or writes
         self.views = None  # with gradient_as_bucket_view: each parameter's gradient inside the bucket
 
     @property
@@ -131,10 +132,36 @@ def unpack_tensors(flat: torch.Tensor, parts, tensors) -> None:
         tensor.copy_(part)
 
 
-def tensor_at(address: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor over memory this process does not own through torch (a shared window)."""
+def tensor_at(address: int, numel: int, dtype: torch.dtype, owner) -> torch.Tensor:
+    """A CPU tensor over memory this process does not own through torch (a shared window).
+
+    The tensor, and every view of it, keeps `owner` (what frees the memory) alive: a gradient
+    that is a view of a shared slot stays valid after its DataParallel is gone."""
     memory = (ctypes.c_char * (numel * dtype.itemsize)).from_address(address)
+    memory.owner = owner  # torch.frombuffer keeps `memory` alive for as long as the storage
     return torch.frombuffer(memory, dtype=dtype, count=numel)
+
+
+def register_gradient_hooks(owner, method: str, params) -> None:
+    """Call `owner.<method>(param)` each time backward has accumulated a gradient of `params`, for
+    as long as `owner` lives. The hooks refer to it weakly and are removed once it is collected,
+    as PyTorch DDP removes its hooks when it is destroyed: a DataParallel or DistributedOptimizer
+    that the program drops stops all-reducing the gradients (wrapping the model again does not
+    exchange them twice) and its shared memory is given back."""
+    reference = weakref.ref(owner)
+
+    def hook(param):
+        alive = reference()
+        if alive is not None:
+            getattr(alive, method)(param)
+
+    handles = [param.register_post_accumulate_grad_hook(hook) for param in params]
+    weakref.finalize(owner, remove_hooks, handles)
+
+
+def remove_hooks(handles) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 class GradientBuckets:
@@ -200,7 +227,8 @@ class GradientBuckets:
                 for index, bucket in enumerate(self.buckets):
                     first = bucket.params[0]
                     numel = sum(p.numel() for p in bucket.params)
-                    bucket.views = shaped_like(bucket.params, tensor_at(self.slots.address(index), numel, first.dtype))
+                    slot = tensor_at(self.slots.address(index), numel, first.dtype, owner=self.slots)
+                    bucket.views = shaped_like(bucket.params, slot)
         self.trace = None
         self.reset()
 
@@ -267,6 +295,7 @@ class GradientBuckets:
                 and all(g.is_contiguous() for g in grads):
             # The shared slots reduce the gradients where they lie: nothing to pack.
             bucket.packed = False
+            bucket.sources = grads  # kept until the all-reduce ends: it writes them through their addresses
             bucket.handle = self.slots.start(index, grads, op)
             return
         # One contiguous gradient needs no packing: it is all-reduced where it lies.
@@ -358,8 +387,7 @@ class DataParallel(torch.nn.Module):
         params = trainable_parameters(module)
         self.buckets = GradientBuckets(params, self.comm, bucket_mb, compression, algorithm,
                                        gradient_as_bucket_view=gradient_as_bucket_view)
-        for param in params:
-            param.register_post_accumulate_grad_hook(self._gradient_ready)
+        register_gradient_hooks(self, "_gradient_ready", params)
 
     def forward(self, *args, **kwargs):
         if self.broadcast_buffers and self.training and self._sync_enabled:
