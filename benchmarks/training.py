@@ -4,12 +4,12 @@
         [--params 3M] [--batch 64] [--steps 20] [--rounds 5] [--warmup 5] [--buckets 25,1] \
         [--views] [--json FILE] [--plot FILE]
 
-Model: an MLP of `--depth` linear layers, width x width (ReLU between) and a last width x 10
-layer; the width is chosen so the model has about `--params` parameters (3M: width 1024,
-4 layers, 3,158,026 parameters). Data: fixed random batches (inputs N(0, 1), labels uniform in
-0..9), `--batch` samples per rank per step, a different pool on every rank, the same pool for
-every candidate. Cross-entropy loss, plain SGD (lr 0.01). One thread per rank: torch, the
-mpidist kernels and OMP_NUM_THREADS.
+Model: an MLP of `--depth` linear layers in all, `--depth` - 1 of width x width (ReLU after
+each) and a last width x 10 one; the width is chosen so the model has about `--params`
+parameters (3M: width 1024, 4 layers, 3,159,050 parameters). Data: fixed random batches
+(inputs N(0, 1), labels uniform in 0..9), `--batch` samples per rank per step, a different pool
+on every rank, the same pool for every candidate. Cross-entropy loss, plain SGD (lr 0.01). One
+thread per rank: torch, the mpidist kernels and OMP_NUM_THREADS.
 
 Candidates, all in the same run and interleaved: every round runs `--steps` steps of each
 candidate in turn (the order rotates from round to round), so the noise of a shared machine
@@ -451,7 +451,7 @@ def plot(rows, path: str) -> None:
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", default="3M", help="about this many parameters (3M, 20K, ...)")
-    parser.add_argument("--depth", type=int, default=4, help="linear layers before the output layer")
+    parser.add_argument("--depth", type=int, default=4, help="linear layers in all, the last one width x 10 (default 4)")
     parser.add_argument("--batch", type=int, default=64, help="samples per rank per step")
     parser.add_argument("--steps", type=int, default=20, help="steps per candidate per round")
     parser.add_argument("--rounds", type=int, default=5)

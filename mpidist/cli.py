@@ -57,7 +57,7 @@ def add_measurement_options(parser, sizes: str, default_dtype: str = "float32") 
                         help="comma-separated message sizes in bytes, K/M/G suffixes allowed (default %(default)s)")
     parser.add_argument("--dtype", default=default_dtype, help="comma-separated dtypes (default %(default)s)")
     parser.add_argument("--iters", type=int, default=None,
-                        help="timed iterations per case (default: 200 up to 64K, 50 up to 1M, 20 above)")
+                        help="timed iterations per case (default: 1000 up to 8K, 200 up to 64K, 50 up to 1M, 20 above)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default iters/10, >= 2)")
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=False,
                         help="keep the per-call cross-rank signature check on (default off, as in training "
