@@ -27,7 +27,9 @@ import contextlib
 import json
 import os
 import re
+import socket
 import time
+import warnings
 
 import numpy as np
 
@@ -45,18 +47,25 @@ class CheckpointError(MpidistError):
 
 # ---- atomic files and rank 0 work ---------------------------------------------------------------
 
+TEMPORARY = re.compile(r"^(?P<target>.+)\.tmp-(?P<host>.+)-(?P<pid>\d+)$")
+
+
 @contextlib.contextmanager
 def atomic_hdf5(path):
     """Yield an h5py.File that appears at ``path`` only once completely written and on disk.
 
-    The file is written to ``<path>.tmp-<pid>``, flushed, fsynced and renamed over ``path``
-    (``os.replace`` is atomic), so a crash at any moment leaves either the old file or the new
-    one, never a torn one. On an error the temporary file is removed.
+    The file is written to ``<path>.tmp-<host>-<pid>``, flushed, fsynced and renamed over
+    ``path`` (``os.replace`` is atomic), so a crash at any moment leaves either the old file or
+    the new one, never a torn one. On an error the temporary file is removed; one left by a
+    killed writer (its process on this host no longer exists) is removed by the next write into
+    the same directory.
     """
     import h5py
     path = os.fspath(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    remove_stale_temporaries(directory)
+    tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"
     try:
         with h5py.File(tmp, "w") as f:
             yield f
@@ -71,7 +80,31 @@ def atomic_hdf5(path):
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise
-    _fsync_directory(os.path.dirname(os.path.abspath(path)))
+    _fsync_directory(directory)
+
+
+def remove_stale_temporaries(directory) -> list:
+    """Remove the temporary files of writes on this host whose process is gone (killed mid-write);
+    returns their paths. Files of other hosts, or of a process still running, are left alone."""
+    host, removed = socket.gethostname(), []
+    for name in os.listdir(directory):
+        match = TEMPORARY.match(name)
+        if match is None or match.group("host") != host or _process_exists(int(match.group("pid"))):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(directory, name))
+            removed.append(os.path.join(directory, name))
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # somebody else's process
+        return True
+    return True
 
 
 def _fsync_directory(directory):
@@ -268,9 +301,14 @@ def _gather_rng(mpi):
     if mpi is None:
         return [snapshot]
     from mpi4py import MPI
+    from .collectives.api import wait_with_deadline
     blob = _pack_rng(snapshot)
     lengths = np.zeros(mpi.Get_size(), dtype=np.int64) if mpi.Get_rank() == 0 else None
-    mpi.Gather(np.array([blob.size], dtype=np.int64), lengths, root=0)
+    # The first exchange of save_checkpoint: a rank that calls it alone (rank 0 only, as some
+    # Horovod scripts save) gets an error after MPIDIST_TIMEOUT instead of waiting forever.
+    wait_with_deadline(mpi.Igather(np.array([blob.size], dtype=np.int64), lengths, root=0), mpi,
+                       "gather of save_checkpoint (every rank must call it when comm is given; with "
+                       "comm=None a rank saves alone)")
     if mpi.Get_rank() != 0:
         mpi.Gatherv(blob, None, root=0)
         return None
@@ -311,11 +349,27 @@ def checkpoint_path(directory, epoch: int, step: int) -> str:
     return os.path.join(os.fspath(directory), f"ckpt-{epoch:04d}-{step:08d}.h5")
 
 
-def latest_checkpoint(directory):
-    """The path of the checkpoint with the highest step (then epoch) among the files named
-    ``ckpt-<epoch>-<step>.h5`` in ``directory``; None when there is none. Temporary files
-    of unfinished writes never match."""
-    directory = os.fspath(directory)
+def latest_checkpoint(directory, comm=None):
+    """The path of the newest checkpoint in ``directory``; None when there is none.
+
+    Among the files named ``ckpt-<epoch>-<step>.h5`` it is the one written last (the
+    ``created_unix`` time save_checkpoint stores in the file; then the highest step and epoch), so
+    after a fresh run into a directory that still holds an earlier run's files, resuming continues
+    the fresh run. A file that cannot be read as an mpidist checkpoint is skipped with a warning
+    naming it. Temporary files of unfinished writes never match.
+
+    With ``comm`` (every rank must call) rank 0 looks and every rank gets its answer, so all
+    ranks resume from the same file.
+    """
+    if _mpi_comm(comm) is None:
+        return _find_latest(os.fspath(directory))
+    found = on_root(comm, lambda: _find_latest(os.fspath(directory)), f"looking for checkpoints in {directory}",
+                    CheckpointError)
+    return _mpi_comm(comm).bcast(found, root=0)
+
+
+def _find_latest(directory):
+    import h5py
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
@@ -323,10 +377,19 @@ def latest_checkpoint(directory):
     found = []
     for name in names:
         match = CHECKPOINT_NAME.match(name)
-        if match:
-            epoch, step = int(match.group(1)), int(match.group(2))
-            found.append((step, epoch, name))
-    return os.path.join(directory, max(found)[2]) if found else None
+        if not match:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            with h5py.File(path, "r") as f:
+                if f.attrs.get("format") != FORMAT:
+                    raise CheckpointError("not an mpidist checkpoint")
+                created = float(f.attrs.get("created_unix", 0.0))
+        except (OSError, KeyError, ValueError, CheckpointError) as exc:
+            warnings.warn(f"skipping {path}: it cannot be read as an mpidist checkpoint ({exc})", stacklevel=3)
+            continue
+        found.append((created, int(match.group(2)), int(match.group(1)), path))
+    return max(found)[3] if found else None
 
 
 def save_checkpoint(path, model, optimizer=None, step: int = 0, epoch: int = 0, sampler=None, extra=None,
@@ -385,16 +448,42 @@ def _to_json(value, what: str) -> str:
 
 
 def load_checkpoint(path, model=None, optimizer=None, sampler=None, restore_rng: bool = True, comm=None) -> dict:
-    """Load a checkpoint written by ``save_checkpoint`` into the given objects; every rank may
-    call it (each reads the file). Returns ``{"step", "epoch", "extra"}``.
+    """Load a checkpoint written by ``save_checkpoint`` into the given objects; returns
+    ``{"step", "epoch", "extra"}``. Each rank reads the file itself.
 
     The model and optimizer are loaded with their own ``load_state_dict`` (strict: missing or
     unexpected entries raise). With ``restore_rng`` each rank restores the RNG state saved for
     its rank (``comm``'s rank, else mpidist's world rank when initialized, else 0); a rank that
     had no state saved (the job grew) takes rank 0's.
+
+    With ``comm`` the call is collective (every rank must call): if loading fails on any rank (a
+    file that is not on every node, a model of another shape), every rank raises, naming the
+    ranks that failed and the first error, so no rank trains on while others stopped.
     """
-    import h5py
+    mpi = _mpi_comm(comm)
     path = os.fspath(path)
+    try:
+        try:
+            result, error = _load(path, model, optimizer, sampler, restore_rng, comm), None
+        except OSError as exc:  # h5py's errors for missing, truncated or corrupt files
+            raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
+    except Exception as exc:  # reported to every rank below
+        result, error = None, exc
+    if mpi is None:
+        if error is not None:
+            raise error
+        return result
+    failures = mpi.allgather(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [rank for rank, failure in enumerate(failures) if failure is not None]
+    if failed:
+        raise CheckpointError(f"loading {path} failed on rank(s) {failed}: {failures[failed[0]]}")
+    return result
+
+
+def _load(path, model, optimizer, sampler, restore_rng, comm) -> dict:
+    import h5py
     with h5py.File(path, "r") as f:
         if f.attrs.get("format") != FORMAT:
             raise CheckpointError(f"{path} is not an mpidist checkpoint")

@@ -2,17 +2,23 @@
 
     mpirun -np 2 mpidist train --epochs 12
 
-Rank 0 shows a progress bar (loss, accuracy, samples/s), a checkpoint is written every epoch,
+Rank 0 shows a progress bar (its own loss and accuracy, the job's samples/s) and, after each
+epoch, the loss and accuracy over all ranks; a checkpoint is written every epoch,
 and the final test accuracy is printed. --resume continues from the latest checkpoint.
 """
 from __future__ import annotations
 
+import argparse
+import math
+import os
 import time
 
+import numpy as np
 import torch
 
-from .checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import CHECKPOINT_NAME, checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import HDF5Dataset, ShardedSampler, ensure_digits
+from .errors import InvalidArgumentError
 
 
 def build_model(hidden: int = 128) -> torch.nn.Module:
@@ -20,13 +26,27 @@ def build_model(hidden: int = 128) -> torch.nn.Module:
                                torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
 def add_train_command(subparsers) -> None:
     parser = subparsers.add_parser("train", help="data-parallel training on the embedded digits data")
     parser.add_argument("--mode", choices=["data"], default="data",
                         help="training mode (data parallel)")
-    parser.add_argument("--epochs", type=int, default=12)
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--epochs", type=positive_int, default=12)
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="per rank")
+    parser.add_argument("--lr", type=positive_float, default=0.05)
     parser.add_argument("--compression", choices=["none", "fp16", "bf16"], default="none")
     parser.add_argument("--algorithm", default="auto")
     parser.add_argument("--checkpoint-dir", default="checkpoints")
@@ -52,6 +72,8 @@ def cmd_train(args) -> int:
     from tqdm import tqdm
 
     comm = md.init()
+    if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
+        raise InvalidArgumentError(f"--checkpoint-dir {args.checkpoint_dir} exists and is not a directory")
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     path = ensure_digits(args.data, comm=comm)
@@ -65,18 +87,24 @@ def cmd_train(args) -> int:
     ddp = md.DataParallel(model, comm=comm, compression=compression, algorithm=args.algorithm)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     step, start_epoch = 0, 0
+    say = print if comm.rank == 0 else (lambda *a, **k: None)
     if args.resume:
-        latest = latest_checkpoint(args.checkpoint_dir)
-        if latest is not None:
+        # Rank 0 chooses the file for everyone, and a failure to load it on any rank stops all.
+        latest = latest_checkpoint(args.checkpoint_dir, comm=comm)
+        if latest is None:
+            say(f"no checkpoint in {args.checkpoint_dir}: starting from scratch", flush=True)
+        else:
             state = load_checkpoint(latest, model, optimizer, sampler, comm=comm)
             step, start_epoch = state["step"], state["epoch"]
-            if comm.rank == 0:
-                print(f"resumed from {latest} (epoch {start_epoch}, step {step})", flush=True)
+            say(f"resumed from {latest} (epoch {start_epoch}, step {step})", flush=True)
+    elif os.path.isdir(args.checkpoint_dir) and any(map(CHECKPOINT_NAME.match, os.listdir(args.checkpoint_dir))):
+        say(f"{args.checkpoint_dir} holds checkpoints of an earlier run: this run starts from scratch and "
+            "writes its own beside them (--resume continues the newest)", flush=True)
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
-        progress = tqdm(total=len(loader), desc=f"epoch {epoch + 1}/{args.epochs}",
+        progress = tqdm(total=len(loader), desc=f"epoch {epoch + 1}/{args.epochs} (rank 0)",
                         disable=comm.rank != 0 or args.no_progress, leave=True)
-        seen, correct, started = 0, 0, time.perf_counter()
+        seen, correct, loss_sum, started = 0, 0, 0.0, time.perf_counter()
         for x, y in loader:
             optimizer.zero_grad()
             output = ddp(x)
@@ -85,16 +113,23 @@ def cmd_train(args) -> int:
             optimizer.step()
             step += 1
             seen += len(y)
+            loss_sum += loss.item() * len(y)
             correct += (output.argmax(dim=1) == y).sum().item()
+            # Every rank runs as many steps of equal batches, so this rank's count times the
+            # ranks is the job's.
             rate = seen * comm.size / (time.perf_counter() - started)
             progress.set_postfix(loss=f"{loss.item():.3f}", acc=f"{correct / seen:.3f}",
                                  samples_per_s=f"{rate:.0f}")
             progress.update()
         progress.close()
+        # The bar shows rank 0's own batches; the epoch's line sums every rank's.
+        totals = comm.allreduce(np.array([loss_sum, correct, seen], dtype=np.float64))
+        elapsed = time.perf_counter() - started
+        say(f"epoch {epoch + 1}/{args.epochs}: loss {totals[0] / max(totals[2], 1):.4f}, train accuracy "
+            f"{totals[1] / max(totals[2], 1):.4f} ({int(totals[2])} samples on {comm.size} ranks, "
+            f"{totals[2] / elapsed:.0f} samples/s)", flush=True)
         save_checkpoint(checkpoint_path(args.checkpoint_dir, epoch + 1, step), model, optimizer,
                         step=step, epoch=epoch + 1, sampler=sampler, comm=comm)
     accuracy = evaluate(model, test_set)
-    if comm.rank == 0:
-        print(f"final test accuracy: {accuracy:.4f} ({len(test_set)} test images, {comm.size} ranks)",
-              flush=True)
+    say(f"final test accuracy: {accuracy:.4f} ({len(test_set)} test images, {comm.size} ranks)", flush=True)
     return 0

@@ -3,6 +3,7 @@ import json
 import os
 import pickle
 import random
+import time
 
 import h5py
 import numpy as np
@@ -157,14 +158,23 @@ def test_refuses_what_it_cannot_store_or_read(tmp_path):
         load_checkpoint(path, sampler=ShardedSampler(10, 0, 1))
 
 
-def test_latest_checkpoint_picks_the_highest_step(tmp_path):
+def test_latest_checkpoint_is_the_newest_readable_one(tmp_path):
     assert latest_checkpoint(tmp_path / "missing") is None
     assert latest_checkpoint(tmp_path) is None
-    for epoch, step in ((0, 90), (1, 120), (1, 100)):
-        open(checkpoint_path(tmp_path, epoch, step), "w").close()
-    open(str(tmp_path / "ckpt-0002-00000500.h5") + ".tmp-123", "w").close()
+    model = nn.Linear(2, 2)
+    # An earlier run got to step 120; a fresh run into the same directory then wrote steps 90, 100.
+    for epoch, step in ((1, 120), (0, 90), (1, 100)):
+        save_checkpoint(checkpoint_path(tmp_path, epoch, step), model, step=step, epoch=epoch)
+        time.sleep(0.01)
+    assert latest_checkpoint(tmp_path) == str(tmp_path / "ckpt-0001-00000100.h5")
+    open(str(tmp_path / "ckpt-0002-00000500.h5") + ".tmp-host-123", "w").close()
     open(tmp_path / "notes.h5", "w").close()
-    assert latest_checkpoint(tmp_path) == str(tmp_path / "ckpt-0001-00000120.h5")
+    with open(checkpoint_path(tmp_path, 3, 900), "w") as corrupt:
+        corrupt.write("not HDF5")
+    with pytest.warns(UserWarning, match="skipping .*ckpt-0003-00000900.h5"):
+        assert latest_checkpoint(tmp_path) == str(tmp_path / "ckpt-0001-00000100.h5")
+    with pytest.raises(CheckpointError, match="cannot read checkpoint .*ckpt-0003-00000900.h5"):
+        load_checkpoint(checkpoint_path(tmp_path, 3, 900), model)
 
 
 # ---- atomic writes ------------------------------------------------------------------------------
@@ -220,6 +230,9 @@ checkpoint.save_checkpoint({str(tmp_path)!r} + "/ckpt-0000-00000001.h5", model, 
         model.weight.zero_()
     assert load_checkpoint(tmp_path / "ckpt-0000-00000001.h5", model)["step"] == 1
     assert model.weight.abs().sum() > 0
+    # The next write into the directory removes what the killed writer left.
+    save_checkpoint(tmp_path / "ckpt-0000-00000003.h5", model, step=3)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-0000-00000001.h5", "ckpt-0000-00000003.h5"]
 
 
 # ---- exact resume -------------------------------------------------------------------------------
@@ -302,3 +315,41 @@ def test_collective_save_each_rank_resumes_its_own_rng(mpi_ranks, mpi_world, sha
         save_checkpoint(checkpoint_path(shared_tmp, 0, 6), model, step=6, comm=mpi_world)
     comm.Barrier()
     assert latest_checkpoint(shared_tmp) == path
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_ranks_resume_from_rank_0s_choice_or_all_stop(mpi_ranks, mpi_world, shared_tmp, tmp_path):  # noqa: F811
+    comm = mpi_world.mpi
+    torch.manual_seed(0)
+    model = Net()
+    path = save_checkpoint(checkpoint_path(shared_tmp, 1, 10), model, step=10, comm=mpi_world)
+    # Rank 0's directory decides, whatever the others see in theirs (here: nothing).
+    mine = shared_tmp if comm.rank == 0 else tmp_path
+    assert latest_checkpoint(mine, comm=mpi_world) == path
+    # A rank that cannot load stops every rank, naming it.
+    wrong = Net() if comm.rank != 1 else nn.Linear(3, 3)
+    expected = RuntimeError if comm.rank == 1 else CheckpointError
+    with pytest.raises(expected, match="Linear|size mismatch|Missing" if comm.rank == 1 else r"failed on rank\(s\) \[1\]"):
+        load_checkpoint(path, wrong, comm=mpi_world)
+    assert load_checkpoint(path, Net(), comm=mpi_world)["step"] == 10
+
+
+SAVE_ON_RANK_0_ONLY = """
+import sys, torch, mpidist as md
+from mpidist.checkpoint import save_checkpoint
+comm = md.init()
+if comm.rank == 0:  # a Horovod habit: only rank 0 saves
+    try:
+        save_checkpoint(PATH, torch.nn.Linear(2, 2), comm=comm)
+    except md.MismatchError as exc:
+        print("refused:", exc, flush=True)
+        sys.exit(3)
+"""
+
+
+def test_a_collective_save_called_by_one_rank_fails_instead_of_hanging(tmp_path):
+    code = f"PATH = {str(tmp_path / 'c.h5')!r}\n" + SAVE_ON_RANK_0_ONLY
+    result = run_python(code, ranks=2, env={"MPIDIST_TIMEOUT": "3"}, timeout=120)
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "every rank must call it when comm is given" in result.stdout
+    assert not (tmp_path / "c.h5").exists()

@@ -2,6 +2,8 @@
 import os
 import re
 
+import pytest
+
 from conftest import run_python
 
 TRAIN = "from mpidist.cli import main; raise SystemExit(main({args!r}))"
@@ -23,3 +25,27 @@ def test_train_reaches_95_percent_and_resumes(tmp_path):
     resumed = train(tmp_path, "--epochs", "13", "--resume")
     assert "resumed from" in resumed and "ckpt-0012-" in resumed
     assert any(name.startswith("ckpt-0013-") for name in os.listdir(tmp_path / "ck"))
+
+
+def test_resume_continues_the_newest_run_and_says_what_it_does(tmp_path):
+    assert "no checkpoint in" in train(tmp_path, "--epochs", "1", "--resume")
+    train(tmp_path, "--epochs", "3")
+    # A fresh run into the same directory: resuming must continue it, not the longer old run.
+    fresh = train(tmp_path, "--epochs", "1", "--seed", "1")
+    assert "holds checkpoints of an earlier run" in fresh
+    resumed = train(tmp_path, "--epochs", "2", "--seed", "1", "--resume")
+    assert re.search(r"resumed from \S+ckpt-0001-\d+\.h5 \(epoch 1,", resumed), resumed
+    # The epoch line counts every rank's samples.
+    assert "epoch 2/2: loss" in resumed and "(1500 samples on 2 ranks" in resumed
+
+
+def test_bad_options_are_refused_on_every_rank(tmp_path):
+    from mpidist.cli import build_parser
+    for bad in (["--epochs", "0"], ["--batch-size", "-4"], ["--lr", "nan"], ["--lr", "-1"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["train", *bad])
+    (tmp_path / "file").write_text("")
+    args = ["train", "--checkpoint-dir", str(tmp_path / "file"), "--data", str(tmp_path / "d.h5")]
+    result = run_python(TRAIN.format(args=args), ranks=2, timeout=300)
+    assert result.returncode != 0
+    assert result.stderr.count("is not a directory") == 2, result.stderr
