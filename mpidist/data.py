@@ -6,7 +6,8 @@ Two ways to give each rank its part of a data set:
 * ``ShardedSampler`` over the whole data set (every rank can read every row): a fresh seeded
   permutation each epoch, dealt out round-robin, so the ranks' shards change from epoch to epoch.
 * ``HDF5Dataset(path, rank=r, size=p)``: the rank reads only its own contiguous block of rows
-  (``shard_range``), for data sets that should not be read in full on every rank.
+  (``shard_range``), for data sets that should not be read in full on every rank; blocks are
+  padded (or with ``drop_last=True`` trimmed) to even shards, as ``DistributedSampler`` does.
 """
 from __future__ import annotations
 
@@ -43,25 +44,31 @@ class ShardedSampler:
     * Dealing: rank ``r`` takes positions ``r, r + size, r + 2 * size, ...`` of the padded
       permutation.
 
+    Every iteration starts the epoch from its first index, as ``DistributedSampler`` does, also
+    after an iteration that stopped early (``next(iter(loader))`` to peek at a batch does not
+    make the following ``for batch in loader`` skip it). The one exception is resuming.
+
     Resuming mid-epoch: the sampler counts the indices it has handed out in the current epoch
     (``position``). ``state_dict()`` records epoch, seed and position; after
-    ``load_state_dict(state)`` the next iteration continues with the next index (and yields
+    ``load_state_dict(state)`` the first iteration continues with the next index (and yields
     nothing if the saved epoch was complete), so a resumed run sees exactly the batches the
-    interrupted run had not seen yet. The count is exact when
-    the sampler is read as it is consumed, as a ``DataLoader`` with ``num_workers=0`` does.
-    Workers read ahead of training, so with ``num_workers > 0`` pass the count yourself:
-    ``state_dict(consumed=batches_done * batch_size)``.
+    interrupted run had not seen yet; later iterations start from the first index again. The
+    count is exact when the sampler is read as it is consumed, as a ``DataLoader`` with
+    ``num_workers=0`` does. Workers read ahead of training, so with ``num_workers > 0`` pass the
+    count yourself: ``state_dict(consumed=batches_done * batch_size)``.
 
     ``set_epoch(e)`` with a new epoch starts it from its first index; calling it again with the
-    current epoch keeps the position, so the usual loop resumes correctly::
+    current epoch keeps the loaded position, so the usual loop resumes correctly::
 
         sampler.load_state_dict(state)            # e.g. epoch 3, position 40
         for epoch in range(sampler.epoch, epochs):
             sampler.set_epoch(epoch)              # epoch 3 keeps position 40
             for batch in loader: ...
 
-    Otherwise an iteration begun after the epoch was fully read starts it again from its first
-    index, as ``DistributedSampler`` does when ``set_epoch`` is not called.
+    A state saved with another ``dataset_len``, ``size``, ``shuffle`` or ``drop_last`` names
+    other rows mid-epoch and is refused; at an epoch boundary (position 0, or the saved epoch
+    complete) it names none, so it loads: the run continues with the same seed and epoch on
+    this sampler's shards, e.g. after a restart with another number of ranks.
 
     ``len(self)`` is the number of indices per rank per epoch, also when resuming mid-epoch
     (``remaining()`` is what the next iteration yields).
@@ -130,7 +137,9 @@ class ShardedSampler:
         return self.num_samples - self._start()
 
     def _start(self) -> int:
-        return self.position if self._resuming or self.position < self.num_samples else 0
+        # Only the first iteration after load_state_dict continues from the saved position; any
+        # other starts the epoch afresh, whatever an earlier, unfinished iteration handed out.
+        return self.position if self._resuming else 0
 
     def __iter__(self):
         start = self._start()
@@ -156,16 +165,33 @@ class ShardedSampler:
                 "drop_last": self.drop_last, "dataset_len": self.dataset_len, "size": self.size}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue where ``state`` was taken. The data set length, world size, shuffle and
-        drop_last must match: with other values the saved position names other rows."""
-        for key in ("dataset_len", "size", "shuffle", "drop_last"):
-            if key in state and state[key] != getattr(self, key):
-                raise InvalidArgumentError(
-                    f"sampler state has {key}={state[key]!r} but this sampler has {key}={getattr(self, key)!r}; "
-                    "the saved position cannot be resumed")
+        """Continue where ``state`` was taken.
+
+        With the same data set length, world size, shuffle and drop_last any position loads.
+        With other values a saved position inside the epoch names other rows than this sampler
+        would hand out, so it is refused; at an epoch boundary it names none and loads: saved
+        position 0 starts the saved epoch from its first index, and a complete saved epoch
+        (position == the saved sampler's indices per rank) leaves this sampler's epoch complete,
+        so the next iteration yields nothing and ``set_epoch(epoch + 1)`` starts the next one.
+        """
+        saved = {key: state.get(key, getattr(self, key))
+                 for key in ("dataset_len", "size", "shuffle", "drop_last")}
+        saved_len, saved_size = _whole(saved["dataset_len"], "dataset_len"), _whole(saved["size"], "size")
+        if saved_len < 0 or saved_size < 1:
+            raise InvalidArgumentError(f"sampler state has dataset_len={saved_len} and size={saved_size}")
+        saved_samples = saved_len // saved_size if saved["drop_last"] else -(-saved_len // saved_size)
         position = _whole(state.get("position", 0), "position")
-        if not 0 <= position <= self.num_samples:
-            raise InvalidArgumentError(f"sampler state position {position} is outside 0..{self.num_samples}")
+        if not 0 <= position <= saved_samples:
+            raise InvalidArgumentError(f"sampler state position {position} is outside 0..{saved_samples}")
+        differing = [key for key in saved if saved[key] != getattr(self, key)]
+        if differing and 0 < position < saved_samples:
+            key = differing[0]
+            raise InvalidArgumentError(
+                f"sampler state has {key}={saved[key]!r} but this sampler has {key}={getattr(self, key)!r}; "
+                f"the saved position {position} of {saved_samples} in epoch {state.get('epoch')} cannot be "
+                "resumed (a state with other values loads only at an epoch boundary)")
+        if differing and position:
+            position = self.num_samples  # the saved epoch was complete, and so is this one
         self.seed = _whole(state["seed"], "seed")
         self.epoch = _whole(state["epoch"], "epoch")
         self.position = position
@@ -192,49 +218,105 @@ def shard_range(count: int, rank: int, size: int) -> range:
     return range(start, start + base + (1 if rank < extra else 0))
 
 
+def _shard_rows(count: int, rank: int, size: int, drop_last: bool):
+    """The global row of each item of ``HDF5Dataset``'s even shard (see its docstring)."""
+    block = shard_range(count, rank, size)
+    even = count // size if drop_last else -(-count // size)
+    if len(block) >= even:
+        return block[:even]
+    if block:
+        # One row short: repeating a row of its own block keeps the rank reading only its rows.
+        return tuple(block) + (block.start,)
+    if even:
+        # Fewer rows than ranks: no own row to repeat, so borrow one, spread over the rows.
+        row = rank % count
+        return range(row, row + 1)
+    return block
+
+
 # ---- HDF5 data set ------------------------------------------------------------------------------
 
 class HDF5Dataset:
     """A torch map-style Dataset over ``<split>/x`` and ``<split>/y`` of an HDF5 file.
 
-    Items are ``(x, y)``: a float32 tensor row of ``x`` and an int64 scalar tensor of ``y``.
+    Items are ``(x, y)``: a float32 tensor row of ``x`` and ``y``'s entry as a tensor: int64
+    when ``y`` holds integers (class labels: a scalar, as ``cross_entropy`` wants), float32 when
+    it holds floating-point numbers (regression targets, never truncated to integers). Other
+    dtypes of ``y`` are refused when the dataset is made.
 
     With ``rank`` and ``size`` the dataset is only this rank's contiguous block of rows
-    (``shard_range``: remainder rows go to the first ranks) and only those rows are ever read;
-    ``rows`` is the range of global row numbers it holds, and item ``i`` is global row
-    ``rows[i]``. Without them it holds every row, for use with ``ShardedSampler``.
+    (``shard_range``: remainder rows go to the first ranks) and only those rows are ever read.
+    Shards are even, as with ``DistributedSampler``, so that every rank runs as many batches
+    (one rank running an extra batch would leave its extra all-reduce waiting forever):
 
-    ``preload=True`` (default) reads the rows once, when the dataset is made. ``preload=False``
-    reads one row per item from a file handle opened lazily in each process, which suits data
-    sets larger than memory and ``DataLoader`` workers (h5py handles must not cross a fork).
+    * ``drop_last=False`` (default): every rank has ``ceil(count / size)`` items. A block one
+      row short repeats its first row at the end; a rank with an empty block (fewer rows than
+      ranks) holds global row ``rank % count``, read for it alone. A few rows are seen twice.
+    * ``drop_last=True``: every rank has ``count // size`` items; the ranks with one row more
+      drop their block's last row, so up to ``size - 1`` rows are never seen.
+
+    ``rows`` holds the global row of each item, padding included: item ``i`` is global row
+    ``rows[i]``. It is a ``range`` (e.g. ``range(500, 1000)``), or a tuple when the shard is
+    padded (10 rows on 3 ranks: ``range(0, 4)``, ``(4, 5, 6, 4)``, ``(7, 8, 9, 7)``).
+    Without ``rank`` and ``size`` the dataset holds every row, ``rows == range(total_rows)``,
+    for use with ``ShardedSampler``.
+
+    ``preload=True`` (default) reads the rows once, when the dataset is made, into the NumPy
+    arrays ``x`` and ``y``: each distinct row of ``rows`` once, in file order (a padding item is
+    not stored twice). ``preload=False`` reads one row per item from a file handle opened
+    lazily in each process, which suits data sets larger than memory and ``DataLoader`` workers
+    (h5py handles must not cross a fork).
     """
 
     def __init__(self, path, split: str = "train", rank: int | None = None, size: int | None = None,
-                 preload: bool = True):
+                 preload: bool = True, drop_last: bool = False):
         import h5py
         self.path = os.fspath(path)
         self.split = split
         if not os.path.exists(self.path):
-            raise FileNotFoundError(
-                f"{self.path} does not exist; make the digits file with `mpidist prepare-data` "
-                "or mpidist.data.ensure_digits()")
+            if os.path.basename(self.path) == DIGITS_FILENAME:
+                raise FileNotFoundError(
+                    f"{self.path} does not exist; make the digits file with `mpidist prepare-data` "
+                    "or mpidist.data.ensure_digits()")
+            raise FileNotFoundError(f"{self.path} does not exist")
         if (rank is None) != (size is None):
             raise InvalidArgumentError("give both rank and size to read a shard, or neither")
         with h5py.File(self.path, "r") as f:
-            if split not in f or "x" not in f[split] or "y" not in f[split]:
+            if split not in f:
                 splits = sorted(name for name in f if isinstance(f[name], h5py.Group))
+                raise InvalidArgumentError(f"{self.path} has no split {split!r} (splits: {splits})")
+            group = f[split]
+            if not isinstance(group, h5py.Group):
+                what = "a dataset" if isinstance(group, h5py.Dataset) else "not a group"
                 raise InvalidArgumentError(
-                    f"{self.path} has no split {split!r} with x and y datasets (splits: {splits})")
-            total = f[split]["x"].shape[0]
-            if f[split]["y"].shape[0] != total:
-                raise InvalidArgumentError(f"{self.path}: {split}/x and {split}/y differ in length")
+                    f"{self.path}: {split!r} is {what}, not a split (a group holding x and y datasets)")
+            for name in ("x", "y"):
+                if not isinstance(group.get(name), h5py.Dataset):
+                    raise InvalidArgumentError(
+                        f"{self.path}: split {split!r} has no dataset {name!r} (it holds {sorted(group)})")
+            total, labels = group["x"].shape[0], group["y"].shape[0]
+            if labels != total:
+                raise InvalidArgumentError(
+                    f"{self.path}: {split}/x has {total} rows but {split}/y has {labels}; they must match")
+            label_dtype = group["y"].dtype
+        if np.issubdtype(label_dtype, np.integer):
+            self._label_dtype = np.int64
+        elif np.issubdtype(label_dtype, np.floating):
+            self._label_dtype = np.float32
+        else:
+            raise InvalidArgumentError(
+                f"{self.path}: {split}/y has dtype {label_dtype}; labels must be integers (classes) "
+                "or floating-point numbers (targets)")
         self.total_rows = total
-        self.rows = range(total) if rank is None else shard_range(total, rank, size)
+        self.drop_last = bool(drop_last)
+        self.rows = range(total) if rank is None else _shard_rows(total, rank, size, self.drop_last)
         self._file = None
         self._file_pid = None
         self.x = self.y = None
         if preload:
-            self.x, self.y = self._read(self.rows.start, self.rows.stop)
+            # Each row once: a padded shard's last item repeats its first row (see _shard_rows).
+            held = self.rows if isinstance(self.rows, range) else range(self.rows[0], self.rows[-2] + 1)
+            self.x, self.y = self._read(held.start, held.stop)
             self.close()
 
     def _read(self, start: int, stop: int):
@@ -256,14 +338,14 @@ class HDF5Dataset:
         import torch
         if not -len(self.rows) <= index < len(self.rows):
             raise IndexError(f"index {index} out of range for {len(self.rows)} rows")
-        index %= len(self.rows)
+        row = self.rows[index]
         if self.x is not None:
-            x, y = self.x[index], self.y[index]
+            x, y = self.x[row - self.rows[0]], self.y[row - self.rows[0]]
         else:
-            row = self.rows[index]
             xs, ys = self._read(row, row + 1)
             x, y = xs[0], ys[0]
-        return torch.from_numpy(np.asarray(x, dtype=np.float32)), torch.tensor(int(y), dtype=torch.int64)
+        label = torch.from_numpy(np.array(y, dtype=self._label_dtype))
+        return torch.from_numpy(np.asarray(x, dtype=np.float32)), label
 
     def close(self) -> None:
         if self._file is not None:
