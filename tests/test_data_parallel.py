@@ -327,7 +327,7 @@ def test_dropped_data_parallel_stops_and_gives_back_its_memory(mpi_ranks, mpi_wo
     wide = torch.nn.Linear(256, 256)  # 256 KB of gradients: windows big enough to see
     x, y = batch(0, mpi_world.rank)
 
-    def wrap_and_step():
+    def wrap_and_step(model, wide):
         ddp = md.DataParallel(model, gradient_as_bucket_view=views)
         wide_ddp = md.DataParallel(wide, gradient_as_bucket_view=views)
         for _ in range(2):  # with views, the gradients are slot views from the second step on
@@ -336,16 +336,16 @@ def test_dropped_data_parallel_stops_and_gives_back_its_memory(mpi_ranks, mpi_wo
             wide_ddp(torch.ones(1, 256)).sum().backward()
         return ddp, wide_ddp
 
-    kept = wrap_and_step()
+    kept = wrap_and_step(model, wide)
     before = shared_mapping_bytes()
-    also_kept = wrap_and_step()
+    also_kept = wrap_and_step(make_model(), torch.nn.Linear(256, 256))
     one_wrap = shared_mapping_bytes() - before  # the windows of one wrap
     del also_kept
     for _ in range(5):
         del kept
         model.zero_grad()
         wide.zero_grad()
-        kept = wrap_and_step()
+        kept = wrap_and_step(model, wide)
     grown = shared_mapping_bytes() - before
     assert one_wrap > 256 * 1024, one_wrap
     assert grown <= one_wrap, f"shared mappings grew by {grown} bytes over five wraps (one wrap: {one_wrap})"
@@ -389,6 +389,44 @@ def test_dropped_distributed_optimizer_stops_exchanging(mpi_ranks, mpi_world):
     torch.nn.functional.cross_entropy(model(x), y).backward()
     for mine, own in zip(model.parameters(), local_gradients(x, y)):
         torch.testing.assert_close(mine.grad, own)
+
+
+@pytest.mark.mpi(ranks=[2])
+def test_a_second_live_wrapper_of_the_same_parameters_is_refused(mpi_ranks, mpi_world):
+    model = make_model()
+    first = md.DataParallel(model)
+    with pytest.raises(md.InvalidArgumentError, match="already has its gradient all-reduced by a DataParallel"):
+        md.DataParallel(model)
+    first.__dict__["cycle"] = first  # only the cycle collector can free it now
+    del first
+    second = md.DataParallel(model)  # the refusal collects dropped wrappers first
+    x, y = batch(0, mpi_world.rank)
+    torch.nn.functional.cross_entropy(second(x), y).backward()
+    average = [md.allreduce(g, op="avg") for g in local_gradients(x, y)]
+    for mine, expected in zip(model.parameters(), average):
+        torch.testing.assert_close(mine.grad, expected)
+
+
+@pytest.mark.mpi(ranks=[2])
+def test_construction_refuses_bad_arguments(mpi_ranks, mpi_world):
+    with pytest.raises(md.InvalidArgumentError, match="unknown algorithm 'bogus'"):
+        md.DataParallel(make_model(), algorithm="bogus")
+    with pytest.raises(md.InvalidArgumentError, match="no parameters to average"):
+        md.ParameterAveraging(torch.nn.ReLU())
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_parameter_averaging_of_mixed_dtypes(mpi_ranks, mpi_world):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2).double())
+    averaging = md.ParameterAveraging(model)
+    start = [p.detach().clone() for p in model.parameters()]  # rank 0's, after the broadcast
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(float(mpi_world.rank))
+    assert averaging.step() is True
+    for mine, first in zip(model.parameters(), start):
+        assert mine.dtype == first.dtype
+        torch.testing.assert_close(mine.detach(), first + sum(range(mpi_ranks)) / mpi_ranks)
 
 
 HOROVOD_SCRIPT = '''

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import weakref
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import kernels
 from ..comm import init
@@ -142,12 +144,42 @@ def tensor_at(address: int, numel: int, dtype: torch.dtype, owner) -> torch.Tens
     return torch.frombuffer(memory, dtype=dtype, count=numel)
 
 
-def register_gradient_hooks(owner, method: str, params) -> None:
+# parameter -> (what, weak reference): the live DataParallel or DistributedOptimizer whose hooks
+# all-reduce that parameter's gradient.
+_SYNCHRONIZED_BY = WeakIdKeyDictionary()
+
+
+def check_not_synchronized(params, what: str) -> None:
+    """Refuse parameters whose gradients a live DataParallel or DistributedOptimizer already
+    all-reduces: two sets of hooks would exchange the same gradients concurrently (on one node,
+    through the same memory), leaving wrong averages. Called before any communication, so every
+    rank running the same program raises here."""
+    def taken():
+        found = []
+        for index, param in enumerate(params):
+            owner_what, reference = _SYNCHRONIZED_BY.get(param, (None, lambda: None))
+            if reference() is not None:
+                found.append((index, owner_what))
+        return found
+
+    conflicts = taken()
+    if conflicts:
+        gc.collect()  # a wrapper the program dropped may only wait for the cycle collector
+        conflicts = taken()
+    if conflicts:
+        index, owner_what = conflicts[0]
+        raise InvalidArgumentError(
+            f"{what}: parameter {index} (and {len(conflicts) - 1} more) already has its gradient all-reduced by "
+            f"a {owner_what} that is still alive; drop that one first (del it) or use only one")
+
+
+def register_gradient_hooks(owner, method: str, params, what: str = "DistributedOptimizer") -> None:
     """Call `owner.<method>(param)` each time backward has accumulated a gradient of `params`, for
     as long as `owner` lives. The hooks refer to it weakly and are removed once it is collected,
     as PyTorch DDP removes its hooks when it is destroyed: a DataParallel or DistributedOptimizer
     that the program drops stops all-reducing the gradients (wrapping the model again does not
-    exchange them twice) and its shared memory is given back."""
+    exchange them twice) and its shared memory is given back. `what` names the owner in
+    check_not_synchronized's error."""
     reference = weakref.ref(owner)
 
     def hook(param):
@@ -157,6 +189,8 @@ def register_gradient_hooks(owner, method: str, params) -> None:
 
     handles = [param.register_post_accumulate_grad_hook(hook) for param in params]
     weakref.finalize(owner, remove_hooks, handles)
+    for param in params:
+        _SYNCHRONIZED_BY[param] = (what, reference)
 
 
 def remove_hooks(handles) -> None:
@@ -195,6 +229,9 @@ class GradientBuckets:
             raise InvalidArgumentError(f"bucket_mb must be positive, got {bucket_mb}")
         if passes_per_step < 1:
             raise InvalidArgumentError(f"backward passes per step must be >= 1, got {passes_per_step}")
+        from ..collectives.api import ALGORITHMS  # imported here: it initializes MPI
+        if algorithm not in ALGORITHMS:
+            raise InvalidArgumentError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
         self.comm = comm
         self.algorithm = algorithm
         self.op = op
@@ -383,11 +420,12 @@ class DataParallel(torch.nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self._sync_enabled = True
         self._in_backward = False
-        broadcast_module_state(module, self.comm)
         params = trainable_parameters(module)
+        check_not_synchronized(params, "DataParallel")
+        broadcast_module_state(module, self.comm)
         self.buckets = GradientBuckets(params, self.comm, bucket_mb, compression, algorithm,
                                        gradient_as_bucket_view=gradient_as_bucket_view)
-        register_gradient_hooks(self, "_gradient_ready", params)
+        register_gradient_hooks(self, "_gradient_ready", params, "DataParallel")
 
     def forward(self, *args, **kwargs):
         if self.broadcast_buffers and self.training and self._sync_enabled:
@@ -436,10 +474,18 @@ class ParameterAveraging:
         self.comm = comm if comm is not None else init()
         self.algorithm = algorithm
         self.steps = 0
+        params = list(module.parameters())
+        if not params:
+            raise InvalidArgumentError("ParameterAveraging: the module has no parameters to average")
         broadcast_module_state(module, self.comm)
-        self._params = [p for p in module.parameters()]
-        self._flat = torch.empty(sum(p.numel() for p in self._params), dtype=self._params[0].dtype)
-        self._parts = shaped_like(self._params, self._flat)
+        # One flat buffer per dtype and device: a packed buffer holds one kind of element.
+        groups = {}
+        for param in params:
+            groups.setdefault((param.dtype, param.device), []).append(param)
+        self._groups = []
+        for (dtype, device), members in groups.items():
+            flat = torch.empty(sum(p.numel() for p in members), dtype=dtype, device=device)
+            self._groups.append((members, flat, shaped_like(members, flat)))
 
     def step(self) -> bool:
         """Count a local step; returns True when this step averaged the parameters."""
@@ -447,7 +493,8 @@ class ParameterAveraging:
         if self.steps % self.every:
             return False
         with torch.no_grad():
-            pack_tensors(self._flat, self._parts, [p.data for p in self._params])
-            self.comm.allreduce(self._flat, op="avg", algorithm=self.algorithm)
-            unpack_tensors(self._flat, self._parts, [p.data for p in self._params])
+            for members, flat, parts in self._groups:
+                pack_tensors(flat, parts, [p.data for p in members])
+                self.comm.allreduce(flat, op="avg", algorithm=self.algorithm)
+                unpack_tensors(flat, parts, [p.data for p in members])
         return True
