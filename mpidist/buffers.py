@@ -12,7 +12,7 @@ import typing
 
 import numpy as np
 
-from .errors import NonContiguousError, UnsupportedBufferError, UnsupportedDtypeError
+from .errors import InvalidArgumentError, NonContiguousError, UnsupportedBufferError, UnsupportedDtypeError
 
 ITEMSIZE = {
     "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
@@ -75,6 +75,13 @@ class NumpyAdapter:
         # ml_dtypes' bfloat16 registers itself with NumPy under the name "bfloat16".
         dtype = _NUMPY_NAMES.get(arr.dtype)
         if dtype is None:
+            # Refused here, so never cached: the kernels and MPI read native byte order only, and
+            # a swapped array would be reduced as garbage without a word.
+            if not arr.dtype.isnative:
+                order = "big-endian" if arr.dtype.byteorder == ">" else "little-endian"
+                raise UnsupportedDtypeError(
+                    f"NumPy array of dtype {arr.dtype.str!r} is {order}, not this machine's native "
+                    f"byte order; pass a.astype(a.dtype.newbyteorder('='))")
             dtype = _NUMPY_NAMES.setdefault(arr.dtype, _check_dtype(arr.dtype.name, "NumPy"))
         if not arr.flags.c_contiguous:
             raise NonContiguousError(
@@ -102,6 +109,10 @@ class TorchAdapter:
             dtype = _TORCH_NAMES.setdefault(tensor.dtype,
                                             _check_dtype(str(tensor.dtype).replace("torch.", ""), "torch"))
         if not tensor.is_contiguous():
+            if tensor.layout != sys.modules["torch"].strided:  # sparse: no flat buffer at all
+                raise UnsupportedBufferError(
+                    f"{tensor.layout} torch tensors are not supported (sparse tensors have no single "
+                    "contiguous buffer to communicate); pass tensor.to_dense()")
             raise NonContiguousError(
                 f"torch tensor of shape {tuple(tensor.shape)} with strides {tensor.stride()} is not "
                 "contiguous; pass tensor.contiguous()")
@@ -158,6 +169,17 @@ def adapter_for(obj):
 def describe(obj) -> BufferInfo:
     """Pointer, count, dtype and device of a supported contiguous array."""
     return adapter_for(obj).describe(obj)
+
+
+def check_writable(obj, what: str) -> None:
+    """Refuse a read-only NumPy array (flags.writeable False, e.g. np.frombuffer of a bytes
+    object) that a collective is about to write into: MPI and the kernels write through the raw
+    pointer, which would change memory NumPy (or Python, for bytes) promised would not change.
+    `what` says which argument and why it is written."""
+    if isinstance(obj, np.ndarray) and not obj.flags.writeable:
+        raise InvalidArgumentError(
+            f"{what}, but it is a read-only NumPy array (flags.writeable is False); pass a writable "
+            "copy (a.copy())")
 
 
 def new_array(like, shape):

@@ -181,6 +181,7 @@ class Communicator:
         """Receive exactly as many bytes as `array` holds; a size mismatch raises."""
         self._check_peer(source, "source")
         info = buffers.describe(array)
+        buffers.check_writable(array, "recv writes the message into the array")
         view = self._receive_view(info, slot=1)
         self._receive(lambda status: self.mpi.Recv(buffers.mpi_spec(view), source=source, tag=tag, status=status),
                       array, info, view, source)
@@ -190,6 +191,7 @@ class Communicator:
         self._check_peer(source, "source")
         send_spec = buffers.mpi_spec(self._send_view(send_array, slot=0))
         info = buffers.describe(recv_array)
+        buffers.check_writable(recv_array, "sendrecv writes the message into recv_array")
         view = self._receive_view(info, slot=1)
         recv_spec = buffers.mpi_spec(view)
         self._receive(lambda status: self.mpi.Sendrecv(send_spec, dest=dest, sendtag=tag, recvbuf=recv_spec,

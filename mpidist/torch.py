@@ -2,7 +2,8 @@
 `import mpidist.torch as hvd` and a Horovod PyTorch script runs on mpidist's collectives.
 
 Differences from Horovod are listed in README.md ("Horovod compatibility"); features that are
-not offered (Adasum, elastic, join, process sets) raise a clear error instead of misbehaving.
+not offered (Adasum, elastic, join, process sets other than the global one, grouped operations,
+SyncBatchNorm, the timeline) raise NotOfferedError instead of misbehaving.
 """
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import numpy as np
 import torch
 
 from . import comm as _comm
-from .errors import InvalidArgumentError, MpidistError
-from .parallel.data import GradientBuckets, broadcast_in_place, register_gradient_hooks, trainable_parameters
+from .errors import InvalidArgumentError, MismatchError, MpidistError
+from .parallel.data import (GradientBuckets, broadcast_in_place, check_not_synchronized, register_gradient_hooks,
+                            trainable_parameters)
 
 
 class NotOfferedError(MpidistError):
@@ -27,6 +29,10 @@ Adasum = "adasum"
 
 
 def _op(op, average=None):
+    # Horovod's rule (handle_average_backwards_compatibility): `average` is the deprecated
+    # spelling of `op`, and giving both is an error rather than one silently winning.
+    if op is not None and average is not None:
+        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
     if op is None:
         return Average if average is None or average else Sum
     if op == Adasum:
@@ -36,22 +42,69 @@ def _op(op, average=None):
     return op
 
 
+class _GlobalProcessSet:
+    """Horovod's default process set: all ranks. The only process set mpidist offers."""
+
+    process_set_id = 0
+
+    @property
+    def ranks(self):
+        return list(range(size()))
+
+    def size(self) -> int:
+        return size()
+
+    def rank(self) -> int:
+        return rank()
+
+    def included(self) -> bool:
+        return True
+
+    def __repr__(self):
+        return "ProcessSet(process_set_id=0, ranks=all)"
+
+
+global_process_set = _GlobalProcessSet()
+
+
 def _no_process_sets(process_set):
-    if process_set is not None:
-        raise NotOfferedError("process sets are not offered; build an mpidist.Communicator on a "
-                              "sub-communicator instead")
+    if process_set is not None and process_set is not global_process_set:
+        raise NotOfferedError("process sets other than hvd.global_process_set are not offered; build "
+                              "an mpidist.Communicator on a sub-communicator instead")
+
+
+_WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class _Cast:
+    """Horovod's compressor interface: compress(tensor) -> (tensor, ctx), decompress(tensor, ctx).
+    `wire` is what mpidist's own all-reduces (DistributedOptimizer, allreduce) send: None, "fp16"
+    or "bf16" (DataParallel's compression names)."""
+
+    wire = None
+
+    @classmethod
+    def compress(cls, tensor):
+        # As Horovod: only floating-point tensors are cast; ctx is the dtype to cast back to.
+        if cls.wire is None or not tensor.dtype.is_floating_point:
+            return tensor, None
+        return tensor.to(_WIRE_DTYPES[cls.wire]), tensor.dtype
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor if ctx is None else tensor.to(ctx)
 
 
 class Compression:
     """Gradient compression for DistributedOptimizer and allreduce (Horovod's classes)."""
 
-    class none:  # noqa: N801 - Horovod's names
+    class none(_Cast):  # noqa: N801 - Horovod's names
         wire = None
 
-    class fp16:  # noqa: N801
+    class fp16(_Cast):  # noqa: N801
         wire = "fp16"
 
-    class bf16:  # noqa: N801
+    class bf16(_Cast):  # noqa: N801
         wire = "bf16"
 
 
@@ -59,7 +112,9 @@ class Compression:
 
 def init(comm=None):
     """Initialize (idempotent). `comm` may be an mpi4py communicator, as in Horovod."""
-    return _comm.init(comm)
+    world = _comm.init(comm)
+    _homogeneous(world)  # collective: found here, where every rank calls, so the query is local
+    return world
 
 
 def shutdown():
@@ -92,6 +147,30 @@ def cross_size() -> int:
 
 def cross_rank() -> int:
     return _comm.world().node_rank
+
+
+_homogeneity = {}  # Communicator -> bool
+
+
+def _homogeneous(world) -> bool:
+    if world not in _homogeneity:
+        # Every node has the same number of ranks iff the largest and smallest local_size agree.
+        extremes = np.array([world.local_size, -world.local_size], dtype=np.int64)
+        world.allreduce(extremes, op="max")
+        _homogeneity[world] = bool(extremes[0] == -extremes[1])
+    return _homogeneity[world]
+
+
+def is_homogeneous() -> bool:
+    """True when every node runs the same number of ranks (found by init(); if mpidist was
+    initialized without hvd.init(), the first call is a collective every rank must make)."""
+    return _homogeneous(_comm.world())
+
+
+def barrier(process_set=None):
+    """Wait until every rank has called barrier()."""
+    _no_process_sets(process_set)
+    _comm.world().barrier()
 
 
 def mpi_enabled() -> bool:
@@ -150,6 +229,9 @@ elastic = _Elastic()
 
 
 # ---- collectives -----------------------------------------------------------------------------
+# allreduce, allgather, broadcast and alltoall are differentiable, as Horovod's (its
+# HorovodAllreduce, HorovodAllgather, HorovodBroadcast and HorovodAlltoall autograd functions);
+# the in-place and asynchronous variants are not, as in Horovod.
 
 def _scaled(tensor, factor):
     if factor != 1.0:
@@ -158,7 +240,7 @@ def _scaled(tensor, factor):
 
 def _allreduce_into(tensor, op, compression, prescale_factor, postscale_factor):
     _scaled(tensor, prescale_factor)
-    wire_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(getattr(compression, "wire", None))
+    wire_dtype = _WIRE_DTYPES.get(getattr(compression, "wire", None))
     if wire_dtype is not None and tensor.is_floating_point() and tensor.dtype != wire_dtype:
         wire = tensor.to(wire_dtype)
         _comm.world().allreduce(wire, op=op)
@@ -169,6 +251,68 @@ def _allreduce_into(tensor, op, compression, prescale_factor, postscale_factor):
     return tensor
 
 
+def _contiguous_copy(tensor):
+    return tensor.detach().clone(memory_format=torch.contiguous_format)
+
+
+class _Allreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, op, compression, prescale_factor, postscale_factor):
+        ctx.settings = (op, compression, prescale_factor, postscale_factor)
+        return _allreduce_into(_contiguous_copy(tensor), op, compression, prescale_factor, postscale_factor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        op = ctx.settings[0]
+        if op not in (Average, Sum):
+            raise NotOfferedError(f"hvd.allreduce with op={op!r} has no gradient; only Average and Sum "
+                                  "are differentiable (as in Horovod)")
+        # Each rank's input enters every rank's output through the same linear map, so its
+        # gradient is the same reduction (op and scale factors) of all ranks' output gradients.
+        return _allreduce_into(_contiguous_copy(grad), *ctx.settings), None, None, None, None
+
+
+# Horovod (since v0.22, PR #2687) averages the output gradients of allgather and broadcast over
+# the ranks: every rank's loss counts 1/size, as in DistributedOptimizer's averaged gradients.
+_GATHER_GRADIENT_OP = Average
+
+
+def _combined_gradient(grad):
+    return _allreduce_into(_contiguous_copy(grad), _GATHER_GRADIENT_OP, Compression.none, 1.0, 1.0)
+
+
+class _Allgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor):
+        ctx.shape = tensor.shape
+        return _comm.world().allgather(tensor.detach().contiguous())
+
+    @staticmethod
+    def backward(ctx, grad):
+        world = _comm.world()
+        combined = _combined_gradient(grad)
+        rows = ctx.shape[0] if len(ctx.shape) else 1  # a 0-d tensor is gathered as one row
+        all_rows = world.allgather(np.array([rows], dtype=np.int64))
+        offset = int(all_rows[:world.rank].sum())
+        return combined.narrow(0, offset, rows).reshape(ctx.shape)
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank):
+        ctx.root_rank = root_rank
+        return _comm.world().broadcast(_contiguous_copy(tensor), root=root_rank)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Every rank's output is the root's input: the root's gradient combines all ranks'
+        # output gradients; the other ranks' inputs were not used (zero gradient, as Horovod).
+        combined = _combined_gradient(grad)
+        if _comm.world().rank != ctx.root_rank:
+            combined.zero_()
+        return combined, None
+
+
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=None, compression=Compression.none):
     _no_process_sets(process_set)
@@ -177,28 +321,33 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, process_set=None):
-    """A new tensor holding the reduction of `tensor` over all ranks (average by default)."""
+    """A new tensor holding the reduction of `tensor` over all ranks (average by default).
+    Differentiable when `tensor` requires grad."""
     _no_process_sets(process_set)
-    return _allreduce_into(tensor.detach().clone().contiguous(), _op(op, average), compression,
-                           prescale_factor, postscale_factor)
+    return _Allreduce.apply(tensor, _op(op, average), compression, prescale_factor, postscale_factor)
 
 
 class _Handle:
+    """An asynchronous operation in flight. Its finishing step (postscale_factor) runs once, however
+    often synchronize() is called on it."""
+
     def __init__(self, handle, result, finish=None):
         self.handle, self.result, self.finish = handle, result, finish
+        self.finished = False
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=None):
     _no_process_sets(process_set)
+    op = _op(op, average)
     _scaled(tensor, prescale_factor)
-    handle = _comm.world().allreduce_async(tensor, op=_op(op, average))
+    handle = _comm.world().allreduce_async(tensor, op=op)
     return _Handle(handle, tensor, lambda t: _scaled(t, postscale_factor))
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=None):
-    return allreduce_async_(tensor.detach().clone().contiguous(), average, name, op, prescale_factor,
+    return allreduce_async_(_contiguous_copy(tensor), average, name, op, prescale_factor,
                             postscale_factor, process_set)
 
 
@@ -207,10 +356,12 @@ def poll(handle) -> bool:
 
 
 def synchronize(handle):
-    """Wait for an asynchronous operation; returns its result tensor."""
-    handle.handle.wait()
-    if handle.finish is not None:
-        handle.finish(handle.result)
+    """Wait for an asynchronous operation; returns its result tensor (the same one on every call)."""
+    if not handle.finished:
+        handle.handle.wait()
+        if handle.finish is not None:
+            handle.finish(handle.result)
+        handle.finished = True
     return handle.result
 
 
@@ -220,7 +371,9 @@ def broadcast_(tensor, root_rank, name=None, process_set=None):
 
 
 def broadcast(tensor, root_rank, name=None, process_set=None):
-    return broadcast_(tensor.detach().clone().contiguous(), root_rank, name, process_set)
+    """A new tensor holding `root_rank`'s `tensor`. Differentiable when `tensor` requires grad."""
+    _no_process_sets(process_set)
+    return _Broadcast.apply(tensor, root_rank)
 
 
 class _DoneHandle:
@@ -241,23 +394,105 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=None):
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=None):
-    result = broadcast(tensor, root_rank, name, process_set)
+    result = broadcast(tensor.detach(), root_rank, name, process_set)
     return _Handle(_DoneHandle(result), result)
 
 
 def allgather(tensor, name=None, process_set=None):
+    """Every rank's `tensor` concatenated along the first dimension (which may differ by rank).
+    Differentiable when `tensor` requires grad."""
     _no_process_sets(process_set)
-    return _comm.world().allgather(tensor.detach().contiguous())
+    return _Allgather.apply(tensor)
 
 
 def allgather_async(tensor, name=None, process_set=None):
-    result = allgather(tensor, name, process_set)
+    result = allgather(tensor.detach(), name, process_set)
     return _Handle(_DoneHandle(result), result)
 
 
 def reducescatter(tensor, name=None, op=Average, process_set=None):
     _no_process_sets(process_set)
     return _comm.world().reduce_scatter(tensor.detach().contiguous(), op=_op(op))
+
+
+def _alltoall(tensor, splits):
+    """(received rows, received row counts by rank) for `tensor`'s first-dimension `splits`."""
+    from mpi4py import MPI
+    world = _comm.world()
+    if tensor.dim() == 0:
+        raise InvalidArgumentError("alltoall splits the first dimension: give a tensor of at least one dimension")
+    rows = tensor.shape[0]
+    if splits is None:
+        if rows % world.size:
+            raise InvalidArgumentError(f"alltoall without splits= divides the first dimension ({rows}) "
+                                       f"evenly over the {world.size} ranks; pass splits=")
+        send_rows = np.full(world.size, rows // world.size, dtype=np.int64)
+    else:
+        send_rows = np.array(splits.tolist() if isinstance(splits, torch.Tensor) else list(splits),
+                             dtype=np.int64).reshape(-1)
+        if len(send_rows) != world.size or (send_rows < 0).any() or send_rows.sum() != rows:
+            raise InvalidArgumentError(f"alltoall splits={send_rows.tolist()} must give one row count >= 0 "
+                                       f"per rank ({world.size}) summing to the first dimension ({rows})")
+    # GPU tensors go through host memory: MPI reads plain CPU buffers here.
+    source = tensor.detach().cpu().contiguous()
+    row_shape = tuple(source.shape[1:])
+    row_bytes = int(np.prod(row_shape, dtype=np.int64)) * source.element_size()
+
+    def exchange(channel):
+        # First the row counts, with each rank's row size and element size so that ranks whose
+        # rows differ all raise (every rank then sees a value unlike its own) instead of
+        # misreading each other's bytes.
+        mine = np.stack([send_rows, np.full(world.size, row_bytes), np.full(world.size, source.element_size())],
+                        axis=1)
+        theirs = np.empty_like(mine)
+        channel.mpi.Alltoall([mine, MPI.INT64_T], [theirs, MPI.INT64_T])
+        if (theirs[:, 1:] != mine[:, 1:]).any():
+            raise MismatchError(f"alltoall: ranks differ in row size or element size (bytes per row by rank "
+                                f"{theirs[:, 1].tolist()}, element sizes {theirs[:, 2].tolist()}); every rank "
+                                "must pass the same dtype and shape except the first dimension")
+        received_rows = theirs[:, 0]
+        output = torch.empty((int(received_rows.sum()),) + row_shape, dtype=source.dtype)
+        if row_bytes:
+            # Typed buffers (raw bytes counted in rows), never pickle.
+            row = MPI.BYTE.Create_contiguous(row_bytes).Commit()
+            try:
+                send_offsets = np.concatenate([[0], np.cumsum(send_rows)[:-1]])
+                receive_offsets = np.concatenate([[0], np.cumsum(received_rows)[:-1]])
+                channel.mpi.Alltoallv(
+                    [source.reshape(-1).view(torch.uint8).numpy(), (send_rows.tolist(), send_offsets.tolist()), row],
+                    [output.reshape(-1).view(torch.uint8).numpy(),
+                     (received_rows.tolist(), receive_offsets.tolist()), row])
+            finally:
+                row.Free()
+        return output, received_rows
+
+    output, received_rows = _comm.api().in_order(world, exchange)
+    return output.to(tensor.device), torch.tensor(received_rows.tolist(), dtype=torch.int32)
+
+
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits):
+        output, received = _alltoall(tensor, splits)
+        ctx.received = received
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad, _received_grad):
+        # The gradient of the rows this rank sent comes back from the ranks that received them.
+        grad_input, _ = _alltoall(grad.contiguous(), ctx.received)
+        return grad_input, None
+
+
+def alltoall(tensor, splits=None, name=None, process_set=None):
+    """Send `splits[k]` rows of `tensor` (first dimension; equal parts without splits=) to rank k
+    and return the rows received, in rank order. As in Horovod: with splits= the result is
+    (tensor, received_splits), an int32 tensor of the row counts received from each rank.
+    Differentiable when `tensor` requires grad."""
+    _no_process_sets(process_set)
+    output, received = _Alltoall.apply(tensor, splits)
+    return output if splits is None else (output, received)
 
 
 def broadcast_parameters(params, root_rank=0):
@@ -301,7 +536,8 @@ def broadcast_optimizer_state(optimizer, root_rank=0):
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=None):
-    """Broadcast a JSON-serializable object (mpidist never unpickles received data)."""
+    """Broadcast a JSON-serializable object (mpidist never unpickles received data, so values
+    come back as JSON gives them: dict keys become strings, tuples lists)."""
     _no_process_sets(process_set)
     world = _comm.world()
     if world.rank == root_rank:
@@ -318,6 +554,28 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
         data = np.empty(int(length[0]), dtype=np.uint8)
     world.broadcast(data, root=root_rank)
     return json.loads(data.tobytes().decode())
+
+
+def allgather_object(obj, name=None, process_set=None):
+    """Every rank's JSON-serializable object, in a list by rank (JSON, as broadcast_object)."""
+    _no_process_sets(process_set)
+    world = _comm.world()
+    try:
+        data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8).copy()
+        error = None
+    except (TypeError, ValueError) as exc:
+        data, error = np.empty(0, dtype=np.uint8), exc
+    # A rank that cannot encode sends length -1, so that every rank raises instead of the
+    # others waiting for its bytes.
+    lengths = world.allgather(np.array([-1 if error else len(data)], dtype=np.int64))
+    if (lengths < 0).any():
+        failed = [k for k, length in enumerate(lengths) if length < 0]
+        detail = f": {error}" if error else ""
+        raise InvalidArgumentError(f"allgather_object sends JSON only (no pickle); rank(s) {failed} "
+                                   f"passed an object JSON cannot encode{detail}") from error
+    gathered = world.allgather(data)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    return [json.loads(gathered[offsets[k]:offsets[k + 1]].tobytes().decode()) for k in range(world.size)]
 
 
 # ---- DistributedOptimizer --------------------------------------------------------------------
@@ -341,12 +599,14 @@ class _DistributedOptimizer:
         op = _op(op)
         if gradient_predivide_factor != 1.0 and op != Average:
             raise InvalidArgumentError("gradient_predivide_factor needs op=hvd.Average")
-        self._buckets = GradientBuckets(trainable_parameters(params), _comm.world(),
+        trainable = trainable_parameters(params)
+        check_not_synchronized(trainable, "DistributedOptimizer")
+        self._buckets = GradientBuckets(trainable, _comm.world(),
                                         compression=getattr(compression, "wire", None), op=op,
                                         predivide=gradient_predivide_factor,
                                         passes_per_step=backward_passes_per_step)
         self._skip_sync = False
-        register_gradient_hooks(self._buckets, "gradient_ready", trainable_parameters(params))
+        register_gradient_hooks(self._buckets, "gradient_ready", trainable, "DistributedOptimizer")
 
     def synchronize(self):
         """Wait for the gradients' all-reduces (call before clipping gradients, then step()
@@ -387,3 +647,34 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     distributed._setup_distributed(named_parameters, compression, backward_passes_per_step, op,
                                    gradient_predivide_factor)
     return distributed
+
+
+# ---- Horovod names mpidist does not offer ----------------------------------------------------
+
+_NOT_OFFERED = {
+    "SyncBatchNorm": "hvd.SyncBatchNorm is not offered; use torch.nn.BatchNorm (per-rank statistics)",
+    "ProcessSet": "process sets are not offered (only hvd.global_process_set); build an "
+                  "mpidist.Communicator on a sub-communicator instead",
+    "add_process_set": "process sets are not offered (only hvd.global_process_set)",
+    "remove_process_set": "process sets are not offered (only hvd.global_process_set)",
+    "start_timeline": "the Horovod timeline is not offered",
+    "stop_timeline": "the Horovod timeline is not offered",
+    "sparse_allreduce_async": "sparse all-reduce is not offered; DistributedOptimizer reduces dense "
+                              "gradients",
+}
+for _name in ("grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+              "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter",
+              "grouped_reducescatter_async"):
+    _NOT_OFFERED[_name] = (f"hvd.{_name} is not offered; call the single-tensor operation for each "
+                           "tensor (DistributedOptimizer buckets gradients itself)")
+
+
+class NotOfferedAttributeError(NotOfferedError, AttributeError):
+    """Also an AttributeError, so that hasattr(hvd, name) is False and getattr(hvd, name, None)
+    works for scripts that probe for optional Horovod features."""
+
+
+def __getattr__(name):
+    if name in _NOT_OFFERED:
+        raise NotOfferedAttributeError(_NOT_OFFERED[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

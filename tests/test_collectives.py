@@ -284,8 +284,7 @@ def test_mismatched_calls_raise_on_every_rank(mpi_ranks, mpi_world):
 def test_a_rank_that_never_joins_is_an_error_not_a_hang(mpi_ranks, mpi_world, monkeypatch):
     monkeypatch.setenv("MPIDIST_TIMEOUT", "3")
     if mpi_world.rank == 0:
-        with pytest.raises(md.InvalidArgumentError):
-            md.allreduce(np.zeros(3), op="bogus")  # refused locally: rank 0 never joins
+        pass  # rank 0 never joins (one whose arguments are refused still joins the call check)
     else:
         with pytest.raises(md.MismatchError, match="did not complete within 3 s"):
             md.allreduce(np.zeros(3))

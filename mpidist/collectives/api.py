@@ -18,7 +18,7 @@ from ..buffers import ITEMSIZE, BufferInfo, DTYPES, FLOAT_DTYPES
 from ..errors import InvalidArgumentError, MismatchError, MpidistError, UnsupportedDtypeError
 from . import native
 from .broadcast import broadcast as broadcast_algorithm
-from .common import Context, split_counts
+from .common import Context, env_number, split_counts
 from .hierarchical import hierarchical_allreduce
 from .native import native_allreduce
 from .recursive_doubling import recursive_doubling_allreduce
@@ -42,14 +42,19 @@ ALGORITHMS = ("auto",) + tuple(ALLREDUCE)
 # which CUDA kernels cannot address): GPU buffers reach them through host staging, always.
 HOST_MEMORY_ALGORITHMS = frozenset({"hierarchical"})
 OPS = ("sum", "avg", "min", "max", "prod")
-COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter")
+# "first allreduce_async": the first asynchronous call of each rank starts the background thread,
+# which duplicates the communicator (a collective of its own); ranks check that they all do so.
+COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "first allreduce_async")
 # Tags keep the messages of different collectives apart should a rank ever run ahead.
 TAGS = {name: 0x4D44 + index for index, name in enumerate(COLLECTIVES)}
-SIGNATURE_FIELDS = ("collective", "count", "dtype", "op", "algorithm", "root", "trailing shape")
+SIGNATURE_FIELDS = ("collective", "count", "dtype", "op", "algorithm", "root", "row shape")
+# The "collective" field of a rank that refused its own arguments (see share_refusal).
+REFUSED = -1
+REFUSED_SIGNATURE = dict.fromkeys(SIGNATURE_FIELDS, 0) | {"collective": REFUSED}
 
 
 def call_timeout() -> float:
-    return float(os.environ.get("MPIDIST_TIMEOUT", "300"))
+    return env_number("MPIDIST_TIMEOUT", 300.0, float)
 
 
 # ---- argument checks (local: refused before any communication) --------------------------
@@ -90,21 +95,48 @@ def check_root(root, size: int) -> int:
 
 # ---- the cross-rank call check -------------------------------------------------------------
 
-def check_same_call(comm, mpi, fields: dict) -> None:
+def check_same_call(comm, mpi, fields: dict, row_shape: tuple | None = None) -> None:
     """All ranks exchange what they were asked to do; any difference raises on every rank.
 
     Costs one small allgather. It runs non-blocking with a deadline (MPIDIST_TIMEOUT seconds),
     so a rank that never joins the collective turns into an error instead of a hang.
+    `row_shape` (allgather, reduce_scatter) names the row shape should the ranks' differ.
     """
     if not comm.check_calls or mpi.Get_size() == 1:
         return
     mine = np.array([fields[name] for name in SIGNATURE_FIELDS], dtype=np.int64)
     table = np.empty((mpi.Get_size(), len(mine)), dtype=np.int64)
     request = mpi.Iallgather([mine, MPI.INT64_T], [table, MPI.INT64_T])
-    wait_with_deadline(request, mpi, what=f"{COLLECTIVES[fields['collective']]} call check")
+    collective = fields["collective"]
+    wait_with_deadline(request, mpi, what=f"{COLLECTIVES[collective] if collective != REFUSED else 'refused'} "
+                                          "call check")
     if (table == mine).all():
         return
-    raise MismatchError(describe_mismatch(table))
+    refused = [rank for rank in range(len(table)) if table[rank, 0] == REFUSED]
+    if refused:  # decided alike on every rank, before the exchange below
+        raise MismatchError(
+            f"ranks {refused} refused their arguments to this collective (each raised its own error "
+            "there: see those ranks' output), so the other ranks cannot run it either")
+    row_shapes = None
+    shape_codes = table[:, SIGNATURE_FIELDS.index("row shape")]
+    if (shape_codes != shape_codes[0]).any():
+        # The signature holds only a number standing for the row shape. Every rank sees the same
+        # table, so every rank takes this second exchange (all are known to be here: the first
+        # one completed), and the message can name the shapes. Error path only: pickling is fine.
+        row_shapes = mpi.allgather(row_shape)
+    raise MismatchError(describe_mismatch(table, row_shapes))
+
+
+def share_refusal(comm) -> None:
+    """Called on a rank whose own arguments were just refused, before it raises that error: it
+    still takes part in the call check, with a row that says "refused", so that the other ranks
+    raise MismatchError at once instead of waiting MPIDIST_TIMEOUT for it. `comm` is the channel
+    the collective would have run on (the communicator, or its async engine). With the check off
+    (MPIDIST_CHECK=0) there is no exchange to join: nothing happens."""
+    if not comm.check_calls or comm.size == 1:
+        return
+    with contextlib.suppress(MpidistError):  # this rank's own error is the one to report
+        check_same_call(comm, comm.mpi, REFUSED_SIGNATURE)
 
 
 def poll_until(test, on_timeout, yield_seconds: float, nap_seconds: float) -> None:
@@ -137,7 +169,7 @@ def wait_with_deadline(request, mpi, what: str) -> None:
     poll_until(request.Test, timed_out, yield_seconds=0.01, nap_seconds=0.0005)
 
 
-def describe_mismatch(table: np.ndarray) -> str:
+def describe_mismatch(table: np.ndarray, row_shapes: list | None = None) -> str:
     names = {"collective": COLLECTIVES, "dtype": DTYPES, "op": OPS, "algorithm": ALGORITHMS}
     parts = []
     for column, field in enumerate(SIGNATURE_FIELDS):
@@ -146,17 +178,41 @@ def describe_mismatch(table: np.ndarray) -> str:
             continue
         groups = {}
         for rank, value in enumerate(values):
-            label = names[field][value] if field in names else int(value)
-            groups.setdefault(label, []).append(rank)
-        parts.append(f"{field}: " + "; ".join(f"ranks {ranks} have {label}" for label, ranks in groups.items()))
+            groups.setdefault(signature_label(field, int(value), names, row_shapes, rank), []).append(rank)
+        title = "row shape (shape[1:])" if field == "row shape" else field
+        part = f"{title}: " + "; ".join(f"ranks {ranks} have {label}" for label, ranks in groups.items())
+        if field == "algorithm":
+            part += " (the algorithm each rank would run, from algorithm=, MPIDIST_ALLREDUCE_ALGORITHM or auto's table)"
+        parts.append(part)
     return "ranks called the same collective with different arguments: " + " | ".join(parts)
 
 
+def signature_label(field: str, value: int, names: dict, row_shapes: list | None, rank: int) -> str:
+    if field == "row shape":
+        if row_shapes is None:
+            return "a different row shape"
+        shape = row_shapes[rank]
+        return "no row shape" if shape is None else str(tuple(shape))
+    if field in names:
+        # A value out of range means the peer sent something that is no signature of this
+        # mpidist (another MPI message crossed the check): say so rather than fail here.
+        return names[field][value] if 0 <= value < len(names[field]) else f"an unknown value {value}"
+    return str(value)
+
+
 def signature(collective: str, info: BufferInfo, op: str = "sum", algorithm: str = "auto", root: int = 0,
-              trailing: int = 0) -> dict:
+              row_shape: tuple | None = None) -> dict:
+    """What a rank was asked to do, as numbers. `algorithm` is the one the rank will run (after
+    MPIDIST_ALLREDUCE_ALGORITHM and auto's choice); `row_shape` is shape[1:] where it matters."""
     return {"collective": COLLECTIVES.index(collective), "count": info.count,
             "dtype": DTYPES.index(info.dtype), "op": OPS.index(op), "algorithm": ALGORITHMS.index(algorithm),
-            "root": root, "trailing shape": trailing}
+            "root": root, "row shape": 0 if row_shape is None else row_shape_code(row_shape)}
+
+
+def row_shape_code(row_shape: tuple) -> int:
+    # Python's hash of a tuple of ints is the same in every process (only str and bytes hashes
+    # are salted per process); equal codes of different shapes are vanishingly unlikely.
+    return hash(tuple(int(n) for n in row_shape)) & 0x7FFFFFFF
 
 
 # ---- staging ---------------------------------------------------------------------------------
@@ -204,7 +260,11 @@ def kernel_op(op: str) -> str:
 
 def allreduce(comm, array, op="sum", algorithm="auto", out=None):
     """All-reduce `array` across the communicator; in place unless `out` is given. Returns the result."""
-    target, target_info = prepare_allreduce(array, op, algorithm, out)
+    try:
+        target, target_info = prepare_allreduce(array, op, algorithm, out)
+    except MpidistError:
+        in_order(comm, share_refusal)
+        raise
     return in_order(comm, lambda channel: _run_allreduce(channel, target, target_info, op, algorithm))
 
 
@@ -246,7 +306,8 @@ def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
     kind = type(array)
     if kind is np.ndarray:
         spec = FAST_NUMPY_TYPES.get(array.dtype)
-        if spec is None or not array.flags.c_contiguous:
+        flags = array.flags
+        if spec is None or not flags.c_contiguous or not flags.writeable:  # the general path refuses
             return False
         nbytes = array.nbytes
     else:
@@ -298,8 +359,10 @@ def prepare_allreduce(array, op, algorithm, out):
     check_op(op, info.dtype)
     check_algorithm(algorithm)
     if out is None:
+        buffers.check_writable(array, "allreduce writes its result into the array (in place; or pass out=)")
         return array, info
     out_info = buffers.describe(out)
+    buffers.check_writable(out, "allreduce writes its result into out=")
     if (out_info.count, out_info.dtype, out_info.device) != (info.count, info.dtype, info.device):
         raise InvalidArgumentError(
             f"out= must match the input: input has {info.count} x {info.dtype} on {info.device}, "
@@ -310,9 +373,16 @@ def prepare_allreduce(array, op, algorithm, out):
 
 def _run_allreduce(comm, array, info, op, algorithm):
     mpi = comm.mpi
+    # The signature carries the algorithm this rank will run, not the one asked for: ranks with
+    # different MPIDIST_ALLREDUCE_ALGORITHM (or tuning tables) would otherwise pass the check
+    # and then run algorithms whose messages do not match.
+    try:
+        name = resolve_algorithm(algorithm, info, comm)
+    except MpidistError:
+        share_refusal(comm)
+        raise
     if comm.check_calls:
-        check_same_call(comm, mpi, signature("allreduce", info, op, algorithm))
-    name = resolve_algorithm(algorithm, info, comm)
+        check_same_call(comm, mpi, signature("allreduce", info, op, name))
     if info.is_cuda:
         with staged(comm, array, info, host_only=name in HOST_MEMORY_ALGORITHMS) as work:
             _reduce_with(ALLREDUCE[name], Context(comm, mpi, work, op=kernel_op(op), tag=TAGS["allreduce"]), op)
@@ -334,8 +404,14 @@ def broadcast(comm, array, root=0):
 
 
 def _broadcast(comm, array, root=0):
-    info = buffers.describe(array)
-    root = check_root(root, comm.size)
+    try:
+        info = buffers.describe(array)
+        root = check_root(root, comm.size)
+        if comm.rank != root:  # the root's array is only read
+            buffers.check_writable(array, f"broadcast writes root {root}'s data into rank {comm.rank}'s array")
+    except MpidistError:
+        share_refusal(comm)
+        raise
     check_same_call(comm, comm.mpi, signature("broadcast", info, root=root))
     with staged(comm, array, info) as work:
         broadcast_algorithm(Context(comm, comm.mpi, work, tag=TAGS["broadcast"]), root)
@@ -349,15 +425,18 @@ def allgather(comm, array):
 
 
 def _allgather(comm, array):
-    info = buffers.describe(array)
+    try:
+        info = buffers.describe(array)
+    except MpidistError:
+        share_refusal(comm)
+        raise
     shape = tuple(array.shape)
     rows = shape[0] if shape else 1
     row_shape = shape[1:]
     row_elements = int(np.prod(row_shape)) if row_shape else 1
-    trailing = hash(row_shape) & 0x7FFFFFFF
     # The first dimension may differ, so the count is not part of the check.
     check_same_call(comm, comm.mpi, signature("allgather", BufferInfo(0, 0, info.dtype, info.device, info.kind),
-                                              trailing=trailing))
+                                              row_shape=row_shape), row_shape)
     all_rows = np.empty(comm.size, dtype=np.int64)
     comm.mpi.Allgather([np.array([rows], dtype=np.int64), MPI.INT64_T], [all_rows, MPI.INT64_T])
     total = int(all_rows.sum())
@@ -381,12 +460,18 @@ def reduce_scatter(comm, array, op="sum"):
 
 
 def _reduce_scatter(comm, array, op="sum"):
-    info = buffers.describe(array)
-    check_op(op, info.dtype)
+    try:
+        info = buffers.describe(array)
+        check_op(op, info.dtype)
+    except MpidistError:
+        share_refusal(comm)
+        raise
     shape = tuple(array.shape)
     rows = shape[0] if shape else 1
     row_elements = info.count // rows if rows else 0
-    check_same_call(comm, comm.mpi, signature("reduce_scatter", info, op))
+    # The row shape too: ranks with equal counts but different rows would cut the blocks
+    # differently (a truncated message, wrong sums or a hang).
+    check_same_call(comm, comm.mpi, signature("reduce_scatter", info, op, row_shape=shape[1:]), shape[1:])
     chunks = [(o * row_elements, c * row_elements) for o, c in split_counts(rows, comm.size)]
     my_rows = split_counts(rows, comm.size)[comm.rank][1]
     out = buffers.new_array(array, (my_rows,) + shape[1:] if shape else (my_rows,))
@@ -440,7 +525,11 @@ class AsyncEngine:
 
     def __init__(self, comm):
         self.comm = comm
-        self.mpi = comm.mpi.Dup()
+        # Nonblocking, with the call check's deadline: a rank whose first asynchronous call never
+        # comes (refused locally, or it called something else) would otherwise hang here forever.
+        self.mpi, request = comm.mpi.Idup()
+        wait_with_deadline(request, comm.mpi, what="duplication of the communicator for asynchronous "
+                                                    "collectives (at the first allreduce_async)")
         self.rank, self.size = comm.rank, comm.size
         self.scratch = buffers.ScratchPool()
         self.staging = buffers.HostStaging()
@@ -484,7 +573,19 @@ class AsyncEngine:
 
 
 def allreduce_async(comm, array, op="sum", algorithm="auto", out=None) -> Handle:
-    target, target_info = prepare_allreduce(array, op, algorithm, out)
+    try:
+        target, target_info = prepare_allreduce(array, op, algorithm, out)
+        name = resolve_algorithm(algorithm, target_info, comm)
+    except MpidistError:
+        # The others' call check runs on the engine's communicator, or, at their first
+        # asynchronous call, on this one: in_order picks the same.
+        in_order(comm, share_refusal)
+        raise
+    if comm._engine is None and comm.check_calls:
+        # Starting the engine duplicates the communicator, a collective on it: check first that
+        # every rank is starting it too, not running another collective there (whose messages
+        # would cross the duplication's own).
+        check_same_call(comm, comm.mpi, signature("first allreduce_async", target_info, op, name))
     engine = comm.async_engine()
     return engine.submit("allreduce_async",
                          lambda eng: _run_allreduce(eng, target, target_info, op, algorithm))

@@ -6,15 +6,14 @@ allgather completes everyone; every rank moves about 2n bytes whatever p is.
 """
 from __future__ import annotations
 
-import os
 
 from mpi4py import MPI
 
-from .common import Context, split_counts
+from .common import Context, env_number, split_counts
 from .ring import allgather_ring
 from .tree import tree_broadcast
 
-SCATTER_ALLGATHER_BYTES = int(os.environ.get("MPIDIST_BCAST_SCATTER_BYTES", 512 * 1024))
+SCATTER_ALLGATHER_BYTES = env_number("MPIDIST_BCAST_SCATTER_BYTES", 512 * 1024)
 
 
 def broadcast(ctx: Context, root: int) -> None:

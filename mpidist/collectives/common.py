@@ -10,10 +10,31 @@ import os
 
 from .. import kernels
 from ..buffers import ITEMSIZE, BufferInfo, mpi_spec
+from ..errors import InvalidArgumentError
+
+
+
+def env_number(name: str, default, kind=int, minimum=0):
+    """The number in environment variable `name` (`default` when unset or empty); anything that
+    is not a number of `kind` >= `minimum` is refused with the variable's name, not a bare
+    ValueError from deep inside an import."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not value >= minimum:  # `not >=` also refuses a float nan
+        what = "an integer" if kind is int else "a number"
+        raise InvalidArgumentError(f"environment variable {name}={text!r} must be {what} >= {minimum} "
+                                   f"(unset it for the default, {default})")
+    return value
+
 
 # Large messages are cut into segments so the reduction of one segment overlaps the arrival of
 # the next. 256 KiB keeps a segment in L2 while it is reduced.
-SEGMENT_BYTES = int(os.environ.get("MPIDIST_SEGMENT_BYTES", 256 * 1024))
+SEGMENT_BYTES = env_number("MPIDIST_SEGMENT_BYTES", 256 * 1024, minimum=1)
 
 class Context:
     """One collective call: the MPI communicator to use, the buffer, the reduction op, scratch."""

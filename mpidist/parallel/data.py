@@ -173,7 +173,7 @@ def check_not_synchronized(params, what: str) -> None:
             f"a {owner_what} that is still alive; drop that one first (del it) or use only one")
 
 
-def register_gradient_hooks(owner, method: str, params, what: str = "DistributedOptimizer") -> None:
+def register_gradient_hooks(owner, method: str, params, what: str) -> None:
     """Call `owner.<method>(param)` each time backward has accumulated a gradient of `params`, for
     as long as `owner` lives. The hooks refer to it weakly and are removed once it is collected,
     as PyTorch DDP removes its hooks when it is destroyed: a DataParallel or DistributedOptimizer

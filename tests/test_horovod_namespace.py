@@ -1,0 +1,225 @@
+"""mpidist.torch against Horovod's semantics: differentiable collectives (checked against plain
+autograd on every rank's data in one process, float64), handles, argument rules and the names
+Horovod has that mpidist offers or refuses."""
+import pytest
+import torch
+
+import mpidist as md
+import mpidist.torch as hvd
+
+
+def values(rank, shape, seed=0):
+    """Rank `rank`'s input: any rank can rebuild every other rank's, for the references."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(100 * seed + rank), dtype=torch.float64)
+
+
+def local_loss(rank, output):
+    """A different non-linear loss on every rank, so that each rank's output gradient differs."""
+    return ((output ** 2) * (rank + 1) + output * (rank - 0.5)).sum()
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+@pytest.mark.parametrize("op, prescale, postscale", [(hvd.Average, 1.0, 1.0), (hvd.Sum, 1.0, 1.0),
+                                                     (hvd.Sum, 2.0, 0.25), (hvd.Average, 0.5, 3.0)])
+def test_allreduce_is_differentiable(mpi_ranks, mpi_world, op, prescale, postscale):
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    x = values(rank, (2, 3)).requires_grad_()
+    y = hvd.allreduce(x, op=op, prescale_factor=prescale, postscale_factor=postscale)
+    local_loss(rank, y).backward()
+
+    # Reference: every rank's input in one process; the objective is the sum of the ranks' losses.
+    xs = [values(k, (2, 3)).requires_grad_() for k in range(size)]
+    combined = sum(prescale * v for v in xs) * postscale
+    if op == hvd.Average:
+        combined = combined / size
+    sum(local_loss(k, combined) for k in range(size)).backward()
+    torch.testing.assert_close(y.detach(), combined.detach())
+    torch.testing.assert_close(x.grad, xs[rank].grad)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_allgather_is_differentiable(mpi_ranks, mpi_world):
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    x = values(rank, (rank + 1, 2)).requires_grad_()  # ranks differ in the first dimension
+    gathered = hvd.allgather(x)
+    local_loss(rank, gathered).backward()
+
+    # Horovod averages the gradient over ranks: the objective is the mean of the ranks' losses.
+    xs = [values(k, (k + 1, 2)).requires_grad_() for k in range(size)]
+    everything = torch.cat(xs)
+    (sum(local_loss(k, everything) for k in range(size)) / size).backward()
+    torch.testing.assert_close(gathered.detach(), everything.detach())
+    torch.testing.assert_close(x.grad, xs[rank].grad)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_broadcast_is_differentiable(mpi_ranks, mpi_world):
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    root = size - 1
+    x = values(rank, (3,)).requires_grad_()
+    y = hvd.broadcast(x, root_rank=root)
+    local_loss(rank, y).backward()
+
+    source = values(root, (3,)).requires_grad_()
+    (sum(local_loss(k, source) for k in range(size)) / size).backward()
+    torch.testing.assert_close(y.detach(), source.detach())
+    expected = source.grad if rank == root else torch.zeros(3, dtype=torch.float64)
+    torch.testing.assert_close(x.grad, expected)
+
+
+@pytest.mark.mpi(ranks=[2])
+def test_in_place_and_async_variants_stay_out_of_autograd(mpi_ranks, mpi_world):
+    hvd.init()
+    x = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    assert not hvd.synchronize(hvd.allreduce_async(x)).requires_grad
+    assert not hvd.synchronize(hvd.allgather_async(x)).requires_grad
+    assert not hvd.synchronize(hvd.broadcast_async(x, 0)).requires_grad
+    y = hvd.allreduce(x * 2, op=hvd.Max)
+    with pytest.raises(hvd.NotOfferedError, match="Average and Sum"):
+        y.sum().backward()  # every rank raises: no rank waits for another's gradient
+
+
+def sent_rows(rank, size, splits_of):
+    return values(rank, (sum(splits_of(rank)), 2), seed=1)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_alltoall_matches_reference_and_is_differentiable(mpi_ranks, mpi_world):
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+
+    def splits_of(k):
+        return [(k + j) % 3 for j in range(size)]  # includes zero-row splits
+
+    x = sent_rows(rank, size, splits_of).requires_grad_()
+    received, received_splits = hvd.alltoall(x, splits=splits_of(rank))
+    local_loss(rank, received).backward()
+
+    xs = [sent_rows(k, size, splits_of).requires_grad_() for k in range(size)]
+    pieces = [torch.split(v, splits_of(k)) for k, v in enumerate(xs)]
+    outputs = [torch.cat([pieces[k][j] for k in range(size)]) for j in range(size)]
+    sum(local_loss(j, outputs[j]) for j in range(size)).backward()
+    assert received_splits.dtype == torch.int32
+    assert received_splits.tolist() == [splits_of(k)[rank] for k in range(size)]
+    torch.testing.assert_close(received.detach(), outputs[rank].detach())
+    torch.testing.assert_close(x.grad, xs[rank].grad)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bfloat16, torch.bool])
+def test_alltoall_equal_splits_returns_the_tensor(mpi_ranks, mpi_world, dtype):
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    sent = (torch.arange(2 * size * 3).reshape(2 * size, 3) + 100 * rank).to(dtype)
+    received = hvd.alltoall(sent)  # no splits=: a tensor, not a tuple (as Horovod)
+    expected = torch.cat([(torch.arange(2 * size * 3).reshape(2 * size, 3) + 100 * k)[2 * rank:2 * rank + 2]
+                          for k in range(size)]).to(dtype)
+    assert received.dtype == dtype
+    assert torch.equal(received, expected)
+    with pytest.raises(ValueError, match="evenly"):
+        hvd.alltoall(torch.ones(size + 1, 2))
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_alltoall_rows_must_agree(mpi_ranks, mpi_world):
+    hvd.init()
+    width = 2 if hvd.rank() == 0 else 3
+    with pytest.raises(md.MismatchError, match="row size"):  # on every rank, before any data moves
+        hvd.alltoall(torch.ones(hvd.size(), width))
+
+
+@pytest.mark.mpi(ranks=[2])
+def test_synchronize_twice_finishes_once(mpi_ranks, mpi_world):
+    hvd.init()
+    tensor = torch.full((3,), float(hvd.rank() + 1))
+    handle = hvd.allreduce_async_(tensor, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
+    first = hvd.synchronize(handle)
+    second = hvd.synchronize(handle)
+    assert first is second
+    assert tensor.tolist() == [3.0, 3.0, 3.0]  # (1 + 2) * 2 * 0.5, postscale applied once
+
+
+@pytest.mark.mpi(ranks=[2])
+def test_average_and_op_together_are_refused(mpi_ranks, mpi_world):
+    hvd.init()
+    message = "The op parameter supersedes average. Please provide only one of them."
+    for call in (lambda: hvd.allreduce(torch.ones(2), average=True, op=hvd.Sum),
+                 lambda: hvd.allreduce_(torch.ones(2), average=False, op=hvd.Average),
+                 lambda: hvd.allreduce_async(torch.ones(2), average=True, op=hvd.Average)):
+        with pytest.raises(ValueError) as info:
+            call()
+        assert str(info.value) == message
+    assert hvd.allreduce(torch.ones(2), average=False).tolist() == [2.0, 2.0]
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_barrier_objects_and_process_sets(mpi_ranks, mpi_world):
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    hvd.barrier()
+    gathered = hvd.allgather_object({"rank": rank, 1: (rank, "x" * rank)})
+    # JSON: integer keys come back as strings, tuples as lists.
+    assert gathered == [{"rank": k, "1": [k, "x" * k]} for k in range(size)]
+    with pytest.raises(ValueError, match=r"rank\(s\) \[0\]"):
+        hvd.allgather_object({1, 2} if rank == 0 else [rank])  # every rank raises, none hangs
+    assert hvd.is_homogeneous()
+    everyone = hvd.global_process_set
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=everyone).tolist() == [size, size]
+    assert hvd.broadcast_object(rank, root_rank=0, process_set=everyone) == 0
+    assert (everyone.size(), everyone.rank(), everyone.included()) == (size, rank, True)
+    with pytest.raises(hvd.NotOfferedError, match="process sets"):
+        hvd.allreduce(torch.ones(2), process_set=object())
+
+
+def test_is_homogeneous_false_for_uneven_nodes():
+    from conftest import run_python
+    code = ("import mpidist.torch as hvd\nhvd.init()\n"
+            "print('result', hvd.rank(), hvd.local_size(), hvd.is_homogeneous(), flush=True)\n")
+    result = run_python(code, ranks=3, env={"MPIDIST_RANKS_PER_NODE": "2"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = sorted(line.split()[1:] for line in result.stdout.splitlines() if line.startswith("result"))
+    assert lines == [["0", "2", "False"], ["1", "2", "False"], ["2", "1", "False"]]
+
+
+def test_compression_classes_follow_horovods_interface():
+    x = torch.tensor([1.0, 2.5], dtype=torch.float32)
+    for compression, wire in ((hvd.Compression.fp16, torch.float16), (hvd.Compression.bf16, torch.bfloat16)):
+        compressed, ctx = compression.compress(x)
+        assert compressed.dtype == wire
+        restored = compression.decompress(compressed, ctx)
+        assert restored.dtype == torch.float32 and restored.tolist() == [1.0, 2.5]
+        integers = torch.tensor([3, 4])  # only floating-point tensors are cast
+        assert compression.decompress(*compression.compress(integers)) is integers
+    compressed, ctx = hvd.Compression.none.compress(x)
+    assert compressed is x and hvd.Compression.none.decompress(compressed, ctx) is x
+    # DistributedOptimizer reads the names of the wire dtypes.
+    assert [c.wire for c in (hvd.Compression.none, hvd.Compression.fp16, hvd.Compression.bf16)] == \
+        [None, "fp16", "bf16"]
+
+
+@pytest.mark.parametrize("name", ["SyncBatchNorm", "grouped_allreduce", "grouped_allreduce_async",
+                                  "grouped_allgather", "grouped_reducescatter", "ProcessSet",
+                                  "add_process_set", "remove_process_set", "start_timeline", "stop_timeline"])
+def test_horovod_names_not_offered_raise_a_clear_error(name):
+    with pytest.raises(hvd.NotOfferedError, match="not offered"):
+        getattr(hvd, name)
+    assert not hasattr(hvd, name)  # scripts probing for optional features see it missing
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        hvd.no_such_name  # noqa: B018
+
+
+@pytest.mark.mpi(ranks=[2])
+def test_distributed_optimizer_and_data_parallel_on_the_same_parameters_are_refused(mpi_ranks, mpi_world):
+    hvd.init()
+    model = torch.nn.Linear(3, 2)
+    wrapped = md.DataParallel(model)
+    with pytest.raises(md.InvalidArgumentError, match="already has its gradient all-reduced by a DataParallel"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    del wrapped
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(md.InvalidArgumentError, match="by a DistributedOptimizer that is still alive"):
+        md.DataParallel(model)
+    del optimizer
