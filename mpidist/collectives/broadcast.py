@@ -6,7 +6,6 @@ allgather completes everyone; every rank moves about 2n bytes whatever p is.
 """
 from __future__ import annotations
 
-
 from mpi4py import MPI
 
 from .common import Context, env_number, split_counts

@@ -13,7 +13,6 @@ from ..buffers import ITEMSIZE, BufferInfo, mpi_spec
 from ..errors import InvalidArgumentError
 
 
-
 def env_number(name: str, default, kind=int, minimum=0):
     """The number in environment variable `name` (`default` when unset or empty); anything that
     is not a number of `kind` >= `minimum` is refused with the variable's name, not a bare
