@@ -6,8 +6,10 @@ Inside the ranks, pytest-timeout (pyproject.toml) dumps all stacks and exits a h
 the plugin's --mpi-default-test-timeout kills the whole launch as a last resort.
 """
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -24,12 +26,28 @@ os.environ["MPIDIST_TUNING_FILE"] = os.path.join(REPO, "tests", "no-such-dir", "
 os.environ.setdefault("OMPI_MCA_osc", "^ucx")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's own, which reads basetemp
 def pytest_configure(config):
     # pytest-isolate-mpi passes the verbosity on to the ranks' pytest as "-" + "v" * verbosity,
     # which for `pytest -q` (verbosity -1) is a bare "-" that the ranks reject, failing every
     # multi-rank test. Quiet runs therefore report at the default verbosity.
     if config.option.verbose < 0:
         config.option.verbose = 0
+    # Temporary directories. By default each pytest session numbers its own beside the others'
+    # (/tmp/pytest-of-<user>/pytest-<n>) and deletes all but the newest three; the ranks' sessions
+    # of pytest-isolate-mpi, started per test, cache their directory for the next ones, so one
+    # session deleted directories that later ranks (and this session) were still given. Instead
+    # this session makes one directory for the whole run, and each rank session one inside it,
+    # all removed when this session ends.
+    if config.option.basetemp is not None:
+        return
+    if "PYTEST_ISOLATE_MPI_IS_FORKED" not in os.environ:
+        run_directory = tempfile.mkdtemp(prefix="mpidist-tests-")
+        os.environ["MPIDIST_TESTS_TMP"] = run_directory  # inherited by the ranks' sessions
+        config.option.basetemp = os.path.join(run_directory, "main")
+        config.add_cleanup(lambda: shutil.rmtree(run_directory, ignore_errors=True))
+    elif "MPIDIST_TESTS_TMP" in os.environ:
+        config.option.basetemp = tempfile.mkdtemp(prefix="rank-", dir=os.environ["MPIDIST_TESTS_TMP"])
 
 
 # Unit roundoff per dtype: a correctly rounded operation is off by at most u * |result|.
