@@ -15,8 +15,8 @@ import torch
 
 from . import comm as _comm
 from .errors import InvalidArgumentError, MismatchError, MpidistError
-from .parallel.data import (GradientBuckets, broadcast_in_place, check_not_synchronized, register_gradient_hooks,
-                            trainable_parameters)
+from .parallel.data import (COMPRESSION_DTYPES, GradientBuckets, broadcast_in_place, check_not_synchronized,
+                            register_gradient_hooks, trainable_parameters)
 
 
 class NotOfferedError(MpidistError):
@@ -73,9 +73,6 @@ def _no_process_sets(process_set):
                               "an mpidist.Communicator on a sub-communicator instead")
 
 
-_WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
-
 class _Cast:
     """Horovod's compressor interface: compress(tensor) -> (tensor, ctx), decompress(tensor, ctx).
     `wire` is what mpidist's own all-reduces (DistributedOptimizer, allreduce) send: None, "fp16"
@@ -88,7 +85,7 @@ class _Cast:
         # As Horovod: only floating-point tensors are cast; ctx is the dtype to cast back to.
         if cls.wire is None or not tensor.dtype.is_floating_point:
             return tensor, None
-        return tensor.to(_WIRE_DTYPES[cls.wire]), tensor.dtype
+        return tensor.to(COMPRESSION_DTYPES[cls.wire]), tensor.dtype
 
     @staticmethod
     def decompress(tensor, ctx):
@@ -240,7 +237,7 @@ def _scaled(tensor, factor):
 
 def _allreduce_into(tensor, op, compression, prescale_factor, postscale_factor):
     _scaled(tensor, prescale_factor)
-    wire_dtype = _WIRE_DTYPES.get(getattr(compression, "wire", None))
+    wire_dtype = COMPRESSION_DTYPES.get(getattr(compression, "wire", None))
     if wire_dtype is not None and tensor.is_floating_point() and tensor.dtype != wire_dtype:
         wire = tensor.to(wire_dtype)
         _comm.world().allreduce(wire, op=op)

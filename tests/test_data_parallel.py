@@ -409,7 +409,7 @@ def test_a_second_live_wrapper_of_the_same_parameters_is_refused(mpi_ranks, mpi_
 
 @pytest.mark.mpi(ranks=[2])
 def test_construction_refuses_bad_arguments(mpi_ranks, mpi_world):
-    with pytest.raises(md.InvalidArgumentError, match="unknown algorithm 'bogus'"):
+    with pytest.raises(md.InvalidArgumentError, match="unknown all-reduce algorithm 'bogus'"):
         md.DataParallel(make_model(), algorithm="bogus")
     with pytest.raises(md.InvalidArgumentError, match="no parameters to average"):
         md.ParameterAveraging(torch.nn.ReLU())

@@ -229,9 +229,8 @@ class GradientBuckets:
             raise InvalidArgumentError(f"bucket_mb must be positive, got {bucket_mb}")
         if passes_per_step < 1:
             raise InvalidArgumentError(f"backward passes per step must be >= 1, got {passes_per_step}")
-        from ..collectives.api import ALGORITHMS  # imported here: it initializes MPI
-        if algorithm not in ALGORITHMS:
-            raise InvalidArgumentError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+        from ..collectives.api import check_algorithm  # imported here: it initializes MPI
+        check_algorithm(algorithm)
         self.comm = comm
         self.algorithm = algorithm
         self.op = op
