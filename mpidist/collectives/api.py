@@ -13,7 +13,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .. import buffers, kernels
+from .. import _C, buffers, kernels
 from ..buffers import ITEMSIZE, BufferInfo, DTYPES, FLOAT_DTYPES
 from ..errors import InvalidArgumentError, MismatchError, MpidistError, UnsupportedDtypeError
 from . import native
@@ -328,11 +328,15 @@ def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
         return False
     count = nbytes // itemsize
     if not half:
-        message = array if kind is np.ndarray else MPI.buffer.fromaddress(array.data_ptr(), nbytes)
+        # mpi4py's buffer gives the address in 0.1 us (NumPy's .ctypes.data takes 0.8 us), and
+        # the scaling goes straight to the CPU kernel: the arguments are known good here.
+        if kind is np.ndarray:
+            message = MPI.buffer.frombuffer(array)
+        else:
+            message = MPI.buffer.fromaddress(array.data_ptr(), nbytes)
         comm.mpi.Allreduce(MPI.IN_PLACE, [message, mpi_type], mpi_op)
         if average:  # as finish_average does
-            address = array.ctypes.data if kind is np.ndarray else array.data_ptr()
-            kernels.scale_ptr(address, count, name, 1.0 / comm.size)
+            _C.scale(message.address, count, name, 1.0 / comm.size)
         return True
     wide = comm.fast_path_scratch
     if wide is None or wide.size < count:
