@@ -113,12 +113,13 @@ def cmd_train(args) -> int:
             optimizer.step()
             step += 1
             seen += len(y)
-            loss_sum += loss.item() * len(y)
+            batch_loss = loss.item()
+            loss_sum += batch_loss * len(y)
             correct += (output.argmax(dim=1) == y).sum().item()
             # Every rank runs as many steps of equal batches, so this rank's count times the
             # ranks is the job's.
             rate = seen * comm.size / (time.perf_counter() - started)
-            progress.set_postfix(loss=f"{loss.item():.3f}", acc=f"{correct / seen:.3f}",
+            progress.set_postfix(loss=f"{batch_loss:.3f}", acc=f"{correct / seen:.3f}",
                                  samples_per_s=f"{rate:.0f}")
             progress.update()
         progress.close()
