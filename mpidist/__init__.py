@@ -60,4 +60,7 @@ def __getattr__(name):
     if name in ("DataParallel", "ParameterAveraging"):
         from .parallel import data
         return getattr(data, name)
+    if name == "SyncBatchNorm":
+        from .parallel.sync_batchnorm import SyncBatchNorm
+        return SyncBatchNorm
     raise AttributeError(f"module 'mpidist' has no attribute {name!r}")

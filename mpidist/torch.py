@@ -3,7 +3,7 @@
 
 Differences from Horovod are listed in README.md ("Horovod compatibility"); features that are
 not offered (Adasum, elastic, join, process sets other than the global one, grouped operations,
-SyncBatchNorm, the timeline) raise NotOfferedError instead of misbehaving.
+the timeline) raise NotOfferedError instead of misbehaving.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from . import comm as _comm
 from .errors import InvalidArgumentError, MismatchError, MpidistError
 from .parallel.data import (COMPRESSION_DTYPES, GradientBuckets, broadcast_in_place, check_not_synchronized,
                             register_gradient_hooks, trainable_parameters)
+from .parallel.sync_batchnorm import SyncBatchNorm  # noqa: F401  (hvd.SyncBatchNorm)
 
 
 class NotOfferedError(MpidistError):
@@ -649,7 +650,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
 # ---- Horovod names mpidist does not offer ----------------------------------------------------
 
 _NOT_OFFERED = {
-    "SyncBatchNorm": "hvd.SyncBatchNorm is not offered; use torch.nn.BatchNorm (per-rank statistics)",
     "ProcessSet": "process sets are not offered (only hvd.global_process_set); build an "
                   "mpidist.Communicator on a sub-communicator instead",
     "add_process_set": "process sets are not offered (only hvd.global_process_set)",

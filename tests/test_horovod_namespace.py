@@ -200,7 +200,7 @@ def test_compression_classes_follow_horovods_interface():
         [None, "fp16", "bf16"]
 
 
-@pytest.mark.parametrize("name", ["SyncBatchNorm", "grouped_allreduce", "grouped_allreduce_async",
+@pytest.mark.parametrize("name", ["grouped_allreduce", "grouped_allreduce_async",
                                   "grouped_allgather", "grouped_reducescatter", "ProcessSet",
                                   "add_process_set", "remove_process_set", "start_timeline", "stop_timeline"])
 def test_horovod_names_not_offered_raise_a_clear_error(name):
