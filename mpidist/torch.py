@@ -2,8 +2,8 @@
 `import mpidist.torch as hvd` and a Horovod PyTorch script runs on mpidist's collectives.
 
 Differences from Horovod are listed in README.md ("Horovod compatibility"); features that are
-not offered (Adasum, elastic, join, process sets other than the global one, grouped operations,
-the timeline) raise NotOfferedError instead of misbehaving.
+not offered (Adasum, elastic, join, process sets other than the global one, the timeline)
+raise NotOfferedError instead of misbehaving.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from . import comm as _comm
-from .errors import InvalidArgumentError, MismatchError, MpidistError
+from .errors import InvalidArgumentError, MismatchError, MpidistError, UnsupportedDtypeError
 from .parallel.data import (COMPRESSION_DTYPES, GradientBuckets, broadcast_in_place, check_not_synchronized,
                             register_gradient_hooks, trainable_parameters)
 from .parallel.sync_batchnorm import SyncBatchNorm  # noqa: F401  (hvd.SyncBatchNorm)
@@ -236,7 +236,19 @@ def _scaled(tensor, factor):
         tensor.mul_(factor)
 
 
+def _check_scale_factors(tensors, prescale_factor, postscale_factor):
+    """Scale factors multiply in the tensor's own dtype, which torch refuses for integer tensors:
+    refused here with the reason, before anything is sent."""
+    if prescale_factor == 1.0 and postscale_factor == 1.0:
+        return
+    for tensor in tensors:
+        if not tensor.is_floating_point():
+            raise InvalidArgumentError(f"prescale_factor={prescale_factor} and postscale_factor={postscale_factor} "
+                                       f"need floating-point tensors; got a {tensor.dtype} tensor")
+
+
 def _allreduce_into(tensor, op, compression, prescale_factor, postscale_factor):
+    _check_scale_factors([tensor], prescale_factor, postscale_factor)
     _scaled(tensor, prescale_factor)
     wire_dtype = COMPRESSION_DTYPES.get(getattr(compression, "wire", None))
     if wire_dtype is not None and tensor.is_floating_point() and tensor.dtype != wire_dtype:
@@ -338,6 +350,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
                      process_set=None):
     _no_process_sets(process_set)
     op = _op(op, average)
+    _check_scale_factors([tensor], prescale_factor, postscale_factor)
     _scaled(tensor, prescale_factor)
     handle = _comm.world().allreduce_async(tensor, op=op)
     return _Handle(handle, tensor, lambda t: _scaled(t, postscale_factor))
@@ -411,6 +424,151 @@ def allgather_async(tensor, name=None, process_set=None):
 def reducescatter(tensor, name=None, op=Average, process_set=None):
     _no_process_sets(process_set)
     return _comm.world().reduce_scatter(tensor.detach().contiguous(), op=_op(op))
+
+
+# ---- grouped collectives ---------------------------------------------------------------------
+# Horovod's grouped_* operations run a list of tensors as one operation. Here an all-reduce of a
+# group packs the tensors of each dtype and device into one buffer (one all-reduce per kind, in
+# the order the kinds first appear, the same on every rank); allgather and reducescatter run per
+# tensor. Results, differentiability and handles are Horovod's.
+
+def _kinds(tensors):
+    """The tensors grouped by (dtype, device), in order of first appearance."""
+    kinds = {}
+    for tensor in tensors:
+        kinds.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    return list(kinds.values())
+
+
+def _pack(members):
+    return torch.cat([member.reshape(-1) for member in members])
+
+
+def _unpack(flat, members):
+    offset = 0
+    for member in members:
+        member.copy_(flat[offset:offset + member.numel()].view(member.shape))
+        offset += member.numel()
+
+
+def _check_group_allreduce(tensors, op, prescale_factor, postscale_factor):
+    """What the all-reduce of one kind would refuse, checked for all of them before the first is
+    sent (an in-place group is then left as it was)."""
+    _check_scale_factors(tensors, prescale_factor, postscale_factor)
+    if op == Average:
+        for tensor in tensors:
+            if not tensor.is_floating_point():
+                raise UnsupportedDtypeError(f"op='avg' needs floating-point tensors, got a {tensor.dtype} one in the "
+                                            "group: an integer average would be silently truncated")
+
+
+def _grouped_allreduce_into(tensors, op, compression, prescale_factor, postscale_factor):
+    _check_group_allreduce(tensors, op, prescale_factor, postscale_factor)
+    for members in _kinds(tensors):
+        flat = _pack(members)
+        _allreduce_into(flat, op, compression, prescale_factor, postscale_factor)
+        _unpack(flat, members)
+    return list(tensors)
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, settings, *tensors):
+        ctx.settings = settings
+        return tuple(_grouped_allreduce_into([_contiguous_copy(t) for t in tensors], *settings))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op = ctx.settings[0]
+        if op not in (Average, Sum):
+            raise NotOfferedError(f"hvd.grouped_allreduce with op={op!r} has no gradient; only Average and Sum "
+                                  "are differentiable (as in Horovod)")
+        return (None, *_grouped_allreduce_into([_contiguous_copy(g) for g in grads], *ctx.settings))
+
+
+def _check_group(tensors, what):
+    tensors = list(tensors)
+    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise InvalidArgumentError(f"hvd.{what} takes a non-empty list of tensors")
+    return tensors
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=None):
+    """New tensors holding the reductions of `tensors` (one operation per dtype and device).
+    Differentiable when the tensors require grad."""
+    _no_process_sets(process_set)
+    tensors = _check_group(tensors, "grouped_allreduce")
+    settings = (_op(op, average), compression, prescale_factor, postscale_factor)
+    return list(_GroupedAllreduce.apply(settings, *tensors))
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                       process_set=None):
+    _no_process_sets(process_set)
+    tensors = _check_group(tensors, "grouped_allreduce_")
+    return _grouped_allreduce_into(tensors, _op(op, average), Compression.none, prescale_factor, postscale_factor)
+
+
+class _GroupHandle:
+    """Several asynchronous operations waited for together."""
+
+    def __init__(self, handles):
+        self.handles = handles
+
+    def done(self):
+        return all(handle.done() for handle in self.handles)
+
+    def wait(self):
+        for handle in self.handles:
+            handle.wait()
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=None):
+    _no_process_sets(process_set)
+    tensors = _check_group(tensors, "grouped_allreduce_async_")
+    op = _op(op, average)
+    _check_group_allreduce(tensors, op, prescale_factor, postscale_factor)
+    handles, packed = [], []
+    for members in _kinds(tensors):
+        flat = _pack(members)
+        _scaled(flat, prescale_factor)
+        handles.append(_comm.world().allreduce_async(flat, op=op))
+        packed.append((flat, members))
+
+    def finish(_result):
+        for flat, members in packed:
+            _scaled(flat, postscale_factor)
+            _unpack(flat, members)
+
+    return _Handle(_GroupHandle(handles), tensors, finish)
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0, process_set=None):
+    tensors = _check_group(tensors, "grouped_allreduce_async")
+    return grouped_allreduce_async_([_contiguous_copy(t) for t in tensors], average, name, op, prescale_factor,
+                                    postscale_factor, process_set)
+
+
+def grouped_allgather(tensors, name=None, process_set=None):
+    return [allgather(t, name, process_set) for t in _check_group(tensors, "grouped_allgather")]
+
+
+def grouped_allgather_async(tensors, name=None, process_set=None):
+    result = grouped_allgather([t.detach() for t in _check_group(tensors, "grouped_allgather_async")],
+                               name, process_set)
+    return _Handle(_DoneHandle(result), result)
+
+
+def grouped_reducescatter(tensors, name=None, op=Average, process_set=None):
+    return [reducescatter(t, name, op, process_set) for t in _check_group(tensors, "grouped_reducescatter")]
+
+
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=None):
+    result = grouped_reducescatter(tensors, name, op, process_set)
+    return _Handle(_DoneHandle(result), result)
 
 
 def _alltoall(tensor, splits):
@@ -659,11 +817,6 @@ _NOT_OFFERED = {
     "sparse_allreduce_async": "sparse all-reduce is not offered; DistributedOptimizer reduces dense "
                               "gradients",
 }
-for _name in ("grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
-              "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter",
-              "grouped_reducescatter_async"):
-    _NOT_OFFERED[_name] = (f"hvd.{_name} is not offered; call the single-tensor operation for each "
-                           "tensor (DistributedOptimizer buckets gradients itself)")
 
 
 class NotOfferedAttributeError(NotOfferedError, AttributeError):

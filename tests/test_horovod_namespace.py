@@ -38,6 +38,116 @@ def test_allreduce_is_differentiable(mpi_ranks, mpi_world, op, prescale, postsca
     torch.testing.assert_close(x.grad, xs[rank].grad)
 
 
+def group_inputs(rank, seed=0):
+    """Tensors of three kinds (float64 twice, float32, int64), one non-contiguous."""
+    a = values(rank, (2, 3), seed)
+    b = values(rank, (4,), seed + 1).float()
+    c = values(rank, (3, 2), seed + 2).t()  # non-contiguous
+    d = torch.arange(5, dtype=torch.int64) * (rank + 1)
+    return [a, b, c, d]
+
+
+@pytest.mark.mpi(ranks=[1, 2, 3])
+@pytest.mark.parametrize("op, prescale, postscale", [(hvd.Average, 1.0, 1.0), (hvd.Sum, 2.0, 0.5), (hvd.Max, 1.0, 1.0)])
+def test_grouped_allreduce_variants_match_single_allreduces(mpi_ranks, mpi_world, op, prescale, postscale):
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    everyone = [group_inputs(k) for k in range(size)]
+    expected = []
+    for i in range(4):
+        stack = torch.stack([inputs[i].double() * prescale for inputs in everyone])
+        value = {hvd.Average: stack.mean(0), hvd.Sum: stack.sum(0), hvd.Max: stack.max(0).values}[op] * postscale
+        expected.append(value.to(everyone[0][i].dtype) if i != 3 or op != hvd.Average else value)
+    settings = dict(op=op, prescale_factor=prescale, postscale_factor=postscale)
+    if op == hvd.Max:
+        inputs_of = (lambda: group_inputs(rank))
+    else:  # integers cannot be averaged or scaled: refused before anything is sent, on every rank
+        refusal = "average" if op == hvd.Average else r"prescale_factor=2.0 and postscale_factor=0.5 need floating"
+        for variant in (hvd.grouped_allreduce, hvd.grouped_allreduce_, hvd.grouped_allreduce_async_):
+            tensors = group_inputs(rank)
+            with pytest.raises(md.MpidistError, match=refusal):
+                variant(tensors, **settings)
+            assert all(torch.equal(t, o) for t, o in zip(tensors, group_inputs(rank)))  # nothing changed
+        expected, inputs_of = expected[:3], (lambda: group_inputs(rank)[:3])
+
+    inputs = inputs_of()
+    results = hvd.grouped_allreduce(inputs, **settings)
+    assert [r.dtype for r in results] == [t.dtype for t in inputs]
+    for result, value, original in zip(results, expected, inputs_of()):
+        torch.testing.assert_close(result, value)
+    for untouched, original in zip(inputs, inputs_of()):
+        assert torch.equal(untouched, original)  # the out-of-place form leaves its inputs alone
+
+    in_place = inputs_of()
+    assert hvd.grouped_allreduce_(in_place, **settings) == in_place
+    for result, value in zip(in_place, expected):
+        torch.testing.assert_close(result, value)  # the non-contiguous one too
+
+    for variant in (hvd.grouped_allreduce_async, hvd.grouped_allreduce_async_):
+        tensors = inputs_of()
+        handle = variant(tensors, **settings)
+        results = hvd.synchronize(handle)
+        assert hvd.poll(handle) and hvd.synchronize(handle) is results  # finishes once
+        for result, value in zip(results, expected):
+            torch.testing.assert_close(result, value)
+        if variant is hvd.grouped_allreduce_async_:
+            assert all(r is t for r, t in zip(results, tensors))
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_grouped_allreduce_is_differentiable(mpi_ranks, mpi_world):
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    xs = [t.requires_grad_() for t in group_inputs(rank)[:3]]
+    outputs = hvd.grouped_allreduce(xs, op=hvd.Sum, prescale_factor=3.0)
+    sum(local_loss(rank, out) for out in outputs).backward()
+
+    every = [[t.requires_grad_() for t in group_inputs(k)[:3]] for k in range(size)]
+    combined = [sum(3.0 * inputs[i] for inputs in every) for i in range(3)]
+    sum(local_loss(k, out) for k in range(size) for out in combined).backward()
+    for mine, reference in zip(xs, every[rank]):
+        torch.testing.assert_close(mine.grad, reference.grad)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_grouped_allgather_and_reducescatter(mpi_ranks, mpi_world):
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    firsts = [values(rank, (rank + 1, 2)), values(rank, (2,), seed=1)]
+    gathered = hvd.grouped_allgather(firsts)
+    torch.testing.assert_close(gathered[0], torch.cat([values(k, (k + 1, 2)) for k in range(size)]))
+    torch.testing.assert_close(gathered[1], torch.cat([values(k, (2,), seed=1) for k in range(size)]))
+    assert [t.shape for t in hvd.synchronize(hvd.grouped_allgather_async(firsts))] == [t.shape for t in gathered]
+
+    rows = [values(rank, (size * 2, 3)), values(rank, (size,), seed=1)]
+    scattered = hvd.grouped_reducescatter(rows, op=hvd.Sum)
+    for mine, index in zip(scattered, range(2)):
+        total = sum(values(k, rows[index].shape, seed=index) for k in range(size))
+        per_rank = total.shape[0] // size
+        torch.testing.assert_close(mine, total[rank * per_rank:(rank + 1) * per_rank])
+    again = hvd.synchronize(hvd.grouped_reducescatter_async(rows, op=hvd.Sum))
+    for a, b in zip(again, scattered):
+        torch.testing.assert_close(a, b)
+
+
+def test_scale_factors_on_integer_tensors_are_refused_before_sending():
+    for call in (lambda t: hvd.allreduce(t, op=hvd.Sum, prescale_factor=2.0),
+                 lambda t: hvd.allreduce_(t, op=hvd.Sum, postscale_factor=0.5),
+                 lambda t: hvd.allreduce_async_(t, op=hvd.Sum, prescale_factor=3.0)):
+        tensor = torch.arange(4)
+        with pytest.raises(md.InvalidArgumentError, match="need floating-point tensors; got a torch.int64 tensor"):
+            call(tensor)
+        assert tensor.tolist() == [0, 1, 2, 3]
+
+
+def test_grouped_operations_need_a_list_of_tensors():
+    for function in (hvd.grouped_allreduce, hvd.grouped_allreduce_async, hvd.grouped_allgather):
+        with pytest.raises(md.InvalidArgumentError, match="non-empty list of tensors"):
+            function([])
+        with pytest.raises(md.InvalidArgumentError, match="non-empty list of tensors"):
+            function([torch.ones(1), 3.0])
+
+
 @pytest.mark.mpi(ranks=[2, 3])
 def test_allgather_is_differentiable(mpi_ranks, mpi_world):
     hvd.init()
@@ -200,9 +310,7 @@ def test_compression_classes_follow_horovods_interface():
         [None, "fp16", "bf16"]
 
 
-@pytest.mark.parametrize("name", ["grouped_allreduce", "grouped_allreduce_async",
-                                  "grouped_allgather", "grouped_reducescatter", "ProcessSet",
-                                  "add_process_set", "remove_process_set", "start_timeline", "stop_timeline"])
+@pytest.mark.parametrize("name", ["ProcessSet", "add_process_set", "remove_process_set", "start_timeline", "stop_timeline"])
 def test_horovod_names_not_offered_raise_a_clear_error(name):
     with pytest.raises(hvd.NotOfferedError, match="not offered"):
         getattr(hvd, name)
