@@ -475,3 +475,33 @@ def test_horovod_script_runs_unchanged(ranks, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     trained = torch.load(output)
     assert_close_to_reference([trained[str(i)] for i in range(len(trained))], reference_parameters(ranks))
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_ddp_arguments_are_accepted_as_ddp_takes_them(mpi_ranks, mpi_world):
+    model = make_model(seed=mpi_world.rank)
+    ddp = md.DataParallel(model, device_ids=None, output_device=None, find_unused_parameters=True,
+                          static_graph=True, bucket_cap_mb=0.0005)
+    same_size = md.DataParallel(make_model(), bucket_mb=0.0005)  # bucket_cap_mb is bucket_mb
+    assert len(ddp.buckets.buckets) == len(same_size.buckets.buckets) > 1
+    del same_size
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        x, y = batch(step, mpi_world.rank)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+    assert_close_to_reference(list(model.parameters()), reference_parameters(mpi_ranks))
+
+
+@pytest.mark.mpi(ranks=[2])
+@pytest.mark.parametrize("arguments, message", [
+    (dict(device_ids=[0]), r"device_ids=\[0\]: the module's parameters are on \['cpu'\]"),
+    (dict(device_ids=["cpu", "cpu"]), r"device_ids=\['cpu', 'cpu'\]"),
+    (dict(output_device=0), "output_device= needs device_ids="),
+    (dict(process_group=object()), "process_group= is torch.distributed's; pass comm="),
+    (dict(bucket_mb=10, bucket_cap_mb=5), "bucket_mb=10 and bucket_cap_mb=5 disagree"),
+])
+def test_ddp_arguments_that_cannot_apply_are_refused(mpi_ranks, mpi_world, arguments, message):
+    with pytest.raises(md.InvalidArgumentError, match=message):
+        md.DataParallel(make_model(), **arguments)

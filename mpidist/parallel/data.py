@@ -394,6 +394,35 @@ def trainable_parameters(module_or_params):
     return unique
 
 
+def _ddp_bucket_size(bucket_mb, bucket_cap_mb):
+    if bucket_cap_mb is None:
+        return bucket_mb
+    if bucket_mb != 25 and bucket_mb != bucket_cap_mb:
+        raise InvalidArgumentError(f"bucket_mb={bucket_mb} and bucket_cap_mb={bucket_cap_mb} disagree; "
+                                   "bucket_cap_mb is DDP's name for bucket_mb, give one of them")
+    return bucket_cap_mb
+
+
+def _check_ddp_devices(module, device_ids, output_device) -> None:
+    """DDP's rule: device_ids is None for a CPU module, and [the device] for a module on one GPU."""
+    devices = {p.device for p in module.parameters()}
+    if device_ids is None:
+        if output_device is not None:
+            raise InvalidArgumentError("output_device= needs device_ids= (as in DDP)")
+        return
+    wanted = [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d) for d in device_ids]
+    if len(wanted) != 1 or devices != {wanted[0]}:
+        where = sorted(str(d) for d in devices) or ["no parameters"]
+        raise InvalidArgumentError(
+            f"device_ids={list(device_ids)}: the module's parameters are on {where}; as in DDP, give the one "
+            "device of a single-device GPU module, or device_ids=None for a CPU module")
+    if output_device is not None:
+        out = torch.device("cuda", output_device) if isinstance(output_device, int) else torch.device(output_device)
+        if out != wanted[0]:
+            raise InvalidArgumentError(f"output_device={output_device} differs from device_ids={list(device_ids)}; "
+                                       "the output stays where the module computes it")
+
+
 class DataParallel(torch.nn.Module):
     """Wrap a module for synchronous data-parallel training over MPI (PyTorch DDP semantics).
 
@@ -412,7 +441,17 @@ class DataParallel(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, comm=None, bucket_mb: float = 25,
                  compression: str | None = None, algorithm: str = "auto", broadcast_buffers: bool = True,
-                 gradient_as_bucket_view: bool = False):
+                 gradient_as_bucket_view: bool = False, *, device_ids=None, output_device=None,
+                 find_unused_parameters: bool = False, static_graph: bool = False, bucket_cap_mb=None,
+                 process_group=None):
+        # DDP's own arguments, so that `DistributedDataParallel(model, device_ids=[i], ...)` ports by
+        # renaming the class: find_unused_parameters and static_graph change nothing here (a
+        # parameter without a gradient is always all-reduced as zeros), bucket_cap_mb is bucket_mb.
+        bucket_mb = _ddp_bucket_size(bucket_mb, bucket_cap_mb)
+        _check_ddp_devices(module, device_ids, output_device)
+        if process_group is not None:
+            raise InvalidArgumentError("process_group= is torch.distributed's; pass comm= (an mpidist.Communicator, "
+                                       "e.g. md.Communicator(mpi4py_subcommunicator)) instead")
         super().__init__()
         self.module = module
         self.comm = comm if comm is not None else init()
