@@ -2,8 +2,7 @@
 `import mpidist.torch as hvd` and a Horovod PyTorch script runs on mpidist's collectives.
 
 Differences from Horovod are listed in README.md ("Horovod compatibility"); features that are
-not offered (Adasum, elastic, join, process sets other than the global one, the timeline)
-raise NotOfferedError instead of misbehaving.
+not offered (Adasum, elastic, join, the timeline) raise NotOfferedError instead of misbehaving.
 """
 from __future__ import annotations
 
@@ -43,35 +42,153 @@ def _op(op, average=None):
     return op
 
 
-class _GlobalProcessSet:
-    """Horovod's default process set: all ranks. The only process set mpidist offers."""
+class ProcessSet:
+    """A subset of the ranks running collectives of their own (Horovod's process sets), on an MPI
+    sub-communicator. Give it a list of global ranks, or an mpi4py communicator this rank
+    belongs to; register it with hvd.init(process_sets=[...]) or hvd.add_process_set(), in the
+    same order on every rank, then pass process_set= to the operations. Only its ranks may call
+    them; a broadcast's root_rank is a global rank of the set."""
 
-    process_set_id = 0
+    def __init__(self, ranks_or_comm):
+        self.process_set_id = None
+        self.ranks = None
+        self.mpi_comm = None
+        self._comm = None  # the mpidist Communicator of this rank's set, once registered
+        if isinstance(ranks_or_comm, (list, tuple, range)):
+            if not all(isinstance(r, (int, np.integer)) and not isinstance(r, bool) for r in ranks_or_comm):
+                raise ValueError("ProcessSet takes a list of process ranks or an mpi4py communicator, got "
+                                 f"{list(ranks_or_comm)!r}")
+            self.ranks = sorted(int(r) for r in ranks_or_comm)
+        elif isinstance(ranks_or_comm, _comm.load_mpi().Comm):
+            self.mpi_comm = ranks_or_comm
+        else:
+            raise ValueError("ProcessSet takes a list of process ranks or an mpi4py communicator, got "
+                             f"{type(ranks_or_comm).__name__}")
+
+    def size(self) -> int:
+        return len(self._registered().ranks)
+
+    def rank(self) -> int:
+        """This rank's position in the set (-1 outside it)."""
+        return self._comm.rank if self._comm is not None else -1
+
+    def included(self) -> bool:
+        return self._comm is not None
+
+    def _registered(self):
+        if self.process_set_id is None:
+            raise InvalidArgumentError(f"{self} is not registered: pass it to hvd.init(process_sets=[...]) or "
+                                       "hvd.add_process_set() on every rank first")
+        return self
+
+    def __repr__(self):
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, mpi_comm={self.mpi_comm})"
+
+
+class _GlobalProcessSet(ProcessSet):
+    """Horovod's default process set: all ranks, on the world communicator."""
+
+    def __init__(self):
+        self.process_set_id = 0
+        self.mpi_comm = None
 
     @property
     def ranks(self):
-        return list(range(size()))
+        return list(range(size())) if _comm.is_initialized() else []
 
-    def size(self) -> int:
-        return size()
-
-    def rank(self) -> int:
-        return rank()
-
-    def included(self) -> bool:
-        return True
-
-    def __repr__(self):
-        return "ProcessSet(process_set_id=0, ranks=all)"
+    @property
+    def _comm(self):
+        return _comm.world()
 
 
 global_process_set = _GlobalProcessSet()
+_process_sets = {0: global_process_set}  # id -> registered ProcessSet
 
 
-def _no_process_sets(process_set):
-    if process_set is not None and process_set is not global_process_set:
-        raise NotOfferedError("process sets other than hvd.global_process_set are not offered; build "
-                              "an mpidist.Communicator on a sub-communicator instead")
+def _comm_of(process_set):
+    """The communicator that runs `process_set`'s operations on this rank."""
+    if process_set is None or process_set is global_process_set:
+        return _comm.world()
+    if not isinstance(process_set, ProcessSet):
+        raise InvalidArgumentError(f"process_set= takes an hvd.ProcessSet, got {type(process_set).__name__}")
+    process_set._registered()
+    if process_set._comm is None:
+        raise InvalidArgumentError(f"rank {rank()} is not in {process_set}: only the ranks of a process set "
+                                   "may call its operations")
+    return process_set._comm
+
+
+def _root_in(process_set, root_rank) -> int:
+    """A broadcast root given as a global rank, as its position in the process set."""
+    if process_set is None or process_set is global_process_set:
+        return root_rank
+    if root_rank not in process_set.ranks:
+        raise InvalidArgumentError(f"root_rank={root_rank} is not in {process_set}")
+    return process_set.ranks.index(root_rank)
+
+
+def _register(process_set: ProcessSet) -> ProcessSet:
+    """Give `process_set` the next id and its sub-communicator. Collective over all ranks, which
+    must register the same sets in the same order (checked, with the same error on every rank)."""
+    world, mpi = _comm.world(), _comm.load_mpi()
+    if process_set.process_set_id is not None:
+        raise InvalidArgumentError(f"{process_set} is registered already")
+    if process_set.mpi_comm is None:
+        members = process_set.ranks
+        problem = (None if members and len(set(members)) == len(members) and 0 <= members[0]
+                   and members[-1] < world.size else
+                   f"ProcessSet ranks {members} must be distinct ranks of 0..{world.size - 1}, at least one")
+    else:
+        group = process_set.mpi_comm.Get_group()
+        members = sorted(mpi.Group.Translate_ranks(group, list(range(group.Get_size())), world.mpi.Get_group()))
+        problem = None if mpi.UNDEFINED not in members else "a ProcessSet's communicator holds ranks outside the world"
+    # Every rank's view of the set, so that every rank reaches the same verdict.
+    mine = np.array(members if problem is None else [-1], dtype=np.int64)
+    lengths = world.allgather(np.array([len(mine)], dtype=np.int64))
+    everyone = world.allgather(mine)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    seen = [everyone[offsets[k]:offsets[k + 1]].tolist() for k in range(world.size)]
+    if problem is not None:
+        raise InvalidArgumentError(problem)
+    if any(view == [-1] for view in seen):
+        raise InvalidArgumentError(f"another rank refused its ProcessSet (ranks by rank: {seen})")
+    if process_set.mpi_comm is None:
+        if any(view != seen[0] for view in seen):
+            raise MismatchError(f"ranks registered different process sets at the same point: {seen} by rank")
+        sub = world.mpi.Split(0 if world.rank in members else mpi.UNDEFINED, key=world.rank)
+    else:  # each rank's communicator: its members must all have passed the same one
+        if any(seen[member] != view for view in seen for member in view):
+            raise MismatchError(f"the ranks' ProcessSet communicators do not agree on their members: {seen} by rank")
+        sub = process_set.mpi_comm
+    process_set.ranks = members
+    if sub != mpi.COMM_NULL:
+        process_set._comm = _comm.Communicator(sub)  # a duplicate: the split below is freed here
+        if process_set.mpi_comm is None:
+            sub.Free()
+    process_set.process_set_id = max(_process_sets) + 1
+    _process_sets[process_set.process_set_id] = process_set
+    return process_set
+
+
+def add_process_set(process_set) -> ProcessSet:
+    """Register a process set (a ProcessSet or a list of ranks) after init; every rank must call it,
+    with the same sets in the same order. Returns the ProcessSet."""
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(process_set)
+    return _register(process_set)
+
+
+def remove_process_set(process_set) -> bool:
+    """Unregister a process set and free its communicator (every rank, same order). False for the
+    global one."""
+    if process_set is global_process_set or process_set.process_set_id == 0:
+        return False
+    process_set._registered()
+    _process_sets.pop(process_set.process_set_id, None)
+    if process_set._comm is not None:
+        process_set._comm.free()  # its own duplicate; a user's communicator stays the user's
+    process_set.process_set_id, process_set._comm = None, None
+    return True
 
 
 class _Cast:
@@ -108,10 +225,16 @@ class Compression:
 
 # ---- process information ---------------------------------------------------------------------
 
-def init(comm=None):
-    """Initialize (idempotent). `comm` may be an mpi4py communicator, as in Horovod."""
+def init(comm=None, process_sets=None):
+    """Initialize (idempotent). `comm` may be an mpi4py communicator, as in Horovod;
+    `process_sets` a list of ProcessSet to register (in the same order on every rank) or
+    "dynamic" (accepted: add_process_set works either way)."""
     world = _comm.init(comm)
     _homogeneous(world)  # collective: found here, where every rank calls, so the query is local
+    if process_sets is not None and process_sets != "dynamic":
+        for process_set in process_sets:
+            if process_set.process_set_id is None:
+                _register(process_set)
     return world
 
 
@@ -167,8 +290,7 @@ def is_homogeneous() -> bool:
 
 def barrier(process_set=None):
     """Wait until every rank has called barrier()."""
-    _no_process_sets(process_set)
-    _comm.world().barrier()
+    _comm_of(process_set).barrier()
 
 
 def mpi_enabled() -> bool:
@@ -247,16 +369,16 @@ def _check_scale_factors(tensors, prescale_factor, postscale_factor):
                                        f"need floating-point tensors; got a {tensor.dtype} tensor")
 
 
-def _allreduce_into(tensor, op, compression, prescale_factor, postscale_factor):
+def _allreduce_into(tensor, op, compression, prescale_factor, postscale_factor, comm):
     _check_scale_factors([tensor], prescale_factor, postscale_factor)
     _scaled(tensor, prescale_factor)
     wire_dtype = COMPRESSION_DTYPES.get(getattr(compression, "wire", None))
     if wire_dtype is not None and tensor.is_floating_point() and tensor.dtype != wire_dtype:
         wire = tensor.to(wire_dtype)
-        _comm.world().allreduce(wire, op=op)
+        comm.allreduce(wire, op=op)
         tensor.copy_(wire)
     else:
-        _comm.world().allreduce(tensor, op=op)
+        comm.allreduce(tensor, op=op)
     _scaled(tensor, postscale_factor)
     return tensor
 
@@ -267,9 +389,9 @@ def _contiguous_copy(tensor):
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, op, compression, prescale_factor, postscale_factor):
-        ctx.settings = (op, compression, prescale_factor, postscale_factor)
-        return _allreduce_into(_contiguous_copy(tensor), op, compression, prescale_factor, postscale_factor)
+    def forward(ctx, tensor, op, compression, prescale_factor, postscale_factor, comm):
+        ctx.settings = (op, compression, prescale_factor, postscale_factor, comm)
+        return _allreduce_into(_contiguous_copy(tensor), *ctx.settings)
 
     @staticmethod
     def backward(ctx, grad):
@@ -279,7 +401,7 @@ class _Allreduce(torch.autograd.Function):
                                   "are differentiable (as in Horovod)")
         # Each rank's input enters every rank's output through the same linear map, so its
         # gradient is the same reduction (op and scale factors) of all ranks' output gradients.
-        return _allreduce_into(_contiguous_copy(grad), *ctx.settings), None, None, None, None
+        return _allreduce_into(_contiguous_copy(grad), *ctx.settings), None, None, None, None, None
 
 
 # Horovod (since v0.22, PR #2687) averages the output gradients of allgather and broadcast over
@@ -287,54 +409,54 @@ class _Allreduce(torch.autograd.Function):
 _GATHER_GRADIENT_OP = Average
 
 
-def _combined_gradient(grad):
-    return _allreduce_into(_contiguous_copy(grad), _GATHER_GRADIENT_OP, Compression.none, 1.0, 1.0)
+def _combined_gradient(grad, comm):
+    return _allreduce_into(_contiguous_copy(grad), _GATHER_GRADIENT_OP, Compression.none, 1.0, 1.0, comm)
 
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor):
-        ctx.shape = tensor.shape
-        return _comm.world().allgather(tensor.detach().contiguous())
+    def forward(ctx, tensor, comm):
+        ctx.shape, ctx.comm = tensor.shape, comm
+        return comm.allgather(tensor.detach().contiguous())
 
     @staticmethod
     def backward(ctx, grad):
-        world = _comm.world()
-        combined = _combined_gradient(grad)
+        world = ctx.comm
+        combined = _combined_gradient(grad, world)
         rows = ctx.shape[0] if len(ctx.shape) else 1  # a 0-d tensor is gathered as one row
         all_rows = world.allgather(np.array([rows], dtype=np.int64))
         offset = int(all_rows[:world.rank].sum())
-        return combined.narrow(0, offset, rows).reshape(ctx.shape)
+        return combined.narrow(0, offset, rows).reshape(ctx.shape), None
 
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, root_rank):
-        ctx.root_rank = root_rank
-        return _comm.world().broadcast(_contiguous_copy(tensor), root=root_rank)
+    def forward(ctx, tensor, root, comm):
+        ctx.root, ctx.comm = root, comm
+        return comm.broadcast(_contiguous_copy(tensor), root=root)
 
     @staticmethod
     def backward(ctx, grad):
         # Every rank's output is the root's input: the root's gradient combines all ranks'
         # output gradients; the other ranks' inputs were not used (zero gradient, as Horovod).
-        combined = _combined_gradient(grad)
-        if _comm.world().rank != ctx.root_rank:
+        combined = _combined_gradient(grad, ctx.comm)
+        if ctx.comm.rank != ctx.root:
             combined.zero_()
-        return combined, None
+        return combined, None, None
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=None, compression=Compression.none):
-    _no_process_sets(process_set)
-    return _allreduce_into(tensor, _op(op, average), compression, prescale_factor, postscale_factor)
+    return _allreduce_into(tensor, _op(op, average), compression, prescale_factor, postscale_factor,
+                           _comm_of(process_set))
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, process_set=None):
     """A new tensor holding the reduction of `tensor` over all ranks (average by default).
     Differentiable when `tensor` requires grad."""
-    _no_process_sets(process_set)
-    return _Allreduce.apply(tensor, _op(op, average), compression, prescale_factor, postscale_factor)
+    return _Allreduce.apply(tensor, _op(op, average), compression, prescale_factor, postscale_factor,
+                            _comm_of(process_set))
 
 
 class _Handle:
@@ -348,11 +470,11 @@ class _Handle:
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=None):
-    _no_process_sets(process_set)
+    comm = _comm_of(process_set)
     op = _op(op, average)
     _check_scale_factors([tensor], prescale_factor, postscale_factor)
     _scaled(tensor, prescale_factor)
-    handle = _comm.world().allreduce_async(tensor, op=op)
+    handle = comm.allreduce_async(tensor, op=op)
     return _Handle(handle, tensor, lambda t: _scaled(t, postscale_factor))
 
 
@@ -377,14 +499,13 @@ def synchronize(handle):
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=None):
-    _no_process_sets(process_set)
-    return _comm.world().broadcast(tensor, root=root_rank)
+    return _comm_of(process_set).broadcast(tensor, root=_root_in(process_set, root_rank))
 
 
 def broadcast(tensor, root_rank, name=None, process_set=None):
     """A new tensor holding `root_rank`'s `tensor`. Differentiable when `tensor` requires grad."""
-    _no_process_sets(process_set)
-    return _Broadcast.apply(tensor, root_rank)
+    comm = _comm_of(process_set)
+    return _Broadcast.apply(tensor, _root_in(process_set, root_rank), comm)
 
 
 class _DoneHandle:
@@ -412,8 +533,7 @@ def broadcast_async(tensor, root_rank, name=None, process_set=None):
 def allgather(tensor, name=None, process_set=None):
     """Every rank's `tensor` concatenated along the first dimension (which may differ by rank).
     Differentiable when `tensor` requires grad."""
-    _no_process_sets(process_set)
-    return _Allgather.apply(tensor)
+    return _Allgather.apply(tensor, _comm_of(process_set))
 
 
 def allgather_async(tensor, name=None, process_set=None):
@@ -422,8 +542,7 @@ def allgather_async(tensor, name=None, process_set=None):
 
 
 def reducescatter(tensor, name=None, op=Average, process_set=None):
-    _no_process_sets(process_set)
-    return _comm.world().reduce_scatter(tensor.detach().contiguous(), op=_op(op))
+    return _comm_of(process_set).reduce_scatter(tensor.detach().contiguous(), op=_op(op))
 
 
 # ---- grouped collectives ---------------------------------------------------------------------
@@ -462,11 +581,11 @@ def _check_group_allreduce(tensors, op, prescale_factor, postscale_factor):
                                             "group: an integer average would be silently truncated")
 
 
-def _grouped_allreduce_into(tensors, op, compression, prescale_factor, postscale_factor):
+def _grouped_allreduce_into(tensors, op, compression, prescale_factor, postscale_factor, comm):
     _check_group_allreduce(tensors, op, prescale_factor, postscale_factor)
     for members in _kinds(tensors):
         flat = _pack(members)
-        _allreduce_into(flat, op, compression, prescale_factor, postscale_factor)
+        _allreduce_into(flat, op, compression, prescale_factor, postscale_factor, comm)
         _unpack(flat, members)
     return list(tensors)
 
@@ -497,17 +616,16 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
                       prescale_factor=1.0, postscale_factor=1.0, process_set=None):
     """New tensors holding the reductions of `tensors` (one operation per dtype and device).
     Differentiable when the tensors require grad."""
-    _no_process_sets(process_set)
     tensors = _check_group(tensors, "grouped_allreduce")
-    settings = (_op(op, average), compression, prescale_factor, postscale_factor)
+    settings = (_op(op, average), compression, prescale_factor, postscale_factor, _comm_of(process_set))
     return list(_GroupedAllreduce.apply(settings, *tensors))
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=None):
-    _no_process_sets(process_set)
     tensors = _check_group(tensors, "grouped_allreduce_")
-    return _grouped_allreduce_into(tensors, _op(op, average), Compression.none, prescale_factor, postscale_factor)
+    return _grouped_allreduce_into(tensors, _op(op, average), Compression.none, prescale_factor, postscale_factor,
+                                   _comm_of(process_set))
 
 
 class _GroupHandle:
@@ -526,7 +644,7 @@ class _GroupHandle:
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=None):
-    _no_process_sets(process_set)
+    comm = _comm_of(process_set)
     tensors = _check_group(tensors, "grouped_allreduce_async_")
     op = _op(op, average)
     _check_group_allreduce(tensors, op, prescale_factor, postscale_factor)
@@ -534,7 +652,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     for members in _kinds(tensors):
         flat = _pack(members)
         _scaled(flat, prescale_factor)
-        handles.append(_comm.world().allreduce_async(flat, op=op))
+        handles.append(comm.allreduce_async(flat, op=op))
         packed.append((flat, members))
 
     def finish(_result):
@@ -571,10 +689,10 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=None
     return _Handle(_DoneHandle(result), result)
 
 
-def _alltoall(tensor, splits):
-    """(received rows, received row counts by rank) for `tensor`'s first-dimension `splits`."""
+def _alltoall(tensor, splits, world):
+    """(received rows, received row counts by rank) for `tensor`'s first-dimension `splits` over
+    the communicator `world`."""
     from mpi4py import MPI
-    world = _comm.world()
     if tensor.dim() == 0:
         raise InvalidArgumentError("alltoall splits the first dimension: give a tensor of at least one dimension")
     rows = tensor.shape[0]
@@ -628,17 +746,17 @@ def _alltoall(tensor, splits):
 
 class _Alltoall(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, splits):
-        output, received = _alltoall(tensor, splits)
-        ctx.received = received
+    def forward(ctx, tensor, splits, comm):
+        output, received = _alltoall(tensor, splits, comm)
+        ctx.received, ctx.comm = received, comm
         ctx.mark_non_differentiable(received)
         return output, received
 
     @staticmethod
     def backward(ctx, grad, _received_grad):
         # The gradient of the rows this rank sent comes back from the ranks that received them.
-        grad_input, _ = _alltoall(grad.contiguous(), ctx.received)
-        return grad_input, None
+        grad_input, _ = _alltoall(grad.contiguous(), ctx.received, ctx.comm)
+        return grad_input, None, None
 
 
 def alltoall(tensor, splits=None, name=None, process_set=None):
@@ -646,8 +764,7 @@ def alltoall(tensor, splits=None, name=None, process_set=None):
     and return the rows received, in rank order. As in Horovod: with splits= the result is
     (tensor, received_splits), an int32 tensor of the row counts received from each rank.
     Differentiable when `tensor` requires grad."""
-    _no_process_sets(process_set)
-    output, received = _Alltoall.apply(tensor, splits)
+    output, received = _Alltoall.apply(tensor, splits, _comm_of(process_set))
     return output if splits is None else (output, received)
 
 
@@ -694,8 +811,8 @@ def broadcast_optimizer_state(optimizer, root_rank=0):
 def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     """Broadcast a JSON-serializable object (mpidist never unpickles received data, so values
     come back as JSON gives them: dict keys become strings, tuples lists)."""
-    _no_process_sets(process_set)
-    world = _comm.world()
+    world = _comm_of(process_set)
+    root_rank = _root_in(process_set, root_rank)
     if world.rank == root_rank:
         try:
             payload = json.dumps(obj).encode()
@@ -714,8 +831,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
 
 def allgather_object(obj, name=None, process_set=None):
     """Every rank's JSON-serializable object, in a list by rank (JSON, as broadcast_object)."""
-    _no_process_sets(process_set)
-    world = _comm.world()
+    world = _comm_of(process_set)
     try:
         data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8).copy()
         error = None
@@ -741,7 +857,7 @@ class _DistributedOptimizer:
     backward (after `backward_passes_per_step` passes) and waited for in step()/synchronize()."""
 
     def _setup_distributed(self, named_parameters, compression, backward_passes_per_step, op,
-                           gradient_predivide_factor):
+                           gradient_predivide_factor, comm):
         params = [p for group in self.param_groups for p in group["params"]]
         if named_parameters is not None:
             named = list(named_parameters)
@@ -757,7 +873,7 @@ class _DistributedOptimizer:
             raise InvalidArgumentError("gradient_predivide_factor needs op=hvd.Average")
         trainable = trainable_parameters(params)
         check_not_synchronized(trainable, "DistributedOptimizer")
-        self._buckets = GradientBuckets(trainable, _comm.world(),
+        self._buckets = GradientBuckets(trainable, comm,
                                         compression=getattr(compression, "wire", None), op=op,
                                         predivide=gradient_predivide_factor,
                                         passes_per_step=backward_passes_per_step)
@@ -793,7 +909,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False, process_set=None):
     """Wrap a torch optimizer the way horovod.torch.DistributedOptimizer does."""
-    _no_process_sets(process_set)
+    comm = _comm_of(process_set)
     if num_groups or groups:
         raise NotOfferedError("grouped all-reduce (num_groups/groups) is not offered; mpidist buckets "
                               "gradients automatically")
@@ -801,17 +917,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     distributed = cls.__new__(cls)
     distributed.__dict__.update(optimizer.__dict__)
     distributed._setup_distributed(named_parameters, compression, backward_passes_per_step, op,
-                                   gradient_predivide_factor)
+                                   gradient_predivide_factor, comm)
     return distributed
 
 
 # ---- Horovod names mpidist does not offer ----------------------------------------------------
 
 _NOT_OFFERED = {
-    "ProcessSet": "process sets are not offered (only hvd.global_process_set); build an "
-                  "mpidist.Communicator on a sub-communicator instead",
-    "add_process_set": "process sets are not offered (only hvd.global_process_set)",
-    "remove_process_set": "process sets are not offered (only hvd.global_process_set)",
     "start_timeline": "the Horovod timeline is not offered",
     "stop_timeline": "the Horovod timeline is not offered",
     "sparse_allreduce_async": "sparse all-reduce is not offered; DistributedOptimizer reduces dense "

@@ -130,7 +130,9 @@ def test_grouped_allgather_and_reducescatter(mpi_ranks, mpi_world):
         torch.testing.assert_close(a, b)
 
 
-def test_scale_factors_on_integer_tensors_are_refused_before_sending():
+@pytest.mark.mpi(ranks=[2])
+def test_scale_factors_on_integer_tensors_are_refused_before_sending(mpi_ranks, mpi_world):
+    hvd.init()
     for call in (lambda t: hvd.allreduce(t, op=hvd.Sum, prescale_factor=2.0),
                  lambda t: hvd.allreduce_(t, op=hvd.Sum, postscale_factor=0.5),
                  lambda t: hvd.allreduce_async_(t, op=hvd.Sum, prescale_factor=3.0)):
@@ -280,8 +282,93 @@ def test_barrier_objects_and_process_sets(mpi_ranks, mpi_world):
     assert hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=everyone).tolist() == [size, size]
     assert hvd.broadcast_object(rank, root_rank=0, process_set=everyone) == 0
     assert (everyone.size(), everyone.rank(), everyone.included()) == (size, rank, True)
-    with pytest.raises(hvd.NotOfferedError, match="process sets"):
+    with pytest.raises(md.InvalidArgumentError, match="process_set= takes an hvd.ProcessSet, got object"):
         hvd.allreduce(torch.ones(2), process_set=object())
+
+
+@pytest.mark.mpi(ranks=[3, 4])
+def test_process_sets_run_their_own_collectives(mpi_ranks, mpi_world):
+    from mpi4py import MPI
+    rank, size = mpi_world.rank, mpi_world.size
+    even, odd = hvd.ProcessSet(range(0, size, 2)), hvd.ProcessSet(list(range(1, size, 2)))
+    hvd.init(process_sets=[even, odd])
+    mine, other = (even, odd) if rank % 2 == 0 else (odd, even)
+    members = mine.ranks
+    assert even.process_set_id + 1 == odd.process_set_id and even.process_set_id > 0
+    assert (mine.size(), mine.rank(), mine.included()) == (len(members), members.index(rank), True)
+    assert (other.included(), other.rank()) == (False, -1)
+
+    value = torch.tensor([float(rank), 1.0])
+    assert hvd.allreduce(value, op=hvd.Sum, process_set=mine).tolist() == [float(sum(members)), len(members)]
+    assert hvd.grouped_allreduce([value, value.double()], op=hvd.Max, process_set=mine)[1].tolist() == \
+        [float(max(members)), 1.0]
+    handle = hvd.allreduce_async(value, op=hvd.Sum, process_set=mine)
+    assert hvd.synchronize(handle).tolist() == [float(sum(members)), len(members)]
+    root = members[-1]  # a global rank of the set
+    assert hvd.broadcast(value, root_rank=root, process_set=mine).tolist() == [float(root), 1.0]
+    assert hvd.broadcast_object({"from": rank}, root_rank=root, process_set=mine) == {"from": root}
+    assert hvd.allgather(torch.tensor([rank]), process_set=mine).tolist() == members
+    assert hvd.allgather_object(rank, process_set=mine) == members
+    rows = torch.arange(len(members), dtype=torch.float64) + 10 * rank
+    assert hvd.alltoall(rows, process_set=mine).tolist() == [10.0 * m + mine.rank() for m in members]
+    scattered = hvd.reducescatter(torch.ones(len(members), 2), op=hvd.Sum, process_set=mine)
+    assert scattered.tolist() == [[float(len(members))] * 2]
+    hvd.barrier(process_set=mine)
+    with pytest.raises(md.InvalidArgumentError, match=f"rank {rank} is not in ProcessSet"):
+        hvd.allreduce(value, process_set=other)
+    with pytest.raises(md.InvalidArgumentError, match=f"root_rank={other.ranks[0]} is not in ProcessSet"):
+        hvd.broadcast(value, root_rank=other.ranks[0], process_set=mine)
+
+    # Added later, from a list of ranks or from an mpi4py communicator; removed.
+    ends = hvd.add_process_set([0, size - 1])
+    assert ends.process_set_id == odd.process_set_id + 1
+    if rank in (0, size - 1):
+        assert hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum, process_set=ends).item() == 2.0
+    split = MPI.COMM_WORLD.Split(rank % 2, rank)
+    by_comm = hvd.add_process_set(hvd.ProcessSet(split))
+    assert by_comm.ranks == members
+    assert hvd.allreduce(torch.tensor([float(rank)]), op=hvd.Sum, process_set=by_comm).item() == sum(members)
+    assert hvd.remove_process_set(ends) and hvd.remove_process_set(by_comm)
+    assert not hvd.remove_process_set(hvd.global_process_set)
+    with pytest.raises(md.InvalidArgumentError, match="is not registered"):
+        hvd.allreduce(value, process_set=ends)
+    assert hvd.allreduce(value, op=hvd.Sum, process_set=mine)[1] == len(members)  # the static sets still work
+    split.Free()
+
+    # Refusals reach every rank.
+    with pytest.raises(md.MismatchError, match="registered different process sets"):
+        hvd.add_process_set([0, 1] if rank == 0 else [0, 2])
+    with pytest.raises(md.InvalidArgumentError, match=rf"ProcessSet ranks \[0, {size}\] must be distinct ranks"):
+        hvd.add_process_set([0, size])
+    with pytest.raises(ValueError, match="list of process ranks or an mpi4py communicator"):
+        hvd.ProcessSet(["0"])
+
+
+@pytest.mark.mpi(ranks=[4])
+def test_distributed_optimizer_on_a_process_set_matches_its_members_batches(mpi_ranks, mpi_world):
+    rank = mpi_world.rank
+    halves = [hvd.add_process_set([0, 1]), hvd.add_process_set([2, 3])]
+    mine = halves[rank // 2]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).double()
+    reference = torch.nn.Linear(4, 2).double()
+    reference.load_state_dict(model.state_dict())
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters(), process_set=mine)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        batches = [values(member, (3, 4), seed=step) for member in mine.ranks]
+        optimizer.zero_grad()
+        model(batches[mine.rank()]).pow(2).mean().backward()
+        optimizer.step()
+        reference_optimizer.zero_grad()
+        reference(torch.cat(batches)).pow(2).mean().backward()
+        reference_optimizer.step()
+    for trained, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(trained, expected)
+    del optimizer
+    for half in halves:
+        hvd.remove_process_set(half)
 
 
 def test_is_homogeneous_false_for_uneven_nodes():
@@ -310,7 +397,7 @@ def test_compression_classes_follow_horovods_interface():
         [None, "fp16", "bf16"]
 
 
-@pytest.mark.parametrize("name", ["ProcessSet", "add_process_set", "remove_process_set", "start_timeline", "stop_timeline"])
+@pytest.mark.parametrize("name", ["start_timeline", "stop_timeline", "sparse_allreduce_async"])
 def test_horovod_names_not_offered_raise_a_clear_error(name):
     with pytest.raises(hvd.NotOfferedError, match="not offered"):
         getattr(hvd, name)
