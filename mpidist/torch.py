@@ -103,6 +103,7 @@ class _GlobalProcessSet(ProcessSet):
 
 global_process_set = _GlobalProcessSet()
 _process_sets = {0: global_process_set}  # id -> registered ProcessSet
+_registered_so_far = [0]  # ids are never reused, as Horovod's
 
 
 def _comm_of(process_set):
@@ -165,7 +166,8 @@ def _register(process_set: ProcessSet) -> ProcessSet:
         process_set._comm = _comm.Communicator(sub)  # a duplicate: the split below is freed here
         if process_set.mpi_comm is None:
             sub.Free()
-    process_set.process_set_id = max(_process_sets) + 1
+    _registered_so_far[0] += 1
+    process_set.process_set_id = _registered_so_far[0]
     _process_sets[process_set.process_set_id] = process_set
     return process_set
 
