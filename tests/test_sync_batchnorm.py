@@ -59,23 +59,23 @@ def summed_over_ranks(tensor):
 
 
 @pytest.mark.mpi(ranks=[1, 2, 3, 5])
-@pytest.mark.parametrize("trailing", [(), (4,), (2, 3)])
-def test_matches_batchnorm_on_all_samples(mpi_ranks, mpi_world, trailing):
+def test_matches_batchnorm_on_all_samples(mpi_ranks, mpi_world):
     rank, size = mpi_world.rank, mpi_world.size
-    shapes = [(k + 2, CHANNELS) + trailing for k in range(size)]  # uneven batches
-    norm = make_norm()
-    x = values(rank, shapes[rank]).requires_grad_()
-    y = norm(x)
-    local_loss(rank, y).backward()
+    for trailing in [(), (4,), (2, 3)]:  # BatchNorm1d's (N, C) and (N, C, L), BatchNorm2d's (N, C, H, W)
+        shapes = [(k + 2, CHANNELS) + trailing for k in range(size)]  # uneven batches
+        norm = make_norm()
+        x = values(rank, shapes[rank]).requires_grad_()
+        y = norm(x)
+        local_loss(rank, y).backward()
 
-    outputs, xs, ref = reference(shapes)
-    torch.testing.assert_close(y, outputs[rank])
-    torch.testing.assert_close(x.grad, xs[rank].grad)
-    torch.testing.assert_close(summed_over_ranks(norm.weight.grad), ref.weight.grad)
-    torch.testing.assert_close(summed_over_ranks(norm.bias.grad), ref.bias.grad)
-    torch.testing.assert_close(norm.running_mean, ref.running_mean)
-    torch.testing.assert_close(norm.running_var, ref.running_var)
-    assert norm.num_batches_tracked.item() == 1
+        outputs, xs, ref = reference(shapes)
+        torch.testing.assert_close(y, outputs[rank])
+        torch.testing.assert_close(x.grad, xs[rank].grad)
+        torch.testing.assert_close(summed_over_ranks(norm.weight.grad), ref.weight.grad)
+        torch.testing.assert_close(summed_over_ranks(norm.bias.grad), ref.bias.grad)
+        torch.testing.assert_close(norm.running_mean, ref.running_mean)
+        torch.testing.assert_close(norm.running_var, ref.running_var)
+        assert norm.num_batches_tracked.item() == 1
 
 
 @pytest.mark.mpi(ranks=[2, 3])
@@ -96,25 +96,25 @@ def test_a_rank_without_samples_takes_part(mpi_ranks, mpi_world):
 
 
 @pytest.mark.mpi(ranks=[2, 3])
-@pytest.mark.parametrize("affine, momentum, track", [(False, None, True), (True, None, True), (False, 0.1, False)])
-def test_options_as_batchnorm(mpi_ranks, mpi_world, affine, momentum, track):
+def test_options_as_batchnorm(mpi_ranks, mpi_world):
     rank, size = mpi_world.rank, mpi_world.size
     shapes = [(k + 2, CHANNELS) for k in range(size)]
-    norm = make_norm(affine=affine, momentum=momentum, track_running_stats=track)
-    for step in range(3):
-        x = values(rank, shapes[rank], seed=step).requires_grad_()
-        y = norm(x)
-        local_loss(rank, y).backward()
+    for affine, momentum, track in [(False, None, True), (True, None, True), (False, 0.1, False)]:
+        norm = make_norm(affine=affine, momentum=momentum, track_running_stats=track)
+        for step in range(3):
+            x = values(rank, shapes[rank], seed=step).requires_grad_()
+            y = norm(x)
+            local_loss(rank, y).backward()
 
-    outputs, xs, ref = reference(shapes, steps=3, affine=affine, momentum=momentum, track_running_stats=track)
-    torch.testing.assert_close(y, outputs[rank])
-    torch.testing.assert_close(x.grad, xs[rank].grad)
-    if track:
-        torch.testing.assert_close(norm.running_mean, ref.running_mean)
-        torch.testing.assert_close(norm.running_var, ref.running_var)
-        assert norm.num_batches_tracked.item() == ref.num_batches_tracked.item() == 3
-    else:
-        assert norm.running_mean is None and norm.running_var is None
+        outputs, xs, ref = reference(shapes, steps=3, affine=affine, momentum=momentum, track_running_stats=track)
+        torch.testing.assert_close(y, outputs[rank])
+        torch.testing.assert_close(x.grad, xs[rank].grad)
+        if track:
+            torch.testing.assert_close(norm.running_mean, ref.running_mean)
+            torch.testing.assert_close(norm.running_var, ref.running_var)
+            assert norm.num_batches_tracked.item() == ref.num_batches_tracked.item() == 3
+        else:
+            assert norm.running_mean is None and norm.running_var is None
 
 
 @pytest.mark.mpi(ranks=[2, 3])
