@@ -42,6 +42,18 @@ def assert_close_to_reference(params, reference, tolerance=1e-5):
         assert relative < tolerance, f"relative difference {relative}"
 
 
+def train_and_compare(wrapped, model, rank, ranks):
+    """STEPS steps of SGD through `wrapped` on this rank's batches; `model`'s parameters must then
+    match single-process training on every rank's batches."""
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(wrapped(x), y).backward()
+        optimizer.step()
+    assert_close_to_reference(list(model.parameters()), reference_parameters(ranks))
+
+
 @pytest.mark.mpi(ranks=[2, 3])
 @pytest.mark.parametrize("bucket_mb", [25, 0.0005])  # one bucket; a bucket per parameter
 @pytest.mark.parametrize("ranks_per_node", [None, "1"])
@@ -54,13 +66,7 @@ def test_data_parallel_matches_single_process(mpi_ranks, mpi_world, bucket_mb, r
     model = make_model(seed=mpi_world.rank)  # different starts: construction broadcasts rank 0's
     ddp = md.DataParallel(model, comm=comm, bucket_mb=bucket_mb)
     assert (ddp.buckets.slots is None) == bool(ranks_per_node)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
-        x, y = batch(step, mpi_world.rank)
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        optimizer.step()
-    assert_close_to_reference(list(model.parameters()), reference_parameters(mpi_ranks))
+    train_and_compare(ddp, model, mpi_world.rank, mpi_ranks)
 
 
 @pytest.mark.mpi(ranks=[2])
@@ -485,13 +491,7 @@ def test_ddp_arguments_are_accepted_as_ddp_takes_them(mpi_ranks, mpi_world):
     same_size = md.DataParallel(make_model(), bucket_mb=0.0005)  # bucket_cap_mb is bucket_mb
     assert len(ddp.buckets.buckets) == len(same_size.buckets.buckets) > 1
     del same_size
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
-        x, y = batch(step, mpi_world.rank)
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        optimizer.step()
-    assert_close_to_reference(list(model.parameters()), reference_parameters(mpi_ranks))
+    train_and_compare(ddp, model, mpi_world.rank, mpi_ranks)
 
 
 @pytest.mark.mpi(ranks=[2])
