@@ -371,11 +371,19 @@ def _check_scale_factors(tensors, prescale_factor, postscale_factor):
                                        f"need floating-point tensors; got a {tensor.dtype} tensor")
 
 
+def _wire_dtype(tensor, compression):
+    """The dtype `compression` sends `tensor` in, or None to send it as it is."""
+    wire_dtype = COMPRESSION_DTYPES.get(getattr(compression, "wire", None))
+    if wire_dtype is not None and tensor.is_floating_point() and tensor.dtype != wire_dtype:
+        return wire_dtype
+    return None
+
+
 def _allreduce_into(tensor, op, compression, prescale_factor, postscale_factor, comm):
     _check_scale_factors([tensor], prescale_factor, postscale_factor)
     _scaled(tensor, prescale_factor)
-    wire_dtype = COMPRESSION_DTYPES.get(getattr(compression, "wire", None))
-    if wire_dtype is not None and tensor.is_floating_point() and tensor.dtype != wire_dtype:
+    wire_dtype = _wire_dtype(tensor, compression)
+    if wire_dtype is not None:
         wire = tensor.to(wire_dtype)
         comm.allreduce(wire, op=op)
         tensor.copy_(wire)
@@ -543,8 +551,54 @@ def allgather_async(tensor, name=None, process_set=None):
     return _Handle(_DoneHandle(result), result)
 
 
-def reducescatter(tensor, name=None, op=Average, process_set=None):
-    return _comm_of(process_set).reduce_scatter(tensor.detach().contiguous(), op=_op(op))
+def _reducescatter(tensor, op, compression, prescale_factor, postscale_factor, comm):
+    """Rank r's block of rows of the reduction (the first rows % size ranks get one row more)."""
+    _check_scale_factors([tensor], prescale_factor, postscale_factor)
+    source = tensor.detach().contiguous()
+    wire_dtype = _wire_dtype(source, compression)
+    if prescale_factor != 1.0:
+        source = source * prescale_factor
+    if wire_dtype is not None:
+        result = comm.reduce_scatter(source.to(wire_dtype), op=op).to(tensor.dtype)
+    else:
+        result = comm.reduce_scatter(source, op=op)
+    _scaled(result, postscale_factor)
+    return result
+
+
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, op, compression, prescale_factor, postscale_factor, comm):
+        ctx.op, ctx.scale, ctx.shape, ctx.comm = op, prescale_factor * postscale_factor, tensor.shape, comm
+        return _reducescatter(tensor, op, compression, prescale_factor, postscale_factor, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.op not in (Average, Sum):
+            raise NotOfferedError(f"hvd.reducescatter with op={ctx.op!r} has no gradient; only Average and Sum "
+                                  "are differentiable (as in Horovod)")
+        # Each input row enters only the output of the rank its block goes to, scaled: its
+        # gradient is that rank's output gradient, scaled the same way (as allreduce's, the
+        # gradient of the sum of the ranks' losses).
+        gathered = ctx.comm.allgather(grad.detach().contiguous())
+        _scaled(gathered, ctx.scale / ctx.comm.size if ctx.op == Average else ctx.scale)
+        return gathered.reshape(ctx.shape), None, None, None, None, None
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=None,
+                  prescale_factor=1.0, postscale_factor=1.0):
+    """Reduce `tensor` over the ranks and give rank r its r-th block of rows (the first
+    rows % size ranks get one row more, as Horovod splits). Differentiable when `tensor`
+    requires grad (op Average or Sum)."""
+    return _Reducescatter.apply(tensor, _op(op), compression, prescale_factor, postscale_factor,
+                                _comm_of(process_set))
+
+
+def reducescatter_async(tensor, name=None, op=Average, process_set=None, prescale_factor=1.0,
+                        postscale_factor=1.0):
+    result = _reducescatter(tensor, _op(op), Compression.none, prescale_factor, postscale_factor,
+                            _comm_of(process_set))
+    return _Handle(_DoneHandle(result), result)
 
 
 # ---- grouped collectives ---------------------------------------------------------------------
@@ -682,12 +736,18 @@ def grouped_allgather_async(tensors, name=None, process_set=None):
     return _Handle(_DoneHandle(result), result)
 
 
-def grouped_reducescatter(tensors, name=None, op=Average, process_set=None):
-    return [reducescatter(t, name, op, process_set) for t in _check_group(tensors, "grouped_reducescatter")]
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average, process_set=None,
+                          prescale_factor=1.0, postscale_factor=1.0):
+    tensors = _check_group(tensors, "grouped_reducescatter")
+    _check_scale_factors(tensors, prescale_factor, postscale_factor)  # all of them before the first is sent
+    return [reducescatter(t, name, compression, op, process_set, prescale_factor, postscale_factor)
+            for t in tensors]
 
 
-def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=None):
-    result = grouped_reducescatter(tensors, name, op, process_set)
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=None, prescale_factor=1.0,
+                                postscale_factor=1.0):
+    result = grouped_reducescatter([t.detach() for t in _check_group(tensors, "grouped_reducescatter_async")],
+                                   name, Compression.none, op, process_set, prescale_factor, postscale_factor)
     return _Handle(_DoneHandle(result), result)
 
 
@@ -768,6 +828,13 @@ def alltoall(tensor, splits=None, name=None, process_set=None):
     Differentiable when `tensor` requires grad."""
     output, received = _Alltoall.apply(tensor, splits, _comm_of(process_set))
     return output if splits is None else (output, received)
+
+
+def alltoall_async(tensor, splits=None, name=None, process_set=None):
+    """As Horovod's: synchronize() returns (received rows, received splits), with or without splits=."""
+    output, received = _alltoall(tensor.detach(), splits, _comm_of(process_set))
+    result = (output, received)
+    return _Handle(_DoneHandle(result), result)
 
 
 def broadcast_parameters(params, root_rank=0):

@@ -113,6 +113,46 @@ def test_grouped_allreduce_is_differentiable(mpi_ranks, mpi_world):
         torch.testing.assert_close(mine.grad, reference.grad)
 
 
+def row_blocks(tensor, size):
+    """Horovod's split of the first dimension: the first rows % size ranks get one row more."""
+    rows = tensor.shape[0]
+    return torch.split(tensor, [rows // size + (k < rows % size) for k in range(size)])
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_reducescatter_is_differentiable_and_its_variants_agree(mpi_ranks, mpi_world):
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    shape = (2 * size + 1, 3)  # uneven: rank 0 gets one row more
+    for op, prescale, postscale in [(hvd.Average, 1.0, 1.0), (hvd.Sum, 1.0, 1.0), (hvd.Average, 0.5, 3.0)]:
+        x = values(rank, shape).requires_grad_()
+        y = hvd.reducescatter(x, op=op, prescale_factor=prescale, postscale_factor=postscale)
+        local_loss(rank, y).backward()
+
+        xs = [values(k, shape).requires_grad_() for k in range(size)]
+        combined = sum(prescale * v for v in xs) * postscale
+        if op == hvd.Average:
+            combined = combined / size
+        blocks = row_blocks(combined, size)
+        sum(local_loss(k, blocks[k]) for k in range(size)).backward()
+        torch.testing.assert_close(y.detach(), blocks[rank].detach())
+        torch.testing.assert_close(x.grad, xs[rank].grad)
+
+        handle = hvd.reducescatter_async(x, op=op, prescale_factor=prescale, postscale_factor=postscale)
+        torch.testing.assert_close(hvd.synchronize(handle), y.detach())
+
+    # fp16 on the wire: the result comes back in the tensor's dtype, rounded through float16.
+    x = values(rank, shape).float()
+    y = hvd.reducescatter(x, compression=hvd.Compression.fp16, op=hvd.Sum)
+    exact = row_blocks(sum(values(k, shape) for k in range(size)), size)[rank]
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), exact, rtol=2e-3, atol=2e-3)
+    with pytest.raises(md.InvalidArgumentError, match="floating-point"):  # on every rank, nothing sent
+        hvd.grouped_reducescatter([x, torch.ones(size, dtype=torch.int64)], op=hvd.Sum, prescale_factor=2.0)
+    with pytest.raises(hvd.NotOfferedError, match="no gradient"):
+        hvd.reducescatter(values(rank, shape).requires_grad_(), op=hvd.Max).sum().backward()
+
+
 @pytest.mark.mpi(ranks=[2, 3])
 def test_grouped_allgather_and_reducescatter(mpi_ranks, mpi_world):
     hvd.init()
@@ -222,6 +262,13 @@ def test_alltoall_matches_reference_and_is_differentiable(mpi_ranks, mpi_world):
     assert received_splits.tolist() == [splits_of(k)[rank] for k in range(size)]
     torch.testing.assert_close(received.detach(), outputs[rank].detach())
     torch.testing.assert_close(x.grad, xs[rank].grad)
+
+    # As Horovod's, the asynchronous form gives (rows, received splits), with or without splits=.
+    rows, splits = hvd.synchronize(hvd.alltoall_async(x, splits=splits_of(rank)))
+    torch.testing.assert_close(rows, outputs[rank].detach())
+    assert splits.tolist() == received_splits.tolist()
+    rows, splits = hvd.synchronize(hvd.alltoall_async(torch.full((size, 1), float(rank))))
+    assert rows.flatten().tolist() == [float(k) for k in range(size)] and splits.tolist() == [1] * size
 
 
 @pytest.mark.mpi(ranks=[2, 3])
