@@ -60,6 +60,9 @@ def __getattr__(name):
     if name in ("DataParallel", "ParameterAveraging"):
         from .parallel import data
         return getattr(data, name)
+    if name == "Pipeline":
+        from .parallel.pipeline import Pipeline
+        return Pipeline
     if name == "SyncBatchNorm":
         from .parallel.sync_batchnorm import SyncBatchNorm
         return SyncBatchNorm
