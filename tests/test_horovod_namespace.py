@@ -18,8 +18,7 @@ def local_loss(rank, output):
     return ((output ** 2) * (rank + 1) + output * (rank - 0.5)).sum()
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_allreduce_is_differentiable(mpi_ranks, mpi_world):
+def check_allreduce_is_differentiable():
     hvd.init()
     for op, prescale, postscale in [(hvd.Average, 1.0, 1.0), (hvd.Sum, 1.0, 1.0), (hvd.Sum, 2.0, 0.25),
                                     (hvd.Average, 0.5, 3.0)]:
@@ -102,8 +101,7 @@ def check_grouped_allreduce_variants(op, prescale, postscale):
             assert all(r is t for r, t in zip(results, tensors))
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_grouped_allreduce_is_differentiable(mpi_ranks, mpi_world):
+def check_grouped_allreduce_is_differentiable():
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     xs = [t.requires_grad_() for t in group_inputs(rank)[:3]]
@@ -123,8 +121,7 @@ def row_blocks(tensor, size):
     return torch.split(tensor, [rows // size + (k < rows % size) for k in range(size)])
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_reducescatter_is_differentiable_and_its_variants_agree(mpi_ranks, mpi_world):
+def check_reducescatter_is_differentiable_and_its_variants_agree():
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     shape = (2 * size + 1, 3)  # uneven: rank 0 gets one row more
@@ -157,8 +154,7 @@ def test_reducescatter_is_differentiable_and_its_variants_agree(mpi_ranks, mpi_w
         hvd.reducescatter(values(rank, shape).requires_grad_(), op=hvd.Max).sum().backward()
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_grouped_allgather_and_reducescatter(mpi_ranks, mpi_world):
+def check_grouped_allgather_and_reducescatter():
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     firsts = [values(rank, (rank + 1, 2)), values(rank, (2,), seed=1)]
@@ -178,8 +174,7 @@ def test_grouped_allgather_and_reducescatter(mpi_ranks, mpi_world):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.mpi(ranks=[2])
-def test_scale_factors_on_integer_tensors_are_refused_before_sending(mpi_ranks, mpi_world):
+def check_scale_factors_on_integer_tensors_are_refused_before_sending():
     hvd.init()
     for call in (lambda t: hvd.allreduce(t, op=hvd.Sum, prescale_factor=2.0),
                  lambda t: hvd.allreduce_(t, op=hvd.Sum, postscale_factor=0.5),
@@ -198,8 +193,7 @@ def test_grouped_operations_need_a_list_of_tensors():
             function([torch.ones(1), 3.0])
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_allgather_is_differentiable(mpi_ranks, mpi_world):
+def check_allgather_is_differentiable():
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     x = values(rank, (rank + 1, 2)).requires_grad_()  # ranks differ in the first dimension
@@ -214,8 +208,7 @@ def test_allgather_is_differentiable(mpi_ranks, mpi_world):
     torch.testing.assert_close(x.grad, xs[rank].grad)
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_broadcast_is_differentiable(mpi_ranks, mpi_world):
+def check_broadcast_is_differentiable():
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     root = size - 1
@@ -230,8 +223,7 @@ def test_broadcast_is_differentiable(mpi_ranks, mpi_world):
     torch.testing.assert_close(x.grad, expected)
 
 
-@pytest.mark.mpi(ranks=[2])
-def test_in_place_and_async_variants_stay_out_of_autograd(mpi_ranks, mpi_world):
+def check_in_place_and_async_variants_stay_out_of_autograd():
     hvd.init()
     x = torch.ones(2, dtype=torch.float64, requires_grad=True)
     assert not hvd.synchronize(hvd.allreduce_async(x)).requires_grad
@@ -246,8 +238,7 @@ def sent_rows(rank, size, splits_of):
     return values(rank, (sum(splits_of(rank)), 2), seed=1)
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_alltoall_matches_reference_and_is_differentiable(mpi_ranks, mpi_world):
+def check_alltoall_matches_reference_and_is_differentiable():
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
 
@@ -275,8 +266,7 @@ def test_alltoall_matches_reference_and_is_differentiable(mpi_ranks, mpi_world):
     assert rows.flatten().tolist() == [float(k) for k in range(size)] and splits.tolist() == [1] * size
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_alltoall_equal_splits_returns_the_tensor(mpi_ranks, mpi_world):
+def check_alltoall_equal_splits_returns_the_tensor():
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     for dtype in (torch.int64, torch.bfloat16, torch.bool):
@@ -290,16 +280,14 @@ def test_alltoall_equal_splits_returns_the_tensor(mpi_ranks, mpi_world):
         hvd.alltoall(torch.ones(size + 1, 2))
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_alltoall_rows_must_agree(mpi_ranks, mpi_world):
+def check_alltoall_rows_must_agree():
     hvd.init()
     width = 2 if hvd.rank() == 0 else 3
     with pytest.raises(md.MismatchError, match="row size"):  # on every rank, before any data moves
         hvd.alltoall(torch.ones(hvd.size(), width))
 
 
-@pytest.mark.mpi(ranks=[2])
-def test_synchronize_twice_finishes_once(mpi_ranks, mpi_world):
+def check_synchronize_twice_finishes_once():
     hvd.init()
     tensor = torch.full((3,), float(hvd.rank() + 1))
     handle = hvd.allreduce_async_(tensor, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
@@ -309,8 +297,7 @@ def test_synchronize_twice_finishes_once(mpi_ranks, mpi_world):
     assert tensor.tolist() == [3.0, 3.0, 3.0]  # (1 + 2) * 2 * 0.5, postscale applied once
 
 
-@pytest.mark.mpi(ranks=[2])
-def test_average_and_op_together_are_refused(mpi_ranks, mpi_world):
+def check_average_and_op_together_are_refused():
     hvd.init()
     message = "The op parameter supersedes average. Please provide only one of them."
     for call in (lambda: hvd.allreduce(torch.ones(2), average=True, op=hvd.Sum),
@@ -473,3 +460,29 @@ def test_distributed_optimizer_and_data_parallel_on_the_same_parameters_are_refu
     with pytest.raises(md.InvalidArgumentError, match="by a DistributedOptimizer that is still alive"):
         md.DataParallel(model)
     del optimizer
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_collectives_match_one_process_references_and_autograd(mpi_ranks, mpi_world):
+    # One launch for these checks (each launch starts an interpreter and torch per rank); the ones that
+    # raise on every rank come last.
+    hvd.init()
+    check_allreduce_is_differentiable()
+    check_grouped_allreduce_is_differentiable()
+    check_reducescatter_is_differentiable_and_its_variants_agree()
+    check_grouped_allgather_and_reducescatter()
+    check_allgather_is_differentiable()
+    check_broadcast_is_differentiable()
+    check_alltoall_matches_reference_and_is_differentiable()
+    check_alltoall_equal_splits_returns_the_tensor()
+    check_alltoall_rows_must_agree()
+
+
+@pytest.mark.mpi(ranks=[2])
+def test_handles_and_argument_rules(mpi_ranks, mpi_world):
+    # One launch for these checks, as above.
+    hvd.init()
+    check_synchronize_twice_finishes_once()
+    check_in_place_and_async_variants_stay_out_of_autograd()
+    check_scale_factors_on_integer_tensors_are_refused_before_sending()
+    check_average_and_op_together_are_refused()
