@@ -26,8 +26,8 @@ os.environ["MPIDIST_TUNING_FILE"] = os.path.join(REPO, "tests", "no-such-dir", "
 os.environ.setdefault("OMPI_MCA_osc", "^ucx")
 
 # Every multi-rank test starts one pytest per rank (pytest-isolate-mpi), and Hypothesis's pytest
-# plugin costs each of them about 2 s of start-up (a 2-rank launch took 19.5 s with it, 10.6 s
-# without, on a 2-core machine). The ranks do not need it: the one multi-rank property test
+# plugin costs each of them about 2 s of start-up (a 2-rank launch took 16.8 s of CPU with it in
+# the ranks, 12.3 s without, on a 2-core machine). The ranks do not need it: the one multi-rank property test
 # (test_collectives.py) runs on its own derandomized settings. The ranks inherit this setting.
 if "PYTEST_ISOLATE_MPI_IS_FORKED" not in os.environ:
     _addopts = os.environ.get("PYTEST_ADDOPTS", "")

@@ -30,8 +30,9 @@ from ..errors import InvalidArgumentError, MismatchError
 
 SCHEDULES = ("gpipe", "1f1b")
 HEADER_LENGTH = 2 + 8  # dtype code, number of dimensions, up to 8 dimensions
-# Message tags per micro-batch: activation header and data forward, gradient header and data back.
-FORWARD_HEADER, FORWARD_DATA, BACKWARD_HEADER, BACKWARD_DATA = range(4)
+# Tags of micro-batch i: 4i + FORWARD_HEADER (the activation's header; its data with the next
+# tag) and 4i + BACKWARD_HEADER (the gradient's header; its data with the next tag).
+FORWARD_HEADER, BACKWARD_HEADER = 0, 2
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool]
 
@@ -50,6 +51,27 @@ def split_layers(layers: int, stages: int, balance=None) -> list:
                                    f"summing to the model's {layers} layers")
     bounds = np.cumsum([0] + balance).tolist()
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def header_of(tensor, stage: int) -> np.ndarray:
+    """The dtype code and shape of a CPU `tensor` that stage `stage` sends."""
+    if tensor.dtype not in DTYPES or tensor.dim() > HEADER_LENGTH - 2:
+        raise InvalidArgumentError(f"stage {stage} produced a {tensor.dtype} tensor of {tensor.dim()} "
+                                   "dimensions, which cannot be sent between stages")
+    header = np.zeros(HEADER_LENGTH, dtype=np.int64)
+    header[0], header[1] = DTYPES.index(tensor.dtype), tensor.dim()
+    header[2:2 + tensor.dim()] = tensor.shape
+    return header
+
+
+def empty_from(header: np.ndarray) -> torch.Tensor:
+    """An uninitialized CPU tensor of the dtype and shape a header describes."""
+    return torch.empty(tuple(int(d) for d in header[2:2 + header[1]]), dtype=DTYPES[header[0]])
+
+
+def byte_view(tensor) -> np.ndarray:
+    """A contiguous CPU tensor's memory as bytes (what MPI sends and receives)."""
+    return tensor.view(-1).view(torch.uint8).numpy() if tensor.numel() else np.empty(0, np.uint8)
 
 
 def one_f_one_b(stage: int, stages: int, micro_batches: int) -> list:
@@ -183,14 +205,8 @@ class Pipeline(torch.nn.Module):
         """Start sending `tensor` (header, then data); returns what must be waited for, holding
         the buffers alive until then."""
         tensor = tensor.detach().cpu().contiguous()
-        if tensor.dtype not in DTYPES or tensor.dim() > HEADER_LENGTH - 2:
-            raise InvalidArgumentError(f"stage {self.index} produced a {tensor.dtype} tensor of {tensor.dim()} "
-                                       "dimensions, which cannot be sent between stages")
-        header = np.zeros(HEADER_LENGTH, dtype=np.int64)
-        header[0], header[1] = DTYPES.index(tensor.dtype), tensor.dim()
-        header[2:2 + tensor.dim()] = tensor.shape
+        header, data = header_of(tensor, self.index), byte_view(tensor)
         tag = 4 * micro_batch + header_tag
-        data = tensor.view(-1).view(torch.uint8).numpy() if tensor.numel() else np.empty(0, np.uint8)
         requests = [self.mpi.Isend(header, dest=dest, tag=tag), self.mpi.Isend(data, dest=dest, tag=tag + 1)]
         return requests, (header, data, tensor)
 
@@ -199,10 +215,9 @@ class Pipeline(torch.nn.Module):
         header = np.empty(HEADER_LENGTH, dtype=np.int64)
         wait_with_deadline(self.mpi.Irecv(header, source=source, tag=tag), self.mpi,
                            f"pipeline receive from stage {source}")
-        dtype, shape = DTYPES[header[0]], tuple(int(d) for d in header[2:2 + header[1]])
-        tensor = torch.empty(shape, dtype=dtype)
+        tensor = empty_from(header)
         if tensor.numel():
-            wait_with_deadline(self.mpi.Irecv(tensor.view(-1).view(torch.uint8).numpy(), source=source, tag=tag + 1),
+            wait_with_deadline(self.mpi.Irecv(byte_view(tensor), source=source, tag=tag + 1),
                                self.mpi, f"pipeline receive from stage {source}")
         return tensor.to(self._device())
 
@@ -215,17 +230,16 @@ class Pipeline(torch.nn.Module):
         """The last stage's tensor on every rank (a broadcast of its header and data)."""
         from mpi4py import MPI
         root = self.stages - 1
-        header = np.zeros(HEADER_LENGTH, dtype=np.int64)
         if self.last:
             tensor = tensor.detach().cpu().contiguous()
-            header[0], header[1] = DTYPES.index(tensor.dtype), tensor.dim()
-            header[2:2 + tensor.dim()] = tensor.shape
+            header = header_of(tensor, self.index)
+        else:
+            header = np.zeros(HEADER_LENGTH, dtype=np.int64)
         wait_with_deadline(self.mpi.Ibcast([header, MPI.INT64_T], root=root), self.mpi, "pipeline's result")
         if not self.last:
-            tensor = torch.empty(tuple(int(d) for d in header[2:2 + header[1]]), dtype=DTYPES[header[0]])
+            tensor = empty_from(header)
         if tensor.numel():
-            wait_with_deadline(self.mpi.Ibcast(tensor.view(-1).view(torch.uint8).numpy(), root=root), self.mpi,
-                               "pipeline's result")
+            wait_with_deadline(self.mpi.Ibcast(byte_view(tensor), root=root), self.mpi, "pipeline's result")
         return tensor.to(self._device())
 
     def _device(self):
