@@ -7,7 +7,7 @@
 __version__ = "0.1.0"
 
 from .errors import (  # noqa: F401
-    InvalidArgumentError, MismatchError, MPIUnavailableError, MpidistError, NonContiguousError,
+    DeadlineError, InvalidArgumentError, MismatchError, MPIUnavailableError, MpidistError, NonContiguousError,
     NotInitializedError, UnsupportedBufferError, UnsupportedDtypeError,
 )
 from .comm import Communicator, init, is_initialized, world  # noqa: F401
@@ -63,6 +63,9 @@ def __getattr__(name):
     if name == "Pipeline":
         from .parallel.pipeline import Pipeline
         return Pipeline
+    if name in ("ParameterServer", "Update"):
+        from .parallel import ps
+        return getattr(ps, name)
     if name == "SyncBatchNorm":
         from .parallel.sync_batchnorm import SyncBatchNorm
         return SyncBatchNorm

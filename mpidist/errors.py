@@ -31,3 +31,7 @@ class InvalidArgumentError(MpidistError, ValueError):
 
 class MismatchError(MpidistError):
     """Ranks called the same collective with different counts, dtypes, ops or roots."""
+
+
+class DeadlineError(MpidistError):
+    """Another rank did not answer within MPIDIST_TIMEOUT seconds (it stopped, or is stuck)."""
