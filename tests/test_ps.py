@@ -5,7 +5,6 @@ the rules of each mode checked on the updates: one gradient per update (async), 
 workers // n (n-softsync), the stale-synchronous bound, every worker's steps once and in order.
 
 All checks of one world size run in one launch (each launch starts every rank's interpreter)."""
-import os
 import time
 
 import numpy as np
