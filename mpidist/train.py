@@ -1,10 +1,16 @@
-"""`mpidist train`: data-parallel training of a small network on the embedded digits data.
+"""`mpidist train`: training of a small network on the embedded digits data.
 
-    mpirun -np 2 mpidist train --epochs 12
+    mpirun -np 2 mpidist train --epochs 12            # data parallel
+    mpirun -np 3 mpidist train --mode ps --ps-mode async --max-staleness 2
 
-Rank 0 shows a progress bar (its own loss and accuracy, the job's samples/s) and, after each
-epoch, the loss and accuracy over all ranks; a checkpoint is written every epoch,
-and the final test accuracy is printed. --resume continues from the latest checkpoint.
+Data parallel (--mode data): rank 0 shows a progress bar (its own loss and accuracy, the job's
+samples/s) and, after each epoch, the loss and accuracy over all ranks; a checkpoint is written
+every epoch, and the final test accuracy is printed. --resume continues from the latest
+checkpoint.
+
+Parameter server (--mode ps): rank 0 serves, the other ranks train on their shares of the data
+at their own pace; the chief (rank 1) shows its progress; at the end the server prints what it
+applied, writes ps-final.h5 and the final test accuracy.
 """
 from __future__ import annotations
 
@@ -41,9 +47,15 @@ def positive_float(text: str) -> float:
 
 
 def add_train_command(subparsers) -> None:
-    parser = subparsers.add_parser("train", help="data-parallel training on the embedded digits data")
-    parser.add_argument("--mode", choices=["data"], default="data",
-                        help="training mode (data parallel)")
+    parser = subparsers.add_parser("train", help="training on the embedded digits data (data parallel or "
+                                                 "parameter server)")
+    parser.add_argument("--mode", choices=["data", "ps"], default="data",
+                        help="data parallel, or a parameter server on rank 0")
+    parser.add_argument("--ps-mode", choices=["sync", "async", "softsync"], default=None,
+                        help="--mode ps: the server's update rule (default async)")
+    parser.add_argument("--softsync", type=positive_int, default=None, help="--ps-mode softsync: n")
+    parser.add_argument("--max-staleness", type=int, default=None, help="--mode ps: bounded staleness (steps)")
+    parser.add_argument("--staleness-lr", action="store_true", help="--mode ps: learning rate / staleness")
     parser.add_argument("--epochs", type=positive_int, default=12)
     parser.add_argument("--batch-size", type=positive_int, default=32, help="per rank")
     parser.add_argument("--lr", type=positive_float, default=0.05)
@@ -67,10 +79,23 @@ def evaluate(model, dataset) -> float:
     return correct / len(y)
 
 
+def check_mode_options(args) -> None:
+    """Options that belong to the other mode are refused (on every rank, before MPI starts)."""
+    ps_options = args.ps_mode or args.softsync or args.max_staleness is not None or args.staleness_lr
+    if args.mode == "data" and ps_options:
+        raise InvalidArgumentError("--ps-mode, --softsync, --max-staleness and --staleness-lr go with --mode ps")
+    if args.mode == "ps" and args.resume:
+        raise InvalidArgumentError("--resume continues --mode data runs; --mode ps writes one checkpoint at the end "
+                                   "(ps-final.h5)")
+    if args.mode == "ps" and args.compression != "none":
+        raise InvalidArgumentError("--compression applies to --mode data; the parameter server sends full precision")
+
+
 def cmd_train(args) -> int:
     import mpidist as md
     from tqdm import tqdm
 
+    check_mode_options(args)
     comm = md.init()
     if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
         raise InvalidArgumentError(f"--checkpoint-dir {args.checkpoint_dir} exists and is not a directory")
@@ -79,6 +104,9 @@ def cmd_train(args) -> int:
     path = ensure_digits(args.data, comm=comm)
     train_set = HDF5Dataset(path, "train")
     test_set = HDF5Dataset(path, "test")
+    say = print if comm.rank == 0 else (lambda *a, **k: None)
+    if args.mode == "ps":
+        return train_with_parameter_server(args, comm, train_set, test_set, say)
     sampler = ShardedSampler(len(train_set), comm.rank, comm.size, shuffle=True, seed=args.seed)
     loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
                                          generator=torch.Generator().manual_seed(args.seed))
@@ -87,7 +115,6 @@ def cmd_train(args) -> int:
     ddp = md.DataParallel(model, comm=comm, compression=compression, algorithm=args.algorithm)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     step, start_epoch = 0, 0
-    say = print if comm.rank == 0 else (lambda *a, **k: None)
     if args.resume:
         # Rank 0 chooses the file for everyone, and a failure to load it on any rank stops all.
         latest = latest_checkpoint(args.checkpoint_dir, comm=comm)
@@ -133,4 +160,56 @@ def cmd_train(args) -> int:
                         step=step, epoch=epoch + 1, sampler=sampler, comm=comm)
     accuracy = evaluate(model, test_set)
     say(f"final test accuracy: {accuracy:.4f} ({len(test_set)} test images, {comm.size} ranks)", flush=True)
+    return 0
+
+
+def train_with_parameter_server(args, comm, train_set, test_set, say) -> int:
+    """--mode ps: rank 0 applies the workers' gradients; each worker trains on its share of the
+    data, at its own pace (no collective among workers while they train)."""
+    import mpidist as md
+    from tqdm import tqdm
+
+    mode = args.ps_mode or "async"
+    model = build_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    ps = md.ParameterServer(model, optimizer, comm=comm, mode=mode, softsync=args.softsync,
+                            max_staleness=args.max_staleness, staleness_lr=args.staleness_lr)
+    started = time.perf_counter()
+    if ps.is_server:
+        updates = ps.serve()
+        gradients = sum(len(u.gradients) for u in updates)
+        staleness = [u.version - 1 - version for u in updates for _, _, version in u.gradients]
+        say(f"parameter server ({mode}, {len(ps.workers)} workers): {len(updates)} updates of "
+            f"{gradients} gradients in {time.perf_counter() - started:.1f} s; staleness mean "
+            f"{np.mean(staleness):.2f}, max {max(staleness)}", flush=True)
+        os.makedirs(args.checkpoint_dir, exist_ok=True)
+        save_checkpoint(os.path.join(args.checkpoint_dir, "ps-final.h5"), model, optimizer, step=len(updates),
+                        epoch=args.epochs)
+    else:
+        workers = len(ps.workers)
+        sampler = ShardedSampler(len(train_set), ps.workers.index(comm.rank), workers, shuffle=True, seed=args.seed)
+        loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
+                                             generator=torch.Generator().manual_seed(args.seed))
+        for epoch in range(args.epochs):
+            sampler.set_epoch(epoch)
+            progress = tqdm(total=len(loader), desc=f"epoch {epoch + 1}/{args.epochs} (chief, rank {comm.rank})",
+                            disable=not ps.is_chief or args.no_progress, leave=True)
+            seen, correct, epoch_started = 0, 0, time.perf_counter()
+            for x, y in loader:
+                optimizer.zero_grad()
+                output = model(x)
+                loss = torch.nn.functional.cross_entropy(output, y)
+                loss.backward()
+                ps.step()
+                seen += len(y)
+                correct += (output.argmax(dim=1) == y).sum().item()
+                progress.set_postfix(loss=f"{loss.item():.3f}", acc=f"{correct / seen:.3f}",
+                                     own_samples_per_s=f"{seen / (time.perf_counter() - epoch_started):.0f}")
+                progress.update()
+            progress.close()
+        ps.close()
+    # Every rank now holds the final weights.
+    accuracy = evaluate(model, test_set)
+    say(f"final test accuracy: {accuracy:.4f} ({len(test_set)} test images, parameter server and "
+        f"{comm.size - 1} workers)", flush=True)
     return 0
