@@ -80,8 +80,7 @@ def size_classes(p):
     return sorted({0, 1, max(p - 1, 0), 7, 1009, 70001})
 
 
-@pytest.mark.mpi(ranks=ALL_RANKS, timeout=600)
-def test_allreduce_grid(mpi_ranks, mpi_world):
+def check_allreduce_grid(comm):
     """Every algorithm x dtype x op x size class; NumPy and torch inputs, in place and out=."""
     variants = [("numpy", True), ("torch", False), ("torch", True), ("numpy", False)]
     case = 0
@@ -90,31 +89,29 @@ def test_allreduce_grid(mpi_ranks, mpi_world):
             for op in OPS:
                 if op == "avg" and dtype in INT_DTYPES:
                     continue
-                for count in size_classes(mpi_ranks):
+                for count in size_classes(comm.size):
                     kind, in_place = variants[case % len(variants)]
                     case += 1
                     if dtype == "bfloat16":
                         kind = "torch"
-                    check_allreduce(mpi_world, algorithm, dtype, op, count, kind, in_place)
+                    check_allreduce(comm, algorithm, dtype, op, count, kind, in_place)
 
 
-@pytest.mark.mpi(ranks=[2, 3, 5])
-def test_allreduce_is_deterministic(mpi_ranks, mpi_world):
+def check_allreduce_is_deterministic(comm):
     for algorithm in ALGORITHMS:
         for dtype in ("float32", "bfloat16"):
-            first = check_allreduce(mpi_world, algorithm, dtype, "sum", 70001, "torch", True, seed=3)
-            second = check_allreduce(mpi_world, algorithm, dtype, "sum", 70001, "torch", True, seed=3)
+            first = check_allreduce(comm, algorithm, dtype, "sum", 70001, "torch", True, seed=3)
+            second = check_allreduce(comm, algorithm, dtype, "sum", 70001, "torch", True, seed=3)
             assert raw_bytes(first) == raw_bytes(second), f"{algorithm} {dtype}: runs differ"
 
 
-@pytest.mark.mpi(ranks=[2, 3, 5])
+# derandomize=True: every rank draws the same examples, so they all call the same collective.
 @settings(max_examples=40, derandomize=True, database=None, deadline=None,
           suppress_health_check=list(HealthCheck))
 @given(algorithm=st.sampled_from(ALGORITHMS), dtype=st.sampled_from(FLOAT_DTYPES + INT_DTYPES),
        op=st.sampled_from(OPS), count=st.integers(0, 5000), seed=st.integers(0, 2 ** 31),
        kind=st.sampled_from(["numpy", "torch"]), in_place=st.booleans())
-def test_allreduce_properties(mpi_ranks, algorithm, dtype, op, count, seed, kind, in_place):
-    # derandomize=True: every rank draws the same examples, so they all call the same collective.
+def check_allreduce_properties(algorithm, dtype, op, count, seed, kind, in_place):
     comm = md.init()
     if op == "avg" and dtype in INT_DTYPES:
         op = "sum"
@@ -123,10 +120,10 @@ def test_allreduce_properties(mpi_ranks, algorithm, dtype, op, count, seed, kind
     check_allreduce(comm, algorithm, dtype, op, count, kind, in_place, seed=seed)
 
 
-@pytest.mark.mpi(ranks=ALL_RANKS)
-def test_forced_algorithm_and_segmented_messages(mpi_ranks, mpi_world, monkeypatch):
+def check_forced_algorithm_and_segmented_messages(mpi_world, monkeypatch):
     from mpi4py import MPI
     from mpidist.collectives.select import choose_allreduce
+    mpi_ranks = mpi_world.size
     # A communicator reads MPIDIST_ALLREDUCE_ALGORITHM when it is created.
     monkeypatch.setenv("MPIDIST_ALLREDUCE_ALGORITHM", "tree")
     assert mpi_world.forced_algorithm is None
@@ -148,10 +145,10 @@ def test_forced_algorithm_and_segmented_messages(mpi_ranks, mpi_world, monkeypat
         comm.free()
 
 
-@pytest.mark.mpi(ranks=ALL_RANKS)
-def test_small_message_fast_path(mpi_ranks, mpi_world, monkeypatch):
+def check_small_message_fast_path(mpi_world, monkeypatch):
     """With the call check off, small CPU messages go straight to MPI_Allreduce; the results are
     the general path's, and what the fast path cannot do falls back to the general path."""
+    mpi_ranks = mpi_world.size
     from mpidist.collectives import api
     taken = []
     fast = api.small_cpu_allreduce
@@ -188,9 +185,8 @@ def test_small_message_fast_path(mpi_ranks, mpi_world, monkeypatch):
         md.allreduce(np.zeros(3, dtype=np.int32), op="avg")
 
 
-@pytest.mark.mpi(ranks=ALL_RANKS)
-def test_broadcast_allgather_reduce_scatter(mpi_ranks, mpi_world):
-    comm, p, r = mpi_world, mpi_ranks, mpi_world.rank
+def check_broadcast_allgather_reduce_scatter(comm):
+    p, r = comm.size, comm.rank
     for root in range(p):
         for count in (0, 1, 1009, 300001):  # 300001 float64 takes the scatter + allgather path
             for kind, dtype in (("numpy", "float64"), ("torch", "bfloat16"), ("numpy", "int32")):
@@ -218,10 +214,9 @@ def test_broadcast_allgather_reduce_scatter(mpi_ranks, mpi_world):
             np.testing.assert_allclose(block, full[start:start + mine_rows], rtol=1e-13, atol=1e-13)
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_async_handles_progress_without_polling(mpi_ranks, mpi_world):
+def check_async_handles_progress_without_polling(mpi_world):
     import time
-    p = mpi_ranks
+    p = mpi_world.size
     arrays = [np.full(100003, float(mpi_world.rank + k)) for k in range(4)]
     handles = [md.allreduce_async(a, op="sum", algorithm=alg)
                for a, alg in zip(arrays, ["ring", "tree", "auto", "mpi"])]
@@ -236,8 +231,7 @@ def test_async_handles_progress_without_polling(mpi_ranks, mpi_world):
     assert (bad.wait() == 0).all()
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_local_argument_errors_are_refused_on_every_rank(mpi_ranks, mpi_world):
+def check_local_argument_errors_are_refused_on_every_rank(mpi_world):
     with pytest.raises(md.InvalidArgumentError, match="unknown op 'mean'"):
         md.allreduce(np.zeros(3), op="mean")
     with pytest.raises(md.InvalidArgumentError, match="unknown all-reduce algorithm 'butterfly'"):
@@ -251,12 +245,12 @@ def test_local_argument_errors_are_refused_on_every_rank(mpi_ranks, mpi_world):
     with pytest.raises(md.InvalidArgumentError, match="root=9 is not a rank"):
         md.broadcast(np.zeros(3), root=9)
     # The communicator still works after refused calls.
-    assert (md.allreduce(np.ones(3)) == mpi_ranks).all()
+    assert (md.allreduce(np.ones(3)) == mpi_world.size).all()
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_mismatched_calls_raise_on_every_rank(mpi_ranks, mpi_world):
+def check_mismatched_calls_raise_on_every_rank(mpi_world):
     r = mpi_world.rank
+    mpi_ranks = mpi_world.size
     last = mpi_ranks - 1
     cases = [
         (dict(array=np.zeros(5 if r != last else 6)), "count: ranks"),
@@ -278,6 +272,27 @@ def test_mismatched_calls_raise_on_every_rank(mpi_ranks, mpi_world):
             md.allreduce(np.zeros(4))
     # After a detected mismatch the communicator is still usable.
     assert (md.allreduce(np.ones(2)) == mpi_ranks).all()
+
+
+@pytest.mark.mpi(ranks=ALL_RANKS, timeout=900)
+@pytest.mark.timeout(600)
+def test_collectives_grid_and_checks(mpi_ranks, mpi_world, monkeypatch):
+    """Every check of one world size in one launch: each launch starts every rank's interpreter
+    (torch included), which costs more than most checks. The name keeps the Makefile's
+    `-k grid` selection (the system-MPI run)."""
+    check_allreduce_grid(mpi_world)
+    check_broadcast_allgather_reduce_scatter(mpi_world)
+    with monkeypatch.context() as patch:
+        check_forced_algorithm_and_segmented_messages(mpi_world, patch)
+    with monkeypatch.context() as patch:
+        check_small_message_fast_path(mpi_world, patch)
+    if mpi_ranks in (2, 3, 5):
+        check_allreduce_is_deterministic(mpi_world)
+        check_allreduce_properties()
+    if mpi_ranks in (2, 3):
+        check_async_handles_progress_without_polling(mpi_world)
+        check_local_argument_errors_are_refused_on_every_rank(mpi_world)
+        check_mismatched_calls_raise_on_every_rank(mpi_world)
 
 
 @pytest.mark.mpi(ranks=[2])
