@@ -2,7 +2,8 @@
 
 The C++ sources in csrc/*.cpp are always compiled (a failed compile fails the install).
 The CUDA sources in csrc/*.cu are compiled with nvcc and linked in when CUDA is found;
-MPIDIST_CUDA=1 forces CUDA (and fails without nvcc), MPIDIST_CUDA=0 builds CPU-only.
+MPIDIST_CUDA=1 forces CUDA (and fails without nvcc), MPIDIST_CUDA=0 builds CPU-only;
+MPIDIST_CUDA_ARCHS="80;90" picks the GPU architectures (default: sm_75 to sm_90 plus PTX).
 """
 import glob
 import os
@@ -54,7 +55,17 @@ def want_cuda():
 def cuda_arch_flags(nvcc):
     listed = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True).stdout.split()
     supported = {name.split("_", 1)[1] for name in listed}
-    archs = [a for a in WANTED_CUDA_ARCHS if a in supported]
+    # MPIDIST_CUDA_ARCHS="80;90" builds for those GPUs only (like TORCH_CUDA_ARCH_LIST): each
+    # architecture costs a full compile of the kernels.
+    chosen = os.environ.get("MPIDIST_CUDA_ARCHS", "").replace(",", " ").replace(";", " ").split()
+    if chosen:
+        unknown = [a for a in chosen if a not in supported]
+        if unknown:
+            sys.exit(f"mpidist: MPIDIST_CUDA_ARCHS names {unknown}, which this nvcc cannot build; it supports "
+                     f"{sorted(supported)}")
+        archs = chosen
+    else:
+        archs = [a for a in WANTED_CUDA_ARCHS if a in supported]
     if not archs:
         sys.exit(f"mpidist: nvcc supports none of the architectures {WANTED_CUDA_ARCHS}")
     flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
