@@ -51,10 +51,30 @@ def group_inputs(rank, seed=0):
 
 
 @pytest.mark.mpi(ranks=[1, 2, 3])
-def test_grouped_allreduce_variants_match_single_allreduces(mpi_ranks, mpi_world):
+def test_horovod_functions_match_one_process_references(mpi_ranks, mpi_world):
+    """The checks of one world size in one launch (each launch starts an interpreter and torch
+    per rank); the ones that raise on every rank come last."""
     hvd.init()
     for op, prescale, postscale in [(hvd.Average, 1.0, 1.0), (hvd.Sum, 2.0, 0.5), (hvd.Max, 1.0, 1.0)]:
         check_grouped_allreduce_variants(op, prescale, postscale)
+    if mpi_ranks == 1:
+        return
+    check_barrier_objects_and_process_sets()
+    check_allreduce_is_differentiable()
+    check_grouped_allreduce_is_differentiable()
+    check_reducescatter_is_differentiable_and_its_variants_agree()
+    check_grouped_allgather_and_reducescatter()
+    check_allgather_is_differentiable()
+    check_broadcast_is_differentiable()
+    check_alltoall_matches_reference_and_is_differentiable()
+    check_alltoall_equal_splits_returns_the_tensor()
+    if mpi_ranks == 2:
+        check_synchronize_twice_finishes_once()
+        check_in_place_and_async_variants_stay_out_of_autograd()
+        check_distributed_optimizer_and_data_parallel_on_the_same_parameters_are_refused()
+        check_scale_factors_on_integer_tensors_are_refused_before_sending()
+        check_average_and_op_together_are_refused()
+    check_alltoall_rows_must_agree()
 
 
 def check_grouped_allreduce_variants(op, prescale, postscale):
@@ -309,9 +329,7 @@ def check_average_and_op_together_are_refused():
     assert hvd.allreduce(torch.ones(2), average=False).tolist() == [2.0, 2.0]
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_barrier_objects_and_process_sets(mpi_ranks, mpi_world):
-    hvd.init()
+def check_barrier_objects_and_process_sets():
     rank, size = hvd.rank(), hvd.size()
     hvd.barrier()
     gathered = hvd.allgather_object({"rank": rank, 1: (rank, "x" * rank)})
@@ -329,7 +347,14 @@ def test_barrier_objects_and_process_sets(mpi_ranks, mpi_world):
 
 
 @pytest.mark.mpi(ranks=[3, 4])
-def test_process_sets_run_their_own_collectives(mpi_ranks, mpi_world):
+def test_process_sets(mpi_ranks, mpi_world):
+    """One launch per world size, as above."""
+    check_process_sets_run_their_own_collectives(mpi_world)
+    if mpi_ranks == 4:
+        check_distributed_optimizer_on_a_process_set_matches_its_members_batches(mpi_world)
+
+
+def check_process_sets_run_their_own_collectives(mpi_world):
     from mpi4py import MPI
     rank, size = mpi_world.rank, mpi_world.size
     even, odd = hvd.ProcessSet(range(0, size, 2)), hvd.ProcessSet(list(range(1, size, 2)))
@@ -386,8 +411,7 @@ def test_process_sets_run_their_own_collectives(mpi_ranks, mpi_world):
         hvd.ProcessSet(["0"])
 
 
-@pytest.mark.mpi(ranks=[4])
-def test_distributed_optimizer_on_a_process_set_matches_its_members_batches(mpi_ranks, mpi_world):
+def check_distributed_optimizer_on_a_process_set_matches_its_members_batches(mpi_world):
     rank = mpi_world.rank
     halves = [hvd.add_process_set([0, 1]), hvd.add_process_set([2, 3])]
     mine = halves[rank // 2]
@@ -448,9 +472,7 @@ def test_horovod_names_not_offered_raise_a_clear_error(name):
         hvd.no_such_name  # noqa: B018
 
 
-@pytest.mark.mpi(ranks=[2])
-def test_distributed_optimizer_and_data_parallel_on_the_same_parameters_are_refused(mpi_ranks, mpi_world):
-    hvd.init()
+def check_distributed_optimizer_and_data_parallel_on_the_same_parameters_are_refused():
     model = torch.nn.Linear(3, 2)
     wrapped = md.DataParallel(model)
     with pytest.raises(md.InvalidArgumentError, match="already has its gradient all-reduced by a DataParallel"):
@@ -460,29 +482,3 @@ def test_distributed_optimizer_and_data_parallel_on_the_same_parameters_are_refu
     with pytest.raises(md.InvalidArgumentError, match="by a DistributedOptimizer that is still alive"):
         md.DataParallel(model)
     del optimizer
-
-
-@pytest.mark.mpi(ranks=[2, 3])
-def test_collectives_match_one_process_references_and_autograd(mpi_ranks, mpi_world):
-    # One launch for these checks (each launch starts an interpreter and torch per rank); the ones that
-    # raise on every rank come last.
-    hvd.init()
-    check_allreduce_is_differentiable()
-    check_grouped_allreduce_is_differentiable()
-    check_reducescatter_is_differentiable_and_its_variants_agree()
-    check_grouped_allgather_and_reducescatter()
-    check_allgather_is_differentiable()
-    check_broadcast_is_differentiable()
-    check_alltoall_matches_reference_and_is_differentiable()
-    check_alltoall_equal_splits_returns_the_tensor()
-    check_alltoall_rows_must_agree()
-
-
-@pytest.mark.mpi(ranks=[2])
-def test_handles_and_argument_rules(mpi_ranks, mpi_world):
-    # One launch for these checks, as above.
-    hvd.init()
-    check_synchronize_twice_finishes_once()
-    check_in_place_and_async_variants_stay_out_of_autograd()
-    check_scale_factors_on_integer_tensors_are_refused_before_sending()
-    check_average_and_op_together_are_refused()
