@@ -36,7 +36,14 @@ def train_one_process(steps, lr=0.1):
 
 
 @pytest.mark.mpi(ranks=[1, 2, 3, 5])
-def test_pipeline_training_matches_one_process(mpi_ranks, mpi_world):
+def test_pipeline(mpi_ranks, mpi_world):
+    """Both checks in one launch (each launch starts an interpreter and torch per rank)."""
+    check_pipeline_training_matches_one_process()
+    if mpi_ranks == 3:
+        check_pipeline_refuses_bad_input_on_every_rank()
+
+
+def check_pipeline_training_matches_one_process():
     comm = md.init()
     steps = 3
     reference, reference_losses = train_one_process(steps)
@@ -69,8 +76,7 @@ def test_pipeline_training_matches_one_process(mpi_ranks, mpi_world):
                                            rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.mpi(ranks=[3])
-def test_pipeline_refuses_bad_input_on_every_rank(mpi_ranks, mpi_world):
+def check_pipeline_refuses_bad_input_on_every_rank():
     comm = md.init()
     loss = torch.nn.functional.cross_entropy
     with pytest.raises(md.InvalidArgumentError, match="torch.nn.Sequential"):
