@@ -64,8 +64,7 @@ def train_and_compare(wrapped, model, rank, ranks):
     assert_close_to_reference(list(model.parameters()), reference_parameters(ranks))
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_data_parallel_matches_single_process(mpi_ranks, mpi_world, monkeypatch):
+def check_data_parallel_matches_single_process(mpi_ranks, mpi_world, monkeypatch):
     # On one node the buckets go through the shared slots polled from the hooks; on (emulated)
     # separate nodes through the asynchronous engine.
     for ranks_per_node in (None, "1"):
@@ -78,8 +77,7 @@ def test_data_parallel_matches_single_process(mpi_ranks, mpi_world, monkeypatch)
             del ddp
 
 
-@pytest.mark.mpi(ranks=[2])
-def test_shared_slot_buckets_hold_at_most_4_mb(mpi_world, monkeypatch):
+def check_shared_slot_buckets_hold_at_most_4_mb(mpi_world, monkeypatch):
     for ranks_per_node in (None, "1"):
         check_bucket_cap(communicator(ranks_per_node, monkeypatch), ranks_per_node, mpi_world)
 
@@ -129,8 +127,7 @@ def train_with_views(comm, rank, views, set_to_none, compression, bucket_mb):
     return [p.detach().clone() for p in model.parameters()], grads, ddp
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_gradient_as_bucket_view_trains_like_copying(mpi_ranks, mpi_world, monkeypatch):
+def check_gradient_as_bucket_view_trains_like_copying(mpi_ranks, mpi_world, monkeypatch):
     for ranks_per_node in (None, "1"):
         comm = communicator(ranks_per_node, monkeypatch)
         for compression in (None, "bf16"):
@@ -189,15 +186,14 @@ def image_batch(step, rank):
     return x, torch.randint(0, 3, (4,), generator=generator)
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_channels_last_gradients(mpi_ranks, mpi_world, monkeypatch):
+def check_channels_last_gradients(mpi_ranks, mpi_world, monkeypatch):
     for ranks_per_node in (None, "1"):
         comm = communicator(ranks_per_node, monkeypatch)
         for bucket_mb in (25, 0.001):
-            check_channels_last_gradients(comm, mpi_ranks, mpi_world, bucket_mb)
+            check_channels_last_copied_and_viewed_gradients(comm, mpi_ranks, mpi_world, bucket_mb)
 
 
-def check_channels_last_gradients(comm, mpi_ranks, mpi_world, bucket_mb):
+def check_channels_last_copied_and_viewed_gradients(comm, mpi_ranks, mpi_world, bucket_mb):
     # Gradients of channels_last weights are not contiguous: they are packed and unpacked by
     # torch copies, and with gradient_as_bucket_view the shared slots read contiguous copies of
     # them, which must live until the all-reduce has read them.
@@ -227,8 +223,7 @@ def check_channels_last_gradients(comm, mpi_ranks, mpi_world, bucket_mb):
         assert torch.equal(a, b)
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_channels_last_parameter_averaging_and_horovod_broadcast(mpi_ranks, mpi_world):
+def check_channels_last_parameter_averaging_and_horovod_broadcast(mpi_ranks, mpi_world):
     import mpidist.torch as hvd
     model = ChannelsLast(seed=mpi_world.rank)
     assert not model.conv1.weight.is_contiguous()
@@ -245,14 +240,12 @@ def test_channels_last_parameter_averaging_and_horovod_broadcast(mpi_ranks, mpi_
     assert not model.conv1.weight.is_contiguous()  # still channels_last
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_gradient_as_bucket_view_must_agree_on_one_node(mpi_ranks, mpi_world):
+def check_gradient_as_bucket_view_must_agree_on_one_node(mpi_world):
     with pytest.raises(md.InvalidArgumentError, match="gradient_as_bucket_view differs between ranks"):
         md.DataParallel(make_model(), gradient_as_bucket_view=mpi_world.rank == 1)
 
 
-@pytest.mark.mpi(ranks=[2])
-def test_no_sync_accumulates_then_averages(mpi_ranks, mpi_world):
+def check_no_sync_accumulates_then_averages(mpi_ranks, mpi_world):
     model = make_model()
     ddp = md.DataParallel(model)
     reference = make_model()
@@ -280,8 +273,7 @@ class TwoBranches(torch.nn.Module):
         return self.a(x) + (self.b(x) if use_b else 0)
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_parameters_without_gradients_do_not_hang(mpi_ranks, mpi_world):
+def check_parameters_without_gradients_do_not_hang(mpi_ranks, mpi_world):
     model = TwoBranches()
     ddp = md.DataParallel(model, bucket_mb=0.00001)
     use_b = mpi_world.rank == 0  # only rank 0 touches branch b
@@ -292,8 +284,7 @@ def test_parameters_without_gradients_do_not_hang(mpi_ranks, mpi_world):
     torch.testing.assert_close(model.b.weight.grad, ones / mpi_ranks)  # rank 0's ones, zeros elsewhere
 
 
-@pytest.mark.mpi(ranks=[2])
-def test_compression_and_parameter_averaging(mpi_ranks, mpi_world):
+def check_compression_and_parameter_averaging(mpi_ranks, mpi_world):
     model = make_model(seed=mpi_world.rank)
     ddp = md.DataParallel(model, compression="bf16")
     x, y = batch(0, mpi_world.rank)
@@ -337,8 +328,7 @@ def local_gradients(x, y):
     return [p.grad for p in model.parameters()]
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_dropped_data_parallel_stops_and_gives_back_its_memory(mpi_ranks, mpi_world):
+def check_dropped_data_parallel_stops_and_gives_back_its_memory(mpi_world):
     for views in (False, True):
         check_dropped_data_parallel(mpi_world, views)
 
@@ -379,8 +369,7 @@ def check_dropped_data_parallel(mpi_world, views):
         torch.testing.assert_close(mine.grad, own)  # not averaged any more
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_gradient_views_outlive_their_data_parallel(mpi_ranks, mpi_world):
+def check_gradient_views_outlive_their_data_parallel(mpi_world):
     model = make_model()
     ddp = md.DataParallel(model, gradient_as_bucket_view=True)
     x, y = batch(0, mpi_world.rank)
@@ -395,8 +384,7 @@ def test_gradient_views_outlive_their_data_parallel(mpi_ranks, mpi_world):
         torch.testing.assert_close(grad, value)
 
 
-@pytest.mark.mpi(ranks=[2])
-def test_dropped_distributed_optimizer_stops_exchanging(mpi_ranks, mpi_world):
+def check_dropped_distributed_optimizer_stops_exchanging(mpi_world):
     import mpidist.torch as hvd
     hvd.init()
     model = make_model()
@@ -414,8 +402,7 @@ def test_dropped_distributed_optimizer_stops_exchanging(mpi_ranks, mpi_world):
         torch.testing.assert_close(mine.grad, own)
 
 
-@pytest.mark.mpi(ranks=[2])
-def test_a_second_live_wrapper_of_the_same_parameters_is_refused(mpi_ranks, mpi_world):
+def check_a_second_live_wrapper_of_the_same_parameters_is_refused(mpi_world):
     model = make_model()
     first = md.DataParallel(model)
     with pytest.raises(md.InvalidArgumentError, match="already has its gradient all-reduced by a DataParallel"):
@@ -430,16 +417,14 @@ def test_a_second_live_wrapper_of_the_same_parameters_is_refused(mpi_ranks, mpi_
         torch.testing.assert_close(mine.grad, expected)
 
 
-@pytest.mark.mpi(ranks=[2])
-def test_construction_refuses_bad_arguments(mpi_ranks, mpi_world):
+def check_construction_refuses_bad_arguments():
     with pytest.raises(md.InvalidArgumentError, match="unknown all-reduce algorithm 'bogus'"):
         md.DataParallel(make_model(), algorithm="bogus")
     with pytest.raises(md.InvalidArgumentError, match="no parameters to average"):
         md.ParameterAveraging(torch.nn.ReLU())
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_parameter_averaging_of_mixed_dtypes(mpi_ranks, mpi_world):
+def check_parameter_averaging_of_mixed_dtypes(mpi_ranks, mpi_world):
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2).double())
     averaging = md.ParameterAveraging(model)
     start = [p.detach().clone() for p in model.parameters()]  # rank 0's, after the broadcast
@@ -500,8 +485,7 @@ def test_horovod_script_runs_unchanged(ranks, tmp_path):
     assert_close_to_reference([trained[str(i)] for i in range(len(trained))], reference_parameters(ranks))
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_ddp_arguments_are_accepted_as_ddp_takes_them(mpi_ranks, mpi_world):
+def check_ddp_arguments_are_accepted_as_ddp_takes_them(mpi_ranks, mpi_world):
     model = make_model(seed=mpi_world.rank)
     ddp = md.DataParallel(model, device_ids=None, output_device=None, find_unused_parameters=True,
                           static_graph=True, bucket_cap_mb=0.0005)
@@ -511,8 +495,7 @@ def test_ddp_arguments_are_accepted_as_ddp_takes_them(mpi_ranks, mpi_world):
     train_and_compare(ddp, model, mpi_world.rank, mpi_ranks)
 
 
-@pytest.mark.mpi(ranks=[2])
-def test_ddp_arguments_that_cannot_apply_are_refused(mpi_ranks, mpi_world):
+def check_ddp_arguments_that_cannot_apply_are_refused():
     for arguments, message in [
         (dict(device_ids=[0]), r"device_ids=\[0\]: the module's parameters are on \['cpu'\]"),
         (dict(device_ids=["cpu", "cpu"]), r"device_ids=\['cpu', 'cpu'\]"),
@@ -522,3 +505,37 @@ def test_ddp_arguments_that_cannot_apply_are_refused(mpi_ranks, mpi_world):
     ]:
         with pytest.raises(md.InvalidArgumentError, match=message):
             md.DataParallel(make_model(), **arguments)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_data_parallel_and_parameter_averaging(mpi_ranks, mpi_world, monkeypatch):
+    """Every check of one world size in one launch: each launch starts every rank's interpreter
+    (torch included), which costs more than most checks. The refusals, raised on every rank, come
+    last."""
+    # First: it measures this process's shared mappings, which windows dropped by earlier checks
+    # would shrink while it runs (they are freed at the next DataParallel construction).
+    check_dropped_data_parallel_stops_and_gives_back_its_memory(mpi_world)
+    # The emulated nodes (MPIDIST_RANKS_PER_NODE) stay with the check that sets them.
+    with monkeypatch.context() as patch:
+        check_data_parallel_matches_single_process(mpi_ranks, mpi_world, patch)
+    with monkeypatch.context() as patch:
+        check_gradient_as_bucket_view_trains_like_copying(mpi_ranks, mpi_world, patch)
+    with monkeypatch.context() as patch:
+        check_channels_last_gradients(mpi_ranks, mpi_world, patch)
+    if mpi_ranks == 2:
+        with monkeypatch.context() as patch:
+            check_shared_slot_buckets_hold_at_most_4_mb(mpi_world, patch)
+    check_channels_last_parameter_averaging_and_horovod_broadcast(mpi_ranks, mpi_world)
+    check_parameters_without_gradients_do_not_hang(mpi_ranks, mpi_world)
+    check_parameter_averaging_of_mixed_dtypes(mpi_ranks, mpi_world)
+    check_ddp_arguments_are_accepted_as_ddp_takes_them(mpi_ranks, mpi_world)
+    check_gradient_views_outlive_their_data_parallel(mpi_world)
+    if mpi_ranks == 2:
+        check_no_sync_accumulates_then_averages(mpi_ranks, mpi_world)
+        check_compression_and_parameter_averaging(mpi_ranks, mpi_world)
+        check_dropped_distributed_optimizer_stops_exchanging(mpi_world)
+        check_a_second_live_wrapper_of_the_same_parameters_is_refused(mpi_world)
+    check_gradient_as_bucket_view_must_agree_on_one_node(mpi_world)
+    if mpi_ranks == 2:
+        check_construction_refuses_bad_arguments()
+        check_ddp_arguments_that_cannot_apply_are_refused()

@@ -58,8 +58,7 @@ def summed_over_ranks(tensor):
     return total
 
 
-@pytest.mark.mpi(ranks=[1, 2, 3, 5])
-def test_matches_batchnorm_on_all_samples(mpi_ranks, mpi_world):
+def check_matches_batchnorm_on_all_samples(mpi_world):
     rank, size = mpi_world.rank, mpi_world.size
     for trailing in [(), (4,), (2, 3)]:  # BatchNorm1d's (N, C) and (N, C, L), BatchNorm2d's (N, C, H, W)
         shapes = [(k + 2, CHANNELS) + trailing for k in range(size)]  # uneven batches
@@ -78,8 +77,7 @@ def test_matches_batchnorm_on_all_samples(mpi_ranks, mpi_world):
         assert norm.num_batches_tracked.item() == 1
 
 
-@pytest.mark.mpi(ranks=[3])
-def test_a_rank_without_samples_takes_part(mpi_ranks, mpi_world):
+def check_a_rank_without_samples_takes_part(mpi_world):
     rank, size = mpi_world.rank, mpi_world.size
     shapes = [(0 if k == 0 else 3, CHANNELS, 2) for k in range(size)]
     norm = make_norm()
@@ -95,8 +93,7 @@ def test_a_rank_without_samples_takes_part(mpi_ranks, mpi_world):
     torch.testing.assert_close(norm.running_var, ref.running_var)
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_options_as_batchnorm(mpi_ranks, mpi_world):
+def check_options_as_batchnorm(mpi_world):
     rank, size = mpi_world.rank, mpi_world.size
     shapes = [(k + 2, CHANNELS) for k in range(size)]
     for affine, momentum, track in [(False, None, True), (True, None, True), (False, 0.1, False)]:
@@ -117,8 +114,7 @@ def test_options_as_batchnorm(mpi_ranks, mpi_world):
             assert norm.running_mean is None and norm.running_var is None
 
 
-@pytest.mark.mpi(ranks=[2])
-def test_eval_mode_uses_running_statistics_without_communicating(mpi_ranks, mpi_world):
+def check_eval_mode_uses_running_statistics_without_communicating(mpi_world):
     rank, size = mpi_world.rank, mpi_world.size
     norm = make_norm()
     with torch.no_grad():
@@ -142,8 +138,7 @@ def test_eval_mode_uses_running_statistics_without_communicating(mpi_ranks, mpi_
     torch.testing.assert_close(x.grad, xs[rank].grad)
 
 
-@pytest.mark.mpi(ranks=[3])
-def test_float32_and_bfloat16_inputs(mpi_ranks, mpi_world):
+def check_float32_and_bfloat16_inputs(mpi_world):
     rank, size = mpi_world.rank, mpi_world.size
     shapes = [(k + 4, CHANNELS, 5) for k in range(size)]
     outputs, _, _ = reference(shapes)
@@ -155,8 +150,7 @@ def test_float32_and_bfloat16_inputs(mpi_ranks, mpi_world):
         torch.testing.assert_close(y.double(), outputs[rank].detach(), atol=tolerance * 10, rtol=tolerance)
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_bad_input_is_refused_on_every_rank(mpi_ranks, mpi_world):
+def check_bad_input_is_refused_on_every_rank(mpi_world):
     rank = mpi_world.rank
     norm = make_norm()
     with pytest.raises(ValueError, match="expected at least 2D input"):
@@ -198,10 +192,9 @@ def single_process_training(size, steps):
     return model
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_training_matches_one_process_with_batchnorm(mpi_ranks, mpi_world):
+def check_training_matches_one_process_with_batchnorm(mpi_world):
     for wrapper in ("DataParallel", "hvd"):
-        check_training_with_sync_batchnorm(mpi_world.rank, mpi_ranks, wrapper)
+        check_training_with_sync_batchnorm(mpi_world.rank, mpi_world.size, wrapper)
 
 
 def check_training_with_sync_batchnorm(rank, ranks, wrapper):
@@ -229,3 +222,20 @@ def check_training_with_sync_batchnorm(rank, ranks, wrapper):
     x, _ = batch(99, 0)
     expected.eval()
     torch.testing.assert_close(model(x), expected(x))
+
+
+@pytest.mark.mpi(ranks=[1, 2, 3, 5])
+def test_sync_batchnorm_against_one_process_batchnorm(mpi_ranks, mpi_world):
+    """Every check of one world size in one launch: each launch starts every rank's interpreter
+    (torch included), which costs more than the checks. The refusals, raised on every rank, come
+    last."""
+    check_matches_batchnorm_on_all_samples(mpi_world)
+    if mpi_ranks == 2:
+        check_eval_mode_uses_running_statistics_without_communicating(mpi_world)
+    if mpi_ranks == 3:
+        check_a_rank_without_samples_takes_part(mpi_world)
+        check_float32_and_bfloat16_inputs(mpi_world)
+    if mpi_ranks in (2, 3):
+        check_options_as_batchnorm(mpi_world)
+        check_training_matches_one_process_with_batchnorm(mpi_world)
+        check_bad_input_is_refused_on_every_rank(mpi_world)
