@@ -247,8 +247,7 @@ def test_sampler_arguments_and_state_are_checked():
         ShardedSampler(10, 0, 2).state_dict(consumed=6)
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_sampler_across_ranks(mpi_ranks, mpi_world):
+def check_sampler_across_ranks(mpi_world):
     comm = mpi_world.mpi
     for n in (12, 13):
         sampler = ShardedSampler(n, comm.rank, comm.size, seed=11)
@@ -474,8 +473,7 @@ def test_x_and_y_of_different_lengths(odd_file):
         HDF5Dataset(odd_file, split="short")
 
 
-@pytest.mark.mpi(ranks=[2, 3])
-def test_hdf5_shards_have_equal_length_on_every_rank(mpi_ranks, mpi_world, shared_tmp):
+def check_hdf5_shards_have_equal_length_on_every_rank(mpi_world, shared_tmp):
     comm = mpi_world.mpi
     path = shared_tmp / "rows.h5"
     if comm.rank == 0:
@@ -490,8 +488,7 @@ def test_hdf5_shards_have_equal_length_on_every_rank(mpi_ranks, mpi_world, share
         assert len(set(everyone)) == (11 - 11 % comm.size if shard.drop_last else 11)
 
 
-@pytest.mark.mpi(ranks=[3])
-def test_ensure_digits_on_rank_0_then_shards(mpi_ranks, mpi_world, shared_tmp, monkeypatch):
+def check_ensure_digits_on_rank_0_then_shards(mpi_world, shared_tmp, monkeypatch):
     comm = mpi_world.mpi
     calls = []
     original = data.prepare_digits
@@ -513,3 +510,15 @@ def test_ensure_digits_on_rank_0_then_shards(mpi_ranks, mpi_world, shared_tmp, m
     expected = OSError if comm.rank == 0 else data.DataPreparationError
     with pytest.raises(expected, match="read-only file system" if comm.rank == 0 else "rank 0 failed"):
         data.ensure_digits(shared_tmp / "other.h5", comm=mpi_world)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_sampler_and_shards_across_ranks(mpi_ranks, mpi_world, shared_tmp, monkeypatch):
+    """The checks of one world size in one launch: each launch starts every rank's interpreter
+    (torch included), which costs more than the checks themselves. They share rank 0's tmp_path,
+    each with files of its own names."""
+    check_sampler_across_ranks(mpi_world)
+    check_hdf5_shards_have_equal_length_on_every_rank(mpi_world, shared_tmp)
+    if mpi_ranks == 3:
+        with monkeypatch.context() as patch:
+            check_ensure_digits_on_rank_0_then_shards(mpi_world, shared_tmp, patch)
