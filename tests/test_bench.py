@@ -1,6 +1,5 @@
 """`mpidist bench` and `mpidist tune` under a real `mpirun -np 2`, plus their pure helpers."""
 import json
-import sys
 
 import pytest
 

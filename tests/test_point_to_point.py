@@ -1,7 +1,6 @@
 """Point-to-point helpers and the node topology, on 2 to 5 ranks under mpirun."""
 import numpy as np
 import pytest
-import torch
 
 import mpidist as md
 from conftest import make_array, raw_bytes
