@@ -69,6 +69,25 @@ def add_train_command(subparsers) -> None:
     parser.set_defaults(run=cmd_train)
 
 
+def shard_loader(train_set, shard: int, shards: int, args):
+    """The sampler of shard `shard` of `shards` (reshuffled each epoch) and its DataLoader."""
+    sampler = ShardedSampler(len(train_set), shard, shards, shuffle=True, seed=args.seed)
+    loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
+                                         generator=torch.Generator().manual_seed(args.seed))
+    return sampler, loader
+
+
+def train_batch(model, optimizer, apply, x, y):
+    """Forward, loss and backward of one batch, then `apply` (the optimizer's step, or the
+    parameter server's). Returns the output and the loss."""
+    optimizer.zero_grad()
+    output = model(x)
+    loss = torch.nn.functional.cross_entropy(output, y)
+    loss.backward()
+    apply()
+    return output, loss.item()
+
+
 def evaluate(model, dataset) -> float:
     model.eval()
     with torch.no_grad():
@@ -107,9 +126,7 @@ def cmd_train(args) -> int:
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     if args.mode == "ps":
         return train_with_parameter_server(args, comm, train_set, test_set, say)
-    sampler = ShardedSampler(len(train_set), comm.rank, comm.size, shuffle=True, seed=args.seed)
-    loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
-                                         generator=torch.Generator().manual_seed(args.seed))
+    sampler, loader = shard_loader(train_set, comm.rank, comm.size, args)
     model = build_model()
     compression = None if args.compression == "none" else args.compression
     ddp = md.DataParallel(model, comm=comm, compression=compression, algorithm=args.algorithm)
@@ -133,14 +150,9 @@ def cmd_train(args) -> int:
                         disable=comm.rank != 0 or args.no_progress, leave=True)
         seen, correct, loss_sum, started = 0, 0, 0.0, time.perf_counter()
         for x, y in loader:
-            optimizer.zero_grad()
-            output = ddp(x)
-            loss = torch.nn.functional.cross_entropy(output, y)
-            loss.backward()
-            optimizer.step()
+            output, batch_loss = train_batch(ddp, optimizer, optimizer.step, x, y)
             step += 1
             seen += len(y)
-            batch_loss = loss.item()
             loss_sum += batch_loss * len(y)
             correct += (output.argmax(dim=1) == y).sum().item()
             # Every rank runs as many steps of equal batches, so this rank's count times the
@@ -186,24 +198,17 @@ def train_with_parameter_server(args, comm, train_set, test_set, say) -> int:
         save_checkpoint(os.path.join(args.checkpoint_dir, "ps-final.h5"), model, optimizer, step=len(updates),
                         epoch=args.epochs)
     else:
-        workers = len(ps.workers)
-        sampler = ShardedSampler(len(train_set), ps.workers.index(comm.rank), workers, shuffle=True, seed=args.seed)
-        loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
-                                             generator=torch.Generator().manual_seed(args.seed))
+        sampler, loader = shard_loader(train_set, ps.workers.index(comm.rank), len(ps.workers), args)
         for epoch in range(args.epochs):
             sampler.set_epoch(epoch)
             progress = tqdm(total=len(loader), desc=f"epoch {epoch + 1}/{args.epochs} (chief, rank {comm.rank})",
                             disable=not ps.is_chief or args.no_progress, leave=True)
             seen, correct, epoch_started = 0, 0, time.perf_counter()
             for x, y in loader:
-                optimizer.zero_grad()
-                output = model(x)
-                loss = torch.nn.functional.cross_entropy(output, y)
-                loss.backward()
-                ps.step()
+                output, batch_loss = train_batch(model, optimizer, ps.step, x, y)
                 seen += len(y)
                 correct += (output.argmax(dim=1) == y).sum().item()
-                progress.set_postfix(loss=f"{loss.item():.3f}", acc=f"{correct / seen:.3f}",
+                progress.set_postfix(loss=f"{batch_loss:.3f}", acc=f"{correct / seen:.3f}",
                                      own_samples_per_s=f"{seen / (time.perf_counter() - epoch_started):.0f}")
                 progress.update()
             progress.close()
