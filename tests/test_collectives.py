@@ -263,6 +263,12 @@ def check_mismatched_calls_raise_on_every_rank(mpi_world):
             md.allreduce(**kwargs)
         message = str(excinfo.value)
         assert field in message and f"[{last}]" in message, message
+    # A refused call leaves out= as it was (the input is copied there only once the ranks agree).
+    source = np.ones(5 if r != last else 6)
+    out = np.full_like(source, -7.0)
+    with pytest.raises(md.MismatchError, match="count: ranks"):
+        md.allreduce(source, out=out)
+    assert (out == -7.0).all() and (source == 1.0).all()
     with pytest.raises(md.MismatchError, match="root: ranks"):
         md.broadcast(np.zeros(4), root=0 if r != last else 1)
     with pytest.raises(md.MismatchError, match="collective: ranks"):

@@ -261,11 +261,11 @@ def kernel_op(op: str) -> str:
 def allreduce(comm, array, op="sum", algorithm="auto", out=None):
     """All-reduce `array` across the communicator; in place unless `out` is given. Returns the result."""
     try:
-        target, target_info = prepare_allreduce(array, op, algorithm, out)
+        target, target_info, source_info = prepare_allreduce(array, op, algorithm, out)
     except MpidistError:
         in_order(comm, share_refusal)
         raise
-    return in_order(comm, lambda channel: _run_allreduce(channel, target, target_info, op, algorithm))
+    return in_order(comm, lambda channel: _run_allreduce(channel, target, target_info, op, algorithm, source_info))
 
 
 # ---- the small-message fast path (Communicator.allreduce tries it first) ---------------------------
@@ -358,24 +358,26 @@ def in_order(comm, work):
 
 
 def prepare_allreduce(array, op, algorithm, out):
-    """Check the arguments locally; with `out`, copy the input there. Returns the buffer to reduce."""
+    """Check the arguments locally. Returns the buffer to reduce and its description, and with
+    `out` the input's description (to be copied into `out` first; None in place)."""
     info = buffers.describe(array)
     check_op(op, info.dtype)
     check_algorithm(algorithm)
     if out is None:
         buffers.check_writable(array, "allreduce writes its result into the array (in place; or pass out=)")
-        return array, info
+        return array, info, None
     out_info = buffers.describe(out)
     buffers.check_writable(out, "allreduce writes its result into out=")
     if (out_info.count, out_info.dtype, out_info.device) != (info.count, info.dtype, info.device):
         raise InvalidArgumentError(
             f"out= must match the input: input has {info.count} x {info.dtype} on {info.device}, "
             f"out has {out_info.count} x {out_info.dtype} on {out_info.device}")
-    copy_buffer(out_info, info)
-    return out, out_info
+    return out, out_info, info
 
 
-def _run_allreduce(comm, array, info, op, algorithm):
+def _run_allreduce(comm, array, info, op, algorithm, source_info=None):
+    """All-reduce `array` (described by `info`); with `source_info`, copy that input into it
+    first, once the ranks have agreed on the call, so a refused call leaves out= untouched."""
     mpi = comm.mpi
     # The signature carries the algorithm this rank will run, not the one asked for: ranks with
     # different MPIDIST_ALLREDUCE_ALGORITHM (or tuning tables) would otherwise pass the check
@@ -387,6 +389,8 @@ def _run_allreduce(comm, array, info, op, algorithm):
         raise
     if comm.check_calls:
         check_same_call(comm, mpi, signature("allreduce", info, op, name))
+    if source_info is not None:
+        copy_buffer(info, source_info)
     if info.is_cuda:
         with staged(comm, array, info, host_only=name in HOST_MEMORY_ALGORITHMS) as work:
             _reduce_with(ALLREDUCE[name], Context(comm, mpi, work, op=kernel_op(op), tag=TAGS["allreduce"]), op)
@@ -578,7 +582,7 @@ class AsyncEngine:
 
 def allreduce_async(comm, array, op="sum", algorithm="auto", out=None) -> Handle:
     try:
-        target, target_info = prepare_allreduce(array, op, algorithm, out)
+        target, target_info, source_info = prepare_allreduce(array, op, algorithm, out)
         name = resolve_algorithm(algorithm, target_info, comm)
     except MpidistError:
         # The others' call check runs on the engine's communicator, or, at their first
@@ -590,6 +594,9 @@ def allreduce_async(comm, array, op="sum", algorithm="auto", out=None) -> Handle
         # every rank is starting it too, not running another collective there (whose messages
         # would cross the duplication's own).
         check_same_call(comm, comm.mpi, signature("first allreduce_async", target_info, op, name))
+    if source_info is not None:
+        # Copied now, as the call returns: the caller may reuse the input at once.
+        copy_buffer(target_info, source_info)
     engine = comm.async_engine()
     return engine.submit("allreduce_async",
                          lambda eng: _run_allreduce(eng, target, target_info, op, algorithm))
