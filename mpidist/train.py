@@ -11,6 +11,9 @@ checkpoint.
 Parameter server (--mode ps): rank 0 serves, the other ranks train on their shares of the data
 at their own pace; the chief (rank 1) shows its progress; at the end the server prints what it
 applied, writes ps-final.h5 and the final test accuracy.
+
+Pipeline (--mode pipeline): the network's layers cut into one stage per rank, every batch run
+through the stages in micro-batches; each rank writes its stage to pipeline-final-rank<r>.h5.
 """
 from __future__ import annotations
 
@@ -47,17 +50,22 @@ def positive_float(text: str) -> float:
 
 
 def add_train_command(subparsers) -> None:
-    parser = subparsers.add_parser("train", help="training on the embedded digits data (data parallel or "
-                                                 "parameter server)")
-    parser.add_argument("--mode", choices=["data", "ps"], default="data",
-                        help="data parallel, or a parameter server on rank 0")
+    parser = subparsers.add_parser("train", help="training on the embedded digits data (data parallel, "
+                                                 "parameter server or pipeline)")
+    parser.add_argument("--mode", choices=["data", "ps", "pipeline"], default="data",
+                        help="data parallel, a parameter server on rank 0, or a pipeline of one stage per rank")
     parser.add_argument("--ps-mode", choices=["sync", "async", "softsync"], default=None,
                         help="--mode ps: the server's update rule (default async)")
     parser.add_argument("--softsync", type=positive_int, default=None, help="--ps-mode softsync: n")
     parser.add_argument("--max-staleness", type=int, default=None, help="--mode ps: bounded staleness (steps)")
     parser.add_argument("--staleness-lr", action="store_true", help="--mode ps: learning rate / staleness")
+    parser.add_argument("--chunks", type=positive_int, default=None,
+                        help="--mode pipeline: micro-batches per batch (default 4)")
+    parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default=None,
+                        help="--mode pipeline: the schedule (default 1f1b)")
     parser.add_argument("--epochs", type=positive_int, default=12)
-    parser.add_argument("--batch-size", type=positive_int, default=32, help="per rank")
+    parser.add_argument("--batch-size", type=positive_int, default=32,
+                        help="per rank (--mode pipeline: per batch, which every stage sees)")
     parser.add_argument("--lr", type=positive_float, default=0.05)
     parser.add_argument("--compression", choices=["none", "fp16", "bf16"], default="none")
     parser.add_argument("--algorithm", default="auto")
@@ -98,16 +106,22 @@ def evaluate(model, dataset) -> float:
     return correct / len(y)
 
 
+# The options of one mode only (argparse attribute names); given in another mode they are refused.
+MODE_OPTIONS = {"ps": ("ps_mode", "softsync", "max_staleness", "staleness_lr"), "pipeline": ("chunks", "schedule")}
+
+
 def check_mode_options(args) -> None:
-    """Options that belong to the other mode are refused (on every rank, before MPI starts)."""
-    ps_options = args.ps_mode or args.softsync or args.max_staleness is not None or args.staleness_lr
-    if args.mode == "data" and ps_options:
-        raise InvalidArgumentError("--ps-mode, --softsync, --max-staleness and --staleness-lr go with --mode ps")
-    if args.mode == "ps" and args.resume:
-        raise InvalidArgumentError("--resume continues --mode data runs; --mode ps writes one checkpoint at the end "
-                                   "(ps-final.h5)")
-    if args.mode == "ps" and args.compression != "none":
-        raise InvalidArgumentError("--compression applies to --mode data; the parameter server sends full precision")
+    """Options that belong to another mode are refused (on every rank, before MPI starts)."""
+    for mode, names in MODE_OPTIONS.items():
+        given = [name for name in names if getattr(args, name) not in (None, False)]
+        if given and args.mode != mode:
+            options = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise InvalidArgumentError(f"{options}: these options go with --mode {mode}")
+    if args.mode != "data" and args.resume:
+        raise InvalidArgumentError(f"--resume continues --mode data runs; --mode {args.mode} writes its checkpoints "
+                                   "at the end")
+    if args.mode != "data" and args.compression != "none":
+        raise InvalidArgumentError(f"--compression applies to --mode data; --mode {args.mode} sends full precision")
 
 
 def cmd_train(args) -> int:
@@ -126,6 +140,8 @@ def cmd_train(args) -> int:
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     if args.mode == "ps":
         return train_with_parameter_server(args, comm, train_set, test_set, say)
+    if args.mode == "pipeline":
+        return train_with_pipeline(args, comm, train_set, test_set, say)
     sampler, loader = shard_loader(train_set, comm.rank, comm.size, args)
     model = build_model()
     compression = None if args.compression == "none" else args.compression
@@ -217,4 +233,45 @@ def train_with_parameter_server(args, comm, train_set, test_set, say) -> int:
     accuracy = evaluate(model, test_set)
     say(f"final test accuracy: {accuracy:.4f} ({len(test_set)} test images, parameter server and "
         f"{comm.size - 1} workers)", flush=True)
+    return 0
+
+
+def train_with_pipeline(args, comm, train_set, test_set, say) -> int:
+    """--mode pipeline: one stage of the network per rank; every rank reads the same batches
+    (the first stage uses the images, the last the labels)."""
+    import mpidist as md
+    from tqdm import tqdm
+
+    pipe = md.Pipeline(build_model(), torch.nn.functional.cross_entropy, comm=comm, chunks=args.chunks or 4,
+                       schedule=args.schedule or "1f1b")
+    params = list(pipe.parameters())  # none on a stage of activations only
+    optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9) if params else None
+    sampler, loader = shard_loader(train_set, 0, 1, args)
+    step = 0
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        progress = tqdm(total=len(loader), desc=f"epoch {epoch + 1}/{args.epochs} (rank 0)",
+                        disable=comm.rank != 0 or args.no_progress, leave=True)
+        seen, loss_sum, started = 0, 0.0, time.perf_counter()
+        for x, y in loader:
+            pipe.zero_grad()
+            loss = pipe.train_step(x, y)  # the batch's mean loss, on every rank
+            if optimizer is not None:
+                optimizer.step()
+            step += 1
+            seen += len(y)
+            loss_sum += loss * len(y)
+            progress.set_postfix(loss=f"{loss:.3f}", samples_per_s=f"{seen / (time.perf_counter() - started):.0f}")
+            progress.update()
+        progress.close()
+        say(f"epoch {epoch + 1}/{args.epochs}: loss {loss_sum / seen:.4f} ({seen} samples through "
+            f"{comm.size} stages, {seen / (time.perf_counter() - started):.0f} samples/s)", flush=True)
+    os.makedirs(args.checkpoint_dir, exist_ok=True)
+    save_checkpoint(os.path.join(args.checkpoint_dir, f"pipeline-final-rank{comm.rank}.h5"), pipe, optimizer,
+                    step=step, epoch=args.epochs)
+    with torch.no_grad():
+        predictions = pipe(torch.as_tensor(test_set.x)).argmax(dim=1)  # the output, on every rank
+    accuracy = (predictions == torch.as_tensor(test_set.y)).float().mean().item()
+    say(f"final test accuracy: {accuracy:.4f} ({len(test_set)} test images, a pipeline of {comm.size} stages, "
+        f"bounds {pipe.bounds})", flush=True)
     return 0

@@ -54,6 +54,22 @@ def test_parameter_server_mode_trains_to_90_percent(tmp_path):
     assert state["epoch"] == 10 and state["step"] > 0
 
 
+def test_pipeline_mode_trains_as_one_process_does(tmp_path):
+    """Three stages, five uneven micro-batches per batch: the same epoch losses and test accuracy
+    as the same network trained by one process on the same batches (4 printed decimals)."""
+    def losses_and_accuracy(output):
+        losses = [float(v) for v in re.findall(r"epoch \d+/3: loss ([0-9.]+)", output)]
+        return losses, float(re.search(r"final test accuracy: ([0-9.]+)", output).group(1))
+
+    one_process = train(tmp_path / "one", "--epochs", "3", ranks=0)
+    pipeline = train(tmp_path / "pipe", "--mode", "pipeline", "--chunks", "5", "--epochs", "3", ranks=3)
+    assert "a pipeline of 3 stages" in pipeline, pipeline
+    (expected_losses, expected_accuracy), (losses, accuracy) = map(losses_and_accuracy, (one_process, pipeline))
+    assert len(losses) == 3 and losses == pytest.approx(expected_losses, abs=1.5e-4), pipeline
+    assert accuracy == expected_accuracy, (one_process, pipeline)
+    assert sorted(os.listdir(tmp_path / "pipe" / "ck")) == [f"pipeline-final-rank{r}.h5" for r in range(3)]
+
+
 def test_bad_options_are_refused_on_every_rank(tmp_path):
     from mpidist.cli import build_parser
     from mpidist.errors import InvalidArgumentError
@@ -63,7 +79,11 @@ def test_bad_options_are_refused_on_every_rank(tmp_path):
             build_parser().parse_args(["train", *bad])
     for wrong_mode, message in ((["--max-staleness", "2"], "go with --mode ps"),
                                 (["--ps-mode", "async"], "go with --mode ps"),
+                                (["--mode", "pipeline", "--staleness-lr"], "go with --mode ps"),
+                                (["--chunks", "2"], "go with --mode pipeline"),
+                                (["--mode", "ps", "--schedule", "gpipe"], "go with --mode pipeline"),
                                 (["--mode", "ps", "--resume"], "--resume continues --mode data"),
+                                (["--mode", "pipeline", "--resume"], "--resume continues --mode data"),
                                 (["--mode", "ps", "--compression", "bf16"], "--compression applies to --mode data")):
         with pytest.raises(InvalidArgumentError, match=message):
             check_mode_options(build_parser().parse_args(["train", *wrong_mode]))
