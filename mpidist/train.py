@@ -113,7 +113,7 @@ MODE_OPTIONS = {"ps": ("ps_mode", "softsync", "max_staleness", "staleness_lr"), 
 def check_mode_options(args) -> None:
     """Options that belong to another mode are refused (on every rank, before MPI starts)."""
     for mode, names in MODE_OPTIONS.items():
-        given = [name for name in names if getattr(args, name) not in (None, False)]
+        given = [name for name in names if getattr(args, name) is not None and getattr(args, name) is not False]
         if given and args.mode != mode:
             options = ", ".join("--" + name.replace("_", "-") for name in given)
             raise InvalidArgumentError(f"{options}: these options go with --mode {mode}")

@@ -77,7 +77,7 @@ def test_bad_options_are_refused_on_every_rank(tmp_path):
     for bad in (["--epochs", "0"], ["--batch-size", "-4"], ["--lr", "nan"], ["--lr", "-1"], ["--mode", "model"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["train", *bad])
-    for wrong_mode, message in ((["--max-staleness", "2"], "go with --mode ps"),
+    for wrong_mode, message in ((["--max-staleness", "0"], "go with --mode ps"),
                                 (["--ps-mode", "async"], "go with --mode ps"),
                                 (["--mode", "pipeline", "--staleness-lr"], "go with --mode ps"),
                                 (["--chunks", "2"], "go with --mode pipeline"),
