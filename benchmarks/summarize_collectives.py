@@ -1,4 +1,4 @@
-"""Ratios of `mpidist bench allreduce` JSON rows against the targets of the collectives issue.
+"""Ratios of `mpidist bench allreduce` JSON rows: our algorithms against the peers measured in the same run.
 
     python benchmarks/summarize_collectives.py benchmarks/results/collectives-cpu-2ranks.json ...
 
