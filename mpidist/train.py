@@ -269,9 +269,7 @@ def train_with_pipeline(args, comm, train_set, test_set, say) -> int:
     os.makedirs(args.checkpoint_dir, exist_ok=True)
     save_checkpoint(os.path.join(args.checkpoint_dir, f"pipeline-final-rank{comm.rank}.h5"), pipe, optimizer,
                     step=step, epoch=args.epochs)
-    with torch.no_grad():
-        predictions = pipe(torch.as_tensor(test_set.x)).argmax(dim=1)  # the output, on every rank
-    accuracy = (predictions == torch.as_tensor(test_set.y)).float().mean().item()
+    accuracy = evaluate(pipe, test_set)  # pipe(x) gives the output on every rank
     say(f"final test accuracy: {accuracy:.4f} ({len(test_set)} test images, a pipeline of {comm.size} stages, "
         f"bounds {pipe.bounds})", flush=True)
     return 0
