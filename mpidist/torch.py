@@ -2,12 +2,14 @@
 `import mpidist.torch as hvd` and a Horovod PyTorch script runs on mpidist's collectives.
 
 Differences from Horovod are listed in README.md ("Horovod compatibility"); features that are
-not offered (Adasum, elastic, join, the timeline) raise NotOfferedError instead of misbehaving.
+not offered (Adasum, elastic, the timeline) raise NotOfferedError instead of misbehaving.
 """
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
+import weakref
 
 import numpy as np
 import torch
@@ -15,7 +17,7 @@ import torch
 from . import comm as _comm
 from .errors import InvalidArgumentError, MismatchError, MpidistError, UnsupportedDtypeError
 from .parallel.data import (COMPRESSION_DTYPES, GradientBuckets, broadcast_in_place, check_not_synchronized,
-                            register_gradient_hooks, trainable_parameters)
+                            last_joiner, register_gradient_hooks, trainable_parameters)
 from .parallel.sync_batchnorm import SyncBatchNorm  # noqa: F401  (hvd.SyncBatchNorm)
 
 
@@ -337,9 +339,37 @@ def cuda_built() -> bool:
     return bool(ext.built_with_cuda)
 
 
-def join(device=-1):
-    raise NotOfferedError("hvd.join() is not offered: give every rank the same number of batches "
-                          "(mpidist.data.ShardedSampler pads or drops to even shards)")
+def join(device=-1) -> int:
+    """This rank has run out of data (Horovod's hvd.join()): until every rank has called join(),
+    take part in the other ranks' gradient exchanges of the DistributedOptimizer with zeros (they
+    still average over every rank, as in Horovod). Returns the rank that joined last (the highest
+    of several joining at the same step). Only the DistributedOptimizer's exchanges are shadowed:
+    while a rank waits here the others may run no other collective."""
+    world = _comm_of(None)
+    live = _live_optimizer_buckets(world)
+    if len(live) > 1:
+        raise NotOfferedError(f"hvd.join() with {len(live)} live DistributedOptimizers: a joined rank could not "
+                              "tell whose exchange comes next; join with one")
+    exchanges = 0
+    if live:
+        buckets = live[0]
+        if buckets.op not in ("avg", "sum"):
+            raise NotOfferedError(f"hvd.join() with op={buckets.op!r}: a joined rank's zeros would change a "
+                                  "minimum, maximum or product; use op=hvd.Average or hvd.Sum")
+        while buckets.shadow():
+            pass
+        exchanges, buckets.exchanges_with_gradients = buckets.exchanges_with_gradients, 0
+        buckets.active_ranks = world.size
+    return last_joiner(world, exchanges)
+
+
+def _live_optimizer_buckets(comm) -> list:
+    """The gradient buckets of the live DistributedOptimizers on `comm`."""
+    live = [b for b in _OPTIMIZER_BUCKETS if b.comm is comm]
+    if len(live) > 1:
+        gc.collect()  # an optimizer the program dropped may only wait for the cycle collector
+        live = [b for b in _OPTIMIZER_BUCKETS if b.comm is comm]
+    return live
 
 
 class _Elastic:
@@ -921,6 +951,9 @@ def allgather_object(obj, name=None, process_set=None):
 
 # ---- DistributedOptimizer --------------------------------------------------------------------
 
+_OPTIMIZER_BUCKETS = weakref.WeakSet()  # of the live DistributedOptimizers, for join()
+
+
 class _DistributedOptimizer:
     """Mixed into the wrapped optimizer's class: gradients are all-reduced in buckets during
     backward (after `backward_passes_per_step` passes) and waited for in step()/synchronize()."""
@@ -948,6 +981,7 @@ class _DistributedOptimizer:
                                         passes_per_step=backward_passes_per_step)
         self._skip_sync = False
         register_gradient_hooks(self._buckets, "gradient_ready", trainable, "DistributedOptimizer")
+        _OPTIMIZER_BUCKETS.add(self._buckets)
 
     def synchronize(self):
         """Wait for the gradients' all-reduces (call before clipping gradients, then step()

@@ -8,12 +8,13 @@ import ctypes
 import gc
 import weakref
 
+import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import kernels
 from ..comm import init
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, MpidistError
 from ..memory import keep_freed_memory
 
 FIRST_BUCKET_BYTES = 1024 * 1024
@@ -219,6 +220,12 @@ class GradientBuckets:
     With `gradient_as_bucket_view` (PyTorch DDP's option of that name), after the first step each
     gradient is a view of its bucket's memory (the shared slot or the flat buffer) where the
     all-reduce leaves its result, so the results are not copied back (see DataParallel).
+
+    Each exchange also sums one number over the ranks, launched with the first bucket: 1 from a
+    rank that brings gradients, 0 from a rank that has run out of data and only takes part
+    (shadow(), for DataParallel.join and hvd.join). `active_ranks` is that sum for the last
+    exchange, so every rank learns in the same exchange when others have joined, at the cost of
+    a four-byte all-reduce per step.
     """
 
     def __init__(self, params, comm, bucket_mb=25, compression=None, algorithm="auto", op="avg",
@@ -249,6 +256,12 @@ class GradientBuckets:
         self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self._passes = {id(p): 0 for bucket in self.buckets for p in bucket.params}
         self._next_to_launch = 0
+        self.active_ranks = comm.size  # ranks that brought gradients to the last exchange
+        self.exchanges_with_gradients = 0  # exchanges this rank brought gradients to
+        self._contribution = 1.0  # 0.0 while shadow() takes part without gradients
+        self._flag = torch.ones(1, dtype=torch.float32)  # this rank's contribution, summed in place
+        self._flag_result = self._flag
+        self._flag_handle = None
         self.slots = None
         if polled:
             # Imported here: the collectives package initializes MPI when imported, and
@@ -258,13 +271,17 @@ class GradientBuckets:
             # predivided bucket goes through its flat buffer instead (and its views are there).
             in_slots = (self.gradient_as_bucket_view and self.predivide == 1.0
                         and all(b.wire is None for b in self.buckets))
-            self.slots = NodeSlots(comm.node_comm, [b.nbytes for b in self.buckets], results_in_slots=in_slots)
+            sizes = [b.nbytes for b in self.buckets] + [self._flag.element_size()]
+            self.slots = NodeSlots(comm.node_comm, sizes, results_in_slots=in_slots)
             if in_slots:
                 for index, bucket in enumerate(self.buckets):
                     first = bucket.params[0]
                     numel = sum(p.numel() for p in bucket.params)
                     slot = tensor_at(self.slots.address(index), numel, first.dtype, owner=self.slots)
                     bucket.views = shaped_like(bucket.params, slot)
+                # The count's sum stays in its slot too.
+                self._flag_result = tensor_at(self.slots.address(len(self.buckets)), 1, torch.float32,
+                                              owner=self.slots)
         self.trace = None
         self.reset()
 
@@ -309,10 +326,22 @@ class GradientBuckets:
             self._launch(self._next_to_launch)
             self._next_to_launch += 1
         if self.slots is not None:
+            if self._flag_handle is not None:
+                self._flag_handle.progress()
             for bucket in self.buckets[:self._next_to_launch]:
                 bucket.handle.progress()
 
+    def _launch_count(self) -> None:
+        """Start summing over the ranks how many bring gradients to this exchange."""
+        self._flag.fill_(self._contribution)
+        if self.slots is not None:
+            self._flag_handle = self.slots.start(len(self.buckets), [self._flag], "sum")
+        else:
+            self._flag_handle = self.comm.allreduce_async(self._flag, op="sum")
+
     def _launch(self, index: int) -> None:
+        if index == 0:
+            self._launch_count()
         bucket = self.buckets[index]
         for param in bucket.params:
             if param.grad is None:
@@ -358,6 +387,12 @@ class GradientBuckets:
             while self._next_to_launch < len(self.buckets):
                 self._launch(self._next_to_launch)
                 self._next_to_launch += 1
+            if self._flag_handle is None:  # no buckets at all
+                self._launch_count()
+            self._flag_handle.wait()
+            self.active_ranks = round(self._flag_result.item())
+            if self._contribution:
+                self.exchanges_with_gradients += 1
             for bucket in self.buckets:
                 bucket.handle.wait()
                 if self.trace is not None:
@@ -375,7 +410,25 @@ class GradientBuckets:
         finally:
             self.reset()
 
+    def shadow(self) -> int:
+        """Take part in the next exchange with zero gradients, as a rank that has run out of data
+        does (it adds nothing to the sums; an average still divides by every rank). Returns how
+        many ranks brought gradients to it: 0 once every rank takes part this way."""
+        if self.active:
+            raise MpidistError("join: the gradients of a step are still being all-reduced on this rank; "
+                               "finish the step (optimizer.step() or synchronize()) before joining")
+        for bucket in self.buckets:
+            for param in bucket.params:
+                param.grad = None  # all-reduced as zeros
+        self._contribution = 0.0
+        try:
+            self.wait()
+        finally:
+            self._contribution = 1.0
+        return self.active_ranks
+
     def reset(self) -> None:
+        self._flag_handle = None
         for bucket in self.buckets:
             bucket.reset()
         for key in self._passes:
@@ -458,6 +511,7 @@ class DataParallel(torch.nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self._sync_enabled = True
         self._in_backward = False
+        self._join_options = None  # inside join(): (divide_by_initial_world_size, throw_on_early_termination)
         params = trainable_parameters(module)
         check_not_synchronized(params, "DataParallel")
         broadcast_module_state(module, self.comm)
@@ -466,11 +520,61 @@ class DataParallel(torch.nn.Module):
         register_gradient_hooks(self, "_gradient_ready", params, "DataParallel")
 
     def forward(self, *args, **kwargs):
-        if self.broadcast_buffers and self.training and self._sync_enabled:
+        if self.training and self._sync_enabled:
+            self._broadcast_buffers()
+        return self.module(*args, **kwargs)
+
+    def _broadcast_buffers(self) -> None:
+        # Once a rank has joined (its last exchange showed fewer ranks with gradients), the
+        # buffers are no longer broadcast: join() ends by giving every rank the last joiner's.
+        if self.broadcast_buffers and self.buckets.active_ranks == self.comm.size:
             with torch.no_grad():
                 for buffer in self.module.buffers():
                     broadcast_in_place(self.comm, buffer.data)
-        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        """Train on uneven inputs (PyTorch DDP's `model.join()`): a rank that leaves this block
+        early keeps taking part in the other ranks' gradient exchanges, with zeros, until every
+        rank has left it; then every rank gets the parameters and buffers of the rank that
+        trained longest (the highest such rank).
+
+        While some ranks have joined, the average divides by the world size
+        (`divide_by_initial_world_size=True`, DDP's default) or by the ranks still bringing
+        gradients (False), and the buffers are not broadcast. With `throw_on_early_termination`
+        every rank raises `MpidistError` as soon as one rank runs out of data. Inside the block,
+        each training forward must be followed by its backward, and the ranks still training
+        must run no other collective (as in DDP). A join() block costs nothing per step: the
+        count of ranks with gradients travels with every exchange (GradientBuckets).
+        """
+        if not enable:
+            yield
+            return
+        if self._join_options is not None:
+            raise InvalidArgumentError("DataParallel.join() blocks cannot be nested")
+        self._join_options = (bool(divide_by_initial_world_size), bool(throw_on_early_termination))
+        self.buckets.exchanges_with_gradients = 0
+        try:
+            yield
+            self._join_the_others()
+        finally:
+            self._join_options = None
+            self.buckets.active_ranks = self.comm.size
+
+    def _join_the_others(self) -> None:
+        """Shadow the other ranks' steps until every rank has joined, then give every rank the
+        model of the rank that took part in the most exchanges with gradients."""
+        throw = self._join_options[1]
+        while True:
+            self._broadcast_buffers()  # the others' forward broadcasts while every rank was active
+            if self.buckets.shadow() == 0:
+                break
+            if throw:
+                raise MpidistError(f"rank {self.comm.rank} ran out of inputs before the others "
+                                   "(join(throw_on_early_termination=True))")
+        last = last_joiner(self.comm, self.buckets.exchanges_with_gradients)
+        broadcast_module_state(self.module, self.comm, root=last)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -498,6 +602,25 @@ class DataParallel(torch.nn.Module):
             self.buckets.wait()
         finally:
             self._in_backward = False
+        active, size = self.buckets.active_ranks, self.comm.size
+        if active < size and self._join_options is not None:
+            divide_by_initial_world_size, throw = self._join_options
+            if throw:
+                raise MpidistError(f"{size - active} rank(s) ran out of inputs "
+                                   "(join(throw_on_early_termination=True))")
+            if not divide_by_initial_world_size:  # average over the ranks that brought gradients
+                with torch.no_grad():
+                    for bucket in self.buckets.buckets:
+                        for param in bucket.params:
+                            param.grad.mul_(size / active)
+
+
+def last_joiner(comm, exchanges_with_gradients: int) -> int:
+    """The rank that brought gradients to the most exchanges (the highest of several): the one
+    that ran out of data last. Collective."""
+    key = np.array([exchanges_with_gradients * comm.size + comm.rank], dtype=np.int64)
+    comm.allreduce(key, op="max")
+    return int(key[0] % comm.size)
 
 
 class ParameterAveraging:

@@ -1,0 +1,165 @@
+"""Uneven inputs: DataParallel.join() (PyTorch DDP's model.join()) and hvd.join() (Horovod's),
+against single-process float64 training that applies the same updates."""
+import gc
+
+import pytest
+import torch
+from mpi4py import MPI
+
+import mpidist as md
+import mpidist.torch as hvd
+from test_data_parallel import assert_close_to_reference, batch, communicator, make_model
+
+STEPS_BY_RANK = [5, 3, 6, 2, 4]  # uneven, and the rank with the most is not always the last rank
+
+
+def steps_of(rank):
+    return STEPS_BY_RANK[rank]
+
+
+def last_rank_to_join(size):
+    steps = [steps_of(r) for r in range(size)]
+    return max(r for r in range(size) if steps[r] == max(steps))
+
+
+def reference_parameters(size, steps, divide_by_world_size=True, lr=0.1):
+    """Float64 SGD with momentum where step t's gradient is the sum of the mean-loss gradients
+    of the ranks that still have a batch at step t, divided by the world size (or by how many
+    ranks have one)."""
+    model = make_model().double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for step in range(steps):
+        active = [r for r in range(size) if steps_of(r) > step]
+        optimizer.zero_grad()
+        loss = sum(torch.nn.functional.cross_entropy(model(x.double()), y)
+                   for x, y in (batch(step, r) for r in active))
+        (loss / (size if divide_by_world_size else len(active))).backward()
+        optimizer.step()
+    return [p.detach().float() for p in model.parameters()]
+
+
+def train_uneven(wrapped, rank, steps):
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        x, y = batch(step, rank)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(wrapped(x), y).backward()
+        optimizer.step()
+
+
+def check_data_parallel_join_matches_reference(mpi_ranks, mpi_world, monkeypatch):
+    rank, size = mpi_world.rank, mpi_ranks
+    longest = max(steps_of(r) for r in range(size))
+    for ranks_per_node in (None, "1"):  # shared slots on one node; the asynchronous engine
+        comm = communicator(ranks_per_node, monkeypatch)
+        for divide, views in ((True, False), (False, True)):
+            model = make_model(seed=rank)
+            ddp = md.DataParallel(model, comm=comm, bucket_mb=0.0005, gradient_as_bucket_view=views)
+            with ddp.join(divide_by_initial_world_size=divide):
+                train_uneven(ddp, rank, steps_of(rank))
+            # Every rank now holds the parameters of the rank that trained longest.
+            assert_close_to_reference(list(model.parameters()), reference_parameters(size, longest, divide))
+            del ddp
+
+
+def check_join_gives_everyone_the_last_joiners_buffers(mpi_ranks, mpi_world):
+    """Buffers are broadcast while every rank trains, not once one has joined (the joined ranks
+    take part in those broadcasts too: nothing hangs); at the end every rank has the buffers of
+    the last rank to join."""
+    rank, size = mpi_world.rank, mpi_ranks
+    torch.manual_seed(rank)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(),
+                                torch.nn.Linear(8, 3))
+    ddp = md.DataParallel(model)
+    with ddp.join():
+        train_uneven(ddp, rank, steps_of(rank))
+        mine = [b.clone() for b in model.buffers()]
+    if rank == last_rank_to_join(size):
+        for before, after in zip(mine, model.buffers()):
+            assert torch.equal(before, after)
+    for buffer in list(model.buffers()) + list(model.parameters()):
+        gathered = MPI.COMM_WORLD.allgather(buffer.detach().numpy())
+        assert all((g == gathered[0]).all() for g in gathered)
+    del ddp
+
+
+def check_throw_on_early_termination_raises_on_every_rank(mpi_ranks, mpi_world):
+    rank, size = mpi_world.rank, mpi_ranks
+    first_out = min(steps_of(r) for r in range(size))
+    ddp = md.DataParallel(make_model())
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    steps_done = 0
+    with pytest.raises(md.MpidistError, match="ran out of inputs"):
+        with ddp.join(throw_on_early_termination=True):
+            for step in range(steps_of(rank)):
+                x, y = batch(step, rank)
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(ddp(x), y).backward()
+                optimizer.step()
+                steps_done += 1
+    # The ranks still training raise in the backward of the step the first rank no longer has.
+    assert steps_done == min(steps_of(rank), first_out)
+    # Then training goes on normally.
+    train_uneven(ddp, rank, 1)
+    del ddp
+
+
+def check_join_refuses_nesting(mpi_world):
+    ddp = md.DataParallel(make_model())
+    with ddp.join():
+        with pytest.raises(md.InvalidArgumentError, match="nested"):
+            with ddp.join():
+                pass
+    del ddp
+
+
+def check_horovod_join(mpi_ranks, mpi_world):
+    """Horovod's semantics: a joined rank adds zeros and the others still average over every
+    rank; each rank keeps the parameters of its own last step; join() returns the last rank."""
+    rank, size = mpi_world.rank, mpi_ranks
+    for epoch in range(2):  # join() twice: the second epoch starts counting afresh
+        model = make_model()
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                             named_parameters=model.named_parameters())
+        steps = steps_of((rank + epoch) % size)  # a different last joiner in the second epoch
+        for step in range(steps):
+            x, y = batch(step, (rank + epoch) % size)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        last = hvd.join()
+        assert last == max(r for r in range(size) if steps_of((r + epoch) % size) == max(STEPS_BY_RANK[:size]))
+        if epoch == 0:
+            assert_close_to_reference(list(model.parameters()), reference_parameters(size, steps))
+        del optimizer
+        gc.collect()
+
+
+def check_horovod_join_without_an_optimizer_and_refusals(mpi_ranks, mpi_world):
+    assert hvd.join() == mpi_ranks - 1  # nothing exchanged: the highest rank
+    model = make_model()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Min)
+    with pytest.raises(hvd.NotOfferedError, match="op='min'"):
+        hvd.join()
+    del optimizer
+    gc.collect()
+    first = hvd.DistributedOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1))
+    second = hvd.DistributedOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1))
+    with pytest.raises(hvd.NotOfferedError, match="2 live DistributedOptimizers"):
+        hvd.join()
+    del first, second
+    gc.collect()
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_join(mpi_ranks, mpi_world, monkeypatch):
+    """Every check of one world size in one launch (see test_data_parallel.py)."""
+    hvd.init()
+    with monkeypatch.context() as patch:
+        check_data_parallel_join_matches_reference(mpi_ranks, mpi_world, patch)
+    check_join_gives_everyone_the_last_joiners_buffers(mpi_ranks, mpi_world)
+    check_throw_on_early_termination_raises_on_every_rank(mpi_ranks, mpi_world)
+    check_join_refuses_nesting(mpi_world)
+    check_horovod_join(mpi_ranks, mpi_world)
+    check_horovod_join_without_an_optimizer_and_refusals(mpi_ranks, mpi_world)
+    assert MPI.COMM_WORLD.allreduce(1) == mpi_ranks  # every rank got here
