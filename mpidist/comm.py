@@ -110,6 +110,7 @@ class Communicator:
         self.fast_path_bounds = mpi_bounds(self.size, self.tuning_table, self.forced_algorithm)
         self._lock = threading.Lock()
         self._engine = None
+        self._freed = False
         self.fast_path_scratch = None  # float32 room for small float16/bfloat16 all-reduces
 
     def _split_node(self, MPI):
@@ -234,10 +235,20 @@ class Communicator:
             return self._engine
 
     def free(self) -> None:
-        """Release the duplicated MPI communicators (optional; MPI_Finalize releases them too)."""
+        """Release the duplicated MPI communicators, the asynchronous engine's thread and the
+        shared windows of dropped DataParallels on this communicator (collective; optional:
+        MPI_Finalize releases them too). Like mpi4py's communicators, a Communicator the program
+        drops is not freed by itself, since freeing is collective and each rank drops it at its
+        own moment; `with md.Communicator(sub) as comm:` frees it at the end of the block.
+        Using it afterwards is an MPI error (an invalid communicator)."""
+        if self._freed:
+            return
+        self._freed = True
         if self._engine is not None:
             self._engine.stop()
             self._engine = None
+        from .collectives.polled import free_released_windows
+        free_released_windows(self.node_comm)
         window = getattr(self, "node_window", None)
         if window is not None:
             window.free()
@@ -245,6 +256,12 @@ class Communicator:
             if comm is not None:
                 comm.Free()
         self.leader_comm = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.free()
 
 
 def api():

@@ -1,5 +1,6 @@
 """Data-parallel training equals single-process training on the union of the ranks' batches."""
 import copy
+import gc
 
 import pytest
 import torch
@@ -369,6 +370,25 @@ def check_dropped_data_parallel(mpi_world, views):
         torch.testing.assert_close(mine.grad, own)  # not averaged any more
 
 
+def check_freed_communicator_gives_back_dropped_windows(mpi_world):
+    """Windows of dropped DataParallels wait for the next construction on their communicator;
+    freeing the communicator gives them back instead, and forgets the communicator."""
+    from mpidist.collectives import polled
+    x, y = batch(0, mpi_world.rank)
+    before = shared_mapping_bytes()
+    with md.Communicator(MPI.COMM_WORLD) as comm:
+        wide = md.DataParallel(torch.nn.Linear(256, 256), comm=comm)
+        wide(x.new_ones(1, 256)).sum().backward()
+        assert shared_mapping_bytes() - before > 256 * 1024
+        node_comm = comm.node_comm
+        del wide
+        gc.collect()
+        assert id(node_comm) in polled._released  # released, not freed yet
+    assert id(node_comm) not in polled._released
+    assert shared_mapping_bytes() <= before
+    comm.free()  # a second time does nothing
+
+
 def check_gradient_views_outlive_their_data_parallel(mpi_world):
     model = make_model()
     ddp = md.DataParallel(model, gradient_as_bucket_view=True)
@@ -530,6 +550,7 @@ def test_data_parallel_and_parameter_averaging(mpi_ranks, mpi_world, monkeypatch
     check_parameter_averaging_of_mixed_dtypes(mpi_ranks, mpi_world)
     check_ddp_arguments_are_accepted_as_ddp_takes_them(mpi_ranks, mpi_world)
     check_gradient_views_outlive_their_data_parallel(mpi_world)
+    check_freed_communicator_gives_back_dropped_windows(mpi_world)
     if mpi_ranks == 2:
         check_no_sync_accumulates_then_averages(mpi_ranks, mpi_world)
         check_compression_and_parameter_averaging(mpi_ranks, mpi_world)

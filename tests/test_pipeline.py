@@ -74,6 +74,7 @@ def check_pipeline_training_matches_one_process():
                 x, _ = batch(99)
                 torch.testing.assert_close(pipe(x if comm.rank == 0 else None), reference(x).detach(),
                                            rtol=1e-12, atol=1e-14)
+                pipe.free()  # its duplicated communicator: the loop builds many
 
 
 def check_pipeline_refuses_bad_input_on_every_rank():
@@ -101,3 +102,7 @@ def check_pipeline_refuses_bad_input_on_every_rank():
     # After the refusals, the pipeline still trains.
     loss_value = pipe.train_step(x if first else None, y if last else None)
     assert loss_value == pytest.approx(loss(make_model()(x), y).item(), rel=1e-12)
+    pipe.free()
+    pipe.free()  # a second time does nothing
+    with pytest.raises(md.InvalidArgumentError, match="was freed"):
+        pipe.train_step(x if first else None, y if last else None)

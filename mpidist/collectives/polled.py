@@ -109,6 +109,14 @@ class ReleasedWindows:
 _released = {}  # id(node communicator) -> its ReleasedWindows
 
 
+def free_released_windows(node_comm) -> None:
+    """Before `node_comm` itself is freed: free the windows of its dropped NodeSlots that every
+    rank has released (collective over it) and forget it, so the registry keeps neither alive."""
+    registry = _released.pop(id(node_comm), None)
+    if registry is not None and registry.node_comm is node_comm:
+        registry.free_common()
+
+
 def released_windows(node_comm) -> ReleasedWindows:
     registry = _released.get(id(node_comm))
     if registry is None or registry.node_comm is not node_comm:

@@ -174,12 +174,21 @@ class Pipeline(torch.nn.Module):
         self._wait_all(sends)
         return float(self._from_last(loss if self.last else None))
 
+    def free(self) -> None:
+        """Release the pipeline's duplicated communicator (collective over its ranks; optional:
+        MPI_Finalize releases it too). The pipeline cannot run afterwards."""
+        if self.mpi is not None:
+            self.mpi.Free()
+            self.mpi = None
+
     # ---- agreement and messages ------------------------------------------------------------
 
     def _agree(self, inputs, targets, need_targets: bool):
         """Every rank learns the batch size from the first stage and checks the last stage's
         targets against it, so bad input raises the same error on every rank before any
         micro-batch moves."""
+        if self.mpi is None:
+            raise InvalidArgumentError("this Pipeline was freed (Pipeline.free()); build a new one")
         mine = np.array([-1, -1], dtype=np.int64)  # first stage: batch size; last: targets' size
         if self.first:
             mine[0] = len(inputs) if isinstance(inputs, torch.Tensor) and inputs.dim() > 0 else -2
