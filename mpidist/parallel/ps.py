@@ -116,6 +116,7 @@ class ParameterServer:
         self.mode, self.max_staleness, self.staleness_lr = mode, max_staleness, bool(staleness_lr)
         self.per_update = gradients_per_update(mode, len(self.workers), softsync)
         self.version = 0  # workers: the version of the weights they hold
+        self._sent_weights = None  # server: (version, its weights flattened for replies)
         self.steps = 0  # workers: gradients pushed
         self.closed = False
         self.mpi = self.comm.mpi.Dup()  # point-to-point traffic of its own, apart from collectives
@@ -228,7 +229,11 @@ class ParameterServer:
         """Start sending the current weights and their version; returns the requests and the
         buffers they read."""
         header = np.array([self.version], dtype=np.int64)
-        weights = self._flat([p.detach() for p in self.params])
+        if self._sent_weights is None or self._sent_weights[0] != self.version:
+            # One copy per version, shared by every reply of that version (sync mode answers
+            # every worker with the same one): pending sends only read it.
+            self._sent_weights = (self.version, self._flat([p.detach() for p in self.params]))
+        weights = self._sent_weights[1]
         requests = [self.mpi.Isend(header, dest=worker, tag=REPLY_HEADER),
                     self.mpi.Isend(byte_view(weights), dest=worker, tag=REPLY_WEIGHTS)]
         return requests, (header, weights)
