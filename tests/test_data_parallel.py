@@ -53,15 +53,20 @@ def communicator(ranks_per_node, monkeypatch):
     return md.Communicator(MPI.COMM_WORLD)
 
 
-def train_and_compare(wrapped, model, rank, ranks):
-    """STEPS steps of SGD through `wrapped` on this rank's batches; `model`'s parameters must then
-    match single-process training on every rank's batches."""
+def train_steps(wrapped, rank, steps):
+    """`steps` steps of SGD with momentum through `wrapped` on this rank's batches."""
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
+    for step in range(steps):
         x, y = batch(step, rank)
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(wrapped(x), y).backward()
         optimizer.step()
+
+
+def train_and_compare(wrapped, model, rank, ranks):
+    """STEPS steps of SGD through `wrapped` on this rank's batches; `model`'s parameters must then
+    match single-process training on every rank's batches."""
+    train_steps(wrapped, rank, STEPS)
     assert_close_to_reference(list(model.parameters()), reference_parameters(ranks))
 
 

@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 import mpidist as md
 import mpidist.torch as hvd
-from test_data_parallel import assert_close_to_reference, batch, communicator, make_model
+from test_data_parallel import assert_close_to_reference, batch, communicator, make_model, train_steps
 
 STEPS_BY_RANK = [5, 3, 6, 2, 4]  # uneven, and the rank with the most is not always the last rank
 
@@ -38,15 +38,6 @@ def reference_parameters(size, steps, divide_by_world_size=True, lr=0.1):
     return [p.detach().float() for p in model.parameters()]
 
 
-def train_uneven(wrapped, rank, steps):
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
-    for step in range(steps):
-        x, y = batch(step, rank)
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(wrapped(x), y).backward()
-        optimizer.step()
-
-
 def check_data_parallel_join_matches_reference(mpi_ranks, mpi_world, monkeypatch):
     rank, size = mpi_world.rank, mpi_ranks
     longest = max(steps_of(r) for r in range(size))
@@ -56,7 +47,7 @@ def check_data_parallel_join_matches_reference(mpi_ranks, mpi_world, monkeypatch
             model = make_model(seed=rank)
             ddp = md.DataParallel(model, comm=comm, bucket_mb=0.0005, gradient_as_bucket_view=views)
             with ddp.join(divide_by_initial_world_size=divide):
-                train_uneven(ddp, rank, steps_of(rank))
+                train_steps(ddp, rank, steps_of(rank))
             # Every rank now holds the parameters of the rank that trained longest.
             assert_close_to_reference(list(model.parameters()), reference_parameters(size, longest, divide))
             del ddp
@@ -72,7 +63,7 @@ def check_join_gives_everyone_the_last_joiners_buffers(mpi_ranks, mpi_world):
                                 torch.nn.Linear(8, 3))
     ddp = md.DataParallel(model)
     with ddp.join():
-        train_uneven(ddp, rank, steps_of(rank))
+        train_steps(ddp, rank, steps_of(rank))
         mine = [b.clone() for b in model.buffers()]
     if rank == last_rank_to_join(size):
         for before, after in zip(mine, model.buffers()):
@@ -100,7 +91,7 @@ def check_throw_on_early_termination_raises_on_every_rank(mpi_ranks, mpi_world):
     # The ranks still training raise in the backward of the step the first rank no longer has.
     assert steps_done == min(steps_of(rank), first_out)
     # Then training goes on normally.
-    train_uneven(ddp, rank, 1)
+    train_steps(ddp, rank, 1)
     del ddp
 
 
