@@ -63,6 +63,8 @@ def add_train_command(subparsers) -> None:
                         help="--mode pipeline: micro-batches per batch (default 4)")
     parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default=None,
                         help="--mode pipeline: the schedule (default 1f1b)")
+    parser.add_argument("--replicas", type=positive_int, default=None,
+                        help="--mode pipeline: pipelines side by side, averaging their gradients (default 1)")
     parser.add_argument("--epochs", type=positive_int, default=12)
     parser.add_argument("--batch-size", type=positive_int, default=32,
                         help="per rank (--mode pipeline: per batch, which every stage sees)")
@@ -107,7 +109,8 @@ def evaluate(model, dataset) -> float:
 
 
 # The options of one mode only (argparse attribute names); given in another mode they are refused.
-MODE_OPTIONS = {"ps": ("ps_mode", "softsync", "max_staleness", "staleness_lr"), "pipeline": ("chunks", "schedule")}
+MODE_OPTIONS = {"ps": ("ps_mode", "softsync", "max_staleness", "staleness_lr"),
+                "pipeline": ("chunks", "schedule", "replicas")}
 
 
 def check_mode_options(args) -> None:
@@ -237,16 +240,17 @@ def train_with_parameter_server(args, comm, train_set, test_set, say) -> int:
 
 
 def train_with_pipeline(args, comm, train_set, test_set, say) -> int:
-    """--mode pipeline: one stage of the network per rank; every rank reads the same batches
-    (the first stage uses the images, the last the labels)."""
+    """--mode pipeline: one stage of the network per rank; every rank of a pipeline reads the
+    same batches (the first stage uses the images, the last the labels). With --replicas k,
+    k pipelines train on their shares of the data and average their gradients."""
     import mpidist as md
     from tqdm import tqdm
 
     pipe = md.Pipeline(build_model(), torch.nn.functional.cross_entropy, comm=comm, chunks=args.chunks or 4,
-                       schedule=args.schedule or "1f1b")
+                       schedule=args.schedule or "1f1b", replicas=args.replicas or 1)
     params = list(pipe.parameters())  # none on a stage of activations only
     optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9) if params else None
-    sampler, loader = shard_loader(train_set, 0, 1, args)
+    sampler, loader = shard_loader(train_set, pipe.replica, pipe.replicas, args)
     step = 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
@@ -261,15 +265,22 @@ def train_with_pipeline(args, comm, train_set, test_set, say) -> int:
             step += 1
             seen += len(y)
             loss_sum += loss * len(y)
-            progress.set_postfix(loss=f"{loss:.3f}", samples_per_s=f"{seen / (time.perf_counter() - started):.0f}")
+            # Every replica runs as many steps of equal batches (ShardedSampler).
+            rate = seen * pipe.replicas / (time.perf_counter() - started)
+            progress.set_postfix(loss=f"{loss:.3f}", samples_per_s=f"{rate:.0f}")
             progress.update()
         progress.close()
+        # Each rank holds its replica's mean loss; every rank counts it once per stage.
+        loss_sum = comm.allreduce(np.array([loss_sum / pipe.stages]))[0]
+        seen *= pipe.replicas
         say(f"epoch {epoch + 1}/{args.epochs}: loss {loss_sum / seen:.4f} ({seen} samples through "
-            f"{comm.size} stages, {seen / (time.perf_counter() - started):.0f} samples/s)", flush=True)
+            f"{pipe.replicas} x {pipe.stages} stages, {seen / (time.perf_counter() - started):.0f} samples/s)",
+            flush=True)
     os.makedirs(args.checkpoint_dir, exist_ok=True)
     save_checkpoint(os.path.join(args.checkpoint_dir, f"pipeline-final-rank{comm.rank}.h5"), pipe, optimizer,
                     step=step, epoch=args.epochs)
     accuracy = evaluate(pipe, test_set)  # pipe(x) gives the output on every rank
-    say(f"final test accuracy: {accuracy:.4f} ({len(test_set)} test images, a pipeline of {comm.size} stages, "
+    layout = f"{pipe.replicas} pipelines" if pipe.replicas > 1 else "a pipeline"
+    say(f"final test accuracy: {accuracy:.4f} ({len(test_set)} test images, {layout} of {pipe.stages} stages, "
         f"bounds {pipe.bounds})", flush=True)
     return 0

@@ -1,7 +1,9 @@
 """Pipeline (layer-wise model parallelism) against the same model trained in one process on the
 whole batch (float64): the same losses and, stage by stage, the same parameters."""
+import numpy as np
 import pytest
 import torch
+from mpi4py import MPI
 
 import mpidist as md
 
@@ -21,12 +23,12 @@ def batch(step, size=10):
             torch.randint(0, 3, (size,), generator=generator))
 
 
-def train_one_process(steps, lr=0.1):
+def train_one_process(steps, lr=0.1, size=10):
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     losses = []
     for step in range(steps):
-        x, y = batch(step)
+        x, y = batch(step, size)
         optimizer.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
@@ -35,12 +37,50 @@ def train_one_process(steps, lr=0.1):
     return model, losses
 
 
-@pytest.mark.mpi(ranks=[1, 2, 3, 5])
+@pytest.mark.mpi(ranks=[1, 2, 3, 4, 5])
 def test_pipeline(mpi_ranks, mpi_world):
-    """Both checks in one launch (each launch starts an interpreter and torch per rank)."""
+    """The checks of one world size in one launch (each launch starts an interpreter and torch
+    per rank); 4 ranks run the layouts with replicas only, the plain pipelines run on the rest."""
+    if mpi_ranks == 4:
+        check_replicas_match_one_process(replicas=2)  # two pipelines of two stages
+        check_replicas_match_one_process(replicas=4)  # pure data parallelism: pipelines of one stage
+        return
     check_pipeline_training_matches_one_process()
+    if mpi_ranks == 2:
+        check_replicas_match_one_process(replicas=2)
     if mpi_ranks == 3:
         check_pipeline_refuses_bad_input_on_every_rank()
+
+
+def check_replicas_match_one_process(replicas):
+    """Each replica trains on its own rows of the batch; averaged over the replicas, the
+    gradients are those of the whole batch's mean loss, so each stage's parameters follow
+    one-process training on the whole batch."""
+    comm = md.init()
+    steps, rows = 3, 10
+    reference, reference_losses = train_one_process(steps, size=rows * replicas)
+    for schedule, chunks in (("1f1b", 4), ("gpipe", 3)):
+        # Each replica starts from other weights: construction gives every one replica 0's.
+        replica = comm.rank // (comm.size // replicas)
+        pipe = md.Pipeline(make_model(seed=replica), torch.nn.functional.cross_entropy, chunks=chunks,
+                           schedule=schedule, replicas=replicas)
+        assert (pipe.stages, pipe.replica, pipe.index) == (comm.size // replicas, *divmod(comm.rank, pipe.stages))
+        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+        losses = []
+        for step in range(steps):
+            x, y = batch(step, rows * replicas)
+            mine = slice(pipe.replica * rows, (pipe.replica + 1) * rows)
+            pipe.zero_grad()
+            losses.append(pipe.train_step(x[mine], y[mine]))
+            optimizer.step()
+        # The replicas' own mean losses average to the whole batch's.
+        average = MPI.COMM_WORLD.allreduce(np.array(losses) / comm.size)
+        assert average == pytest.approx(reference_losses, rel=1e-12)
+        start, end = pipe.bounds[pipe.index]
+        expected = dict(reference[start:end].named_parameters())
+        for name, param in pipe.stage.named_parameters():
+            torch.testing.assert_close(param, expected[name], rtol=1e-12, atol=1e-14, msg=f"{schedule} {name}")
+        pipe.free()
 
 
 def check_pipeline_training_matches_one_process():
@@ -88,6 +128,8 @@ def check_pipeline_refuses_bad_input_on_every_rank():
         md.Pipeline(make_model(), loss, balance=[5, 1, 0])
     with pytest.raises(md.InvalidArgumentError, match="schedule"):
         md.Pipeline(make_model(), loss, schedule="interleaved")
+    with pytest.raises(md.InvalidArgumentError, match="replicas=2 must be a positive integer that divides the 3"):
+        md.Pipeline(make_model(), loss, replicas=2)
     pipe = md.Pipeline(make_model(), loss, chunks=4)
     x, y = batch(0)
     first, last = comm.rank == 0, comm.rank == comm.size - 1

@@ -70,6 +70,23 @@ def test_pipeline_mode_trains_as_one_process_does(tmp_path):
     assert sorted(os.listdir(tmp_path / "pipe" / "ck")) == [f"pipeline-final-rank{r}.h5" for r in range(3)]
 
 
+def test_pipelines_with_replicas_train_as_data_parallelism_does(tmp_path):
+    """Two pipelines of two stages, each on its share of the data, averaging their gradients:
+    the same batches and updates as data parallelism on two ranks."""
+    def losses_and_accuracy(output):
+        losses = [float(v) for v in re.findall(r"epoch \d+/2: loss ([0-9.]+)", output)]
+        return losses, float(re.search(r"final test accuracy: ([0-9.]+)", output).group(1))
+
+    data_parallel = train(tmp_path / "data", "--epochs", "2", ranks=2)
+    pipelines = train(tmp_path / "pipe", "--mode", "pipeline", "--replicas", "2", "--epochs", "2", ranks=4)
+    assert "2 pipelines of 2 stages" in pipelines and "(1500 samples through 2 x 2 stages" in pipelines, pipelines
+    (expected_losses, expected_accuracy), (losses, accuracy) = map(losses_and_accuracy, (data_parallel, pipelines))
+    assert len(losses) == 2 and losses == pytest.approx(expected_losses, abs=1.5e-4), pipelines
+    # Float32 sums in another order: at most one of the 297 test images may differ.
+    assert accuracy == pytest.approx(expected_accuracy, abs=1.01 / 297), (data_parallel, pipelines)
+    assert sorted(os.listdir(tmp_path / "pipe" / "ck")) == [f"pipeline-final-rank{r}.h5" for r in range(4)]
+
+
 def test_bad_options_are_refused_on_every_rank(tmp_path):
     from mpidist.cli import build_parser
     from mpidist.errors import InvalidArgumentError
@@ -82,6 +99,7 @@ def test_bad_options_are_refused_on_every_rank(tmp_path):
                                 (["--mode", "pipeline", "--staleness-lr"], "go with --mode ps"),
                                 (["--chunks", "2"], "go with --mode pipeline"),
                                 (["--mode", "ps", "--schedule", "gpipe"], "go with --mode pipeline"),
+                                (["--replicas", "2"], "go with --mode pipeline"),
                                 (["--mode", "ps", "--resume"], "--resume continues --mode data"),
                                 (["--mode", "pipeline", "--resume"], "--resume continues --mode data"),
                                 (["--mode", "ps", "--compression", "bf16"], "--compression applies to --mode data")):

@@ -25,8 +25,10 @@ import numpy as np
 import torch
 
 from ..collectives.api import wait_with_deadline
-from ..comm import init
+from ..comm import Communicator, init
 from ..errors import InvalidArgumentError, MismatchError
+from .data import (GradientBuckets, broadcast_module_state, check_not_synchronized, register_gradient_hooks,
+                   trainable_parameters)
 
 SCHEDULES = ("gpipe", "1f1b")
 HEADER_LENGTH = 2 + 8  # dtype code, number of dimensions, up to 8 dimensions
@@ -89,7 +91,9 @@ def gpipe(micro_batches: int) -> list:
 
 
 class Pipeline(torch.nn.Module):
-    """A torch.nn.Sequential trained as a pipeline of stages, one per rank of `comm`.
+    """A torch.nn.Sequential trained as a pipeline of stages, one per rank of `comm`, or with
+    `replicas=k` as k pipelines side by side that average their gradients (pipeline x data
+    parallelism).
 
     Every rank builds the same model (all of it: each keeps its stage's layers, `self.stage`);
     `parameters()` are the stage's, for this rank's optimizer. `balance` gives the number of
@@ -97,10 +101,17 @@ class Pipeline(torch.nn.Module):
     mean loss of the samples it is given (torch's losses do by default): train_step() weights
     each micro-batch's loss by its share of the batch, so the gradients are those of the whole
     batch's mean loss.
+
+    With replicas, consecutive ranks form one pipeline (`comm.size // replicas` stages; rank
+    r is stage r % stages of replica r // stages), each replica trains on its own batches, and
+    each stage's gradients are averaged with the same stage's in the other replicas through
+    gradient buckets (as DataParallel's), launched as the last micro-batch's backward produces
+    each gradient. At construction each stage's parameters and buffers are broadcast from
+    replica 0, so every replica starts from the same weights.
     """
 
     def __init__(self, model: torch.nn.Sequential, loss_fn, comm=None, chunks: int = 4, balance=None,
-                 schedule: str = "1f1b"):
+                 schedule: str = "1f1b", replicas: int = 1):
         if not isinstance(model, torch.nn.Sequential):
             raise InvalidArgumentError(f"Pipeline takes a torch.nn.Sequential (its layers are cut into stages); "
                                        f"got {type(model).__name__}")
@@ -110,8 +121,12 @@ class Pipeline(torch.nn.Module):
             raise InvalidArgumentError(f"chunks (micro-batches per step) must be a positive integer, got {chunks!r}")
         super().__init__()
         self.comm = comm if comm is not None else init()
-        self.stages = self.comm.size
-        self.index = self.comm.rank
+        if not isinstance(replicas, int) or replicas < 1 or self.comm.size % replicas:
+            raise InvalidArgumentError(f"replicas={replicas!r} must be a positive integer that divides the "
+                                       f"{self.comm.size} ranks (each replica is a pipeline of equally many stages)")
+        self.replicas = replicas
+        self.stages = self.comm.size // replicas
+        self.replica, self.index = divmod(self.comm.rank, self.stages)
         self.bounds = split_layers(len(model), self.stages, balance)
         start, end = self.bounds[self.index]
         self.stage = model[start:end]
@@ -120,7 +135,21 @@ class Pipeline(torch.nn.Module):
         self.schedule = schedule
         self.first = self.index == 0
         self.last = self.index == self.stages - 1
-        self.mpi = self.comm.mpi.Dup()  # point-to-point traffic of its own, apart from collectives
+        # The replica's stages: point-to-point traffic of their own, apart from collectives.
+        self.mpi = self.comm.mpi.Split(self.replica, self.index)
+        self.same_stage = None  # with replicas: this stage in every replica
+        self.gradients = None  # and its gradient buckets
+        if replicas > 1:
+            params = trainable_parameters(self.stage)
+            check_not_synchronized(params, "Pipeline")
+            split = self.comm.mpi.Split(self.index, self.replica)
+            self.same_stage = Communicator(split)  # a duplicate of it
+            split.Free()
+            broadcast_module_state(self.stage, self.same_stage)  # every replica starts from replica 0's
+            if params:
+                # A gradient is complete once every micro-batch's backward has added to it.
+                self.gradients = GradientBuckets(params, self.same_stage, passes_per_step=chunks)
+                register_gradient_hooks(self.gradients, "gradient_ready", params, "Pipeline")
 
     def forward(self, inputs=None):
         """Run `inputs` (needed on the first stage; ignored elsewhere) through every stage in
@@ -172,14 +201,25 @@ class Pipeline(torch.nn.Module):
                     grad_x = x.grad if x.grad is not None else torch.zeros_like(x)
                     sends.append(self._send(grad_x, self.index - 1, i, BACKWARD_HEADER))
         self._wait_all(sends)
+        if self.gradients is not None:
+            self.gradients.wait()  # the stage's gradients, averaged over the replicas
         return float(self._from_last(loss if self.last else None))
 
     def free(self) -> None:
-        """Release the pipeline's duplicated communicator (collective over its ranks; optional:
-        MPI_Finalize releases it too). The pipeline cannot run afterwards."""
-        if self.mpi is not None:
-            self.mpi.Free()
-            self.mpi = None
+        """Release the pipeline's communicators and, with replicas, its buckets' shared memory
+        (collective over its ranks; optional: MPI_Finalize releases them too). The pipeline
+        cannot run afterwards."""
+        if self.mpi is None:
+            return
+        self.mpi.Free()
+        self.mpi = None
+        if self.gradients is not None:
+            if self.gradients.slots is not None:
+                self.gradients.slots.free()
+            self.gradients = None  # its gradient hooks go with it
+        if self.same_stage is not None:
+            self.same_stage.free()
+            self.same_stage = None
 
     # ---- agreement and messages ------------------------------------------------------------
 
@@ -197,11 +237,13 @@ class Pipeline(torch.nn.Module):
         table = np.empty((self.stages, 2), dtype=np.int64)
         wait_with_deadline(self.mpi.Iallgather(mine, table), self.mpi, "pipeline's agreement on the batch size")
         batch, target_rows = int(table[0, 0]), int(table[-1, 1])
+        first_rank = self.replica * self.stages
         if batch == -2:
-            raise InvalidArgumentError("the first stage (rank 0) was given no input tensor with a batch dimension")
+            raise InvalidArgumentError(f"the first stage (rank {first_rank}) was given no input tensor with a batch "
+                                       "dimension")
         if need_targets and target_rows == -2:
-            raise InvalidArgumentError(f"the last stage (rank {self.stages - 1}) was given no target tensor with a "
-                                       "batch dimension")
+            raise InvalidArgumentError(f"the last stage (rank {first_rank + self.stages - 1}) was given no target "
+                                       "tensor with a batch dimension")
         if need_targets and target_rows != batch:
             raise MismatchError(f"the first stage's inputs hold {batch} samples but the last stage's targets "
                                 f"{target_rows}")
