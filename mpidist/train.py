@@ -13,7 +13,9 @@ at their own pace; the chief (rank 1) shows its progress; at the end the server 
 applied, writes ps-final.h5 and the final test accuracy.
 
 Pipeline (--mode pipeline): the network's layers cut into one stage per rank, every batch run
-through the stages in micro-batches; each rank writes its stage to pipeline-final-rank<r>.h5.
+through the stages in micro-batches (--replicas k: k such pipelines averaging their gradients);
+each rank checkpoints its stage every epoch in pipeline-rank<r>/ (--resume continues from the
+newest epoch every rank has) and writes it to pipeline-final-rank<r>.h5 at the end.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ import time
 import numpy as np
 import torch
 
-from .checkpoint import CHECKPOINT_NAME, checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import (CHECKPOINT_NAME, CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint,
+                         save_checkpoint)
 from .data import HDF5Dataset, ShardedSampler, ensure_digits
 from .errors import InvalidArgumentError
 
@@ -120,9 +123,9 @@ def check_mode_options(args) -> None:
         if given and args.mode != mode:
             options = ", ".join("--" + name.replace("_", "-") for name in given)
             raise InvalidArgumentError(f"{options}: these options go with --mode {mode}")
-    if args.mode != "data" and args.resume:
-        raise InvalidArgumentError(f"--resume continues --mode data runs; --mode {args.mode} writes its checkpoints "
-                                   "at the end")
+    if args.mode == "ps" and args.resume:
+        raise InvalidArgumentError("--resume continues --mode data and --mode pipeline runs; --mode ps writes its "
+                                   "checkpoint at the end")
     if args.mode != "data" and args.compression != "none":
         raise InvalidArgumentError(f"--compression applies to --mode data; --mode {args.mode} sends full precision")
 
@@ -239,6 +242,26 @@ def train_with_parameter_server(args, comm, train_set, test_set, say) -> int:
     return 0
 
 
+def common_checkpoint(directory, comm):
+    """(epoch, step) of the newest checkpoint that every rank has in its own `directory`, or None
+    when a rank has none. Where ranks' newest differ (a job stopped while some ranks were writing
+    an epoch's files), the oldest of them, if every rank has it; otherwise every rank raises."""
+    latest = latest_checkpoint(directory)
+    match = CHECKPOINT_NAME.match(os.path.basename(latest)) if latest else None
+    mine = [int(match.group(1)), int(match.group(2))] if match else [-1, -1]
+    table = comm.allgather(np.array(mine, dtype=np.int64)).reshape(comm.size, 2)
+    if (table[:, 0] < 0).any():
+        return None
+    epoch, step = min(map(tuple, table.tolist()))
+    have = comm.allreduce(np.array([os.path.exists(checkpoint_path(directory, epoch, step))], dtype=np.int64),
+                          op="min")
+    if not have[0]:
+        newest = ", ".join(f"rank {r}: epoch {e}" for r, (e, _) in enumerate(table.tolist()))
+        raise CheckpointError(f"the ranks' newest pipeline checkpoints differ ({newest}) and not every rank has "
+                              f"epoch {epoch}'s; start again without --resume")
+    return epoch, step
+
+
 def train_with_pipeline(args, comm, train_set, test_set, say) -> int:
     """--mode pipeline: one stage of the network per rank; every rank of a pipeline reads the
     same batches (the first stage uses the images, the last the labels). With --replicas k,
@@ -251,8 +274,19 @@ def train_with_pipeline(args, comm, train_set, test_set, say) -> int:
     params = list(pipe.parameters())  # none on a stage of activations only
     optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9) if params else None
     sampler, loader = shard_loader(train_set, pipe.replica, pipe.replicas, args)
-    step = 0
-    for epoch in range(args.epochs):
+    # Each rank checkpoints its own stage every epoch, in a directory of its own.
+    directory = os.path.join(args.checkpoint_dir, f"pipeline-rank{comm.rank}")
+    step, start_epoch = 0, 0
+    if args.resume:
+        found = common_checkpoint(directory, comm)
+        if found is None:
+            say(f"no checkpoint every rank has in {args.checkpoint_dir}: starting from scratch", flush=True)
+        else:
+            state = load_checkpoint(checkpoint_path(directory, *found), pipe, optimizer, sampler, comm=comm)
+            step, start_epoch = state["step"], state["epoch"]
+            say(f"resumed from {checkpoint_path(directory, *found)} and the other ranks' of epoch {start_epoch} "
+                f"(step {step})", flush=True)
+    for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
         progress = tqdm(total=len(loader), desc=f"epoch {epoch + 1}/{args.epochs} (rank 0)",
                         disable=comm.rank != 0 or args.no_progress, leave=True)
@@ -276,6 +310,9 @@ def train_with_pipeline(args, comm, train_set, test_set, say) -> int:
         say(f"epoch {epoch + 1}/{args.epochs}: loss {loss_sum / seen:.4f} ({seen} samples through "
             f"{pipe.replicas} x {pipe.stages} stages, {seen / (time.perf_counter() - started):.0f} samples/s)",
             flush=True)
+        os.makedirs(directory, exist_ok=True)
+        save_checkpoint(checkpoint_path(directory, epoch + 1, step), pipe, optimizer, step=step, epoch=epoch + 1,
+                        sampler=sampler)
     os.makedirs(args.checkpoint_dir, exist_ok=True)
     save_checkpoint(os.path.join(args.checkpoint_dir, f"pipeline-final-rank{comm.rank}.h5"), pipe, optimizer,
                     step=step, epoch=args.epochs)

@@ -67,7 +67,22 @@ def test_pipeline_mode_trains_as_one_process_does(tmp_path):
     (expected_losses, expected_accuracy), (losses, accuracy) = map(losses_and_accuracy, (one_process, pipeline))
     assert len(losses) == 3 and losses == pytest.approx(expected_losses, abs=1.5e-4), pipeline
     assert accuracy == expected_accuracy, (one_process, pipeline)
-    assert sorted(os.listdir(tmp_path / "pipe" / "ck")) == [f"pipeline-final-rank{r}.h5" for r in range(3)]
+    checkpoints = tmp_path / "pipe" / "ck"
+    assert sorted(os.listdir(checkpoints)) == sorted([f"pipeline-final-rank{r}.h5" for r in range(3)] +
+                                                     [f"pipeline-rank{r}" for r in range(3)])
+    # Every rank checkpoints its stage each epoch. A job stopped after epoch 1 on rank 1 but
+    # after epoch 2 on the others resumes from epoch 1 on every rank and trains on as the
+    # uninterrupted run did.
+    for rank in range(3):
+        epochs = sorted(os.listdir(checkpoints / f"pipeline-rank{rank}"))
+        assert [name[:9] for name in epochs] == ["ckpt-0001", "ckpt-0002", "ckpt-0003"], epochs
+        for name in epochs[2:] if rank != 1 else epochs[1:]:
+            os.remove(checkpoints / f"pipeline-rank{rank}" / name)
+    resumed = train(tmp_path / "pipe", "--mode", "pipeline", "--chunks", "5", "--epochs", "3", "--resume", ranks=3)
+    assert re.search(r"resumed from \S+pipeline-rank0/ckpt-0001-\d+\.h5 and the other ranks' of epoch 1", resumed), \
+        resumed
+    assert "epoch 1/3" not in resumed
+    assert losses_and_accuracy(resumed) == (losses[1:], accuracy), (pipeline, resumed)
 
 
 def test_pipelines_with_replicas_train_as_data_parallelism_does(tmp_path):
@@ -84,7 +99,8 @@ def test_pipelines_with_replicas_train_as_data_parallelism_does(tmp_path):
     assert len(losses) == 2 and losses == pytest.approx(expected_losses, abs=1.5e-4), pipelines
     # Float32 sums in another order: at most one of the 297 test images may differ.
     assert accuracy == pytest.approx(expected_accuracy, abs=1.01 / 297), (data_parallel, pipelines)
-    assert sorted(os.listdir(tmp_path / "pipe" / "ck")) == [f"pipeline-final-rank{r}.h5" for r in range(4)]
+    assert sorted(name for name in os.listdir(tmp_path / "pipe" / "ck") if name.endswith(".h5")) == \
+        [f"pipeline-final-rank{r}.h5" for r in range(4)]
 
 
 def test_bad_options_are_refused_on_every_rank(tmp_path):
@@ -100,8 +116,7 @@ def test_bad_options_are_refused_on_every_rank(tmp_path):
                                 (["--chunks", "2"], "go with --mode pipeline"),
                                 (["--mode", "ps", "--schedule", "gpipe"], "go with --mode pipeline"),
                                 (["--replicas", "2"], "go with --mode pipeline"),
-                                (["--mode", "ps", "--resume"], "--resume continues --mode data"),
-                                (["--mode", "pipeline", "--resume"], "--resume continues --mode data"),
+                                (["--mode", "ps", "--resume"], "--resume continues --mode data and --mode pipeline"),
                                 (["--mode", "ps", "--compression", "bf16"], "--compression applies to --mode data")):
         with pytest.raises(InvalidArgumentError, match=message):
             check_mode_options(build_parser().parse_args(["train", *wrong_mode]))
