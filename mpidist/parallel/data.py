@@ -389,10 +389,6 @@ class GradientBuckets:
                 self._next_to_launch += 1
             if self._flag_handle is None:  # no buckets at all
                 self._launch_count()
-            self._flag_handle.wait()
-            self.active_ranks = round(self._flag_result.item())
-            if self._contribution:
-                self.exchanges_with_gradients += 1
             for bucket in self.buckets:
                 bucket.handle.wait()
                 if self.trace is not None:
@@ -407,6 +403,11 @@ class GradientBuckets:
                     bucket.use_views()
                 elif bucket.packed:
                     bucket.unpack([param.grad for param in bucket.params])
+            # Waited for last, so that a rank missing from the exchange is reported by bucket.
+            self._flag_handle.wait()
+            self.active_ranks = round(self._flag_result.item())
+            if self._contribution:
+                self.exchanges_with_gradients += 1
         finally:
             self.reset()
 
