@@ -95,12 +95,18 @@ def check_throw_on_early_termination_raises_on_every_rank(mpi_ranks, mpi_world):
     del ddp
 
 
-def check_join_refuses_nesting(mpi_world):
+def check_join_refuses_nesting_and_sync_batchnorm(mpi_world):
     ddp = md.DataParallel(make_model())
     with ddp.join():
         with pytest.raises(md.InvalidArgumentError, match="nested"):
             with ddp.join():
                 pass
+    del ddp
+    model = torch.nn.Sequential(torch.nn.Linear(10, 4), md.SyncBatchNorm(4))
+    ddp = md.DataParallel(model)
+    with pytest.raises(md.InvalidArgumentError, match="SyncBatchNorm"):
+        with ddp.join():
+            pass
     del ddp
 
 
@@ -150,7 +156,7 @@ def test_join(mpi_ranks, mpi_world, monkeypatch):
         check_data_parallel_join_matches_reference(mpi_ranks, mpi_world, patch)
     check_join_gives_everyone_the_last_joiners_buffers(mpi_ranks, mpi_world)
     check_throw_on_early_termination_raises_on_every_rank(mpi_ranks, mpi_world)
-    check_join_refuses_nesting(mpi_world)
+    check_join_refuses_nesting_and_sync_batchnorm(mpi_world)
     check_horovod_join(mpi_ranks, mpi_world)
     check_horovod_join_without_an_optimizer_and_refusals(mpi_ranks, mpi_world)
     assert MPI.COMM_WORLD.allreduce(1) == mpi_ranks  # every rank got here

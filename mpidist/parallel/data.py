@@ -16,6 +16,7 @@ from .. import kernels
 from ..comm import init
 from ..errors import InvalidArgumentError, MpidistError
 from ..memory import keep_freed_memory
+from .sync_batchnorm import SyncBatchNorm
 
 FIRST_BUCKET_BYTES = 1024 * 1024
 # Largest bucket exchanged through the shared slots on one node. There no message cost is saved
@@ -554,6 +555,10 @@ class DataParallel(torch.nn.Module):
             return
         if self._join_options is not None:
             raise InvalidArgumentError("DataParallel.join() blocks cannot be nested")
+        if any(isinstance(m, SyncBatchNorm) for m in self.module.modules()):
+            # Its forward is a collective the joined ranks cannot take part in (as in DDP).
+            raise InvalidArgumentError("DataParallel.join() with SyncBatchNorm layers is not possible: their "
+                                       "statistics need every rank's forward")
         self._join_options = (bool(divide_by_initial_world_size), bool(throw_on_early_termination))
         self.buckets.exchanges_with_gradients = 0
         try:
