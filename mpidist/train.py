@@ -9,8 +9,9 @@ every epoch, and the final test accuracy is printed. --resume continues from the
 checkpoint.
 
 Parameter server (--mode ps): rank 0 serves, the other ranks train on their shares of the data
-at their own pace; the chief (rank 1) shows its progress; at the end the server prints what it
-applied, writes ps-final.h5 and the final test accuracy.
+at their own pace; the chief (rank 1) shows its progress; the server checkpoints the weights in
+ps/ as it goes (--resume continues from the newest), and at the end prints what it applied,
+writes ps-final.h5 and the final test accuracy.
 
 Pipeline (--mode pipeline): the network's layers cut into one stage per rank, every batch run
 through the stages in micro-batches (--replicas k: k such pipelines averaging their gradients);
@@ -123,9 +124,6 @@ def check_mode_options(args) -> None:
         if given and args.mode != mode:
             options = ", ".join("--" + name.replace("_", "-") for name in given)
             raise InvalidArgumentError(f"{options}: these options go with --mode {mode}")
-    if args.mode == "ps" and args.resume:
-        raise InvalidArgumentError("--resume continues --mode data and --mode pipeline runs; --mode ps writes its "
-                                   "checkpoint at the end")
     if args.mode != "data" and args.compression != "none":
         raise InvalidArgumentError(f"--compression applies to --mode data; --mode {args.mode} sends full precision")
 
@@ -199,34 +197,66 @@ def cmd_train(args) -> int:
 
 def train_with_parameter_server(args, comm, train_set, test_set, say) -> int:
     """--mode ps: rank 0 applies the workers' gradients; each worker trains on its share of the
-    data, at its own pace (no collective among workers while they train)."""
+    data, at its own pace (no collective among workers while they train). The server
+    checkpoints the weights every as many updates as a worker has batches per epoch, with the
+    number of each worker's gradients they hold, so that --resume restarts every worker at the
+    first batch the weights have not seen."""
     import mpidist as md
     from tqdm import tqdm
 
     mode = args.ps_mode or "async"
     model = build_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    directory = os.path.join(args.checkpoint_dir, "ps")
+    workers = list(range(1, comm.size))  # the server is rank 0
+    sampler, loader = shard_loader(train_set, max(comm.rank - 1, 0), len(workers), args)
+    version, applied = 0, dict.fromkeys(workers, 0)  # worker -> its gradients the weights hold
+    if args.resume:
+        latest = latest_checkpoint(directory, comm=comm)
+        if latest is None:
+            say(f"no checkpoint in {directory}: starting from scratch", flush=True)
+        else:
+            # Every rank loads the weights (the chief's are everyone's start); the server also
+            # the optimizer.
+            state = load_checkpoint(latest, model, optimizer if comm.rank == 0 else None, restore_rng=False,
+                                    comm=comm)
+            version = state["extra"]["version"]
+            applied = {w: state["extra"]["applied"][str(w)] for w in workers}
+            say(f"resumed from {latest} (update {version}, gradients per worker {list(applied.values())})",
+                flush=True)
     ps = md.ParameterServer(model, optimizer, comm=comm, mode=mode, softsync=args.softsync,
-                            max_staleness=args.max_staleness, staleness_lr=args.staleness_lr)
+                            max_staleness=args.max_staleness, staleness_lr=args.staleness_lr, version=version)
     started = time.perf_counter()
     if ps.is_server:
-        updates = ps.serve()
+        os.makedirs(directory, exist_ok=True)
+
+        def checkpoint(update):
+            for worker, _step, _version in update.gradients:
+                applied[worker] += 1
+            if update.version % len(loader) == 0:
+                extra = {"version": update.version, "applied": {str(w): n for w, n in applied.items()}}
+                save_checkpoint(checkpoint_path(directory, update.version // len(loader), update.version), model,
+                                optimizer, step=update.version, epoch=update.version // len(loader), extra=extra)
+
+        updates = ps.serve(on_update=checkpoint)
         gradients = sum(len(u.gradients) for u in updates)
-        staleness = [u.version - 1 - version for u in updates for _, _, version in u.gradients]
+        staleness = [u.version - 1 - held for u in updates for _, _, held in u.gradients] or [0]
         say(f"parameter server ({mode}, {len(ps.workers)} workers): {len(updates)} updates of "
             f"{gradients} gradients in {time.perf_counter() - started:.1f} s; staleness mean "
             f"{np.mean(staleness):.2f}, max {max(staleness)}", flush=True)
-        os.makedirs(args.checkpoint_dir, exist_ok=True)
-        save_checkpoint(os.path.join(args.checkpoint_dir, "ps-final.h5"), model, optimizer, step=len(updates),
+        save_checkpoint(os.path.join(args.checkpoint_dir, "ps-final.h5"), model, optimizer, step=ps.version,
                         epoch=args.epochs)
     else:
-        sampler, loader = shard_loader(train_set, ps.workers.index(comm.rank), len(ps.workers), args)
-        for epoch in range(args.epochs):
+        start_epoch, skip = divmod(applied[comm.rank], len(loader))
+        for epoch in range(start_epoch, args.epochs):
             sampler.set_epoch(epoch)
-            progress = tqdm(total=len(loader), desc=f"epoch {epoch + 1}/{args.epochs} (chief, rank {comm.rank})",
+            batches = len(loader) - (skip if epoch == start_epoch else 0)
+            progress = tqdm(total=batches, desc=f"epoch {epoch + 1}/{args.epochs} (chief, rank {comm.rank})",
                             disable=not ps.is_chief or args.no_progress, leave=True)
             seen, correct, epoch_started = 0, 0, time.perf_counter()
-            for x, y in loader:
+            for index, (x, y) in enumerate(loader):
+                if index < len(loader) - batches:
+                    continue  # applied before the checkpoint this run resumed from
                 output, batch_loss = train_batch(model, optimizer, ps.step, x, y)
                 seen += len(y)
                 correct += (output.argmax(dim=1) == y).sum().item()

@@ -1,4 +1,5 @@
 """`mpidist train`, the main job, started the way users start it: mpirun -np 2 mpidist train."""
+import json
 import os
 import re
 
@@ -52,6 +53,27 @@ def test_parameter_server_mode_trains_to_90_percent(tmp_path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     state = load_checkpoint(str(tmp_path / "ck" / "ps-final.h5"), model, optimizer)
     assert state["epoch"] == 10 and state["step"] > 0
+
+
+def test_parameter_server_mode_resumes_with_the_gradients_its_checkpoint_lacks(tmp_path):
+    """The server checkpoints every `batches per worker epoch` updates with each worker's count
+    of applied gradients; resuming from one taken mid-epoch, every worker restarts at its first
+    batch not in the weights, so the resumed run applies exactly the rest."""
+    import h5py
+    first = train(tmp_path, "--mode", "ps", "--epochs", "2", ranks=3)
+    total = int(re.search(r"\(async, 2 workers\): \d+ updates of (\d+) gradients", first).group(1))
+    batches = total // 4  # per worker and epoch: 2 workers, 2 epochs
+    names = sorted(os.listdir(tmp_path / "ck" / "ps"))
+    assert len(names) == 4, names  # one per `batches` updates
+    for name in names[2:]:  # resume from the one after 2 * batches updates: mid-way for each worker
+        os.remove(tmp_path / "ck" / "ps" / name)
+    with h5py.File(tmp_path / "ck" / "ps" / names[1]) as f:
+        saved = json.loads(f.attrs["extra"])
+    assert saved["version"] == 2 * batches == sum(saved["applied"].values())  # async: a gradient per update
+    resumed = train(tmp_path, "--mode", "ps", "--epochs", "3", "--resume", ranks=3)
+    assert f"resumed from {tmp_path / 'ck' / 'ps' / names[1]} (update {2 * batches}," in resumed, resumed
+    rest = int(re.search(r"\(async, 2 workers\): \d+ updates of (\d+) gradients", resumed).group(1))
+    assert rest == 3 * 2 * batches - 2 * batches, resumed
 
 
 def test_pipeline_mode_trains_as_one_process_does(tmp_path):
@@ -116,7 +138,6 @@ def test_bad_options_are_refused_on_every_rank(tmp_path):
                                 (["--chunks", "2"], "go with --mode pipeline"),
                                 (["--mode", "ps", "--schedule", "gpipe"], "go with --mode pipeline"),
                                 (["--replicas", "2"], "go with --mode pipeline"),
-                                (["--mode", "ps", "--resume"], "--resume continues --mode data and --mode pipeline"),
                                 (["--mode", "ps", "--compression", "bf16"], "--compression applies to --mode data")):
         with pytest.raises(InvalidArgumentError, match=message):
             check_mode_options(build_parser().parse_args(["train", *wrong_mode]))

@@ -46,7 +46,7 @@ GRADIENT, DONE = 0, 1
 PUSH_HEADER, PUSH_GRADIENT, REPLY_HEADER, REPLY_WEIGHTS = 1, 2, 3, 4
 # The settings every rank must agree on, in the order of the agreement table's columns.
 AGREED = ("parameters", "dtype", "mode", "gradients per update", "max_staleness", "staleness_lr", "server",
-          "server has an optimizer")
+          "starting version", "server has an optimizer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +79,7 @@ class ParameterServer:
     """
 
     def __init__(self, module: torch.nn.Module, optimizer=None, comm=None, mode: str = "sync", softsync=None,
-                 max_staleness=None, staleness_lr: bool = False, server: int = 0):
+                 max_staleness=None, staleness_lr: bool = False, server: int = 0, version: int = 0):
         self.comm = comm if comm is not None else init()
         if self.comm.size < 2:
             raise InvalidArgumentError("a parameter server needs at least 2 ranks (the server and one worker); "
@@ -93,6 +93,9 @@ class ParameterServer:
             raise InvalidArgumentError(f"softsync must be a positive integer, got {softsync!r}")
         if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
             raise InvalidArgumentError(f"max_staleness must be None or an integer >= 0, got {max_staleness!r}")
+        if not isinstance(version, int) or version < 0:
+            raise InvalidArgumentError(f"version must be an integer >= 0 (the number of updates the starting "
+                                       f"weights have had), got {version!r}")
         if not isinstance(server, int) or not 0 <= server < self.comm.size:
             raise InvalidArgumentError(f"server={server!r} is not a rank of this communicator "
                                        f"(0..{self.comm.size - 1})")
@@ -115,7 +118,7 @@ class ParameterServer:
         self.is_chief = self.comm.rank == self.chief
         self.mode, self.max_staleness, self.staleness_lr = mode, max_staleness, bool(staleness_lr)
         self.per_update = gradients_per_update(mode, len(self.workers), softsync)
-        self.version = 0  # workers: the version of the weights they hold
+        self.version = version  # the number of updates applied to the weights held
         self._sent_weights = None  # server: (version, its weights flattened for replies)
         self.steps = 0  # workers: gradients pushed
         self.closed = False
@@ -128,7 +131,7 @@ class ParameterServer:
         raises the same error everywhere before any gradient moves."""
         mine = np.array([self.numel, DTYPES.index(self.dtype), MODES.index(self.mode), self.per_update,
                          -1 if self.max_staleness is None else self.max_staleness, self.staleness_lr,
-                         self.server, self.optimizer is not None], dtype=np.int64)
+                         self.server, self.version, self.optimizer is not None], dtype=np.int64)
         table = np.empty((self.comm.size, len(mine)), dtype=np.int64)
         wait_with_deadline(self.mpi.Iallgather(mine, table), self.mpi, "parameter server's agreement on its settings")
         for column, name in enumerate(AGREED[:-1]):
@@ -152,9 +155,10 @@ class ParameterServer:
 
     # ---- the server ------------------------------------------------------------------------
 
-    def serve(self) -> list:
+    def serve(self, on_update=None) -> list:
         """Apply the workers' gradients until every worker has closed, then give each the final
-        weights. Returns the list of Update applied, in order."""
+        weights. Returns the list of Update applied, in order. `on_update(update)`, if given, is
+        called after each update, with the module holding its weights (to checkpoint them)."""
         if not self.is_server:
             raise InvalidArgumentError(f"serve() runs on the server (rank {self.server}); rank {self.comm.rank} is a "
                                        "worker: call step() after each backward, and close() at the end")
@@ -182,6 +186,8 @@ class ParameterServer:
             # already waiting (then nobody could bring more).
             if arrived and (len(arrived) >= self.per_update or active <= set(arrived) | owed):
                 history.append(self._apply(arrived))
+                if on_update is not None:
+                    on_update(history[-1])
                 owed |= set(arrived)
                 arrived = {}
             for waiting in sorted(owed):
