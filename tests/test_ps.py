@@ -183,6 +183,10 @@ def check_refusals(comm):
         md.ParameterServer(model, optimizer, mode="async" if last else "sync")
     with pytest.raises(md.InvalidArgumentError, match=r"server \(rank 0\) was given no optimizer"):
         md.ParameterServer(model, None)
+    with pytest.raises(md.InvalidArgumentError, match="version must be an integer >= 0"):
+        md.ParameterServer(model, optimizer, version=-1)
+    with pytest.raises(md.MismatchError, match="disagree on starting version: .*rank 0: 0"):
+        md.ParameterServer(model, optimizer, version=5 if last else 0)
     # Calls on the wrong side, and after close().
     ps = md.ParameterServer(model, optimizer)
     if ps.is_server:
@@ -195,6 +199,30 @@ def check_refusals(comm):
         ps.close()
         with pytest.raises(md.InvalidArgumentError, match="after close"):
             ps.step()
+
+
+def check_resumed_versions_and_the_update_hook(comm):
+    """A server started at version 7 (resumed weights) numbers its updates on from there, and
+    staleness counts from there too; on_update sees each update as it is applied."""
+    model = make_model(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    ps = md.ParameterServer(model, optimizer, mode="async", version=7)
+    if ps.is_server:
+        seen, start = [], flat(model)
+        history = ps.serve(on_update=lambda update: seen.append((update, flat(model))))
+        assert [update for update, _ in seen] == history
+        assert [u.version for u in history] == list(range(8, 8 + len(ps.workers)))
+        assert history[0].gradients[0][2] == 7 and history[0].staleness == 0
+        assert not torch.equal(seen[0][1], start)  # the module held the update's weights
+        assert torch.equal(seen[-1][1], flat(model))
+    else:
+        assert ps.version == 7
+        model.zero_grad()
+        loss_of(model, comm.rank, 0).backward()
+        ps.step()
+        assert ps.version >= 8
+        ps.close()
+    assert ps.version == 7 + comm.size - 1  # every rank ends with the final weights' version
 
 
 def check_a_worker_that_never_closes(comm, monkeypatch):
@@ -219,5 +247,6 @@ def test_parameter_server(mpi_ranks, mpi_world, monkeypatch):
     comm = md.init()
     check_modes(comm)
     check_refusals(comm)
+    check_resumed_versions_and_the_update_hook(comm)
     if comm.size == 2:
         check_a_worker_that_never_closes(comm, monkeypatch)
