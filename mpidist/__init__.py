@@ -57,7 +57,7 @@ def barrier():
 
 def __getattr__(name):
     # The training modes need torch; import it only when they are used.
-    if name in ("DataParallel", "ParameterAveraging"):
+    if name in ("DataParallel", "ParameterAveraging", "Join"):
         from .parallel import data
         return getattr(data, name)
     if name == "Pipeline":

@@ -74,6 +74,30 @@ def check_join_gives_everyone_the_last_joiners_buffers(mpi_ranks, mpi_world):
     del ddp
 
 
+def check_join_of_two_models(mpi_ranks, mpi_world):
+    """md.Join (torch's Join context manager) over two models trained in the same loop: a rank
+    that has run out shadows both models' steps, in their order."""
+    rank, size = mpi_world.rank, mpi_ranks
+    longest = max(steps_of(r) for r in range(size))
+    first, second = make_model(seed=rank), make_model(seed=rank)
+    wrapped = [md.DataParallel(first), md.DataParallel(second, bucket_mb=0.0005)]
+    optimizers = [torch.optim.SGD(w.parameters(), lr=0.1, momentum=0.9) for w in wrapped]
+    with md.Join(wrapped, divide_by_initial_world_size=False):
+        for step in range(steps_of(rank)):
+            x, y = batch(step, rank)
+            for model, optimizer in zip(wrapped, optimizers):
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+    for model in (first, second):
+        assert_close_to_reference(list(model.parameters()), reference_parameters(size, longest, False))
+    with pytest.raises(md.InvalidArgumentError, match="non-empty list of mpidist.DataParallel"):
+        md.Join([first])
+    with pytest.raises(md.InvalidArgumentError, match="unknown keyword arguments"):
+        md.Join(wrapped, divide_by_world=True)
+    del wrapped, optimizers
+
+
 def check_throw_on_early_termination_raises_on_every_rank(mpi_ranks, mpi_world):
     rank, size = mpi_world.rank, mpi_ranks
     first_out = min(steps_of(r) for r in range(size))
@@ -155,6 +179,7 @@ def test_join(mpi_ranks, mpi_world, monkeypatch):
     with monkeypatch.context() as patch:
         check_data_parallel_join_matches_reference(mpi_ranks, mpi_world, patch)
     check_join_gives_everyone_the_last_joiners_buffers(mpi_ranks, mpi_world)
+    check_join_of_two_models(mpi_ranks, mpi_world)
     check_throw_on_early_termination_raises_on_every_rank(mpi_ranks, mpi_world)
     check_join_refuses_nesting_and_sync_batchnorm(mpi_world)
     check_horovod_join(mpi_ranks, mpi_world)

@@ -550,9 +550,11 @@ class DataParallel(torch.nn.Module):
         must run no other collective (as in DDP). A join() block costs nothing per step: the
         count of ranks with gradients travels with every exchange (GradientBuckets).
         """
-        if not enable:
+        with Join([self], enable, throw_on_early_termination,
+                  divide_by_initial_world_size=divide_by_initial_world_size):
             yield
-            return
+
+    def _start_join(self, divide_by_initial_world_size: bool, throw_on_early_termination: bool) -> None:
         if self._join_options is not None:
             raise InvalidArgumentError("DataParallel.join() blocks cannot be nested")
         if any(isinstance(m, SyncBatchNorm) for m in self.module.modules()):
@@ -561,26 +563,23 @@ class DataParallel(torch.nn.Module):
                                        "statistics need every rank's forward")
         self._join_options = (bool(divide_by_initial_world_size), bool(throw_on_early_termination))
         self.buckets.exchanges_with_gradients = 0
-        try:
-            yield
-            self._join_the_others()
-        finally:
-            self._join_options = None
-            self.buckets.active_ranks = self.comm.size
 
-    def _join_the_others(self) -> None:
-        """Shadow the other ranks' steps until every rank has joined, then give every rank the
-        model of the rank that took part in the most exchanges with gradients."""
-        throw = self._join_options[1]
-        while True:
-            self._broadcast_buffers()  # the others' forward broadcasts while every rank was active
-            if self.buckets.shadow() == 0:
-                break
-            if throw:
-                raise MpidistError(f"rank {self.comm.rank} ran out of inputs before the others "
-                                   "(join(throw_on_early_termination=True))")
+    def _shadow_step(self) -> int:
+        """Take part in the other ranks' next step as a rank without data: the buffer broadcast
+        of their forward (while every rank was active) and their gradient exchange. Returns how
+        many ranks brought gradients to it."""
+        self._broadcast_buffers()
+        return self.buckets.shadow()
+
+    def _finish_join(self) -> None:
+        """Once every rank has joined: everyone takes the model of the rank that took part in
+        the most exchanges with gradients."""
         last = last_joiner(self.comm, self.buckets.exchanges_with_gradients)
         broadcast_module_state(self.module, self.comm, root=last)
+
+    def _end_join(self) -> None:
+        self._join_options = None
+        self.buckets.active_ranks = self.comm.size
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -613,12 +612,68 @@ class DataParallel(torch.nn.Module):
             divide_by_initial_world_size, throw = self._join_options
             if throw:
                 raise MpidistError(f"{size - active} rank(s) ran out of inputs "
-                                   "(join(throw_on_early_termination=True))")
+                                   "(throw_on_early_termination=True)")
             if not divide_by_initial_world_size:  # average over the ranks that brought gradients
                 with torch.no_grad():
                     for bucket in self.buckets.buckets:
                         for param in bucket.params:
                             param.grad.mul_(size / active)
+
+
+class Join:
+    """PyTorch's `torch.distributed.algorithms.Join` for DataParallel models: `with
+    md.Join([model_a, model_b]):` trains several models on uneven inputs, as each model's own
+    join() does for one. A rank that leaves the block early shadows the others' steps of every
+    model, in the order given (the order the training loop runs them), until every rank has left
+    it. Keyword arguments (divide_by_initial_world_size) go to each model."""
+
+    def __init__(self, joinables, enable: bool = True, throw_on_early_termination: bool = False, **kwargs):
+        joinables = list(joinables)
+        if not joinables or not all(isinstance(j, DataParallel) for j in joinables):
+            raise InvalidArgumentError(f"Join takes a non-empty list of mpidist.DataParallel models, got "
+                                       f"{[type(j).__name__ for j in joinables]}")
+        unknown = set(kwargs) - {"divide_by_initial_world_size"}
+        if unknown:
+            raise InvalidArgumentError(f"Join got unknown keyword arguments {sorted(unknown)}")
+        self.joinables = joinables
+        self.enable = bool(enable)
+        self.throw = bool(throw_on_early_termination)
+        self.divide_by_initial_world_size = bool(kwargs.get("divide_by_initial_world_size", True))
+
+    def __enter__(self):
+        if self.enable:
+            started = []
+            try:
+                for joinable in self.joinables:
+                    joinable._start_join(self.divide_by_initial_world_size, self.throw)
+                    started.append(joinable)
+            except BaseException:
+                for joinable in started:
+                    joinable._end_join()
+                raise
+        return self
+
+    def __exit__(self, exc_type, exc, traceback):
+        if not self.enable:
+            return False
+        try:
+            if exc_type is None:
+                self._join_the_others()
+        finally:
+            for joinable in self.joinables:
+                joinable._end_join()
+        return False
+
+    def _join_the_others(self) -> None:
+        while True:
+            active = [joinable._shadow_step() for joinable in self.joinables]
+            if not any(active):
+                break
+            if self.throw:
+                raise MpidistError(f"rank {self.joinables[0].comm.rank} ran out of inputs before the others "
+                                   "(throw_on_early_termination=True)")
+        for joinable in self.joinables:
+            joinable._finish_join()
 
 
 def last_joiner(comm, exchanges_with_gradients: int) -> int:
