@@ -247,16 +247,17 @@ def train_with_parameter_server(args, comm, train_set, test_set, say) -> int:
         save_checkpoint(os.path.join(args.checkpoint_dir, "ps-final.h5"), model, optimizer, step=ps.version,
                         epoch=args.epochs)
     else:
+        # The sampler continues after the batches the weights already hold (it resumes mid-epoch).
         start_epoch, skip = divmod(applied[comm.rank], len(loader))
+        sampler.set_epoch(start_epoch)
+        sampler.load_state_dict(sampler.state_dict(consumed=skip * args.batch_size))
         for epoch in range(start_epoch, args.epochs):
             sampler.set_epoch(epoch)
-            batches = len(loader) - (skip if epoch == start_epoch else 0)
+            batches = -(-sampler.remaining() // args.batch_size)
             progress = tqdm(total=batches, desc=f"epoch {epoch + 1}/{args.epochs} (chief, rank {comm.rank})",
                             disable=not ps.is_chief or args.no_progress, leave=True)
             seen, correct, epoch_started = 0, 0, time.perf_counter()
-            for index, (x, y) in enumerate(loader):
-                if index < len(loader) - batches:
-                    continue  # applied before the checkpoint this run resumed from
+            for x, y in loader:
                 output, batch_loss = train_batch(model, optimizer, ps.step, x, y)
                 seen += len(y)
                 correct += (output.argmax(dim=1) == y).sum().item()
