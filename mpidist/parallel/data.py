@@ -260,9 +260,9 @@ class GradientBuckets:
         self.active_ranks = comm.size  # ranks that brought gradients to the last exchange
         self.exchanges_with_gradients = 0  # exchanges this rank brought gradients to
         self._contribution = 1.0  # 0.0 while shadow() takes part without gradients
-        self._flag = torch.ones(1, dtype=torch.float32)  # this rank's contribution, summed in place
-        self._flag_result = self._flag
-        self._flag_handle = None
+        self._count = torch.ones(1, dtype=torch.float32)  # this rank's contribution, summed in place
+        self._count_sum = self._count
+        self._count_handle = None
         self.slots = None
         if polled:
             # Imported here: the collectives package initializes MPI when imported, and
@@ -272,7 +272,7 @@ class GradientBuckets:
             # predivided bucket goes through its flat buffer instead (and its views are there).
             in_slots = (self.gradient_as_bucket_view and self.predivide == 1.0
                         and all(b.wire is None for b in self.buckets))
-            sizes = [b.nbytes for b in self.buckets] + [self._flag.element_size()]
+            sizes = [b.nbytes for b in self.buckets] + [self._count.element_size()]
             self.slots = NodeSlots(comm.node_comm, sizes, results_in_slots=in_slots)
             if in_slots:
                 for index, bucket in enumerate(self.buckets):
@@ -281,7 +281,7 @@ class GradientBuckets:
                     slot = tensor_at(self.slots.address(index), numel, first.dtype, owner=self.slots)
                     bucket.views = shaped_like(bucket.params, slot)
                 # The count's sum stays in its slot too.
-                self._flag_result = tensor_at(self.slots.address(len(self.buckets)), 1, torch.float32,
+                self._count_sum = tensor_at(self.slots.address(len(self.buckets)), 1, torch.float32,
                                               owner=self.slots)
         self.trace = None
         self.reset()
@@ -327,18 +327,18 @@ class GradientBuckets:
             self._launch(self._next_to_launch)
             self._next_to_launch += 1
         if self.slots is not None:
-            if self._flag_handle is not None:
-                self._flag_handle.progress()
+            if self._count_handle is not None:
+                self._count_handle.progress()
             for bucket in self.buckets[:self._next_to_launch]:
                 bucket.handle.progress()
 
     def _launch_count(self) -> None:
         """Start summing over the ranks how many bring gradients to this exchange."""
-        self._flag.fill_(self._contribution)
+        self._count.fill_(self._contribution)
         if self.slots is not None:
-            self._flag_handle = self.slots.start(len(self.buckets), [self._flag], "sum")
+            self._count_handle = self.slots.start(len(self.buckets), [self._count], "sum")
         else:
-            self._flag_handle = self.comm.allreduce_async(self._flag, op="sum")
+            self._count_handle = self.comm.allreduce_async(self._count, op="sum")
 
     def _launch(self, index: int) -> None:
         if index == 0:
@@ -388,7 +388,7 @@ class GradientBuckets:
             while self._next_to_launch < len(self.buckets):
                 self._launch(self._next_to_launch)
                 self._next_to_launch += 1
-            if self._flag_handle is None:  # no buckets at all
+            if self._count_handle is None:  # no buckets at all
                 self._launch_count()
             for bucket in self.buckets:
                 bucket.handle.wait()
@@ -405,8 +405,8 @@ class GradientBuckets:
                 elif bucket.packed:
                     bucket.unpack([param.grad for param in bucket.params])
             # Waited for last, so that a rank missing from the exchange is reported by bucket.
-            self._flag_handle.wait()
-            self.active_ranks = round(self._flag_result.item())
+            self._count_handle.wait()
+            self.active_ranks = round(self._count_sum.item())
             if self._contribution:
                 self.exchanges_with_gradients += 1
         finally:
@@ -430,7 +430,7 @@ class GradientBuckets:
         return self.active_ranks
 
     def reset(self) -> None:
-        self._flag_handle = None
+        self._count_handle = None
         for bucket in self.buckets:
             bucket.reset()
         for key in self._passes:
