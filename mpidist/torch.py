@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import warnings
 import weakref
 
 import numpy as np
@@ -959,7 +960,7 @@ class _DistributedOptimizer:
     backward (after `backward_passes_per_step` passes) and waited for in step()/synchronize()."""
 
     def _setup_distributed(self, named_parameters, compression, backward_passes_per_step, op,
-                           gradient_predivide_factor, comm):
+                           gradient_predivide_factor, groups, comm):
         params = [p for group in self.param_groups for p in group["params"]]
         if named_parameters is not None:
             named = list(named_parameters)
@@ -978,7 +979,8 @@ class _DistributedOptimizer:
         self._buckets = GradientBuckets(trainable, comm,
                                         compression=getattr(compression, "wire", None), op=op,
                                         predivide=gradient_predivide_factor,
-                                        passes_per_step=backward_passes_per_step)
+                                        passes_per_step=backward_passes_per_step,
+                                        groups=_explicit_groups(groups, params, trainable))
         self._skip_sync = False
         register_gradient_hooks(self._buckets, "gradient_ready", trainable, "DistributedOptimizer")
         _OPTIMIZER_BUCKETS.add(self._buckets)
@@ -1008,19 +1010,60 @@ class _DistributedOptimizer:
         return super().zero_grad(set_to_none=set_to_none)
 
 
+def _explicit_groups(groups, params, trainable) -> list:
+    """Horovod's `groups`: a number n (the trainable parameters in optimizer order, cut into n runs
+    of nearly equal length, as Horovod's split_list cuts them) or a list of lists of parameters.
+    Each group is all-reduced as one bucket (GradientBuckets); parameters in no group, and every
+    parameter when groups is None, are bucketed automatically. Frozen parameters are left out."""
+    if groups is None:
+        return []
+    if isinstance(groups, int) and not isinstance(groups, bool):
+        if groups <= 0:
+            raise InvalidArgumentError(f"groups={groups}: pass a positive number of groups or a list of "
+                                       "lists of parameters")
+        quotient, remainder = divmod(len(trainable), groups)
+        runs = [trainable[k * quotient + min(k, remainder):(k + 1) * quotient + min(k + 1, remainder)]
+                for k in range(groups)]
+        return [run for run in runs if run]
+    if not isinstance(groups, (list, tuple)):
+        raise InvalidArgumentError(f"groups must be a positive number or a list of lists of parameters, "
+                                   f"got {type(groups).__name__}")
+    known, trainable_ids, seen, result = {id(p) for p in params}, {id(p) for p in trainable}, set(), []
+    for k, group in enumerate(groups):
+        if not isinstance(group, (list, tuple)):
+            raise InvalidArgumentError(f"groups[{k}] is a {type(group).__name__}; each group must be a list "
+                                       "of parameters")
+        for member in group:
+            if not isinstance(member, torch.Tensor):
+                raise InvalidArgumentError(f"groups[{k}] holds a {type(member).__name__}; groups must consist "
+                                           "of torch.Tensor parameters")
+            if id(member) in seen:
+                raise InvalidArgumentError(f"groups[{k}]: a parameter can only appear once in groups")
+            if id(member) not in known:
+                raise InvalidArgumentError(f"groups[{k}] holds a tensor that is not a parameter of the "
+                                           "wrapped optimizer")
+            seen.add(id(member))
+        members = [p for p in group if id(p) in trainable_ids]
+        if members:
+            result.append(members)
+    return result
+
+
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False, process_set=None):
     """Wrap a torch optimizer the way horovod.torch.DistributedOptimizer does."""
     comm = _comm_of(process_set)
-    if num_groups or groups:
-        raise NotOfferedError("grouped all-reduce (num_groups/groups) is not offered; mpidist buckets "
-                              "gradients automatically")
+    if num_groups:
+        warnings.warn("DistributedOptimizer: num_groups is the older name of groups (as in Horovod)",
+                      DeprecationWarning, stacklevel=2)
+        if groups is None:
+            groups = num_groups
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     distributed = cls.__new__(cls)
     distributed.__dict__.update(optimizer.__dict__)
     distributed._setup_distributed(named_parameters, compression, backward_passes_per_step, op,
-                                   gradient_predivide_factor, comm)
+                                   gradient_predivide_factor, groups, comm)
     return distributed
 
 

@@ -1,6 +1,7 @@
 """Data-parallel training equals single-process training on the union of the ranks' batches."""
 import copy
 import gc
+import warnings
 
 import pytest
 import torch
@@ -427,6 +428,90 @@ def check_dropped_distributed_optimizer_stops_exchanging(mpi_world):
         torch.testing.assert_close(mine.grad, own)
 
 
+def check_distributed_optimizer_groups(mpi_ranks, mpi_world, monkeypatch):
+    """Horovod's groups: each group is one bucket of its own, ordered by when backward completes
+    it, on the shared slots and on the engine; training is unchanged."""
+    import mpidist.torch as hvd
+    hvd.init()
+    # Parameters 0-5 are w1, b1, w2, b2, w3, b3; without groups all six make one bucket [5..0].
+    cases = [(2, 0, [[5, 4, 3], [2, 1, 0]]),
+             ("b3 w1 | b1", 0, [[4, 3, 2], [1], [5, 0]]),
+             (None, 3, [[5, 4], [3, 2], [1, 0]])]
+    for ranks_per_node in (None, "1"):
+        with monkeypatch.context() as patch:
+            if ranks_per_node:
+                patch.setenv("MPIDIST_RANKS_PER_NODE", ranks_per_node)
+            process_set = hvd.add_process_set(list(range(mpi_ranks)))
+            for groups, num_groups, layout in cases:
+                model = make_model()
+                params = list(model.parameters())
+                if isinstance(groups, str):
+                    groups = [[params[5], params[0]], [params[1]]]
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9),
+                                                         groups=groups, num_groups=num_groups,
+                                                         process_set=process_set)
+                assert [w.category for w in caught] == ([DeprecationWarning] if num_groups else [])
+                index = {id(p): k for k, p in enumerate(params)}
+                assert [[index[id(p)] for p in b.params] for b in optimizer._buckets.buckets] == layout
+                assert (optimizer._buckets.slots is not None) == (ranks_per_node is None)
+                for step in range(STEPS):
+                    x, y = batch(step, mpi_world.rank)
+                    optimizer.zero_grad()
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+                    optimizer.step()
+                assert_close_to_reference(params, reference_parameters(mpi_ranks))
+                del optimizer
+            hvd.remove_process_set(process_set)
+
+
+def check_sparse_gradients_are_averaged_as_dense(mpi_ranks, mpi_world):
+    import mpidist.torch as hvd
+    hvd.init()
+
+    def embedding_model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Flatten(), torch.nn.Linear(8, 2))
+
+    def tokens(rank):
+        return torch.tensor([[1, 2 + rank], [rank, 9]])
+
+    def local_gradients(rank):
+        model = embedding_model()
+        model(tokens(rank)).pow(2).sum().backward()
+        return [p.grad.to_dense() for p in model.parameters()]
+
+    expected = [sum(grads) / mpi_ranks for grads in zip(*(local_gradients(r) for r in range(mpi_ranks)))]
+    for wrapper in ("DataParallel", "DistributedOptimizer"):
+        model = embedding_model()
+        if wrapper == "DataParallel":
+            wrapped, optimizer = md.DataParallel(model), None
+        else:
+            wrapped, optimizer = model, hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        wrapped(tokens(mpi_world.rank)).pow(2).sum().backward()
+        if optimizer is not None:
+            optimizer.synchronize()
+        assert model[0].weight.grad.layout == torch.strided
+        for param, average in zip(model.parameters(), expected):
+            torch.testing.assert_close(param.grad, average)
+        del wrapped, optimizer
+
+
+def check_distributed_optimizer_refuses_bad_groups():
+    import mpidist.torch as hvd
+    model = make_model()
+    w1, b1 = list(model.parameters())[:2]
+    for groups, message in [(0, "groups=0: pass a positive number"),
+                            ("two", "groups must be a positive number or a list of lists of parameters, got str"),
+                            ([w1], r"groups\[0\] is a Parameter; each group must be a list"),
+                            ([[w1], [1.0]], r"groups\[1\] holds a float"),
+                            ([[w1, b1], [w1]], r"groups\[1\]: a parameter can only appear once"),
+                            ([[torch.zeros(2)]], r"groups\[0\] holds a tensor that is not a parameter")]:
+        with pytest.raises(md.InvalidArgumentError, match=message):
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), groups=groups)
+
+
 def check_a_second_live_wrapper_of_the_same_parameters_is_refused(mpi_world):
     model = make_model()
     first = md.DataParallel(model)
@@ -561,7 +646,11 @@ def test_data_parallel_and_parameter_averaging(mpi_ranks, mpi_world, monkeypatch
         check_compression_and_parameter_averaging(mpi_ranks, mpi_world)
         check_dropped_distributed_optimizer_stops_exchanging(mpi_world)
         check_a_second_live_wrapper_of_the_same_parameters_is_refused(mpi_world)
+    with monkeypatch.context() as patch:
+        check_distributed_optimizer_groups(mpi_ranks, mpi_world, patch)
+    check_sparse_gradients_are_averaged_as_dense(mpi_ranks, mpi_world)
     check_gradient_as_bucket_view_must_agree_on_one_node(mpi_world)
     if mpi_ranks == 2:
         check_construction_refuses_bad_arguments()
         check_ddp_arguments_that_cannot_apply_are_refused()
+        check_distributed_optimizer_refuses_bad_groups()

@@ -227,10 +227,14 @@ class GradientBuckets:
     (shadow(), for DataParallel.join and hvd.join). `active_ranks` is that sum for the last
     exchange, so every rank learns in the same exchange when others have joined, at the cost of
     a four-byte all-reduce per step.
+
+    `groups` (Horovod's explicit grouping) is a list of lists of parameters: each group is
+    all-reduced as one bucket of its own (one per dtype and device in it) once all its gradients
+    are ready, whatever its size; the parameters in no group are bucketed as above.
     """
 
     def __init__(self, params, comm, bucket_mb=25, compression=None, algorithm="auto", op="avg",
-                 predivide=1.0, passes_per_step=1, gradient_as_bucket_view=False):
+                 predivide=1.0, passes_per_step=1, gradient_as_bucket_view=False, groups=()):
         if compression not in COMPRESSION_DTYPES:
             raise InvalidArgumentError(f"compression={compression!r}; choose None, 'fp16' or 'bf16'")
         if bucket_mb <= 0:
@@ -253,7 +257,7 @@ class GradientBuckets:
         limit = int(bucket_mb * 1024 * 1024)
         if polled:
             limit = min(limit, SHARED_SLOTS_BUCKET_BYTES)
-        self.buckets = self._make_buckets(params, limit, COMPRESSION_DTYPES[compression])
+        self.buckets = self._make_buckets(params, limit, COMPRESSION_DTYPES[compression], groups)
         self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self._passes = {id(p): 0 for bucket in self.buckets for p in bucket.params}
         self._next_to_launch = 0
@@ -294,10 +298,27 @@ class GradientBuckets:
                 and all(p.device.type == "cpu" for p in params))
 
     @staticmethod
-    def _make_buckets(params, limit, compression):
+    def _make_buckets(params, limit, compression, groups=()):
         """Buckets of at most `limit` bytes (a bigger gradient gets a bucket of its own). Like
         DDP, the first bucket (the last layers, whose gradients backward produces first) is kept
-        small, so its all-reduce starts early and overlaps the rest of backward."""
+        small, so its all-reduce starts early and overlaps the rest of backward. Each of `groups`
+        makes buckets of its own."""
+        grouped = {id(p) for group in groups for p in group}
+        buckets = GradientBuckets._automatic_buckets([p for p in params if id(p) not in grouped], limit,
+                                                     compression)
+        if not groups:
+            return buckets
+        position = {id(p): i for i, p in enumerate(params)}
+        for group in groups:
+            members = sorted(group, key=lambda p: -position[id(p)])  # backward's order
+            kinds = list(dict.fromkeys((p.dtype, p.device) for p in members))
+            buckets += [_Bucket([p for p in members if (p.dtype, p.device) == kind], compression) for kind in kinds]
+        # Buckets launch in order, so order them by when backward completes each: at the gradient
+        # of its first-registered parameter (backward produces gradients in reverse order).
+        return sorted(buckets, key=lambda bucket: -min(position[id(p)] for p in bucket.params))
+
+    @staticmethod
+    def _automatic_buckets(params, limit, compression):
         first_limit = min(limit, FIRST_BUCKET_BYTES)
         buckets, current, size = [], [], 0
         for param in reversed(params):
@@ -347,6 +368,8 @@ class GradientBuckets:
         for param in bucket.params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
+            elif param.grad.is_sparse:  # nn.Embedding(sparse=True): averaged as a dense tensor
+                param.grad = param.grad.to_dense()
         grads = [param.grad for param in bucket.params]
         op = self.op
         if self.slots is not None and self.slots.results_in_slots:
