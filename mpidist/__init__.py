@@ -39,6 +39,11 @@ def allreduce_async(array, op="sum", algorithm="auto", out=None):
     return world().allreduce_async(array, op=op, algorithm=algorithm, out=out)
 
 
+def adasum_allreduce(array, sizes=None):
+    """Adasum over the world communicator, in place (a power-of-two number of ranks)."""
+    return world().adasum_allreduce(array, sizes=sizes)
+
+
 def broadcast(array, root=0):
     return world().broadcast(array, root=root)
 

@@ -217,6 +217,12 @@ class Communicator:
     def allreduce_async(self, array, op="sum", algorithm="auto", out=None):
         return api().allreduce_async(self, array, op=op, algorithm=algorithm, out=out)
 
+    def adasum_allreduce(self, array, sizes=None):
+        """Adasum of the ranks' arrays, in place (collectives/adasum.py); `sizes` splits the
+        array into tensors combined each with its own coefficients."""
+        from .collectives.adasum import adasum_allreduce
+        return adasum_allreduce(self, array, sizes)
+
     def broadcast(self, array, root=0):
         return api().broadcast(self, array, root=root)
 

@@ -2,7 +2,7 @@
 `import mpidist.torch as hvd` and a Horovod PyTorch script runs on mpidist's collectives.
 
 Differences from Horovod are listed in README.md ("Horovod compatibility"); features that are
-not offered (Adasum, elastic, the timeline) raise NotOfferedError instead of misbehaving.
+not offered (elastic, the timeline) raise NotOfferedError instead of misbehaving.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ Average, Sum, Min, Max, Product = "avg", "sum", "min", "max", "prod"
 Adasum = "adasum"
 
 
-def _op(op, average=None):
+def _op(op, average=None, adasum_in=None):
     # Horovod's rule (handle_average_backwards_compatibility): `average` is the deprecated
     # spelling of `op`, and giving both is an error rather than one silently winning.
     if op is not None and average is not None:
@@ -39,7 +39,9 @@ def _op(op, average=None):
     if op is None:
         return Average if average is None or average else Sum
     if op == Adasum:
-        raise NotOfferedError("Adasum is not offered by mpidist; use op=hvd.Average or hvd.Sum")
+        if adasum_in is None:
+            return op
+        raise NotOfferedError(f"op=hvd.Adasum is offered by allreduce and DistributedOptimizer, not by {adasum_in}")
     if op not in (Average, Sum, Min, Max, Product):
         raise InvalidArgumentError(f"unknown op {op!r}; use hvd.Average, Sum, Min, Max or Product")
     return op
@@ -347,6 +349,9 @@ def join(device=-1) -> int:
     of several joining at the same step). Only the DistributedOptimizer's exchanges are shadowed:
     while a rank waits here the others may run no other collective."""
     world = _comm_of(None)
+    if any(o._adasum_comm is world for o in _ADASUM_OPTIMIZERS):
+        raise NotOfferedError("hvd.join() with a DistributedOptimizer(op=hvd.Adasum): a joined rank has no "
+                              "change of its own to combine; use op=hvd.Average")
     live = _live_optimizer_buckets(world)
     if len(live) > 1:
         raise NotOfferedError(f"hvd.join() with {len(live)} live DistributedOptimizers: a joined rank could not "
@@ -414,12 +419,13 @@ def _allreduce_into(tensor, op, compression, prescale_factor, postscale_factor, 
     _check_scale_factors([tensor], prescale_factor, postscale_factor)
     _scaled(tensor, prescale_factor)
     wire_dtype = _wire_dtype(tensor, compression)
-    if wire_dtype is not None:
-        wire = tensor.to(wire_dtype)
-        comm.allreduce(wire, op=op)
-        tensor.copy_(wire)
+    wire = tensor.to(wire_dtype) if wire_dtype is not None else tensor
+    if op == Adasum:
+        comm.adasum_allreduce(wire)
     else:
-        comm.allreduce(tensor, op=op)
+        comm.allreduce(wire, op=op)
+    if wire is not tensor:
+        tensor.copy_(wire)
     _scaled(tensor, postscale_factor)
     return tensor
 
@@ -515,6 +521,9 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     op = _op(op, average)
     _check_scale_factors([tensor], prescale_factor, postscale_factor)
     _scaled(tensor, prescale_factor)
+    if op == Adasum:  # runs at once, in order behind the asynchronous operations in flight
+        comm.adasum_allreduce(tensor)
+        return _Handle(_DoneHandle(tensor), tensor, lambda t: _scaled(t, postscale_factor))
     handle = comm.allreduce_async(tensor, op=op)
     return _Handle(handle, tensor, lambda t: _scaled(t, postscale_factor))
 
@@ -621,13 +630,13 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
     """Reduce `tensor` over the ranks and give rank r its r-th block of rows (the first
     rows % size ranks get one row more, as Horovod splits). Differentiable when `tensor`
     requires grad (op Average or Sum)."""
-    return _Reducescatter.apply(tensor, _op(op), compression, prescale_factor, postscale_factor,
+    return _Reducescatter.apply(tensor, _op(op, adasum_in="reducescatter"), compression, prescale_factor, postscale_factor,
                                 _comm_of(process_set))
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=None, prescale_factor=1.0,
                         postscale_factor=1.0):
-    result = _reducescatter(tensor, _op(op), Compression.none, prescale_factor, postscale_factor,
+    result = _reducescatter(tensor, _op(op, adasum_in="reducescatter"), Compression.none, prescale_factor, postscale_factor,
                             _comm_of(process_set))
     return _Handle(_DoneHandle(result), result)
 
@@ -704,14 +713,14 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     """New tensors holding the reductions of `tensors` (one operation per dtype and device).
     Differentiable when the tensors require grad."""
     tensors = _check_group(tensors, "grouped_allreduce")
-    settings = (_op(op, average), compression, prescale_factor, postscale_factor, _comm_of(process_set))
+    settings = (_op(op, average, "grouped_allreduce"), compression, prescale_factor, postscale_factor, _comm_of(process_set))
     return list(_GroupedAllreduce.apply(settings, *tensors))
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=None):
     tensors = _check_group(tensors, "grouped_allreduce_")
-    return _grouped_allreduce_into(tensors, _op(op, average), Compression.none, prescale_factor, postscale_factor,
+    return _grouped_allreduce_into(tensors, _op(op, average, "grouped_allreduce"), Compression.none, prescale_factor, postscale_factor,
                                    _comm_of(process_set))
 
 
@@ -733,7 +742,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
                              postscale_factor=1.0, process_set=None):
     comm = _comm_of(process_set)
     tensors = _check_group(tensors, "grouped_allreduce_async_")
-    op = _op(op, average)
+    op = _op(op, average, "grouped_allreduce")
     _check_group_allreduce(tensors, op, prescale_factor, postscale_factor)
     handles, packed = [], []
     for members in _kinds(tensors):
@@ -1010,6 +1019,53 @@ class _DistributedOptimizer:
         return super().zero_grad(set_to_none=set_to_none)
 
 
+_ADASUM_OPTIMIZERS = weakref.WeakSet()  # of the live Adasum DistributedOptimizers, for join()
+
+
+class _DistributedAdasumOptimizer:
+    """Mixed into the wrapped optimizer's class with op=hvd.Adasum (Horovod's
+    _DistributedAdasumOptimizer): each rank steps the wrapped optimizer on its own gradients, so
+    its state (momentum, Adam's moments) stays its own, and the parameters become the step's
+    starting point plus the Adasum over the ranks of their changes, tensor by tensor. Gradients
+    are not exchanged during backward; everything happens in step()."""
+
+    def _setup_adasum(self, compression, comm):
+        if comm.size & (comm.size - 1):
+            raise InvalidArgumentError(
+                f"DistributedOptimizer(op=hvd.Adasum) needs a power-of-two number of ranks (its pairs "
+                f"form a binary tree); there are {comm.size}")
+        params = trainable_parameters([p for group in self.param_groups for p in group["params"]])
+        check_not_synchronized(params, "DistributedOptimizer")
+        self._adasum_params = params
+        self._adasum_comm = comm
+        self._wire = COMPRESSION_DTYPES.get(getattr(compression, "wire", None))
+        _ADASUM_OPTIMIZERS.add(self)
+
+    def synchronize(self):
+        pass  # as in Horovod: the changes are combined in step()
+
+    def skip_synchronize(self):
+        raise InvalidArgumentError("skip_synchronize() has no use with op=hvd.Adasum: the parameters' "
+                                   "changes are combined in step(), after the local step")
+
+    def step(self, closure=None):
+        params = self._adasum_params
+        start = [p.detach().clone() for p in params]
+        result = super().step(closure)
+        if self._adasum_comm.size == 1:
+            return result
+        with torch.no_grad():
+            for kind in dict.fromkeys((p.dtype, p.device) for p in params):
+                members = [(p, s) for p, s in zip(params, start) if (p.dtype, p.device) == kind]
+                change = torch.cat([(p - s).reshape(-1) for p, s in members])
+                wire = change.to(self._wire) if self._wire is not None and change.is_floating_point() else change
+                self._adasum_comm.adasum_allreduce(wire, sizes=[p.numel() for p, _ in members])
+                change = change.copy_(wire) if wire is not change else change
+                for (param, begin), part in zip(members, change.split([p.numel() for p, _ in members])):
+                    param.copy_(begin + part.view_as(param))
+        return result
+
+
 def _explicit_groups(groups, params, trainable) -> list:
     """Horovod's `groups`: a number n (the trainable parameters in optimizer order, cut into n runs
     of nearly equal length, as Horovod's split_list cuts them) or a list of lists of parameters.
@@ -1054,16 +1110,23 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          num_groups=0, groups=None, sparse_as_dense=False, process_set=None):
     """Wrap a torch optimizer the way horovod.torch.DistributedOptimizer does."""
     comm = _comm_of(process_set)
+    adasum = _op(op) == Adasum
+    if adasum and gradient_predivide_factor != 1.0:
+        raise InvalidArgumentError("gradient_predivide_factor needs op=hvd.Average")
     if num_groups:
         warnings.warn("DistributedOptimizer: num_groups is the older name of groups (as in Horovod)",
                       DeprecationWarning, stacklevel=2)
         if groups is None:
             groups = num_groups
-    cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
+    mixin = _DistributedAdasumOptimizer if adasum else _DistributedOptimizer
+    cls = type(optimizer.__class__.__name__, (mixin, optimizer.__class__), {})
     distributed = cls.__new__(cls)
     distributed.__dict__.update(optimizer.__dict__)
-    distributed._setup_distributed(named_parameters, compression, backward_passes_per_step, op,
-                                   gradient_predivide_factor, groups, comm)
+    if adasum:
+        distributed._setup_adasum(compression, comm)
+    else:
+        distributed._setup_distributed(named_parameters, compression, backward_passes_per_step, op,
+                                       gradient_predivide_factor, groups, comm)
     return distributed
 
 

@@ -44,7 +44,7 @@ HOST_MEMORY_ALGORITHMS = frozenset({"hierarchical"})
 OPS = ("sum", "avg", "min", "max", "prod")
 # "first allreduce_async": the first asynchronous call of each rank starts the background thread,
 # which duplicates the communicator (a collective of its own); ranks check that they all do so.
-COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "first allreduce_async")
+COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "first allreduce_async", "adasum")
 # Tags keep the messages of different collectives apart should a rank ever run ahead.
 TAGS = {name: 0x4D44 + index for index, name in enumerate(COLLECTIVES)}
 SIGNATURE_FIELDS = ("collective", "count", "dtype", "op", "algorithm", "root", "row shape")
@@ -179,7 +179,9 @@ def describe_mismatch(table: np.ndarray, row_shapes: list | None = None) -> str:
         groups = {}
         for rank, value in enumerate(values):
             groups.setdefault(signature_label(field, int(value), names, row_shapes, rank), []).append(rank)
-        title = "row shape (shape[1:])" if field == "row shape" else field
+        title = field
+        if field == "row shape":  # Adasum's carries the sizes of the tensors in the buffer
+            title = "tensor sizes" if (table[:, 0] == COLLECTIVES.index("adasum")).all() else "row shape (shape[1:])"
         part = f"{title}: " + "; ".join(f"ranks {ranks} have {label}" for label, ranks in groups.items())
         if field == "algorithm":
             part += " (the algorithm each rank would run, from algorithm=, MPIDIST_ALLREDUCE_ALGORITHM or auto's table)"

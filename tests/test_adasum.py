@@ -1,0 +1,185 @@
+"""Adasum (md.adasum_allreduce, hvd.allreduce(op=hvd.Adasum), DistributedOptimizer(op=hvd.Adasum))
+against a float64 NumPy reference of the pairwise tree, and its refusals on every rank."""
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import mpidist as md
+import mpidist.torch as hvd
+
+TINY = np.sqrt(sys.float_info.min)
+
+
+def adasum_pair(a, b):
+    """Adasum of two float64 vectors, written from the paper's formula."""
+    dot, a_norm, b_norm = a @ b, a @ a, b @ b
+    a_coefficient = 1 - dot / (2 * a_norm) if a_norm >= TINY else 1.0
+    b_coefficient = 1 - dot / (2 * b_norm) if b_norm >= TINY else 1.0
+    return a_coefficient * a + b_coefficient * b
+
+
+def adasum_reference(vectors, sizes, dtype):
+    """Ranks combined in pairs (0, 1), (2, 3), ..., then the pairs' results, each tensor of the
+    concatenation on its own; rounded to `dtype` after each level, as the collective stores."""
+    bounds = np.cumsum([0] + list(sizes))
+    level = [np.asarray(v, dtype=np.float64) for v in vectors]
+    while len(level) > 1:
+        pairs = []
+        for a, b in zip(level[0::2], level[1::2]):
+            combined = np.concatenate([adasum_pair(a[lo:hi], b[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])])
+            pairs.append(combined.astype(dtype).astype(np.float64))
+        level = pairs
+    return level[0]
+
+
+def rank_vector(rank, count, seed, dtype):
+    rng = np.random.default_rng(1000 * seed + rank)
+    return rng.standard_normal(count).astype(dtype)
+
+
+TOLERANCE = {"float16": 2e-3, "float32": 1e-6, "float64": 1e-12}
+
+
+def check_adasum_matches_the_reference(mpi_ranks, mpi_world):
+    for dtype in ("float64", "float32", "float16"):
+        for seed, sizes in enumerate([[1], [7], [1000], [5, 0, 12, 1, 3], [33, 64]]):
+            count = sum(sizes)
+            mine = rank_vector(mpi_world.rank, count, seed, dtype)
+            expected = adasum_reference([rank_vector(r, count, seed, dtype) for r in range(mpi_ranks)], sizes, dtype)
+            result = md.adasum_allreduce(mine, sizes=None if len(sizes) == 1 else sizes)
+            assert result is mine
+            np.testing.assert_allclose(mine.astype(np.float64), expected, rtol=TOLERANCE[dtype],
+                                       atol=TOLERANCE[dtype] * np.abs(expected).max(), err_msg=f"{dtype} {sizes}")
+            # Every rank holds the same bits.
+            gathered = mpi_world.mpi.allgather(mine.tobytes())
+            assert all(g == gathered[0] for g in gathered)
+
+
+def check_adasum_identities(mpi_ranks, mpi_world):
+    """Parallel vectors average, orthogonal ones add, a zero vector changes nothing."""
+    direction = np.linspace(-1.0, 2.0, 11)
+    parallel = direction * (mpi_world.rank + 1.0)
+    md.adasum_allreduce(parallel)
+    np.testing.assert_allclose(parallel, direction * (mpi_ranks + 1) / 2, rtol=1e-13)
+
+    orthogonal = np.zeros(2 * mpi_ranks)
+    orthogonal[mpi_world.rank] = 1.0 + mpi_world.rank
+    md.adasum_allreduce(orthogonal)
+    expected = np.zeros(2 * mpi_ranks)
+    expected[:mpi_ranks] = 1.0 + np.arange(mpi_ranks)
+    np.testing.assert_array_equal(orthogonal, expected)
+
+    tiny = np.full(8, 1e-300) * (mpi_world.rank + 1)  # below Horovod's threshold: a plain sum
+    md.adasum_allreduce(tiny)
+    np.testing.assert_allclose(tiny, np.full(8, 1e-300) * sum(range(1, mpi_ranks + 1)), rtol=1e-13)
+
+
+def check_horovod_allreduce_with_adasum(mpi_ranks, mpi_world):
+    hvd.init()
+    x = torch.from_numpy(rank_vector(mpi_world.rank, 50, 7, "float32")).reshape(5, 10)
+    result = hvd.allreduce(x, op=hvd.Adasum, prescale_factor=0.5, postscale_factor=3.0)
+    assert result.shape == (5, 10) and result.dtype == torch.float32
+    scaled = [rank_vector(r, 50, 7, "float32") * np.float32(0.5) for r in range(mpi_ranks)]
+    expected = adasum_reference(scaled, [50], "float32") * 3.0
+    np.testing.assert_allclose(result.reshape(-1).double().numpy(), expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(x, torch.from_numpy(rank_vector(mpi_world.rank, 50, 7, "float32")).reshape(5, 10))
+    handle = hvd.allreduce_async_(x, op=hvd.Adasum)
+    assert hvd.synchronize(handle) is x
+    np.testing.assert_allclose(x.reshape(-1).double().numpy(),
+                               adasum_reference([rank_vector(r, 50, 7, "float32") for r in range(mpi_ranks)],
+                                                [50], "float32"), rtol=1e-6, atol=1e-6)
+
+
+# ---- DistributedOptimizer(op=hvd.Adasum) -----------------------------------------------------------
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+
+
+def batch(step, rank):
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(5, 6, generator=generator, dtype=torch.float64), torch.randint(0, 3, (5,), generator=generator)
+
+
+def adasum_training_reference(size, steps):
+    """Every rank's model and optimizer in one process: each rank steps its own optimizer (its
+    momentum stays its own) from the common parameters, and the parameters become the start plus
+    the Adasum of the ranks' changes, tensor by tensor."""
+    models = [make_model() for _ in range(size)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    for step in range(steps):
+        start = [p.detach().clone() for p in models[0].parameters()]
+        deltas = []
+        for rank, (model, optimizer) in enumerate(zip(models, optimizers)):
+            x, y = batch(step, rank)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            deltas.append(torch.cat([(p.detach() - s).reshape(-1) for p, s in zip(model.parameters(), start)]))
+        sizes = [s.numel() for s in start]
+        combined = torch.from_numpy(adasum_reference([d.numpy() for d in deltas], sizes, "float64"))
+        updated = [s + c.reshape(s.shape) for s, c in zip(start, combined.split(sizes))]
+        for model in models:
+            with torch.no_grad():
+                for p, value in zip(model.parameters(), updated):
+                    p.copy_(value)
+    return [p.detach() for p in models[0].parameters()]
+
+
+def check_distributed_optimizer_with_adasum(mpi_ranks, mpi_world):
+    hvd.init()
+    model = make_model()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                         named_parameters=model.named_parameters(), op=hvd.Adasum)
+    for step in range(3):
+        x, y = batch(step, mpi_world.rank)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.synchronize()  # accepted, as in Horovod: the change is reduced in step()
+        optimizer.step()
+    for mine, expected in zip(model.parameters(), adasum_training_reference(mpi_ranks, 3)):
+        torch.testing.assert_close(mine.detach(), expected, rtol=1e-12, atol=1e-12)
+    with pytest.raises(md.InvalidArgumentError, match="skip_synchronize"):
+        with optimizer.skip_synchronize():
+            pass
+    with pytest.raises(hvd.NotOfferedError, match="join.*Adasum"):
+        hvd.join()
+    del optimizer
+
+
+def check_adasum_refusals(mpi_world):
+    with pytest.raises(md.UnsupportedDtypeError, match="Adasum combines floating-point vectors"):
+        md.adasum_allreduce(np.arange(4, dtype=np.int64))
+    with pytest.raises(md.InvalidArgumentError, match=r"sizes \[3, 2\] must be counts >= 0 adding up to"):
+        md.adasum_allreduce(np.ones(4), sizes=[3, 2])
+    with pytest.raises(hvd.NotOfferedError, match="Adasum.*grouped"):
+        hvd.grouped_allreduce([torch.ones(2)], op=hvd.Adasum)
+    if mpi_world.size > 1:  # refused on rank 0 only: the others fail at once too
+        wrong = np.ones(5, dtype=np.int32 if mpi_world.rank == 0 else np.float64)
+        expected = (md.UnsupportedDtypeError, "Adasum combines") if mpi_world.rank == 0 else \
+            (md.MismatchError, r"ranks \[0\] refused their arguments")
+        with pytest.raises(expected[0], match=expected[1]):
+            md.adasum_allreduce(wrong)
+        shorter = np.ones(5 if mpi_world.rank == 0 else 6)
+        with pytest.raises(md.MismatchError, match="count"):
+            md.adasum_allreduce(shorter)
+
+
+@pytest.mark.mpi(ranks=[1, 2, 4])
+def test_adasum(mpi_ranks, mpi_world):
+    check_adasum_matches_the_reference(mpi_ranks, mpi_world)
+    check_adasum_identities(mpi_ranks, mpi_world)
+    check_horovod_allreduce_with_adasum(mpi_ranks, mpi_world)
+    check_distributed_optimizer_with_adasum(mpi_ranks, mpi_world)
+    check_adasum_refusals(mpi_world)
+
+
+@pytest.mark.mpi(ranks=[3])
+def test_adasum_needs_a_power_of_two_ranks_on_every_rank(mpi_world):
+    with pytest.raises(md.InvalidArgumentError, match="power-of-two number of ranks.*has 3"):
+        md.adasum_allreduce(np.ones(5))
+    with pytest.raises(md.InvalidArgumentError, match="power-of-two number of ranks"):
+        hvd.DistributedOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1), op=hvd.Adasum)
