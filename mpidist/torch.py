@@ -591,6 +591,29 @@ def allgather_async(tensor, name=None, process_set=None):
     return _Handle(_DoneHandle(result), result)
 
 
+def sparse_allreduce_async(tensor, name=None, op=Average, process_set=None):
+    """Horovod's all-reduce of a sparse COO tensor: every rank's indices and values gathered into
+    one sparse tensor (duplicate indices left uncoalesced; they add up), the values divided by the
+    rank count for op=Average. Returns a callable that gives the result, as Horovod's does."""
+    op = _op(op, adasum_in="sparse_allreduce_async")
+    if op not in (Average, Sum):
+        raise InvalidArgumentError(f"sparse_allreduce_async takes op=hvd.Average or hvd.Sum, got {op!r}")
+    if not tensor.is_sparse:
+        raise InvalidArgumentError(f"sparse_allreduce_async takes a sparse COO tensor, got layout {tensor.layout}")
+    comm = _comm_of(process_set)
+    shapes = comm.allgather(np.array([tensor.shape], dtype=np.int64))
+    if (shapes != shapes[0]).any():
+        raise MismatchError(f"sparse_allreduce_async: the ranks' tensors have different shapes "
+                            f"{[tuple(row) for row in shapes.tolist()]} by rank")
+    # allgather concatenates along the first dimension: the indices travel one row per element.
+    indices = allgather(tensor._indices().t().contiguous(), name, process_set)
+    values = allgather(tensor._values().contiguous(), name, process_set)
+    if op == Average:
+        values = values / comm.size
+    result = torch.sparse_coo_tensor(indices.t(), values, tensor.shape)
+    return lambda: result
+
+
 def _reducescatter(tensor, op, compression, prescale_factor, postscale_factor, comm):
     """Rank r's block of rows of the reduction (the first rows % size ranks get one row more)."""
     _check_scale_factors([tensor], prescale_factor, postscale_factor)
@@ -1135,8 +1158,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
 _NOT_OFFERED = {
     "start_timeline": "the Horovod timeline is not offered",
     "stop_timeline": "the Horovod timeline is not offered",
-    "sparse_allreduce_async": "sparse all-reduce is not offered; DistributedOptimizer reduces dense "
-                              "gradients",
 }
 
 
