@@ -2,13 +2,20 @@
 `import mpidist.torch as hvd` and a Horovod PyTorch script runs on mpidist's collectives.
 
 Differences from Horovod are listed in README.md ("Horovod compatibility"); features that are
-not offered (elastic, the timeline) raise NotOfferedError instead of misbehaving.
+not offered (elastic training) raise NotOfferedError instead of misbehaving.
 """
 from __future__ import annotations
 
+import atexit
+import collections
 import contextlib
+import functools
 import gc
+import inspect
 import json
+import os
+import threading
+import time
 import warnings
 import weakref
 
@@ -20,6 +27,7 @@ from .errors import InvalidArgumentError, MismatchError, MpidistError, Unsupport
 from .parallel.data import (COMPRESSION_DTYPES, GradientBuckets, broadcast_in_place, check_not_synchronized,
                             last_joiner, register_gradient_hooks, trainable_parameters)
 from .parallel.sync_batchnorm import SyncBatchNorm  # noqa: F401  (hvd.SyncBatchNorm)
+from .timeline import Timeline
 
 
 class NotOfferedError(MpidistError):
@@ -230,6 +238,64 @@ class Compression:
         wire = "bf16"
 
 
+# ---- the timeline (Horovod's HOROVOD_TIMELINE, start_timeline and stop_timeline) ----------------
+
+_timeline = None  # the Timeline this process writes, if any
+_tracing = threading.local()  # .inside: a traced operation is running (its inner ones are not recorded)
+_unnamed = collections.Counter()  # activity -> operations recorded without a name
+_timeline_variable_read = False  # HOROVOD_TIMELINE is read by the first init()
+
+
+def start_timeline(file_path, mark_cycles=False):
+    """Record the collective operations in `file_path` (Chrome's trace format), replacing any
+    timeline being written. As in Horovod, rank 0 writes it (every rank may call this). mpidist
+    has no negotiation cycles, so mark_cycles adds nothing."""
+    stop_timeline()
+    if rank() == 0:
+        global _timeline
+        _timeline = Timeline(str(file_path))
+
+
+def stop_timeline():
+    """Finish the timeline file (also done at exit)."""
+    global _timeline
+    if _timeline is not None:
+        _timeline.close()
+        _timeline = None
+
+
+atexit.register(stop_timeline)
+
+
+def _traced(activity):
+    """Record each call as a span of `activity` on the row of its `name=` (or a new
+    "<activity>.noname.<n>" row); an asynchronous call's span ends when synchronize() sees it done."""
+    def decorate(function):
+        signature = inspect.signature(function)
+
+        @functools.wraps(function)
+        def traced(*args, **kwargs):
+            if _timeline is None or getattr(_tracing, "inside", False):
+                return function(*args, **kwargs)
+            name = signature.bind(*args, **kwargs).arguments.get("name")
+            if name is None:
+                _unnamed[activity] += 1
+                name = f"{activity.lower()}.noname.{_unnamed[activity]}"
+            _tracing.inside = True
+            start = time.perf_counter()
+            try:
+                result = function(*args, **kwargs)
+            finally:
+                _tracing.inside = False
+            if isinstance(result, _Handle):
+                result.trace = (str(name), activity, start)
+            elif _timeline is not None:
+                _timeline.span(str(name), activity, start, time.perf_counter())
+            return result
+        return traced
+    return decorate
+
+
 # ---- process information ---------------------------------------------------------------------
 
 def init(comm=None, process_sets=None):
@@ -238,6 +304,12 @@ def init(comm=None, process_sets=None):
     "dynamic" (accepted: add_process_set works either way)."""
     world = _comm.init(comm)
     _homogeneous(world)  # collective: found here, where every rank calls, so the query is local
+    global _timeline_variable_read
+    if not _timeline_variable_read:  # once: a later init() must not restart a stopped timeline
+        _timeline_variable_read = True
+        path = os.environ.get("HOROVOD_TIMELINE", "")
+        if path and path != "DYNAMIC":  # DYNAMIC: started later by start_timeline()
+            start_timeline(path)
     if process_sets is not None and process_sets != "dynamic":
         for process_set in process_sets:
             if process_set.process_set_id is None:
@@ -295,6 +367,7 @@ def is_homogeneous() -> bool:
     return _homogeneous(_comm.world())
 
 
+@_traced("BARRIER")
 def barrier(process_set=None):
     """Wait until every rank has called barrier()."""
     _comm_of(process_set).barrier()
@@ -342,6 +415,7 @@ def cuda_built() -> bool:
     return bool(ext.built_with_cuda)
 
 
+@_traced("JOIN")
 def join(device=-1) -> int:
     """This rank has run out of data (Horovod's hvd.join()): until every rank has called join(),
     take part in the other ranks' gradient exchanges of the DistributedOptimizer with zeros (they
@@ -492,12 +566,14 @@ class _Broadcast(torch.autograd.Function):
         return combined, None, None
 
 
+@_traced("ALLREDUCE")
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=None, compression=Compression.none):
     return _allreduce_into(tensor, _op(op, average), compression, prescale_factor, postscale_factor,
                            _comm_of(process_set))
 
 
+@_traced("ALLREDUCE")
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, process_set=None):
     """A new tensor holding the reduction of `tensor` over all ranks (average by default).
@@ -513,8 +589,10 @@ class _Handle:
     def __init__(self, handle, result, finish=None):
         self.handle, self.result, self.finish = handle, result, finish
         self.finished = False
+        self.trace = None  # (name, activity, start) while the timeline waits for its end
 
 
+@_traced("ALLREDUCE")
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=None):
     comm = _comm_of(process_set)
@@ -528,6 +606,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     return _Handle(handle, tensor, lambda t: _scaled(t, postscale_factor))
 
 
+@_traced("ALLREDUCE")
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=None):
     return allreduce_async_(_contiguous_copy(tensor), average, name, op, prescale_factor,
@@ -545,13 +624,20 @@ def synchronize(handle):
         if handle.finish is not None:
             handle.finish(handle.result)
         handle.finished = True
+        if handle.trace is not None and _timeline is not None:
+            name, activity, start = handle.trace
+            finished = getattr(handle.handle, "finished", None)  # when the engine completed it
+            _timeline.span(name, activity, start, finished or time.perf_counter())
+        handle.trace = None
     return handle.result
 
 
+@_traced("BROADCAST")
 def broadcast_(tensor, root_rank, name=None, process_set=None):
     return _comm_of(process_set).broadcast(tensor, root=_root_in(process_set, root_rank))
 
 
+@_traced("BROADCAST")
 def broadcast(tensor, root_rank, name=None, process_set=None):
     """A new tensor holding `root_rank`'s `tensor`. Differentiable when `tensor` requires grad."""
     comm = _comm_of(process_set)
@@ -571,26 +657,31 @@ class _DoneHandle:
         return self.result
 
 
+@_traced("BROADCAST")
 def broadcast_async_(tensor, root_rank, name=None, process_set=None):
     return _Handle(_DoneHandle(broadcast_(tensor, root_rank, name, process_set)), tensor)
 
 
+@_traced("BROADCAST")
 def broadcast_async(tensor, root_rank, name=None, process_set=None):
     result = broadcast(tensor.detach(), root_rank, name, process_set)
     return _Handle(_DoneHandle(result), result)
 
 
+@_traced("ALLGATHER")
 def allgather(tensor, name=None, process_set=None):
     """Every rank's `tensor` concatenated along the first dimension (which may differ by rank).
     Differentiable when `tensor` requires grad."""
     return _Allgather.apply(tensor, _comm_of(process_set))
 
 
+@_traced("ALLGATHER")
 def allgather_async(tensor, name=None, process_set=None):
     result = allgather(tensor.detach(), name, process_set)
     return _Handle(_DoneHandle(result), result)
 
 
+@_traced("ALLREDUCE")
 def sparse_allreduce_async(tensor, name=None, op=Average, process_set=None):
     """Horovod's all-reduce of a sparse COO tensor: every rank's indices and values gathered into
     one sparse tensor (duplicate indices left uncoalesced; they add up), the values divided by the
@@ -648,6 +739,7 @@ class _Reducescatter(torch.autograd.Function):
         return gathered.reshape(ctx.shape), None, None, None, None, None
 
 
+@_traced("REDUCESCATTER")
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=None,
                   prescale_factor=1.0, postscale_factor=1.0):
     """Reduce `tensor` over the ranks and give rank r its r-th block of rows (the first
@@ -657,6 +749,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
                                 _comm_of(process_set))
 
 
+@_traced("REDUCESCATTER")
 def reducescatter_async(tensor, name=None, op=Average, process_set=None, prescale_factor=1.0,
                         postscale_factor=1.0):
     result = _reducescatter(tensor, _op(op, adasum_in="reducescatter"), Compression.none, prescale_factor, postscale_factor,
@@ -731,6 +824,7 @@ def _check_group(tensors, what):
     return tensors
 
 
+@_traced("ALLREDUCE")
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0, process_set=None):
     """New tensors holding the reductions of `tensors` (one operation per dtype and device).
@@ -740,6 +834,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     return list(_GroupedAllreduce.apply(settings, *tensors))
 
 
+@_traced("ALLREDUCE")
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=None):
     tensors = _check_group(tensors, "grouped_allreduce_")
@@ -761,6 +856,7 @@ class _GroupHandle:
             handle.wait()
 
 
+@_traced("ALLREDUCE")
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=None):
     comm = _comm_of(process_set)
@@ -782,6 +878,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     return _Handle(_GroupHandle(handles), tensors, finish)
 
 
+@_traced("ALLREDUCE")
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=None):
     tensors = _check_group(tensors, "grouped_allreduce_async")
@@ -789,16 +886,19 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
                                     postscale_factor, process_set)
 
 
+@_traced("ALLGATHER")
 def grouped_allgather(tensors, name=None, process_set=None):
     return [allgather(t, name, process_set) for t in _check_group(tensors, "grouped_allgather")]
 
 
+@_traced("ALLGATHER")
 def grouped_allgather_async(tensors, name=None, process_set=None):
     result = grouped_allgather([t.detach() for t in _check_group(tensors, "grouped_allgather_async")],
                                name, process_set)
     return _Handle(_DoneHandle(result), result)
 
 
+@_traced("REDUCESCATTER")
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average, process_set=None,
                           prescale_factor=1.0, postscale_factor=1.0):
     tensors = _check_group(tensors, "grouped_reducescatter")
@@ -807,6 +907,7 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
             for t in tensors]
 
 
+@_traced("REDUCESCATTER")
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=None, prescale_factor=1.0,
                                 postscale_factor=1.0):
     result = grouped_reducescatter([t.detach() for t in _check_group(tensors, "grouped_reducescatter_async")],
@@ -884,6 +985,7 @@ class _Alltoall(torch.autograd.Function):
         return grad_input, None, None
 
 
+@_traced("ALLTOALL")
 def alltoall(tensor, splits=None, name=None, process_set=None):
     """Send `splits[k]` rows of `tensor` (first dimension; equal parts without splits=) to rank k
     and return the rows received, in rank order. As in Horovod: with splits= the result is
@@ -893,6 +995,7 @@ def alltoall(tensor, splits=None, name=None, process_set=None):
     return output if splits is None else (output, received)
 
 
+@_traced("ALLTOALL")
 def alltoall_async(tensor, splits=None, name=None, process_set=None):
     """As Horovod's: synchronize() returns (received rows, received splits), with or without splits=."""
     output, received = _alltoall(tensor.detach(), splits, _comm_of(process_set))
@@ -900,6 +1003,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=None):
     return _Handle(_DoneHandle(result), result)
 
 
+@_traced("BROADCAST")
 def broadcast_parameters(params, root_rank=0):
     """Broadcast a state_dict or an iterable of (name, tensor) from `root_rank`, in place."""
     items = sorted(params.items()) if isinstance(params, dict) else list(params)
@@ -909,6 +1013,7 @@ def broadcast_parameters(params, root_rank=0):
                 broadcast_in_place(_comm.world(), tensor.data, root_rank)
 
 
+@_traced("BROADCAST")
 def broadcast_optimizer_state(optimizer, root_rank=0):
     """Broadcast the optimizer's state tensors and hyperparameters from `root_rank`.
 
@@ -940,6 +1045,7 @@ def broadcast_optimizer_state(optimizer, root_rank=0):
     optimizer.load_state_dict(state)
 
 
+@_traced("BROADCAST")
 def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     """Broadcast a JSON-serializable object (mpidist never unpickles received data, so values
     come back as JSON gives them: dict keys become strings, tuples lists)."""
@@ -961,6 +1067,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     return json.loads(data.tobytes().decode())
 
 
+@_traced("ALLGATHER")
 def allgather_object(obj, name=None, process_set=None):
     """Every rank's JSON-serializable object, in a list by rank (JSON, as broadcast_object)."""
     world = _comm_of(process_set)
@@ -994,6 +1101,7 @@ class _DistributedOptimizer:
     def _setup_distributed(self, named_parameters, compression, backward_passes_per_step, op,
                            gradient_predivide_factor, groups, comm):
         params = [p for group in self.param_groups for p in group["params"]]
+        labels = {id(p): f"param.{index}" for index, p in enumerate(params)}  # for the timeline
         if named_parameters is not None:
             named = list(named_parameters)
             names = [n for n, _ in named]
@@ -1003,6 +1111,7 @@ class _DistributedOptimizer:
             missing = [i for i, p in enumerate(params) if id(p) not in known]
             if missing:
                 raise InvalidArgumentError(f"named_parameters does not name optimizer parameters {missing}")
+            labels.update((id(p), n) for n, p in named)
         op = _op(op)
         if gradient_predivide_factor != 1.0 and op != Average:
             raise InvalidArgumentError("gradient_predivide_factor needs op=hvd.Average")
@@ -1016,11 +1125,28 @@ class _DistributedOptimizer:
         self._skip_sync = False
         register_gradient_hooks(self._buckets, "gradient_ready", trainable, "DistributedOptimizer")
         _OPTIMIZER_BUCKETS.add(self._buckets)
+        # The timeline's row of each bucket: "allreduce.<its parameters' names>".
+        self._bucket_rows = ["allreduce." + "+".join(labels[id(p)] for p in bucket.params)
+                             for bucket in self._buckets.buckets]
 
     def synchronize(self):
         """Wait for the gradients' all-reduces (call before clipping gradients, then step()
         inside skip_synchronize())."""
-        self._buckets.wait()
+        timeline = _timeline
+        if timeline is None:
+            self._buckets.wait()
+            return
+        # On the timeline: each bucket's all-reduce from its launch during backward to its
+        # completion, and the wait here on a row of its own.
+        self._buckets.trace = spans = []
+        start = time.perf_counter()
+        try:
+            self._buckets.wait()
+        finally:
+            self._buckets.trace = None
+        timeline.span("DistributedOptimizer", "SYNCHRONIZE", start, time.perf_counter())
+        for row, (began, ended) in zip(self._bucket_rows, spans):
+            timeline.span(row, "ALLREDUCE", began, ended)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -1077,6 +1203,13 @@ class _DistributedAdasumOptimizer:
         result = super().step(closure)
         if self._adasum_comm.size == 1:
             return result
+        began = time.perf_counter()
+        self._combine_changes(params, start)
+        if _timeline is not None:
+            _timeline.span("DistributedOptimizer", "ADASUM", began, time.perf_counter())
+        return result
+
+    def _combine_changes(self, params, start):
         with torch.no_grad():
             for kind in dict.fromkeys((p.dtype, p.device) for p in params):
                 members = [(p, s) for p, s in zip(params, start) if (p.dtype, p.device) == kind]
@@ -1086,7 +1219,6 @@ class _DistributedAdasumOptimizer:
                 change = change.copy_(wire) if wire is not change else change
                 for (param, begin), part in zip(members, change.split([p.numel() for p, _ in members])):
                     param.copy_(begin + part.view_as(param))
-        return result
 
 
 def _explicit_groups(groups, params, trainable) -> list:
@@ -1151,22 +1283,3 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         distributed._setup_distributed(named_parameters, compression, backward_passes_per_step, op,
                                        gradient_predivide_factor, groups, comm)
     return distributed
-
-
-# ---- Horovod names mpidist does not offer ----------------------------------------------------
-
-_NOT_OFFERED = {
-    "start_timeline": "the Horovod timeline is not offered",
-    "stop_timeline": "the Horovod timeline is not offered",
-}
-
-
-class NotOfferedAttributeError(NotOfferedError, AttributeError):
-    """Also an AttributeError, so that hasattr(hvd, name) is False and getattr(hvd, name, None)
-    works for scripts that probe for optional Horovod features."""
-
-
-def __getattr__(name):
-    if name in _NOT_OFFERED:
-        raise NotOfferedAttributeError(_NOT_OFFERED[name])
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

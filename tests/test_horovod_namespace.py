@@ -1,6 +1,8 @@
 """mpidist.torch against Horovod's semantics: differentiable collectives (checked against plain
 autograd on every rank's data in one process, float64), handles, argument rules and the names
 Horovod has that mpidist offers or refuses."""
+import json
+
 import pytest
 import torch
 
@@ -486,13 +488,68 @@ def test_compression_classes_follow_horovods_interface():
         [None, "fp16", "bf16"]
 
 
-@pytest.mark.parametrize("name", ["start_timeline", "stop_timeline"])
-def test_horovod_names_not_offered_raise_a_clear_error(name):
-    with pytest.raises(hvd.NotOfferedError, match="not offered"):
-        getattr(hvd, name)
-    assert not hasattr(hvd, name)  # scripts probing for optional features see it missing
+def test_elastic_training_is_refused_with_a_clear_error():
+    with pytest.raises(hvd.NotOfferedError, match="elastic training is not offered"):
+        hvd.elastic.run  # noqa: B018
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         hvd.no_such_name  # noqa: B018
+
+
+TIMELINE_SCRIPT = """
+import torch
+import mpidist.torch as hvd
+
+hvd.init()  # starts the timeline of HOROVOD_TIMELINE
+print("writes", hvd.rank(), hvd._timeline is not None, flush=True)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters())
+for step in range(3):
+    optimizer.zero_grad()
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+hvd.allreduce(torch.ones(3), name="loss")
+hvd.synchronize(hvd.allreduce_async(torch.ones(3)))
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+hvd.stop_timeline()
+hvd.start_timeline(SECOND)
+hvd.allgather(torch.ones(1), name="gathered")
+"""  # the second timeline is finished at exit
+
+
+def timeline_spans(path):
+    """{row name: [(activity, start us, duration us), ...]} of a Chrome trace file."""
+    events = json.load(open(path))
+    rows = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    spans = {}
+    for event in events:
+        if event["ph"] == "X":
+            spans.setdefault(rows[event["pid"]], []).append((event["name"], event["ts"], event["dur"]))
+    return spans
+
+
+def test_timeline_records_operations_and_gradient_buckets(tmp_path):
+    from conftest import run_python
+    first, second = tmp_path / "timeline.json", tmp_path / "second.json"
+    result = run_python(f"SECOND = {str(second)!r}\n" + TIMELINE_SCRIPT, ranks=2,
+                        env={"HOROVOD_TIMELINE": str(first)})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(line for line in result.stdout.splitlines() if line.startswith("writes")) == \
+        ["writes 0 True", "writes 1 False"]  # rank 0 writes it, as in Horovod
+    spans = timeline_spans(first)
+    bucket = "allreduce.1.bias+1.weight+0.bias+0.weight"  # one bucket, in backward's order
+    assert sorted(spans) == sorted([bucket, "DistributedOptimizer", "loss", "allreduce.noname.1",
+                                    "broadcast.noname.1"])
+    assert [a for a, _, _ in spans[bucket]] == ["ALLREDUCE"] * 3
+    assert [a for a, _, _ in spans["DistributedOptimizer"]] == ["SYNCHRONIZE"] * 3
+    assert [a for a, _, _ in spans["loss"]] == ["ALLREDUCE"]
+    assert [a for a, _, _ in spans["allreduce.noname.1"]] == ["ALLREDUCE"]
+    assert [a for a, _, _ in spans["broadcast.noname.1"]] == ["BROADCAST"]  # its inner broadcasts are not rows
+    for (_, launched, _), (_, waited, waiting) in zip(spans[bucket], spans["DistributedOptimizer"]):
+        assert 0 <= launched <= waited + waiting  # launched during backward, done by the wait's end
+    assert all(start >= 0 and duration >= 0 for row in spans.values() for _, start, duration in row)
+    assert timeline_spans(second) == {"gathered": [("ALLGATHER", *timeline_spans(second)["gathered"][0][1:])]}
 
 
 def check_distributed_optimizer_and_data_parallel_on_the_same_parameters_are_refused():
