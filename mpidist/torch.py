@@ -1117,7 +1117,7 @@ class _DistributedOptimizer:
             raise InvalidArgumentError("gradient_predivide_factor needs op=hvd.Average")
         trainable = trainable_parameters(params)
         check_not_synchronized(trainable, "DistributedOptimizer")
-        self._buckets = GradientBuckets(trainable, comm,
+        self._buckets = GradientBuckets(trainable, comm, bucket_mb=_fusion_bucket_mb(),
                                         compression=getattr(compression, "wire", None), op=op,
                                         predivide=gradient_predivide_factor,
                                         passes_per_step=backward_passes_per_step,
@@ -1219,6 +1219,14 @@ class _DistributedAdasumOptimizer:
                 change = change.copy_(wire) if wire is not change else change
                 for (param, begin), part in zip(members, change.split([p.numel() for p, _ in members])):
                     param.copy_(begin + part.view_as(param))
+
+
+def _fusion_bucket_mb() -> float:
+    """Horovod's HOROVOD_FUSION_THRESHOLD (bytes) as the buckets' size in MB: unset, DataParallel's
+    25; 0 (Horovod: no fusion), a bucket per gradient."""
+    from .collectives.common import env_number  # imported here: the collectives initialize MPI
+    threshold = env_number("HOROVOD_FUSION_THRESHOLD", 25 * 2 ** 20, minimum=0)
+    return max(threshold, 1) / 2 ** 20  # a 1-byte bucket holds one gradient, however small
 
 
 def _explicit_groups(groups, params, trainable) -> list:

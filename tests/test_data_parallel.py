@@ -464,6 +464,23 @@ def check_distributed_optimizer_groups(mpi_ranks, mpi_world, monkeypatch):
                 assert_close_to_reference(params, reference_parameters(mpi_ranks))
                 del optimizer
             hvd.remove_process_set(process_set)
+    # Horovod's fusion threshold sizes the automatic buckets (bytes; 0: one gradient per bucket).
+    # Gradient bytes, w1 to b3: 640, 64, 1024, 64, 192, 12.
+    for threshold, layout in (("0", [[5], [4], [3], [2], [1], [0]]), ("300", [[5, 4, 3], [2], [1], [0]])):
+        with monkeypatch.context() as patch:
+            patch.setenv("HOROVOD_FUSION_THRESHOLD", threshold)
+            model = make_model()
+            params = list(model.parameters())
+            optimizer = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9))
+            index = {id(p): k for k, p in enumerate(params)}
+            assert [[index[id(p)] for p in b.params] for b in optimizer._buckets.buckets] == layout
+            for step in range(STEPS):
+                x, y = batch(step, mpi_world.rank)
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+            assert_close_to_reference(params, reference_parameters(mpi_ranks))
+            del optimizer
 
 
 def check_sparse_gradients_are_averaged_as_dense(mpi_ranks, mpi_world):
@@ -498,9 +515,13 @@ def check_sparse_gradients_are_averaged_as_dense(mpi_ranks, mpi_world):
         del wrapped, optimizer
 
 
-def check_distributed_optimizer_refuses_bad_groups():
+def check_distributed_optimizer_refuses_bad_groups(monkeypatch):
     import mpidist.torch as hvd
     model = make_model()
+    with monkeypatch.context() as patch:
+        patch.setenv("HOROVOD_FUSION_THRESHOLD", "64MB")
+        with pytest.raises(md.InvalidArgumentError, match="HOROVOD_FUSION_THRESHOLD='64MB' must be an integer"):
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     w1, b1 = list(model.parameters())[:2]
     for groups, message in [(0, "groups=0: pass a positive number"),
                             ("two", "groups must be a positive number or a list of lists of parameters, got str"),
@@ -657,4 +678,4 @@ def test_data_parallel_and_parameter_averaging(mpi_ranks, mpi_world, monkeypatch
     if mpi_ranks == 2:
         check_construction_refuses_bad_arguments()
         check_ddp_arguments_that_cannot_apply_are_refused()
-        check_distributed_optimizer_refuses_bad_groups()
+        check_distributed_optimizer_refuses_bad_groups(monkeypatch)
