@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 from .errors import (  # noqa: F401
     DeadlineError, InvalidArgumentError, MismatchError, MPIUnavailableError, MpidistError, NonContiguousError,
-    NotInitializedError, UnsupportedBufferError, UnsupportedDtypeError,
+    NotInitializedError, NotOfferedError, UnsupportedBufferError, UnsupportedDtypeError,
 )
 from .comm import Communicator, init, is_initialized, world  # noqa: F401
 
@@ -71,6 +71,9 @@ def __getattr__(name):
     if name in ("ParameterServer", "Update"):
         from .parallel import ps
         return getattr(ps, name)
+    if name == "ZeroRedundancyOptimizer":
+        from .parallel.zero import ZeroRedundancyOptimizer
+        return ZeroRedundancyOptimizer
     if name == "SyncBatchNorm":
         from .parallel.sync_batchnorm import SyncBatchNorm
         return SyncBatchNorm

@@ -35,3 +35,7 @@ class MismatchError(MpidistError):
 
 class DeadlineError(MpidistError):
     """Another rank did not answer within MPIDIST_TIMEOUT seconds (it stopped, or is stuck)."""
+
+
+class NotOfferedError(MpidistError):
+    """A feature of a peer (Horovod, PyTorch) that mpidist does not offer."""

@@ -23,15 +23,11 @@ import numpy as np
 import torch
 
 from . import comm as _comm
-from .errors import InvalidArgumentError, MismatchError, MpidistError, UnsupportedDtypeError
+from .errors import InvalidArgumentError, MismatchError, MpidistError, NotOfferedError, UnsupportedDtypeError
 from .parallel.data import (COMPRESSION_DTYPES, GradientBuckets, broadcast_in_place, check_not_synchronized,
                             last_joiner, register_gradient_hooks, trainable_parameters)
 from .parallel.sync_batchnorm import SyncBatchNorm  # noqa: F401  (hvd.SyncBatchNorm)
 from .timeline import Timeline
-
-
-class NotOfferedError(MpidistError):
-    """A Horovod feature mpidist does not offer."""
 
 
 # ---- reduction ops (Horovod's constants) -----------------------------------------------------

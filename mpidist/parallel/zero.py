@@ -1,0 +1,192 @@
+"""Optimizer state sharding: PyTorch's ZeroRedundancyOptimizer on mpidist's collectives (ZeRO
+stage 1, Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", SC 2020).
+
+Every rank holds all parameters, but each parameter's optimizer state (momentum, Adam's moments)
+lives on one rank only, its owner: the optimizer's memory and the time of its step are divided
+by the number of ranks. The gradients must already be the same on every rank (DataParallel, or
+DistributedOptimizer's exchange): each rank steps the parameters it owns, then every owner
+broadcasts its updated parameters to the others.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+from ..errors import InvalidArgumentError, MpidistError, NotOfferedError
+from ..comm import init
+from .data import broadcast_in_place
+
+
+class ZeroRedundancyOptimizer(torch.optim.Optimizer):
+    """torch.distributed.optim.ZeroRedundancyOptimizer(params, optimizer_class, **defaults) with
+    `comm=` (an mpidist Communicator; default the world) in place of `process_group=`.
+
+    Parameters are assigned to ranks as torch assigns them: each parameter group's parameters,
+    largest first, each to the rank owning the fewest elements so far. `self.param_groups` holds
+    every parameter and the hyperparameters (a learning-rate scheduler works on it as on any
+    optimizer); `self.optim` is this rank's optimizer over the parameters it owns.
+    """
+
+    def __init__(self, params, optimizer_class, comm=None, process_group=None, parameters_as_bucket_view=False,
+                 overlap_with_ddp=False, **defaults):
+        if process_group is not None:
+            raise InvalidArgumentError("process_group= is torch.distributed's; pass comm= (an mpidist Communicator)")
+        if overlap_with_ddp:
+            raise NotOfferedError("overlap_with_ddp=True is not offered: step() runs after backward")
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise InvalidArgumentError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+        super().__init__(params, defaults)
+        self.comm = comm if comm is not None else init()
+        self.optimizer_class = optimizer_class
+        self.parameters_as_bucket_view = parameters_as_bucket_view  # accepted; parameters keep their storage
+        self._consolidated = None
+        self._owners = self._partition()
+        mine = [{**{k: v for k, v in group.items() if k != "params"},
+                 "params": [p for p in group["params"] if self._owners[id(p)] == self.comm.rank]}
+                for group in self.param_groups]
+        self.optim = optimizer_class(mine, **defaults)
+        # The optimizer's own defaults (Adam's eps, ...) complete the groups, as a plain one's.
+        self.defaults = {**self.optim.defaults, **self.defaults}
+        for group in self.param_groups:
+            for key, value in self.optim.defaults.items():
+                group.setdefault(key, value)
+
+    def _partition(self) -> dict:
+        """id(parameter) -> owning rank (torch's greedy assignment; the same on every rank)."""
+        owners, load = {}, [0] * self.comm.size
+        for group in self.param_groups:
+            for param in sorted(group["params"], key=lambda p: p.numel(), reverse=True):
+                rank = load.index(min(load))
+                owners[id(param)] = rank
+                load[rank] += param.numel()
+        return owners
+
+    def _all_params(self):
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def owned_by(self, rank: int) -> list:
+        """The parameters whose optimizer state `rank` holds, in parameter-group order."""
+        return [p for p in self._all_params() if self._owners[id(p)] == rank]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        # Hyperparameters set on this object (a scheduler's learning rate) apply to the shard.
+        for group, local in zip(self.param_groups, self.optim.param_groups):
+            local.update({k: v for k, v in group.items() if k != "params"})
+        loss = self.optim.step(closure)
+        self._consolidated = None
+        self._broadcast_parameters()
+        return loss
+
+    def _broadcast_parameters(self) -> None:
+        """Every owner sends its updated parameters to the others: one broadcast per owner and
+        dtype, of its parameters laid end to end."""
+        for owner in range(self.comm.size):
+            params = self.owned_by(owner)
+            for kind in dict.fromkeys((p.dtype, p.device) for p in params):
+                members = [p for p in params if (p.dtype, p.device) == kind]
+                if len(members) == 1:
+                    broadcast_in_place(self.comm, members[0].data, root=owner)
+                    continue
+                flat = torch.cat([p.detach().reshape(-1) for p in members])
+                self.comm.broadcast(flat, root=owner)
+                if self.comm.rank != owner:
+                    for param, part in zip(members, flat.split([p.numel() for p in members])):
+                        param.copy_(part.view_as(param))
+
+    def zero_grad(self, set_to_none: bool = True):
+        # Every parameter's gradient, not only the owned ones: backward fills them all.
+        super().zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group):
+        if getattr(self, "optim", None) is not None:
+            raise NotOfferedError("add_param_group after construction is not offered: pass every group "
+                                  "to the constructor")
+        super().add_param_group(param_group)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's share of the optimizer state on rank `to` (collective), so that
+        state_dict() there returns the state of a plain optimizer over all the parameters. The
+        state travels as tensors and JSON, never pickled."""
+        index = {id(p): k for k, p in enumerate(self._all_params())}
+        local = self.optim.state_dict()
+        local_ids = [id(p) for group in self.optim.param_groups for p in group["params"]]
+        state = {}
+        for owner in range(self.comm.size):
+            entries = {index[local_ids[k]]: value for k, value in local["state"].items()} \
+                if owner == self.comm.rank else None
+            received = broadcast_state(self.comm, entries, owner)
+            if self.comm.rank == to:
+                state.update(received)
+        if self.comm.rank != to:
+            self._consolidated = None
+            return
+        groups = []
+        for group in self.param_groups:
+            settings = {k: v for k, v in group.items() if k != "params"}
+            groups.append({**settings, "params": [index[id(p)] for p in group["params"]]})
+        self._consolidated = {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    def state_dict(self):
+        if self._consolidated is None:
+            raise MpidistError(f"rank {self.comm.rank}: call consolidate_state_dict(to=...) on every rank first "
+                               "and state_dict() on the rank it named (as with torch's ZeroRedundancyOptimizer)")
+        return self._consolidated
+
+    def load_state_dict(self, state_dict):
+        """Load the state of a plain optimizer over all the parameters (what state_dict() returns):
+        every rank keeps its own share. Call it on every rank with the same dictionary."""
+        params = self._all_params()
+        groups = state_dict["param_groups"]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
+            raise InvalidArgumentError("the state dict's parameter groups do not match this optimizer's")
+        for group, saved in zip(self.param_groups, groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        order = [k for g in groups for k in g["params"]]  # saved index of each parameter, in order
+        local_index = {id(p): k for k, p in enumerate(p for g in self.optim.param_groups for p in g["params"])}
+        state = {}
+        for param, saved_index in zip(params, order):
+            if id(param) in local_index and saved_index in state_dict["state"]:
+                state[local_index[id(param)]] = state_dict["state"][saved_index]
+        local_groups = [{**{k: v for k, v in g.items() if k != "params"},
+                         "params": list(range(start, start + len(local["params"])))}
+                        for g, local, start in zip(self.param_groups, self.optim.param_groups,
+                                                   np.cumsum([0] + [len(x["params"]) for x in self.optim.param_groups]))]
+        self.optim.load_state_dict({"state": state, "param_groups": local_groups})
+        self._consolidated = None
+
+
+def broadcast_state(comm, entries, root: int) -> dict:
+    """`root`'s optimizer state entries ({parameter index: {name: tensor or number}}) on every
+    rank: the layout and the numbers as JSON, then each tensor."""
+    if comm.rank == root:
+        layout = {str(k): {name: ([list(v.shape), str(v.dtype).replace("torch.", "")] if isinstance(v, torch.Tensor)
+                                  else ["value", v]) for name, v in values.items()}
+                  for k, values in entries.items()}
+        payload = np.frombuffer(json.dumps(layout).encode(), dtype=np.uint8).copy()
+        length = np.array([payload.size], dtype=np.int64)
+    else:
+        length = np.zeros(1, dtype=np.int64)
+    comm.broadcast(length, root=root)
+    if comm.rank != root:
+        payload = np.empty(int(length[0]), dtype=np.uint8)
+    comm.broadcast(payload, root=root)
+    layout = json.loads(payload.tobytes().decode())
+    result = {}
+    for key, values in layout.items():
+        entry = {}
+        for name, (shape, detail) in values.items():
+            if shape == "value":
+                entry[name] = detail
+                continue
+            tensor = entries[int(key)][name].detach().clone().contiguous() if comm.rank == root \
+                else torch.empty(shape, dtype=getattr(torch, detail))
+            comm.broadcast(tensor.reshape(-1) if tensor.dim() else tensor.reshape(1), root=root)
+            entry[name] = tensor
+        result[int(key)] = entry
+    return result

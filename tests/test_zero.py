@@ -1,0 +1,134 @@
+"""md.ZeroRedundancyOptimizer with DataParallel equals one process training on the union of the
+ranks' batches with the plain optimizer (float64), holds only its share of the state, and its
+consolidated state dict is the plain optimizer's."""
+import copy
+
+import pytest
+import torch
+
+import mpidist as md
+
+STEPS = 4
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8), torch.nn.Tanh(),
+                               torch.nn.Linear(8, 3)).double()
+
+
+def batch(step, rank):
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(5, 6, generator=generator, dtype=torch.float64), torch.randint(0, 3, (5,), generator=generator)
+
+
+def param_groups(model):
+    """Two groups with their own learning rates: the first two layers, and the last."""
+    params = list(model.parameters())
+    return [{"params": params[:4]}, {"params": params[4:], "lr": 0.02}]
+
+
+def make_scheduler(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
+
+def train(model, optimizer, scheduler, ranks, steps, wrapped=None, rank=None):
+    """`steps` steps; with `wrapped` (a DataParallel) on this rank's batch, otherwise on the
+    union of every rank's batches in one process."""
+    for step in range(steps):
+        if wrapped is None:
+            parts = [batch(step, r) for r in range(ranks)]
+            x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            output = model(x)
+        else:
+            x, y = batch(step, rank)
+            output = wrapped(x)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(output, y).backward()
+        optimizer.step()
+        scheduler.step()
+
+
+def check_zero_matches_the_plain_optimizer(mpi_ranks, mpi_world):
+    model = make_model()
+    wrapped = md.DataParallel(model)
+    optimizer = md.ZeroRedundancyOptimizer(param_groups(model), torch.optim.Adam, lr=0.01, betas=(0.8, 0.99))
+    scheduler = make_scheduler(optimizer)
+    train(model, optimizer, scheduler, mpi_ranks, STEPS, wrapped, mpi_world.rank)
+
+    reference = make_model()
+    plain = torch.optim.Adam(param_groups(reference), lr=0.01, betas=(0.8, 0.99))
+    plain_scheduler = make_scheduler(plain)
+    train(reference, plain, plain_scheduler, mpi_ranks, STEPS)
+    for mine, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine.detach(), expected.detach(), rtol=1e-10, atol=1e-12)
+
+    # Each parameter's state is on exactly one rank, and only there.
+    index = {id(p): k for k, p in enumerate(model.parameters())}
+    owned = sorted(index[id(p)] for group in optimizer.optim.param_groups for p in group["params"])
+    held = sorted(index[id(p)] for p in optimizer.optim.state)
+    assert owned == held == sorted(index[id(p)] for p in optimizer.owned_by(mpi_world.rank))
+    everyone = mpi_world.mpi.allgather(owned)
+    assert sorted(k for share in everyone for k in share) == list(range(len(index)))
+    if mpi_ranks > 1:  # the largest weights land on different ranks
+        assert all(share for share in everyone)
+
+    # The consolidated state dict is the plain optimizer's.
+    optimizer.consolidate_state_dict(to=mpi_ranks - 1)
+    if mpi_world.rank == mpi_ranks - 1:
+        consolidated, expected = optimizer.state_dict(), plain.state_dict()
+        assert consolidated["param_groups"] == expected["param_groups"]
+        assert sorted(consolidated["state"]) == sorted(expected["state"])
+        for k, entries in expected["state"].items():
+            for name, value in entries.items():
+                torch.testing.assert_close(consolidated["state"][k][name], value, rtol=1e-10, atol=1e-12)
+    else:
+        with pytest.raises(md.MpidistError, match="call consolidate_state_dict"):
+            optimizer.state_dict()
+
+    # Loading the plain optimizer's state (on every rank) and training on: still the same.
+    resumed_model = make_model()
+    with torch.no_grad():
+        for mine, value in zip(resumed_model.parameters(), reference.parameters()):
+            mine.copy_(value)
+    resumed_wrapped = md.DataParallel(resumed_model)
+    resumed = md.ZeroRedundancyOptimizer(param_groups(resumed_model), torch.optim.Adam, lr=0.01, betas=(0.8, 0.99))
+    resumed_scheduler = make_scheduler(resumed)
+    resumed.load_state_dict(copy.deepcopy(plain.state_dict()))  # as from a file: no tensors shared with `plain`
+    resumed_scheduler.load_state_dict(plain_scheduler.state_dict())
+    for step in range(STEPS, STEPS + 2):
+        x, y = batch(step, mpi_world.rank)
+        resumed.zero_grad()
+        torch.nn.functional.cross_entropy(resumed_wrapped(x), y).backward()
+        resumed.step()
+        resumed_scheduler.step()
+    train_reference_continued(reference, plain, plain_scheduler, mpi_ranks)
+    for mine, expected in zip(resumed_model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine.detach(), expected.detach(), rtol=1e-10, atol=1e-12)
+    del wrapped, resumed_wrapped
+
+
+def train_reference_continued(reference, plain, scheduler, ranks):
+    for step in range(STEPS, STEPS + 2):
+        parts = [batch(step, r) for r in range(ranks)]
+        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        plain.zero_grad()
+        torch.nn.functional.cross_entropy(reference(x), y).backward()
+        plain.step()
+        scheduler.step()
+
+
+def check_refusals():
+    model = make_model()
+    with pytest.raises(md.NotOfferedError, match="overlap_with_ddp"):
+        md.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, overlap_with_ddp=True)
+    with pytest.raises(md.InvalidArgumentError, match="optimizer_class must be a torch.optim.Optimizer subclass"):
+        md.ZeroRedundancyOptimizer(model.parameters(), "SGD", lr=0.1)
+    with pytest.raises(md.InvalidArgumentError, match="process_group= is torch.distributed's"):
+        md.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=object(), lr=0.1)
+
+
+@pytest.mark.mpi(ranks=[1, 2, 3])
+def test_zero_redundancy_optimizer(mpi_ranks, mpi_world):
+    check_zero_matches_the_plain_optimizer(mpi_ranks, mpi_world)
+    check_refusals()
