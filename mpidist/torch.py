@@ -283,7 +283,7 @@ def _traced(activity):
                 result = function(*args, **kwargs)
             finally:
                 _tracing.inside = False
-            if isinstance(result, _Handle):
+            if isinstance(result, _Handle) and not isinstance(result.handle, _DoneHandle):
                 result.trace = (str(name), activity, start)
             elif _timeline is not None:
                 _timeline.span(str(name), activity, start, time.perf_counter())
@@ -850,6 +850,12 @@ class _GroupHandle:
     def wait(self):
         for handle in self.handles:
             handle.wait()
+
+    @property
+    def finished(self):
+        """When the last of them completed (perf_counter), once all have."""
+        times = [handle.finished for handle in self.handles]
+        return max(times) if times and None not in times else None
 
 
 @_traced("ALLREDUCE")

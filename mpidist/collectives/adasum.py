@@ -34,7 +34,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import buffers
-from ..errors import InvalidArgumentError, UnsupportedDtypeError
+from ..errors import InvalidArgumentError, MpidistError, UnsupportedDtypeError
 from .api import (TAGS, check_same_call, in_order, share_refusal, signature, staged, wait_with_deadline)
 
 ADASUM_DTYPES = ("float16", "float32", "float64")
@@ -47,7 +47,7 @@ def adasum_allreduce(comm, array, sizes=None):
     element counts of the tensors laid end to end in it (default: one tensor)."""
     try:
         info, sizes = check_adasum(comm, array, sizes)
-    except (InvalidArgumentError, UnsupportedDtypeError):
+    except MpidistError:
         in_order(comm, share_refusal)
         raise
     return in_order(comm, lambda channel: _run(channel, array, info, sizes))
