@@ -126,6 +126,11 @@ def check_refusals():
         md.ZeroRedundancyOptimizer(model.parameters(), "SGD", lr=0.1)
     with pytest.raises(md.InvalidArgumentError, match="process_group= is torch.distributed's"):
         md.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=object(), lr=0.1)
+    optimizer = md.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(md.InvalidArgumentError, match=r"consolidate_state_dict\(to=5\): not a rank"):
+        optimizer.consolidate_state_dict(to=5)
+    with pytest.raises(md.NotOfferedError, match="add_param_group after construction"):
+        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
 
 
 @pytest.mark.mpi(ranks=[1, 2, 3])

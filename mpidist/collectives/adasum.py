@@ -22,8 +22,8 @@ rounded to the dtype once per level. Last, the pieces travel back the same pairs
 recursive doubling): each element is computed by one rank only, so every rank ends with the
 same bits.
 
-Bytes sent per rank: about 2n (n/2 + n/4 + ... on the way down and again on the way up), plus
-24 bytes per tensor per level for the sums; 2 log2(p) exchanges with a partner and
+Bytes sent per rank: 2(p-1)/p n (n/2 + n/4 + ... on the way down and again on the way up), plus
+24 bytes per tensor per step of the sums; 2 log2(p) exchanges with a partner and
 log2(p)(log2(p)+1)/2 small exchanges for the sums.
 """
 from __future__ import annotations

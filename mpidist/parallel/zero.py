@@ -97,10 +97,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     for param, part in zip(members, flat.split([p.numel() for p in members])):
                         param.copy_(part.view_as(param))
 
-    def zero_grad(self, set_to_none: bool = True):
-        # Every parameter's gradient, not only the owned ones: backward fills them all.
-        super().zero_grad(set_to_none=set_to_none)
-
     def add_param_group(self, param_group):
         if getattr(self, "optim", None) is not None:
             raise NotOfferedError("add_param_group after construction is not offered: pass every group "
@@ -113,6 +109,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """Gather every rank's share of the optimizer state on rank `to` (collective), so that
         state_dict() there returns the state of a plain optimizer over all the parameters. The
         state travels as tensors and JSON, never pickled."""
+        if not (isinstance(to, int) and 0 <= to < self.comm.size):
+            raise InvalidArgumentError(f"consolidate_state_dict(to={to!r}): not a rank of this communicator "
+                                       f"(size {self.comm.size})")
         index = {id(p): k for k, p in enumerate(self._all_params())}
         local = self.optim.state_dict()
         local_ids = [id(p) for group in self.optim.param_groups for p in group["params"]]
