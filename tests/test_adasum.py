@@ -168,7 +168,7 @@ def check_adasum_refusals(mpi_world):
             md.adasum_allreduce(shorter)
 
 
-@pytest.mark.mpi(ranks=[1, 2, 4])
+@pytest.mark.mpi(ranks=[2, 4])  # one rank: Adasum of one vector is that vector
 def test_adasum(mpi_ranks, mpi_world):
     check_adasum_matches_the_reference(mpi_ranks, mpi_world)
     check_adasum_identities(mpi_ranks, mpi_world)
