@@ -515,6 +515,53 @@ def check_sparse_gradients_are_averaged_as_dense(mpi_ranks, mpi_world):
         del wrapped, optimizer
 
 
+def check_ddp_comm_hooks(mpi_ranks, mpi_world):
+    """DDP's built-in hooks: the default average, and fp16/bf16 compression that divides before
+    sending (so gradients whose sum would overflow float16 still average correctly)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    x, y = batch(0, mpi_world.rank)
+    average = [md.allreduce(g, op="avg") for g in local_gradients(x, y)]
+    for hook, wire, tolerance in ((default_hooks.allreduce_hook, None, 0.0),
+                                  (default_hooks.fp16_compress_hook, torch.float16, 2e-3),
+                                  (default_hooks.bf16_compress_hook, torch.bfloat16, 1e-2)):
+        model = make_model()
+        ddp = md.DataParallel(model)
+        ddp.register_comm_hook(None, hook)
+        assert [b.wire_dtype for b in ddp.buckets.buckets] == [wire] * len(ddp.buckets.buckets)
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        for param, expected in zip(model.parameters(), average):
+            torch.testing.assert_close(param.grad, expected, rtol=tolerance, atol=tolerance * expected.abs().max())
+        del ddp
+    # 40000 on every rank: a float16 sum would overflow (65504), the average does not.
+    large = torch.nn.Linear(4, 1, bias=False)
+    ddp = md.DataParallel(large)
+    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    ddp(torch.full((1, 4), 40000.0)).sum().backward()
+    assert large.weight.grad.tolist() == [[40000.0] * 4]
+    del ddp
+
+
+def check_ddp_comm_hook_refusals():
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    ddp = md.DataParallel(make_model())
+    with pytest.raises(md.NotOfferedError, match="register_comm_hook.*mpidist runs DDP's allreduce_hook"):
+        ddp.register_comm_hook(None, lambda state, bucket: None)
+    with pytest.raises(md.InvalidArgumentError, match="state is a torch.distributed process group"):
+        ddp.register_comm_hook(object(), default_hooks.fp16_compress_hook)
+    ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    with pytest.raises(md.MpidistError, match="can only be called once"):
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    trained = md.DataParallel(make_model())
+    x, y = batch(0, 0)
+    torch.nn.functional.cross_entropy(trained(x), y).backward()
+    with pytest.raises(md.MpidistError, match="before the first backward"):
+        trained.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    compressed = md.DataParallel(make_model(), compression="bf16")
+    with pytest.raises(md.InvalidArgumentError, match="compression='bf16': choose one"):
+        compressed.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    del ddp, trained, compressed
+
+
 def check_distributed_optimizer_refuses_bad_groups(monkeypatch):
     import mpidist.torch as hvd
     model = make_model()
@@ -674,6 +721,8 @@ def test_data_parallel_and_parameter_averaging(mpi_ranks, mpi_world, monkeypatch
     with monkeypatch.context() as patch:
         check_distributed_optimizer_groups(mpi_ranks, mpi_world, patch)
     check_sparse_gradients_are_averaged_as_dense(mpi_ranks, mpi_world)
+    check_ddp_comm_hooks(mpi_ranks, mpi_world)
+    check_ddp_comm_hook_refusals()
     check_gradient_as_bucket_view_must_agree_on_one_node(mpi_world)
     if mpi_ranks == 2:
         check_construction_refuses_bad_arguments()

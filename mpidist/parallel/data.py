@@ -14,7 +14,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import kernels
 from ..comm import init
-from ..errors import InvalidArgumentError, MpidistError
+from ..errors import InvalidArgumentError, MpidistError, NotOfferedError
 from ..memory import keep_freed_memory
 from .sync_batchnorm import SyncBatchNorm
 
@@ -540,9 +540,44 @@ class DataParallel(torch.nn.Module):
         params = trainable_parameters(module)
         check_not_synchronized(params, "DataParallel")
         broadcast_module_state(module, self.comm)
+        self._bucket_settings = dict(params=params, bucket_mb=bucket_mb, compression=compression, algorithm=algorithm,
+                                     gradient_as_bucket_view=gradient_as_bucket_view)
+        self._comm_hook = None
         self.buckets = GradientBuckets(params, self.comm, bucket_mb, compression, algorithm,
                                        gradient_as_bucket_view=gradient_as_bucket_view)
         register_gradient_hooks(self, "_gradient_ready", params, "DataParallel")
+
+    def register_comm_hook(self, state, hook) -> None:
+        """DDP's register_comm_hook for its built-in hooks, which the buckets do themselves:
+        allreduce_hook (the default average), fp16_compress_hook and bf16_compress_hook (each
+        rank divides its gradients by the rank count, sends them in float16 / bfloat16 and the
+        sum comes back in the gradients' dtype, as torch's hooks do). Other hooks take torch's
+        GradBucket and futures of a torch.distributed process group: refused. As in DDP, call it
+        once, on every rank (it is collective), before the first backward."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        wire = {default_hooks.allreduce_hook: None, default_hooks.fp16_compress_hook: "fp16",
+                default_hooks.bf16_compress_hook: "bf16"}
+        name = getattr(hook, "__qualname__", repr(hook))
+        if hook not in wire:
+            raise NotOfferedError(f"register_comm_hook({name}): mpidist runs DDP's allreduce_hook, fp16_compress_hook "
+                                  "and bf16_compress_hook; other hooks need torch.distributed's GradBucket futures")
+        if state is not None:
+            raise InvalidArgumentError("register_comm_hook: state is a torch.distributed process group; pass None "
+                                       "(the hook runs on this DataParallel's comm)")
+        if self._comm_hook is not None:
+            raise MpidistError(f"register_comm_hook can only be called once (already {self._comm_hook})")
+        if self.buckets.exchanges_with_gradients or self.buckets.active:
+            raise MpidistError("register_comm_hook must be called before the first backward pass, as in DDP")
+        settings = self._bucket_settings
+        if settings["compression"] is not None:
+            raise InvalidArgumentError(f"register_comm_hook({name}) with compression={settings['compression']!r}: "
+                                       "choose one")
+        self._comm_hook = name
+        if wire[hook] is not None:  # the default average needs no new buckets
+            self.buckets = None  # the old buckets' shared memory can be given back first
+            self.buckets = GradientBuckets(settings["params"], self.comm, settings["bucket_mb"], wire[hook],
+                                           settings["algorithm"], predivide=self.comm.size,
+                                           gradient_as_bucket_view=settings["gradient_as_bucket_view"])
 
     def forward(self, *args, **kwargs):
         if self.training and self._sync_enabled:
