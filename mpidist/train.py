@@ -74,6 +74,8 @@ def add_train_command(subparsers) -> None:
                         help="per rank (--mode pipeline: per batch, which every stage sees)")
     parser.add_argument("--lr", type=positive_float, default=0.05)
     parser.add_argument("--compression", choices=["none", "fp16", "bf16"], default="none")
+    parser.add_argument("--zero", action="store_true",
+                        help="--mode data: shard the optimizer state over the ranks (md.ZeroRedundancyOptimizer)")
     parser.add_argument("--algorithm", default="auto")
     parser.add_argument("--checkpoint-dir", default="checkpoints")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
@@ -114,7 +116,8 @@ def evaluate(model, dataset) -> float:
 
 # The options of one mode only (argparse attribute names); given in another mode they are refused.
 MODE_OPTIONS = {"ps": ("ps_mode", "softsync", "max_staleness", "staleness_lr"),
-                "pipeline": ("chunks", "schedule", "replicas")}
+                "pipeline": ("chunks", "schedule", "replicas"),
+                "data": ("zero",)}
 
 
 def check_mode_options(args) -> None:
@@ -150,7 +153,10 @@ def cmd_train(args) -> int:
     model = build_model()
     compression = None if args.compression == "none" else args.compression
     ddp = md.DataParallel(model, comm=comm, compression=compression, algorithm=args.algorithm)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
+    if args.zero:  # each rank keeps the momentum of its share of the parameters
+        optimizer = md.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, comm=comm, lr=args.lr, momentum=0.9)
+    else:
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     step, start_epoch = 0, 0
     if args.resume:
         # Rank 0 chooses the file for everyone, and a failure to load it on any rank stops all.
@@ -188,6 +194,8 @@ def cmd_train(args) -> int:
         say(f"epoch {epoch + 1}/{args.epochs}: loss {totals[0] / max(totals[2], 1):.4f}, train accuracy "
             f"{totals[1] / max(totals[2], 1):.4f} ({int(totals[2])} samples on {comm.size} ranks, "
             f"{totals[2] / elapsed:.0f} samples/s)", flush=True)
+        if args.zero:  # rank 0 writes the whole state, as a plain SGD's: either kind resumes from it
+            optimizer.consolidate_state_dict(to=0)
         save_checkpoint(checkpoint_path(args.checkpoint_dir, epoch + 1, step), model, optimizer,
                         step=step, epoch=epoch + 1, sampler=sampler, comm=comm)
     accuracy = evaluate(model, test_set)

@@ -40,6 +40,19 @@ def test_resume_continues_the_newest_run_and_says_what_it_does(tmp_path):
     assert "epoch 2/2: loss" in resumed and "(1500 samples on 2 ranks" in resumed
 
 
+def test_zero_trains_as_plain_sgd_does_and_resumes(tmp_path):
+    """--zero shards SGD's momentum over the ranks: the same epoch lines and test accuracy as
+    plain SGD, and its checkpoints (a plain SGD's state, consolidated on rank 0) resume it."""
+    def lines(output):
+        return re.findall(r"epoch \d+/2: loss .*? \(1500 samples|final test accuracy: \S+", output)
+
+    plain = train(tmp_path, "--epochs", "2", "--checkpoint-dir", str(tmp_path / "plain"))
+    train(tmp_path, "--epochs", "1", "--zero")
+    resumed = train(tmp_path, "--epochs", "2", "--zero", "--resume")
+    assert "resumed from" in resumed
+    assert lines(resumed) == lines(plain)[1:] and len(lines(plain)) == 3, (plain, resumed)
+
+
 def test_parameter_server_mode_trains_to_90_percent_and_resumes(tmp_path):
     output = train(tmp_path, "--mode", "ps", "--max-staleness", "2", "--staleness-lr", "--epochs", "10", ranks=3)
     assert re.search(r"parameter server \(async, 2 workers\): \d+ updates of \d+ gradients", output), output
@@ -136,6 +149,7 @@ def test_bad_options_are_refused_on_every_rank(tmp_path):
                                 (["--chunks", "2"], "go with --mode pipeline"),
                                 (["--mode", "ps", "--schedule", "gpipe"], "go with --mode pipeline"),
                                 (["--replicas", "2"], "go with --mode pipeline"),
+                                (["--mode", "ps", "--zero"], "--zero: these options go with --mode data"),
                                 (["--mode", "ps", "--compression", "bf16"], "--compression applies to --mode data")):
         with pytest.raises(InvalidArgumentError, match=message):
             check_mode_options(build_parser().parse_args(["train", *wrong_mode]))
