@@ -6,6 +6,7 @@ user's own sends and receives on the same communicator.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import sys
 import threading
@@ -268,6 +269,29 @@ class Communicator:
 
     def __exit__(self, *exc_info):
         self.free()
+
+
+def broadcast_json(comm, obj, root: int = 0, what: str = "broadcast_json"):
+    """`root`'s JSON-serializable `obj` on every rank of `comm` (a Communicator): its length,
+    then its UTF-8 text. Never pickled, so values come back as JSON gives them (dict keys
+    become strings, tuples lists). An object JSON cannot encode raises InvalidArgumentError on
+    every rank (the root sends a length of -1 first)."""
+    length, data, error = np.zeros(1, dtype=np.int64), None, None
+    if comm.rank == root:
+        try:
+            data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8).copy()
+            length[0] = data.size
+        except TypeError as exc:
+            error, length[0] = exc, -1
+    comm.broadcast(length, root=root)
+    if length[0] < 0:
+        detail = f": {error}" if error else ""
+        raise InvalidArgumentError(f"{what} sends JSON only (no pickle); rank {root} passed an object JSON cannot "
+                                   f"encode{detail}") from error
+    if comm.rank != root:
+        data = np.empty(int(length[0]), dtype=np.uint8)
+    comm.broadcast(data, root=root)
+    return json.loads(data.tobytes().decode())
 
 
 def api():

@@ -1051,22 +1051,7 @@ def broadcast_optimizer_state(optimizer, root_rank=0):
 def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     """Broadcast a JSON-serializable object (mpidist never unpickles received data, so values
     come back as JSON gives them: dict keys become strings, tuples lists)."""
-    world = _comm_of(process_set)
-    root_rank = _root_in(process_set, root_rank)
-    if world.rank == root_rank:
-        try:
-            payload = json.dumps(obj).encode()
-        except TypeError as exc:
-            raise InvalidArgumentError(f"broadcast_object sends JSON only (no pickle): {exc}") from exc
-        data = np.frombuffer(payload, dtype=np.uint8).copy()
-        length = np.array([len(data)], dtype=np.int64)
-    else:
-        length = np.zeros(1, dtype=np.int64)
-    world.broadcast(length, root=root_rank)
-    if world.rank != root_rank:
-        data = np.empty(int(length[0]), dtype=np.uint8)
-    world.broadcast(data, root=root_rank)
-    return json.loads(data.tobytes().decode())
+    return _comm.broadcast_json(_comm_of(process_set), obj, _root_in(process_set, root_rank), "broadcast_object")
 
 
 @_traced("ALLGATHER")

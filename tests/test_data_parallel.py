@@ -428,6 +428,15 @@ def check_dropped_distributed_optimizer_stops_exchanging(mpi_world):
         torch.testing.assert_close(mine.grad, own)
 
 
+def train_with_optimizer(model, optimizer, rank):
+    """STEPS steps of `optimizer` (a DistributedOptimizer) on this rank's batches."""
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+
 def check_distributed_optimizer_groups(mpi_ranks, mpi_world, monkeypatch):
     """Horovod's groups: each group is one bucket of its own, ordered by when backward completes
     it, on the shared slots and on the engine; training is unchanged."""
@@ -456,11 +465,7 @@ def check_distributed_optimizer_groups(mpi_ranks, mpi_world, monkeypatch):
                 index = {id(p): k for k, p in enumerate(params)}
                 assert [[index[id(p)] for p in b.params] for b in optimizer._buckets.buckets] == layout
                 assert (optimizer._buckets.slots is not None) == (ranks_per_node is None)
-                for step in range(STEPS):
-                    x, y = batch(step, mpi_world.rank)
-                    optimizer.zero_grad()
-                    torch.nn.functional.cross_entropy(model(x), y).backward()
-                    optimizer.step()
+                train_with_optimizer(model, optimizer, mpi_world.rank)
                 assert_close_to_reference(params, reference_parameters(mpi_ranks))
                 del optimizer
             hvd.remove_process_set(process_set)
@@ -474,11 +479,7 @@ def check_distributed_optimizer_groups(mpi_ranks, mpi_world, monkeypatch):
             optimizer = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9))
             index = {id(p): k for k, p in enumerate(params)}
             assert [[index[id(p)] for p in b.params] for b in optimizer._buckets.buckets] == layout
-            for step in range(STEPS):
-                x, y = batch(step, mpi_world.rank)
-                optimizer.zero_grad()
-                torch.nn.functional.cross_entropy(model(x), y).backward()
-                optimizer.step()
+            train_with_optimizer(model, optimizer, mpi_world.rank)
             assert_close_to_reference(params, reference_parameters(mpi_ranks))
             del optimizer
 

@@ -366,6 +366,8 @@ def check_barrier_objects_and_process_sets():
     everyone = hvd.global_process_set
     assert hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=everyone).tolist() == [size, size]
     assert hvd.broadcast_object(rank, root_rank=0, process_set=everyone) == 0
+    with pytest.raises(md.InvalidArgumentError, match="broadcast_object sends JSON only.*rank 1 passed an object"):
+        hvd.broadcast_object({1, 2} if rank == 1 else None, root_rank=1)  # every rank raises, none hangs
     assert (everyone.size(), everyone.rank(), everyone.included()) == (size, rank, True)
     with pytest.raises(md.InvalidArgumentError, match="process_set= takes an hvd.ProcessSet, got object"):
         hvd.allreduce(torch.ones(2), process_set=object())

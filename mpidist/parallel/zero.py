@@ -10,13 +10,11 @@ broadcasts its updated parameters to the others.
 """
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError, MpidistError, NotOfferedError
-from ..comm import init
+from ..comm import broadcast_json, init
 from .data import broadcast_in_place
 
 
@@ -163,19 +161,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 def broadcast_state(comm, entries, root: int) -> dict:
     """`root`'s optimizer state entries ({parameter index: {name: tensor or number}}) on every
     rank: the layout and the numbers as JSON, then each tensor."""
+    layout = None
     if comm.rank == root:
         layout = {str(k): {name: ([list(v.shape), str(v.dtype).replace("torch.", "")] if isinstance(v, torch.Tensor)
                                   else ["value", v]) for name, v in values.items()}
                   for k, values in entries.items()}
-        payload = np.frombuffer(json.dumps(layout).encode(), dtype=np.uint8).copy()
-        length = np.array([payload.size], dtype=np.int64)
-    else:
-        length = np.zeros(1, dtype=np.int64)
-    comm.broadcast(length, root=root)
-    if comm.rank != root:
-        payload = np.empty(int(length[0]), dtype=np.uint8)
-    comm.broadcast(payload, root=root)
-    layout = json.loads(payload.tobytes().decode())
+    layout = broadcast_json(comm, layout, root, "consolidate_state_dict")
     result = {}
     for key, values in layout.items():
         entry = {}
