@@ -183,3 +183,12 @@ def test_adasum_needs_a_power_of_two_ranks_on_every_rank(mpi_world):
         md.adasum_allreduce(np.ones(5))
     with pytest.raises(md.InvalidArgumentError, match="power-of-two number of ranks"):
         hvd.DistributedOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1), op=hvd.Adasum)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+@pytest.mark.mpi(ranks=[2])
+def test_adasum_of_cuda_tensors_matches_the_reference(mpi_ranks, mpi_world):
+    mine = torch.from_numpy(rank_vector(mpi_world.rank, 1001, 3, "float32")).cuda()
+    md.adasum_allreduce(mine, sizes=[500, 501])
+    expected = adasum_reference([rank_vector(r, 1001, 3, "float32") for r in range(mpi_ranks)], [500, 501], "float32")
+    np.testing.assert_allclose(mine.cpu().double().numpy(), expected, rtol=1e-6, atol=1e-6)
