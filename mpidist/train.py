@@ -21,6 +21,9 @@ newest epoch every rank has) and writes it to pipeline-final-rank<r>.h5 at the e
 from __future__ import annotations
 
 import argparse
+import collections
+import concurrent.futures
+import copy
 import math
 import os
 import time
@@ -203,6 +206,45 @@ def cmd_train(args) -> int:
     return 0
 
 
+class BackgroundCheckpoints:
+    """Checkpoints written by a thread of their own from copies of the weights and the optimizer
+    state, so that the parameter server goes on answering its workers while a file is written.
+    One write at a time, in order; a failed write raises at the next save() or at close()."""
+
+    def __init__(self):
+        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpidist-checkpoint")
+        self._pending = None
+
+    def save(self, path, model, optimizer, **fields) -> None:
+        weights = model.state_dict()
+        copied = collections.OrderedDict((name, value.detach().clone()) for name, value in weights.items())
+        copied._metadata = getattr(weights, "_metadata", None)
+        snapshot = (_Snapshot(copied), _Snapshot(copy.deepcopy(optimizer.state_dict())))
+        self._finish_pending()
+        self._pending = self._writer.submit(save_checkpoint, path, *snapshot, **fields)
+
+    def close(self) -> None:
+        try:
+            self._finish_pending()
+        finally:
+            self._writer.shutdown()
+
+    def _finish_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()  # the earlier write's error, if any, is this rank's now
+
+
+class _Snapshot:
+    """Something with the state_dict() save_checkpoint asks for: a copy taken earlier."""
+
+    def __init__(self, state):
+        self._state = state
+
+    def state_dict(self):
+        return self._state
+
+
 def train_with_parameter_server(args, comm, train_set, test_set, say) -> int:
     """--mode ps: rank 0 applies the workers' gradients; each worker trains on its share of the
     data, at its own pace (no collective among workers while they train). The server
@@ -237,16 +279,20 @@ def train_with_parameter_server(args, comm, train_set, test_set, say) -> int:
     started = time.perf_counter()
     if ps.is_server:
         os.makedirs(directory, exist_ok=True)
+        checkpoints = BackgroundCheckpoints()
 
         def checkpoint(update):
             for worker, _step, _version in update.gradients:
                 applied[worker] += 1
             if update.version % len(loader) == 0:
                 extra = {"version": update.version, "applied": {str(w): n for w, n in applied.items()}}
-                save_checkpoint(checkpoint_path(directory, update.version // len(loader), update.version), model,
-                                optimizer, step=update.version, epoch=update.version // len(loader), extra=extra)
+                checkpoints.save(checkpoint_path(directory, update.version // len(loader), update.version), model,
+                                 optimizer, step=update.version, epoch=update.version // len(loader), extra=extra)
 
-        updates = ps.serve(on_update=checkpoint)
+        try:
+            updates = ps.serve(on_update=checkpoint)
+        finally:
+            checkpoints.close()
         gradients = sum(len(u.gradients) for u in updates)
         staleness = [u.version - 1 - held for u in updates for _, _, held in u.gradients] or [0]
         say(f"parameter server ({mode}, {len(ps.workers)} workers): {len(updates)} updates of "

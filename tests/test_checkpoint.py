@@ -353,3 +353,29 @@ def test_a_collective_save_called_by_one_rank_fails_instead_of_hanging(tmp_path)
     assert result.returncode == 3, result.stdout + result.stderr
     assert "every rank must call it when comm is given" in result.stdout
     assert not (tmp_path / "c.h5").exists()
+
+
+def test_background_checkpoints_write_the_state_of_the_moment_they_were_asked(tmp_path):
+    from mpidist.train import BackgroundCheckpoints
+    model = nn.Linear(300, 200)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 300)).sum().backward()
+    optimizer.step()
+    expected_weights = {k: v.clone() for k, v in model.state_dict().items()}
+    expected_momentum = optimizer.state_dict()["state"][0]["momentum_buffer"].clone()
+    writer = BackgroundCheckpoints()
+    writer.save(tmp_path / "a.h5", model, optimizer, step=3, epoch=1, extra={"version": 3})
+    with torch.no_grad():  # changed while the file is being written
+        model.weight.add_(1.0)
+        optimizer.state_dict()["state"][0]["momentum_buffer"].add_(1.0)
+    (tmp_path / "file").write_text("")
+    writer.save(tmp_path / "file" / "b.h5", model, optimizer, step=4)  # fails in the background
+    with pytest.raises(OSError, match="file"):  # the write's own error, raised here
+        writer.close()
+    loaded = nn.Linear(300, 200)
+    loaded_optimizer = torch.optim.SGD(loaded.parameters(), lr=0.1, momentum=0.9)
+    state = load_checkpoint(tmp_path / "a.h5", loaded, loaded_optimizer, restore_rng=False)
+    assert state == {"step": 3, "epoch": 1, "extra": {"version": 3}}
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, expected_weights[name])
+    assert torch.equal(loaded_optimizer.state_dict()["state"][0]["momentum_buffer"], expected_momentum)
