@@ -4,17 +4,16 @@ Models", SC 2020).
 
 Every rank holds all parameters, but each parameter's optimizer state (momentum, Adam's moments)
 lives on one rank only, its owner: the optimizer's memory and the time of its step are divided
-by the number of ranks. The gradients must already be the same on every rank (DataParallel, or
+among the ranks (by whole parameters, so as evenly as the parameters' sizes allow). The gradients must already be the same on every rank (DataParallel, or
 DistributedOptimizer's exchange): each rank steps the parameters it owns, then every owner
 broadcasts its updated parameters to the others.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from ..errors import InvalidArgumentError, MpidistError, NotOfferedError
 from ..comm import broadcast_json, init
+from ..errors import InvalidArgumentError, MpidistError, NotOfferedError
 from .data import broadcast_in_place
 
 
@@ -150,10 +149,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         for param, saved_index in zip(params, order):
             if id(param) in local_index and saved_index in state_dict["state"]:
                 state[local_index[id(param)]] = state_dict["state"][saved_index]
-        local_groups = [{**{k: v for k, v in g.items() if k != "params"},
-                         "params": list(range(start, start + len(local["params"])))}
-                        for g, local, start in zip(self.param_groups, self.optim.param_groups,
-                                                   np.cumsum([0] + [len(x["params"]) for x in self.optim.param_groups]))]
+        local_groups, start = [], 0
+        for group, local in zip(self.param_groups, self.optim.param_groups):
+            count = len(local["params"])
+            local_groups.append({**{k: v for k, v in group.items() if k != "params"},
+                                 "params": list(range(start, start + count))})
+            start += count
         self.optim.load_state_dict({"state": state, "param_groups": local_groups})
         self._consolidated = None
 
