@@ -25,7 +25,7 @@ import torch
 from . import comm as _comm
 from .errors import InvalidArgumentError, MismatchError, MpidistError, NotOfferedError, UnsupportedDtypeError
 from .parallel.data import (COMPRESSION_DTYPES, GradientBuckets, broadcast_in_place, check_not_synchronized,
-                            last_joiner, register_gradient_hooks, trainable_parameters)
+                            last_joiner, register_gradient_hooks, tensors_by_kind, trainable_parameters)
 from .parallel.sync_batchnorm import SyncBatchNorm  # noqa: F401  (hvd.SyncBatchNorm)
 from .timeline import Timeline
 
@@ -759,14 +759,6 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=None, prescal
 # the order the kinds first appear, the same on every rank); allgather and reducescatter run per
 # tensor. Results, differentiability and handles are Horovod's.
 
-def _kinds(tensors):
-    """The tensors grouped by (dtype, device), in order of first appearance."""
-    kinds = {}
-    for tensor in tensors:
-        kinds.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    return list(kinds.values())
-
-
 def _pack(members):
     return torch.cat([member.reshape(-1) for member in members])
 
@@ -791,7 +783,7 @@ def _check_group_allreduce(tensors, op, prescale_factor, postscale_factor):
 
 def _grouped_allreduce_into(tensors, op, compression, prescale_factor, postscale_factor, comm):
     _check_group_allreduce(tensors, op, prescale_factor, postscale_factor)
-    for members in _kinds(tensors):
+    for members in tensors_by_kind(tensors):
         flat = _pack(members)
         _allreduce_into(flat, op, compression, prescale_factor, postscale_factor, comm)
         _unpack(flat, members)
@@ -866,7 +858,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     op = _op(op, average, "grouped_allreduce")
     _check_group_allreduce(tensors, op, prescale_factor, postscale_factor)
     handles, packed = [], []
-    for members in _kinds(tensors):
+    for members in tensors_by_kind(tensors):
         flat = _pack(members)
         _scaled(flat, prescale_factor)
         handles.append(comm.allreduce_async(flat, op=op))
@@ -1186,7 +1178,7 @@ class _DistributedAdasumOptimizer:
 
     def step(self, closure=None):
         params = self._adasum_params
-        start = [p.detach().clone() for p in params]
+        start = {id(p): p.detach().clone() for p in params}
         result = super().step(closure)
         if self._adasum_comm.size == 1:
             return result
@@ -1198,14 +1190,14 @@ class _DistributedAdasumOptimizer:
 
     def _combine_changes(self, params, start):
         with torch.no_grad():
-            for kind in dict.fromkeys((p.dtype, p.device) for p in params):
-                members = [(p, s) for p, s in zip(params, start) if (p.dtype, p.device) == kind]
-                change = torch.cat([(p - s).reshape(-1) for p, s in members])
+            for members in tensors_by_kind(params):
+                change = _pack([p - start[id(p)] for p in members])
                 wire = change.to(self._wire) if self._wire is not None and change.is_floating_point() else change
-                self._adasum_comm.adasum_allreduce(wire, sizes=[p.numel() for p, _ in members])
-                change = change.copy_(wire) if wire is not change else change
-                for (param, begin), part in zip(members, change.split([p.numel() for p, _ in members])):
-                    param.copy_(begin + part.view_as(param))
+                self._adasum_comm.adasum_allreduce(wire, sizes=[p.numel() for p in members])
+                if wire is not change:
+                    change.copy_(wire)
+                for param, part in zip(members, change.split([p.numel() for p in members])):
+                    param.copy_(start[id(param)] + part.view_as(param))
 
 
 def _fusion_bucket_mb() -> float:

@@ -75,20 +75,23 @@ def _run(channel, array, info, sizes):
     if channel.size == 1 or info.count == 0:
         return array
     with staged(channel, array, info, host_only=True) as work:
-        AdasumTree(channel, buffers.as_numpy(work), sizes).run()
+        # The partner's halves arrive in the channel's reusable scratch (at most half the data).
+        received = buffers.as_numpy(channel.scratch.get(work, (info.count + 1) // 2 * info.itemsize))
+        AdasumTree(channel, buffers.as_numpy(work), received, sizes).run()
     return array
 
 
 class AdasumTree:
-    """One Adasum call on one rank: `data` (a NumPy view of the host buffer) is combined in place."""
+    """One Adasum call on one rank: `data` (a NumPy view of the host buffer) is combined in place;
+    `received` (at least half its length) takes the partner's halves."""
 
-    def __init__(self, channel, data: np.ndarray, sizes):
+    def __init__(self, channel, data: np.ndarray, received: np.ndarray, sizes):
         self.mpi = channel.mpi
         self.rank = channel.rank
         self.size = channel.size
         self.data = data
         self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self.received = np.empty((data.size + 1) // 2, dtype=data.dtype)
+        self.received = received
 
     def run(self) -> None:
         low, high = 0, self.data.size

@@ -109,6 +109,15 @@ class _Bucket:
                 param.grad = view
 
 
+def tensors_by_kind(tensors) -> list:
+    """`tensors` in lists of one dtype and device, in order of first appearance (a flat buffer
+    holds one kind of element)."""
+    kinds = {}
+    for tensor in tensors:
+        kinds.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    return list(kinds.values())
+
+
 def shaped_like(params, flat: torch.Tensor):
     """Views of `flat` shaped like `params` (contiguous), laid end to end."""
     parts = flat.split([p.numel() for p in params])
@@ -311,8 +320,7 @@ class GradientBuckets:
         position = {id(p): i for i, p in enumerate(params)}
         for group in groups:
             members = sorted(group, key=lambda p: -position[id(p)])  # backward's order
-            kinds = list(dict.fromkeys((p.dtype, p.device) for p in members))
-            buckets += [_Bucket([p for p in members if (p.dtype, p.device) == kind], compression) for kind in kinds]
+            buckets += [_Bucket(kind, compression) for kind in tensors_by_kind(members)]
         # Buckets launch in order, so order them by when backward completes each: at the gradient
         # of its first-registered parameter (backward produces gradients in reverse order).
         return sorted(buckets, key=lambda bucket: -min(position[id(p)] for p in bucket.params))
@@ -758,13 +766,9 @@ class ParameterAveraging:
         if not params:
             raise InvalidArgumentError("ParameterAveraging: the module has no parameters to average")
         broadcast_module_state(module, self.comm)
-        # One flat buffer per dtype and device: a packed buffer holds one kind of element.
-        groups = {}
-        for param in params:
-            groups.setdefault((param.dtype, param.device), []).append(param)
         self._groups = []
-        for (dtype, device), members in groups.items():
-            flat = torch.empty(sum(p.numel() for p in members), dtype=dtype, device=device)
+        for members in tensors_by_kind(params):
+            flat = torch.empty(sum(p.numel() for p in members), dtype=members[0].dtype, device=members[0].device)
             self._groups.append((members, flat, shaped_like(members, flat)))
 
     def step(self) -> bool:

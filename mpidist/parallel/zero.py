@@ -14,7 +14,7 @@ import torch
 
 from ..comm import broadcast_json, init
 from ..errors import InvalidArgumentError, MpidistError, NotOfferedError
-from .data import broadcast_in_place
+from .data import broadcast_in_place, shaped_like, tensors_by_kind, unpack_tensors
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
@@ -41,6 +41,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.parameters_as_bucket_view = parameters_as_bucket_view  # accepted; parameters keep their storage
         self._consolidated = None
         self._owners = self._partition()
+        # Each owner's parameters of each dtype and device: one broadcast each after a step.
+        self._shares = [tensors_by_kind(self.owned_by(owner)) for owner in range(self.comm.size)]
         mine = [{**{k: v for k, v in group.items() if k != "params"},
                  "params": [p for p in group["params"] if self._owners[id(p)] == self.comm.rank]}
                 for group in self.param_groups]
@@ -81,18 +83,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def _broadcast_parameters(self) -> None:
         """Every owner sends its updated parameters to the others: one broadcast per owner and
         dtype, of its parameters laid end to end."""
-        for owner in range(self.comm.size):
-            params = self.owned_by(owner)
-            for kind in dict.fromkeys((p.dtype, p.device) for p in params):
-                members = [p for p in params if (p.dtype, p.device) == kind]
+        for owner, kinds in enumerate(self._shares):
+            for members in kinds:
                 if len(members) == 1:
                     broadcast_in_place(self.comm, members[0].data, root=owner)
                     continue
                 flat = torch.cat([p.detach().reshape(-1) for p in members])
                 self.comm.broadcast(flat, root=owner)
                 if self.comm.rank != owner:
-                    for param, part in zip(members, flat.split([p.numel() for p in members])):
-                        param.copy_(part.view_as(param))
+                    unpack_tensors(flat, shaped_like(members, flat), [p.data for p in members])
 
     def add_param_group(self, param_group):
         if getattr(self, "optim", None) is not None:
