@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import weakref
 
@@ -548,11 +549,12 @@ class DataParallel(torch.nn.Module):
         params = trainable_parameters(module)
         check_not_synchronized(params, "DataParallel")
         broadcast_module_state(module, self.comm)
-        self._bucket_settings = dict(params=params, bucket_mb=bucket_mb, compression=compression, algorithm=algorithm,
-                                     gradient_as_bucket_view=gradient_as_bucket_view)
+        # register_comm_hook may make the buckets again, with another compression.
+        self._new_buckets = functools.partial(GradientBuckets, params, self.comm, bucket_mb, algorithm=algorithm,
+                                              gradient_as_bucket_view=gradient_as_bucket_view)
+        self._compression = compression
         self._comm_hook = None
-        self.buckets = GradientBuckets(params, self.comm, bucket_mb, compression, algorithm,
-                                       gradient_as_bucket_view=gradient_as_bucket_view)
+        self.buckets = self._new_buckets(compression=compression)
         register_gradient_hooks(self, "_gradient_ready", params, "DataParallel")
 
     def register_comm_hook(self, state, hook) -> None:
@@ -576,16 +578,13 @@ class DataParallel(torch.nn.Module):
             raise MpidistError(f"register_comm_hook can only be called once (already {self._comm_hook})")
         if self.buckets.exchanges_with_gradients or self.buckets.active:
             raise MpidistError("register_comm_hook must be called before the first backward pass, as in DDP")
-        settings = self._bucket_settings
-        if settings["compression"] is not None:
-            raise InvalidArgumentError(f"register_comm_hook({name}) with compression={settings['compression']!r}: "
+        if self._compression is not None:
+            raise InvalidArgumentError(f"register_comm_hook({name}) with compression={self._compression!r}: "
                                        "choose one")
         self._comm_hook = name
         if wire[hook] is not None:  # the default average needs no new buckets
             self.buckets = None  # the old buckets' shared memory can be given back first
-            self.buckets = GradientBuckets(settings["params"], self.comm, settings["bucket_mb"], wire[hook],
-                                           settings["algorithm"], predivide=self.comm.size,
-                                           gradient_as_bucket_view=settings["gradient_as_bucket_view"])
+            self.buckets = self._new_buckets(compression=wire[hook], predivide=self.comm.size)
 
     def forward(self, *args, **kwargs):
         if self.training and self._sync_enabled:
