@@ -15,7 +15,6 @@ import time
 
 class Timeline:
     def __init__(self, path: str):
-        self.path = path
         self._file = open(path, "w")
         self._file.write("[\n")
         self._origin = time.perf_counter()
@@ -23,17 +22,10 @@ class Timeline:
         self._lock = threading.Lock()
         self._first = True
 
-    def span(self, name: str, activity: str, start: float, finish: float, args: dict | None = None) -> None:
+    def span(self, name: str, activity: str, start: float, finish: float) -> None:
         """Record `activity` of operation `name` from perf_counter time `start` to `finish`."""
-        event = {"name": activity, "ph": "X", "pid": self._row(name), "tid": 0,
-                 "ts": self._microseconds(start), "dur": round(max(0.0, finish - start) * 1e6, 3)}
-        if args:
-            event["args"] = args
-        self._write(event)
-
-    def instant(self, name: str, activity: str, when: float) -> None:
-        self._write({"name": activity, "ph": "i", "s": "p", "pid": self._row(name), "tid": 0,
-                     "ts": self._microseconds(when)})
+        self._write({"name": activity, "ph": "X", "pid": self._row(name), "tid": 0,
+                     "ts": self._microseconds(start), "dur": round(max(0.0, finish - start) * 1e6, 3)})
 
     def close(self) -> None:
         with self._lock:
@@ -41,10 +33,6 @@ class Timeline:
                 self._file.write("\n]\n")
                 self._file.close()
                 self._file = None
-
-    @property
-    def closed(self) -> bool:
-        return self._file is None
 
     def _microseconds(self, when: float) -> float:
         return round((when - self._origin) * 1e6, 3)
