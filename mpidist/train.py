@@ -21,7 +21,6 @@ newest epoch every rank has) and writes it to pipeline-final-rank<r>.h5 at the e
 from __future__ import annotations
 
 import argparse
-import collections
 import concurrent.futures
 import copy
 import math
@@ -216,10 +215,7 @@ class BackgroundCheckpoints:
         self._pending = None
 
     def save(self, path, model, optimizer, **fields) -> None:
-        weights = model.state_dict()
-        copied = collections.OrderedDict((name, value.detach().clone()) for name, value in weights.items())
-        copied._metadata = getattr(weights, "_metadata", None)
-        snapshot = (_Snapshot(copied), _Snapshot(copy.deepcopy(optimizer.state_dict())))
+        snapshot = (_Snapshot(copy.deepcopy(model.state_dict())), _Snapshot(copy.deepcopy(optimizer.state_dict())))
         self._finish_pending()
         self._pending = self._writer.submit(save_checkpoint, path, *snapshot, **fields)
 
