@@ -32,10 +32,10 @@ def make_scheduler(optimizer):
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
 
 
-def train(model, optimizer, scheduler, ranks, steps, wrapped=None, rank=None):
-    """`steps` steps; with `wrapped` (a DataParallel) on this rank's batch, otherwise on the
-    union of every rank's batches in one process."""
-    for step in range(steps):
+def train(model, optimizer, scheduler, ranks, steps, wrapped=None, rank=None, first=0):
+    """Steps first .. first + steps - 1; with `wrapped` (a DataParallel) on this rank's batch,
+    otherwise on the union of every rank's batches in one process."""
+    for step in range(first, first + steps):
         if wrapped is None:
             parts = [batch(step, r) for r in range(ranks)]
             x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
@@ -96,26 +96,11 @@ def check_zero_matches_the_plain_optimizer(mpi_ranks, mpi_world):
     resumed_scheduler = make_scheduler(resumed)
     resumed.load_state_dict(copy.deepcopy(plain.state_dict()))  # as from a file: no tensors shared with `plain`
     resumed_scheduler.load_state_dict(plain_scheduler.state_dict())
-    for step in range(STEPS, STEPS + 2):
-        x, y = batch(step, mpi_world.rank)
-        resumed.zero_grad()
-        torch.nn.functional.cross_entropy(resumed_wrapped(x), y).backward()
-        resumed.step()
-        resumed_scheduler.step()
-    train_reference_continued(reference, plain, plain_scheduler, mpi_ranks)
+    train(resumed_model, resumed, resumed_scheduler, mpi_ranks, 2, resumed_wrapped, mpi_world.rank, first=STEPS)
+    train(reference, plain, plain_scheduler, mpi_ranks, 2, first=STEPS)
     for mine, expected in zip(resumed_model.parameters(), reference.parameters()):
         torch.testing.assert_close(mine.detach(), expected.detach(), rtol=1e-10, atol=1e-12)
     del wrapped, resumed_wrapped
-
-
-def train_reference_continued(reference, plain, scheduler, ranks):
-    for step in range(STEPS, STEPS + 2):
-        parts = [batch(step, r) for r in range(ranks)]
-        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        plain.zero_grad()
-        torch.nn.functional.cross_entropy(reference(x), y).backward()
-        plain.step()
-        scheduler.step()
 
 
 def check_refusals():
