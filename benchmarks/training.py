@@ -470,22 +470,33 @@ def parse_args(argv):
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+def start_one_thread_per_rank(check_calls: bool):
+    """torch and mpidist's kernels on one thread each, then MPI; returns the world communicator."""
     import mpidist as md
     from mpidist import kernels
 
     torch.set_num_threads(1)
     kernels.set_num_threads(1)
     comm = md.init()
-    comm.check_calls = args.check
+    comm.check_calls = check_calls
+    return comm
+
+
+def report(table: str, rows, json_path) -> None:
+    """Rank 0's output: the table on stdout and, if asked, the rows as JSON."""
+    print(table, flush=True)
+    if json_path:
+        with open(json_path, "w") as handle:
+            json.dump(rows, handle, indent=1)
+            handle.write("\n")
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    comm = start_one_thread_per_rank(args.check)
     rows = measure(comm, args)
     if comm.rank == 0:
-        print(markdown_table(rows), flush=True)
-        if args.json:
-            with open(args.json, "w") as handle:
-                json.dump(rows, handle, indent=1)
-                handle.write("\n")
+        report(markdown_table(rows), rows, args.json)
         if args.plot:
             plot(rows, args.plot)
     return 0 if all(row["correct"] is not False for row in rows) else 1

@@ -25,14 +25,14 @@ os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")  # as benchmarks/trai
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from training import build_model, layer_sizes, make_pool, parse_count  # noqa: E402
+from training import (build_model, layer_sizes, make_pool, parse_count, report,  # noqa: E402
+                      start_one_thread_per_rank)
 
 LR = 1e-3
 
@@ -162,20 +162,10 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    import mpidist as md
-    from mpidist import kernels
-
-    torch.set_num_threads(1)
-    kernels.set_num_threads(1)
-    comm = md.init()
-    comm.check_calls = False
+    comm = start_one_thread_per_rank(check_calls=False)
     rows = measure(comm, args)
     if comm.rank == 0:
-        print(markdown_table(rows), flush=True)
-        if args.json:
-            with open(args.json, "w") as handle:
-                json.dump(rows, handle, indent=1)
-                handle.write("\n")
+        report(markdown_table(rows), rows, args.json)
     return 0 if all(row["correct"] for row in rows) else 1
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from . import comm as _comm
-from .errors import InvalidArgumentError, MismatchError, MpidistError, NotOfferedError, UnsupportedDtypeError
+from .errors import InvalidArgumentError, MismatchError, MpidistError, NotOfferedError
 from .parallel.data import (COMPRESSION_DTYPES, GradientBuckets, broadcast_in_place, check_not_synchronized,
                             last_joiner, register_gradient_hooks, tensors_by_kind, trainable_parameters)
 from .parallel.sync_batchnorm import SyncBatchNorm  # noqa: F401  (hvd.SyncBatchNorm)
@@ -773,12 +773,11 @@ def _unpack(flat, members):
 def _check_group_allreduce(tensors, op, prescale_factor, postscale_factor):
     """What the all-reduce of one kind would refuse, checked for all of them before the first is
     sent (an in-place group is then left as it was)."""
+    from .collectives.api import check_op  # imported here: the collectives initialize MPI
     _check_scale_factors(tensors, prescale_factor, postscale_factor)
-    if op == Average:
+    if op != Adasum:  # Adasum checks its dtypes itself
         for tensor in tensors:
-            if not tensor.is_floating_point():
-                raise UnsupportedDtypeError(f"op='avg' needs floating-point tensors, got a {tensor.dtype} one in the "
-                                            "group: an integer average would be silently truncated")
+            check_op(op, str(tensor.dtype).removeprefix("torch."))
 
 
 def _grouped_allreduce_into(tensors, op, compression, prescale_factor, postscale_factor, comm):
