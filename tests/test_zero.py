@@ -46,7 +46,8 @@ def train(model, optimizer, scheduler, ranks, steps, wrapped=None, rank=None, fi
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(output, y).backward()
         optimizer.step()
-        scheduler.step()
+        if scheduler is not None:
+            scheduler.step()
 
 
 def check_zero_matches_the_plain_optimizer(mpi_ranks, mpi_world):
@@ -103,6 +104,34 @@ def check_zero_matches_the_plain_optimizer(mpi_ranks, mpi_world):
     del wrapped, resumed_wrapped
 
 
+def check_a_group_added_later_trains_as_with_the_plain_optimizer(mpi_ranks, mpi_world):
+    """Fine-tuning: the last layer joins the optimizer after two steps (every rank adds it)."""
+    def run(model, make_optimizer, wrapped=None):
+        params = list(model.parameters())
+        optimizer = make_optimizer([{"params": params[:4]}])
+        train(model, optimizer, None, mpi_ranks, 2, wrapped, mpi_world.rank)
+        optimizer.add_param_group({"params": params[4:], "lr": 0.03})
+        train(model, optimizer, None, mpi_ranks, 3, wrapped, mpi_world.rank, first=2)
+        return optimizer
+
+    model = make_model()
+    wrapped = md.DataParallel(model)
+    zero = run(model, lambda groups: md.ZeroRedundancyOptimizer(groups, torch.optim.Adam, lr=0.01), wrapped)
+    reference = make_model()
+    plain = run(reference, lambda groups: torch.optim.Adam(groups, lr=0.01))
+    for mine, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine.detach(), expected.detach(), rtol=1e-10, atol=1e-12)
+    assert not torch.equal(list(model.parameters())[-1], list(make_model().parameters())[-1])  # it did train
+    # The new group's parameters have owners and state, each on one rank.
+    index = {id(p): k for k, p in enumerate(model.parameters())}
+    everyone = mpi_world.mpi.allgather(sorted(index[id(p)] for p in zero.optim.state))
+    assert sorted(k for share in everyone for k in share) == list(range(len(index)))
+    zero.consolidate_state_dict(to=0)
+    if mpi_world.rank == 0:
+        assert zero.state_dict()["param_groups"] == plain.state_dict()["param_groups"]
+    del wrapped
+
+
 def check_refusals():
     model = make_model()
     with pytest.raises(md.NotOfferedError, match="overlap_with_ddp"):
@@ -114,11 +143,13 @@ def check_refusals():
     optimizer = md.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
     with pytest.raises(md.InvalidArgumentError, match=r"consolidate_state_dict\(to=5\): not a rank"):
         optimizer.consolidate_state_dict(to=5)
-    with pytest.raises(md.NotOfferedError, match="add_param_group after construction"):
-        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    with pytest.raises(ValueError, match="more than one parameter group"):  # torch's own check, before any change
+        optimizer.add_param_group({"params": [next(model.parameters())]})
+    assert len(optimizer.param_groups) == len(optimizer.optim.param_groups) == 1
 
 
 @pytest.mark.mpi(ranks=[2, 3])
 def test_zero_redundancy_optimizer(mpi_ranks, mpi_world):
     check_zero_matches_the_plain_optimizer(mpi_ranks, mpi_world)
+    check_a_group_added_later_trains_as_with_the_plain_optimizer(mpi_ranks, mpi_world)
     check_refusals()

@@ -40,18 +40,24 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.optimizer_class = optimizer_class
         self.parameters_as_bucket_view = parameters_as_bucket_view  # accepted; parameters keep their storage
         self._consolidated = None
-        self._owners = self._partition()
-        # Each owner's parameters of each dtype and device: one broadcast each after a step.
-        self._shares = [tensors_by_kind(self.owned_by(owner)) for owner in range(self.comm.size)]
-        mine = [{**{k: v for k, v in group.items() if k != "params"},
-                 "params": [p for p in group["params"] if self._owners[id(p)] == self.comm.rank]}
-                for group in self.param_groups]
-        self.optim = optimizer_class(mine, **defaults)
+        self._assign_owners()
+        self.optim = optimizer_class([self._my_share(group) for group in self.param_groups], **defaults)
         # The optimizer's own defaults (Adam's eps, ...) complete the groups, as a plain one's.
         self.defaults = {**self.optim.defaults, **self.defaults}
         for group in self.param_groups:
             for key, value in self.optim.defaults.items():
                 group.setdefault(key, value)
+
+    def _assign_owners(self) -> None:
+        self._owners = self._partition()
+        # Each owner's parameters of each dtype and device: one broadcast each after a step.
+        self._shares = [tensors_by_kind(self.owned_by(owner)) for owner in range(self.comm.size)]
+
+    def _my_share(self, group) -> dict:
+        """`group` with only the parameters this rank owns (none, possibly: the local optimizer
+        keeps a group for every group, so that the two lists stay in step)."""
+        return {**{k: v for k, v in group.items() if k != "params"},
+                "params": [p for p in group["params"] if self._owners[id(p)] == self.comm.rank]}
 
     def _partition(self) -> dict:
         """id(parameter) -> owning rank (torch's greedy assignment; the same on every rank)."""
@@ -94,10 +100,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     unpack_tensors(flat, shaped_like(members, flat), [p.data for p in members])
 
     def add_param_group(self, param_group):
-        if getattr(self, "optim", None) is not None:
-            raise NotOfferedError("add_param_group after construction is not offered: pass every group "
-                                  "to the constructor")
+        """As torch's (fine-tuning a layer that was frozen, say): call it on every rank with the
+        same group. The assignment goes group by group, so the earlier groups keep their owners
+        and their state; the new group's parameters go to the ranks owning the fewest elements."""
         super().add_param_group(param_group)
+        if getattr(self, "optim", None) is None:
+            return  # the constructor's own calls: it assigns every group once they are all in
+        self._assign_owners()
+        self.optim.add_param_group(self._my_share(self.param_groups[-1]))
+        self._consolidated = None
 
     # ---- checkpoints -------------------------------------------------------------------------
 
