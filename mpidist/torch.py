@@ -118,7 +118,9 @@ _registered_so_far = [0]  # ids are never reused, as Horovod's
 def _comm_of(process_set):
     """The communicator that runs `process_set`'s operations on this rank."""
     if process_set is None or process_set is global_process_set:
-        return _comm.world()
+        world = _comm.world()
+        _check_no_rank_waits_in_join(world)
+        return world
     if not isinstance(process_set, ProcessSet):
         raise InvalidArgumentError(f"process_set= takes an hvd.ProcessSet, got {type(process_set).__name__}")
     process_set._registered()
@@ -417,8 +419,9 @@ def join(device=-1) -> int:
     take part in the other ranks' gradient exchanges of the DistributedOptimizer with zeros (they
     still average over every rank, as in Horovod). Returns the rank that joined last (the highest
     of several joining at the same step). Only the DistributedOptimizer's exchanges are shadowed:
-    while a rank waits here the others may run no other collective."""
-    world = _comm_of(None)
+    while a rank waits here the others may run no other collective (refused once an exchange has
+    told them, see _check_no_rank_waits_in_join)."""
+    world = _comm.world()  # not _comm_of: the ranks still training call join() once others have
     if any(o._adasum_comm is world for o in _ADASUM_OPTIMIZERS):
         raise NotOfferedError("hvd.join() with a DistributedOptimizer(op=hvd.Adasum): a joined rank has no "
                               "change of its own to combine; use op=hvd.Average")
@@ -437,6 +440,18 @@ def join(device=-1) -> int:
         exchanges, buckets.exchanges_with_gradients = buckets.exchanges_with_gradients, 0
         buckets.active_ranks = world.size
     return last_joiner(world, exchanges)
+
+
+def _check_no_rank_waits_in_join(world) -> None:
+    """A rank waiting in join() takes part only in the DistributedOptimizer's exchanges: any
+    other collective of the ranks still training would wait for it until MPIDIST_TIMEOUT. They
+    learn that it joined from the count of ranks that brought gradients to their last exchange,
+    and are refused at once instead."""
+    for buckets in _OPTIMIZER_BUCKETS:
+        if buckets.comm is world and buckets.active_ranks < world.size:
+            raise MpidistError(f"{world.size - buckets.active_ranks} rank(s) ran out of data and wait in hvd.join(), "
+                               "where they take part only in the DistributedOptimizer's gradient exchanges: run "
+                               "other collectives before any rank joins, or after every rank has")
 
 
 def _live_optimizer_buckets(comm) -> list:

@@ -148,6 +148,11 @@ def check_horovod_join(mpi_ranks, mpi_world):
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
+            joined = sum(steps_of((r + epoch) % size) <= step for r in range(size))
+            if joined:  # ranks joined before this step's exchange: a metric's all-reduce is
+                # refused at once (they would never take part)
+                with pytest.raises(md.MpidistError, match=rf"^{joined} rank\(s\) ran out of data and wait in hvd.join"):
+                    hvd.allreduce(torch.ones(1), name="metric")
         last = hvd.join()
         assert last == max(r for r in range(size) if steps_of((r + epoch) % size) == max(STEPS_BY_RANK[:size]))
         if epoch == 0:
