@@ -118,9 +118,7 @@ _registered_so_far = [0]  # ids are never reused, as Horovod's
 def _comm_of(process_set):
     """The communicator that runs `process_set`'s operations on this rank."""
     if process_set is None or process_set is global_process_set:
-        world = _comm.world()
-        _check_no_rank_waits_in_join(world)
-        return world
+        return _comm.world()
     if not isinstance(process_set, ProcessSet):
         raise InvalidArgumentError(f"process_set= takes an hvd.ProcessSet, got {type(process_set).__name__}")
     process_set._registered()
@@ -128,6 +126,15 @@ def _comm_of(process_set):
         raise InvalidArgumentError(f"rank {rank()} is not in {process_set}: only the ranks of a process set "
                                    "may call its operations")
     return process_set._comm
+
+
+def _collective_comm(process_set):
+    """_comm_of, for the collectives that ranks waiting in join() take no part in (all but the
+    all-reduces): refused at once while the ranks still training know that some wait there."""
+    comm = _comm_of(process_set)
+    if comm is _comm.world():
+        _check_no_rank_waits_in_join(comm)
+    return comm
 
 
 def _root_in(process_set, root_rank) -> int:
@@ -368,7 +375,7 @@ def is_homogeneous() -> bool:
 @_traced("BARRIER")
 def barrier(process_set=None):
     """Wait until every rank has called barrier()."""
-    _comm_of(process_set).barrier()
+    _collective_comm(process_set).barrier()
 
 
 def mpi_enabled() -> bool:
@@ -416,11 +423,10 @@ def cuda_built() -> bool:
 @_traced("JOIN")
 def join(device=-1) -> int:
     """This rank has run out of data (Horovod's hvd.join()): until every rank has called join(),
-    take part in the other ranks' gradient exchanges of the DistributedOptimizer with zeros (they
-    still average over every rank, as in Horovod). Returns the rank that joined last (the highest
-    of several joining at the same step). Only the DistributedOptimizer's exchanges are shadowed:
-    while a rank waits here the others may run no other collective (refused once an exchange has
-    told them, see _check_no_rank_waits_in_join)."""
+    take part with zeros in the other ranks' gradient exchanges of the DistributedOptimizer and
+    in their all-reduces over all ranks (they still average over every rank, as in Horovod; see
+    the notes above _announce). Returns the rank that joined last (the highest of several joining
+    at the same step)."""
     world = _comm.world()  # not _comm_of: the ranks still training call join() once others have
     if any(o._adasum_comm is world for o in _ADASUM_OPTIMIZERS):
         raise NotOfferedError("hvd.join() with a DistributedOptimizer(op=hvd.Adasum): a joined rank has no "
@@ -435,23 +441,102 @@ def join(device=-1) -> int:
         if buckets.op not in ("avg", "sum"):
             raise NotOfferedError(f"hvd.join() with op={buckets.op!r}: a joined rank's zeros would change a "
                                   "minimum, maximum or product; use op=hvd.Average or hvd.Sum")
-        while buckets.shadow():
-            pass
+        buckets.check_idle()
+        # The first ranks to join shadow the next exchange unannounced: it tells the others.
+        if buckets.active_ranks < world.size or buckets.shadow():
+            _take_part_while_joined(world, buckets)
         exchanges, buckets.exchanges_with_gradients = buckets.exchanges_with_gradients, 0
         buckets.active_ranks = world.size
     return last_joiner(world, exchanges)
 
 
+# Ranks that have joined (run out of data) take part, with zeros, in what the ranks still
+# training do over all ranks: the DistributedOptimizer's gradient exchanges and all-reduces, as in
+# Horovod. The training ranks learn that a rank has joined from their next exchange, which the
+# joined rank shadows unannounced (each exchange sums the count of ranks that bring gradients).
+# From then on, until every rank has joined, the training ranks announce each of those
+# operations before running it: one small all-reduce over all ranks, in which the joined ranks
+# add zeros and each training rank adds 1 and what comes next (an exchange, or an all-reduce's
+# size, dtype, op and device). When the sum of the 1s is 0, every rank has joined.
+
+_NEXT_EXCHANGE, _NEXT_ALLREDUCE = 1, 2
+_ANNOUNCED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8,
+                     torch.int16, torch.int32, torch.int64)
+_ANNOUNCED_OPS = (Sum, Average)  # zeros change no sum; an average still divides by every rank
+_ANNOUNCED_DEVICES = ("cpu", "cuda")
+
+
+def _ranks_waiting_in_join(world) -> int:
+    """How many ranks the last exchange of this rank's DistributedOptimizer over all ranks
+    showed waiting in join() (0 on a rank that waits there itself: it resets the count)."""
+    return max((world.size - b.active_ranks for b in _OPTIMIZER_BUCKETS if b.comm is world), default=0)
+
+
 def _check_no_rank_waits_in_join(world) -> None:
-    """A rank waiting in join() takes part only in the DistributedOptimizer's exchanges: any
-    other collective of the ranks still training would wait for it until MPIDIST_TIMEOUT. They
-    learn that it joined from the count of ranks that brought gradients to their last exchange,
-    and are refused at once instead."""
-    for buckets in _OPTIMIZER_BUCKETS:
-        if buckets.comm is world and buckets.active_ranks < world.size:
-            raise MpidistError(f"{world.size - buckets.active_ranks} rank(s) ran out of data and wait in hvd.join(), "
-                               "where they take part only in the DistributedOptimizer's gradient exchanges: run "
-                               "other collectives before any rank joins, or after every rank has")
+    """Ranks waiting in join() take part only in all-reduces and gradient exchanges: another
+    collective would wait for them until MPIDIST_TIMEOUT, so it is refused at once."""
+    waiting = _ranks_waiting_in_join(world)
+    if waiting:
+        raise MpidistError(f"{waiting} rank(s) ran out of data and wait in hvd.join(), where they take part only "
+                           "in all-reduces and the DistributedOptimizer's gradient exchanges: run other "
+                           "collectives before any rank joins, or after every rank has")
+
+
+def _announce(world, fields):
+    """One announcement (collective over all ranks): a training rank passes what comes next
+    (a list of numbers), a joined rank None. Returns what the training ranks announced, or None
+    once every rank has joined."""
+    from mpi4py import MPI
+
+    from .collectives.api import wait_with_deadline  # imported here: the collectives initialize MPI
+    message = np.zeros(7, dtype=np.int64)
+    if fields is not None:
+        message[0], message[1:1 + len(fields)] = 1, fields
+    wait_with_deadline(world.mpi.Iallreduce(MPI.IN_PLACE, message, op=MPI.SUM), world.mpi,
+                       what="announcement to the ranks waiting in hvd.join()")
+    training = int(message[0])
+    if training == 0:
+        return None
+    if (message[1:] % training).any():
+        raise MismatchError("the ranks still training announced different operations to the ranks waiting in "
+                            "hvd.join(): every rank must run the same collectives in the same order")
+    return (message[1:] // training).tolist()
+
+
+def _announce_allreduce(comm, tensor, op, asynchronous) -> None:
+    """Before an all-reduce over all ranks: tell the ranks waiting in join() to take part."""
+    if comm is not _comm.world() or not _ranks_waiting_in_join(comm):
+        return
+    if op not in _ANNOUNCED_OPS or tensor.dtype not in _ANNOUNCED_DTYPES \
+            or tensor.device.type not in _ANNOUNCED_DEVICES:
+        raise MpidistError(f"ranks wait in hvd.join() and take part in all-reduces with zeros: op={op!r} of a "
+                           f"{tensor.dtype} tensor on {tensor.device.type} is not one they can join (sum or "
+                           "average of a CPU or CUDA tensor of a standard dtype)")
+    _announce(comm, [_NEXT_ALLREDUCE, tensor.numel(), _ANNOUNCED_DTYPES.index(tensor.dtype),
+                     _ANNOUNCED_OPS.index(op), _ANNOUNCED_DEVICES.index(tensor.device.type), int(asynchronous)])
+
+
+def _announce_exchange(buckets) -> None:
+    """Before each gradient exchange of the DistributedOptimizer (GradientBuckets.before_exchange)."""
+    if buckets.active_ranks < buckets.comm.size:
+        _announce(buckets.comm, [_NEXT_EXCHANGE])
+
+
+def _take_part_while_joined(world, buckets) -> None:
+    """A joined rank's side: take part in what the training ranks announce until all have joined."""
+    while (fields := _announce(world, None)) is not None:
+        kind, numel, dtype, op, device, asynchronous = fields[:6]
+        if kind == _NEXT_EXCHANGE:
+            buckets.shadow()
+        elif kind == _NEXT_ALLREDUCE:
+            zeros = torch.zeros(numel, dtype=_ANNOUNCED_DTYPES[dtype], device=_ANNOUNCED_DEVICES[device])
+            if asynchronous:
+                world.allreduce_async(zeros, op=_ANNOUNCED_OPS[op]).wait()
+            else:
+                world.allreduce(zeros, op=_ANNOUNCED_OPS[op])
+        else:
+            raise MismatchError(f"rank {world.rank} waits in hvd.join() and was told of an operation it does "
+                                f"not know ({fields})")
 
 
 def _live_optimizer_buckets(comm) -> list:
@@ -505,6 +590,7 @@ def _allreduce_into(tensor, op, compression, prescale_factor, postscale_factor, 
     _scaled(tensor, prescale_factor)
     wire_dtype = _wire_dtype(tensor, compression)
     wire = tensor.to(wire_dtype) if wire_dtype is not None else tensor
+    _announce_allreduce(comm, wire, op, asynchronous=False)
     if op == Adasum:
         comm.adasum_allreduce(wire)
     else:
@@ -610,6 +696,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     op = _op(op, average)
     _check_scale_factors([tensor], prescale_factor, postscale_factor)
     _scaled(tensor, prescale_factor)
+    _announce_allreduce(comm, tensor, op, asynchronous=True)  # refused for Adasum
     if op == Adasum:  # runs at once, in order behind the asynchronous operations in flight
         comm.adasum_allreduce(tensor)
         return _Handle(_DoneHandle(tensor), tensor, lambda t: _scaled(t, postscale_factor))
@@ -645,13 +732,13 @@ def synchronize(handle):
 
 @_traced("BROADCAST")
 def broadcast_(tensor, root_rank, name=None, process_set=None):
-    return _comm_of(process_set).broadcast(tensor, root=_root_in(process_set, root_rank))
+    return _collective_comm(process_set).broadcast(tensor, root=_root_in(process_set, root_rank))
 
 
 @_traced("BROADCAST")
 def broadcast(tensor, root_rank, name=None, process_set=None):
     """A new tensor holding `root_rank`'s `tensor`. Differentiable when `tensor` requires grad."""
-    comm = _comm_of(process_set)
+    comm = _collective_comm(process_set)
     return _Broadcast.apply(tensor, _root_in(process_set, root_rank), comm)
 
 
@@ -683,7 +770,7 @@ def broadcast_async(tensor, root_rank, name=None, process_set=None):
 def allgather(tensor, name=None, process_set=None):
     """Every rank's `tensor` concatenated along the first dimension (which may differ by rank).
     Differentiable when `tensor` requires grad."""
-    return _Allgather.apply(tensor, _comm_of(process_set))
+    return _Allgather.apply(tensor, _collective_comm(process_set))
 
 
 @_traced("ALLGATHER")
@@ -702,7 +789,7 @@ def sparse_allreduce_async(tensor, name=None, op=Average, process_set=None):
         raise InvalidArgumentError(f"sparse_allreduce_async takes op=hvd.Average or hvd.Sum, got {op!r}")
     if not tensor.is_sparse:
         raise InvalidArgumentError(f"sparse_allreduce_async takes a sparse COO tensor, got layout {tensor.layout}")
-    comm = _comm_of(process_set)
+    comm = _collective_comm(process_set)
     shapes = comm.allgather(np.array([tensor.shape], dtype=np.int64))
     if (shapes != shapes[0]).any():
         raise MismatchError(f"sparse_allreduce_async: the ranks' tensors have different shapes "
@@ -757,14 +844,14 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
     rows % size ranks get one row more, as Horovod splits). Differentiable when `tensor`
     requires grad (op Average or Sum)."""
     return _Reducescatter.apply(tensor, _op(op, adasum_in="reducescatter"), compression, prescale_factor, postscale_factor,
-                                _comm_of(process_set))
+                                _collective_comm(process_set))
 
 
 @_traced("REDUCESCATTER")
 def reducescatter_async(tensor, name=None, op=Average, process_set=None, prescale_factor=1.0,
                         postscale_factor=1.0):
     result = _reducescatter(tensor, _op(op, adasum_in="reducescatter"), Compression.none, prescale_factor, postscale_factor,
-                            _comm_of(process_set))
+                            _collective_comm(process_set))
     return _Handle(_DoneHandle(result), result)
 
 
@@ -875,6 +962,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     for members in tensors_by_kind(tensors):
         flat = _pack(members)
         _scaled(flat, prescale_factor)
+        _announce_allreduce(comm, flat, op, asynchronous=True)
         handles.append(comm.allreduce_async(flat, op=op))
         packed.append((flat, members))
 
@@ -999,14 +1087,14 @@ def alltoall(tensor, splits=None, name=None, process_set=None):
     and return the rows received, in rank order. As in Horovod: with splits= the result is
     (tensor, received_splits), an int32 tensor of the row counts received from each rank.
     Differentiable when `tensor` requires grad."""
-    output, received = _Alltoall.apply(tensor, splits, _comm_of(process_set))
+    output, received = _Alltoall.apply(tensor, splits, _collective_comm(process_set))
     return output if splits is None else (output, received)
 
 
 @_traced("ALLTOALL")
 def alltoall_async(tensor, splits=None, name=None, process_set=None):
     """As Horovod's: synchronize() returns (received rows, received splits), with or without splits=."""
-    output, received = _alltoall(tensor.detach(), splits, _comm_of(process_set))
+    output, received = _alltoall(tensor.detach(), splits, _collective_comm(process_set))
     result = (output, received)
     return _Handle(_DoneHandle(result), result)
 
@@ -1015,10 +1103,11 @@ def alltoall_async(tensor, splits=None, name=None, process_set=None):
 def broadcast_parameters(params, root_rank=0):
     """Broadcast a state_dict or an iterable of (name, tensor) from `root_rank`, in place."""
     items = sorted(params.items()) if isinstance(params, dict) else list(params)
+    world = _collective_comm(None)
     with torch.no_grad():
         for _, tensor in items:
             if isinstance(tensor, torch.Tensor):
-                broadcast_in_place(_comm.world(), tensor.data, root_rank)
+                broadcast_in_place(world, tensor.data, root_rank)
 
 
 @_traced("BROADCAST")
@@ -1057,13 +1146,13 @@ def broadcast_optimizer_state(optimizer, root_rank=0):
 def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     """Broadcast a JSON-serializable object (mpidist never unpickles received data, so values
     come back as JSON gives them: dict keys become strings, tuples lists)."""
-    return _comm.broadcast_json(_comm_of(process_set), obj, _root_in(process_set, root_rank), "broadcast_object")
+    return _comm.broadcast_json(_collective_comm(process_set), obj, _root_in(process_set, root_rank), "broadcast_object")
 
 
 @_traced("ALLGATHER")
 def allgather_object(obj, name=None, process_set=None):
     """Every rank's JSON-serializable object, in a list by rank (JSON, as broadcast_object)."""
-    world = _comm_of(process_set)
+    world = _collective_comm(process_set)
     try:
         data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8).copy()
         error = None
@@ -1118,6 +1207,7 @@ class _DistributedOptimizer:
         self._skip_sync = False
         register_gradient_hooks(self._buckets, "gradient_ready", trainable, "DistributedOptimizer")
         _OPTIMIZER_BUCKETS.add(self._buckets)
+        self._buckets.before_exchange = _announce_exchange
         # The timeline's row of each bucket: "allreduce.<its parameters' names>".
         self._bucket_rows = ["allreduce." + "+".join(labels[id(p)] for p in bucket.params)
                              for bucket in self._buckets.buckets]

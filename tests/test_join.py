@@ -135,8 +135,9 @@ def check_join_refuses_nesting_and_sync_batchnorm(mpi_world):
 
 
 def check_horovod_join(mpi_ranks, mpi_world):
-    """Horovod's semantics: a joined rank adds zeros and the others still average over every
-    rank; each rank keeps the parameters of its own last step; join() returns the last rank."""
+    """Horovod's semantics: a joined rank adds zeros to the gradients and to the metrics, and the
+    others still average over every rank; each rank keeps the parameters of its own last step;
+    join() returns the last rank."""
     rank, size = mpi_world.rank, mpi_ranks
     for epoch in range(2):  # join() twice: the second epoch starts counting afresh
         model = make_model()
@@ -148,17 +149,34 @@ def check_horovod_join(mpi_ranks, mpi_world):
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
-            joined = sum(steps_of((r + epoch) % size) <= step for r in range(size))
-            if joined:  # ranks joined before this step's exchange: a metric's all-reduce is
-                # refused at once (they would never take part)
-                with pytest.raises(md.MpidistError, match=rf"^{joined} rank\(s\) ran out of data and wait in hvd.join"):
-                    hvd.allreduce(torch.ones(1), name="metric")
+            check_metrics_while_ranks_wait_in_join(epoch, step)
         last = hvd.join()
         assert last == max(r for r in range(size) if steps_of((r + epoch) % size) == max(STEPS_BY_RANK[:size]))
         if epoch == 0:
             assert_close_to_reference(list(model.parameters()), reference_parameters(size, steps))
         del optimizer
         gc.collect()
+
+
+def check_metrics_while_ranks_wait_in_join(epoch, step):
+    """After step `step`, every rank still training all-reduces metrics: the ranks waiting in
+    join() add zeros (an average still divides by every rank, as in Horovod); collectives they
+    cannot join are refused at once."""
+    rank, size = hvd.rank(), hvd.size()
+    training = [r for r in range(size) if steps_of((r + epoch) % size) > step]
+    expected = float(sum(r + 1 for r in training))
+    mine = torch.tensor([float(rank + 1), 2.0 * (rank + 1)])
+    assert hvd.allreduce(mine, op=hvd.Sum, name="metric").tolist() == [expected, 2 * expected]
+    average = hvd.synchronize(hvd.allreduce_async(mine[:1].double(), name="metric.async"))
+    assert average.item() == pytest.approx(expected / size, rel=1e-12)
+    summed = hvd.grouped_allreduce([mine[:1], torch.tensor([rank + 1])], op=hvd.Sum)
+    assert [t.item() for t in summed] == [expected, expected]
+    joined = size - len(training)
+    if joined:
+        with pytest.raises(md.MpidistError, match=rf"^{joined} rank\(s\) ran out of data and wait in hvd.join"):
+            hvd.broadcast(mine, root_rank=0)
+        with pytest.raises(md.MpidistError, match=r"op='max' of a torch.float32 tensor on cpu is not one they"):
+            hvd.allreduce(mine, op=hvd.Max)
 
 
 def check_horovod_join_without_an_optimizer_and_refusals(mpi_ranks, mpi_world):

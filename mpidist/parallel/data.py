@@ -277,6 +277,10 @@ class GradientBuckets:
         self._count = torch.ones(1, dtype=torch.float32)  # this rank's contribution, summed in place
         self._count_sum = self._count
         self._count_handle = None
+        # Called with these buckets before each exchange this rank brings gradients to. A plain
+        # function, not a bound method: buckets must not keep themselves alive (gradient hooks of a
+        # dropped optimizer stop when its buckets are freed).
+        self.before_exchange = None
         self.slots = None
         if polled:
             # Imported here: the collectives package initializes MPI when imported, and
@@ -364,6 +368,8 @@ class GradientBuckets:
 
     def _launch_count(self) -> None:
         """Start summing over the ranks how many bring gradients to this exchange."""
+        if self._contribution and self.before_exchange is not None:
+            self.before_exchange(self)
         self._count.fill_(self._contribution)
         if self.slots is not None:
             self._count_handle = self.slots.start(len(self.buckets), [self._count], "sum")
@@ -444,13 +450,17 @@ class GradientBuckets:
         finally:
             self.reset()
 
+    def check_idle(self) -> None:
+        """Refuse to join in the middle of a step."""
+        if self.active:
+            raise MpidistError("join: the gradients of a step are still being all-reduced on this rank; "
+                               "finish the step (optimizer.step() or synchronize()) before joining")
+
     def shadow(self) -> int:
         """Take part in the next exchange with zero gradients, as a rank that has run out of data
         does (it adds nothing to the sums; an average still divides by every rank). Returns how
         many ranks brought gradients to it: 0 once every rank takes part this way."""
-        if self.active:
-            raise MpidistError("join: the gradients of a step are still being all-reduced on this rank; "
-                               "finish the step (optimizer.step() or synchronize()) before joining")
+        self.check_idle()
         for bucket in self.buckets:
             for param in bucket.params:
                 param.grad = None  # all-reduced as zeros
