@@ -130,10 +130,14 @@ def _comm_of(process_set):
 
 def _collective_comm(process_set):
     """_comm_of, for the collectives that ranks waiting in join() take no part in (all but the
-    all-reduces): refused at once while the ranks still training know that some wait there."""
+    all-reduces): while the ranks still training know that some wait there, such a collective
+    would wait for them until MPIDIST_TIMEOUT, so it is refused at once."""
     comm = _comm_of(process_set)
-    if comm is _comm.world():
-        _check_no_rank_waits_in_join(comm)
+    waiting = _ranks_waiting_in_join(comm) if comm is _comm.world() else 0
+    if waiting:
+        raise MpidistError(f"{waiting} rank(s) ran out of data and wait in hvd.join(), where they take part only "
+                           "in all-reduces and the DistributedOptimizer's gradient exchanges: run other "
+                           "collectives before any rank joins, or after every rank has")
     return comm
 
 
@@ -472,16 +476,6 @@ def _ranks_waiting_in_join(world) -> int:
     return max((world.size - b.active_ranks for b in _OPTIMIZER_BUCKETS if b.comm is world), default=0)
 
 
-def _check_no_rank_waits_in_join(world) -> None:
-    """Ranks waiting in join() take part only in all-reduces and gradient exchanges: another
-    collective would wait for them until MPIDIST_TIMEOUT, so it is refused at once."""
-    waiting = _ranks_waiting_in_join(world)
-    if waiting:
-        raise MpidistError(f"{waiting} rank(s) ran out of data and wait in hvd.join(), where they take part only "
-                           "in all-reduces and the DistributedOptimizer's gradient exchanges: run other "
-                           "collectives before any rank joins, or after every rank has")
-
-
 def _announce(world, fields):
     """One announcement (collective over all ranks): a training rank passes what comes next
     (a list of numbers), a joined rank None. Returns what the training ranks announced, or None
@@ -503,16 +497,18 @@ def _announce(world, fields):
     return (message[1:] // training).tolist()
 
 
-def _announce_allreduce(comm, tensor, op, asynchronous) -> None:
-    """Before an all-reduce over all ranks: tell the ranks waiting in join() to take part."""
+def _announce_allreduce(comm, tensor, op, asynchronous, wire_dtype=None) -> None:
+    """Before an all-reduce over all ranks (and before anything changes `tensor`, so that a
+    refusal leaves it as it was): tell the ranks waiting in join() to take part. `wire_dtype`
+    is the dtype the tensor is sent in, where compression changes it."""
     if comm is not _comm.world() or not _ranks_waiting_in_join(comm):
         return
-    if op not in _ANNOUNCED_OPS or tensor.dtype not in _ANNOUNCED_DTYPES \
-            or tensor.device.type not in _ANNOUNCED_DEVICES:
+    dtype = wire_dtype or tensor.dtype
+    if op not in _ANNOUNCED_OPS or dtype not in _ANNOUNCED_DTYPES or tensor.device.type not in _ANNOUNCED_DEVICES:
         raise MpidistError(f"ranks wait in hvd.join() and take part in all-reduces with zeros: op={op!r} of a "
-                           f"{tensor.dtype} tensor on {tensor.device.type} is not one they can join (sum or "
+                           f"{dtype} tensor on {tensor.device.type} is not one they can join (sum or "
                            "average of a CPU or CUDA tensor of a standard dtype)")
-    _announce(comm, [_NEXT_ALLREDUCE, tensor.numel(), _ANNOUNCED_DTYPES.index(tensor.dtype),
+    _announce(comm, [_NEXT_ALLREDUCE, tensor.numel(), _ANNOUNCED_DTYPES.index(dtype),
                      _ANNOUNCED_OPS.index(op), _ANNOUNCED_DEVICES.index(tensor.device.type), int(asynchronous)])
 
 
@@ -587,10 +583,10 @@ def _wire_dtype(tensor, compression):
 
 def _allreduce_into(tensor, op, compression, prescale_factor, postscale_factor, comm):
     _check_scale_factors([tensor], prescale_factor, postscale_factor)
-    _scaled(tensor, prescale_factor)
     wire_dtype = _wire_dtype(tensor, compression)
+    _announce_allreduce(comm, tensor, op, asynchronous=False, wire_dtype=wire_dtype)
+    _scaled(tensor, prescale_factor)
     wire = tensor.to(wire_dtype) if wire_dtype is not None else tensor
-    _announce_allreduce(comm, wire, op, asynchronous=False)
     if op == Adasum:
         comm.adasum_allreduce(wire)
     else:
@@ -695,8 +691,8 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     comm = _comm_of(process_set)
     op = _op(op, average)
     _check_scale_factors([tensor], prescale_factor, postscale_factor)
-    _scaled(tensor, prescale_factor)
     _announce_allreduce(comm, tensor, op, asynchronous=True)  # refused for Adasum
+    _scaled(tensor, prescale_factor)
     if op == Adasum:  # runs at once, in order behind the asynchronous operations in flight
         comm.adasum_allreduce(tensor)
         return _Handle(_DoneHandle(tensor), tensor, lambda t: _scaled(t, postscale_factor))
@@ -961,8 +957,8 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     handles, packed = [], []
     for members in tensors_by_kind(tensors):
         flat = _pack(members)
-        _scaled(flat, prescale_factor)
         _announce_allreduce(comm, flat, op, asynchronous=True)
+        _scaled(flat, prescale_factor)
         handles.append(comm.allreduce_async(flat, op=op))
         packed.append((flat, members))
 

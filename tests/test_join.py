@@ -177,6 +177,10 @@ def check_metrics_while_ranks_wait_in_join(epoch, step):
             hvd.broadcast(mine, root_rank=0)
         with pytest.raises(md.MpidistError, match=r"op='max' of a torch.float32 tensor on cpu is not one they"):
             hvd.allreduce(mine, op=hvd.Max)
+        for in_place in (hvd.allreduce_, hvd.allreduce_async_):  # refused before the prescale: untouched
+            with pytest.raises(md.MpidistError, match=r"op='min' of a torch.float32 tensor on cpu is not one"):
+                in_place(mine, op=hvd.Min, prescale_factor=2.0)
+            assert mine.tolist() == [rank + 1, 2 * (rank + 1)]
 
 
 def check_horovod_join_without_an_optimizer_and_refusals(mpi_ranks, mpi_world):
