@@ -133,7 +133,8 @@ def bench_size(nbytes: int, device: str, dtypes, timer, rows, op: str):
         times = [statistics.median(s) for s in samples]
         best = min(range(1, len(times)), key=times.__getitem__)
         ratio, low, high = paired_ratio(samples[best], samples[0])
-        rows.append({"kernel": kernel, "dtype": dtype, "bytes": nbytes, "gbs": moved / times[0] / 1e9,
+        rows.append({"kernel": kernel, "dtype": dtype, "isa": kernels.cpu_isa() if device == "cpu" else None,
+                     "bytes": nbytes, "gbs": moved / times[0] / 1e9,
                      "library_gbs": moved / times[best] / 1e9, "copy_gbs": copy_gbs,
                      "vs_library": ratio, "vs_library_low": low, "vs_library_high": high})
         print(f"{kernel:<16}{dtype:<20}{nbytes:>12}{rows[-1]['gbs']:>10.1f}{rows[-1]['library_gbs']:>10.1f}"
@@ -273,16 +274,20 @@ def main(argv=None):
     parser.add_argument("--sizes", nargs="+", type=parse_size, help="buffer sizes, e.g. 4K 1M 64M")
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--isa", choices=("avx512", "avx2", "baseline"),
+                        help="CPU loops to run (default: the widest this CPU has), e.g. avx2 on an AVX-512 machine")
     parser.add_argument("--op", choices=kernels.OPS, default="sum")
     parser.add_argument("--reps", type=int, default=40, help="timed samples (rounds) per route and row")
     parser.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES} and float32/bfloat16 only")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not kernels.cuda_available():
         sys.exit("--device cuda: mpidist._C has no CUDA support or there is no GPU")
+    if args.isa:
+        kernels.set_cpu_isa(args.isa)
     sizes = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
     dtypes = ["float32", "bfloat16"] if args.quick and args.dtypes == list(DTYPES) else args.dtypes
 
-    print(f"mpidist kernels on {args.device}: {kernels.get_num_threads()} threads, "
+    print(f"mpidist kernels on {args.device}: {kernels.cpu_isa()} loops, {kernels.get_num_threads()} threads, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), numpy {np.__version__}")
     print(f"{'kernel':<16}{'dtype':<20}{'bytes':>12}{'GB/s':>10}{'library':>10}{'copy':>10}{'/copy':>8}"
           f"{'/library':>9} [95% CI]")

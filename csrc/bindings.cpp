@@ -250,7 +250,10 @@ PYBIND11_MODULE(_C, m) {
           "Publish a progress counter in shared memory (after a full fence).");
     m.def("counters_reached", &mpidist::counters_reached, py::arg("addresses"), py::arg("value"),
           "Whether every progress counter at these addresses has reached value.");
-    m.def("cpu_isa", &mpidist::cpu::isa, "Instruction set the CPU loops were compiled for and chosen at load.");
+    m.def("cpu_isa", &mpidist::cpu::isa, "Instruction set the CPU loops run: the widest this CPU has, or set_cpu_isa's.");
+    m.def("cpu_isas", &mpidist::cpu::runnable_isas, "Instruction sets this CPU can run the loops with, widest first.");
+    m.def("set_cpu_isa", &mpidist::cpu::set_isa, py::arg("name"),
+          "Run the CPU loops compiled for this instruction set (one of cpu_isas()).");
 #ifdef MPIDIST_WITH_CUDA
     bind_kernels<CudaBackend, std::uintptr_t, int>(m, "cuda_", py::arg("stream") = std::uintptr_t(0), py::arg("device") = -1);
     m.def("cuda_synchronize", &mpidist::cuda::synchronize, py::arg("stream") = std::uintptr_t(0),

@@ -113,9 +113,12 @@ namespace baseline {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #define MPIDIST_LOOPS_F16C 1
+#define MPIDIST_LOOPS_AVX2 1
 namespace avx2 {
 #include "reduce_loops.h"
 }  // namespace avx2
+#undef MPIDIST_LOOPS_AVX2
+#undef MPIDIST_LOOPS_WIDE
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
@@ -128,6 +131,7 @@ namespace avx512 {
 #include "reduce_loops.h"
 }  // namespace avx512
 #undef MPIDIST_LOOPS_AVX512
+#undef MPIDIST_LOOPS_WIDE
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
 #undef MPIDIST_LOOPS_F16C
@@ -138,22 +142,34 @@ struct Selected {
     const char* isa;
 };
 
-Selected select_loops() {
+// The loops compiled into this module that this CPU can run, widest first.
+std::vector<Selected> runnable_loops() {
+    std::vector<Selected> runnable;
 #ifdef MPIDIST_HAVE_X86_LOOPS
     __builtin_cpu_init();
     const bool avx2 =
         __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-        return {&avx512::kLoops, "avx512"};
-    if (avx2) return {&avx2::kLoops, "avx2"};
+        runnable.push_back({&avx512::kLoops, "avx512"});
+    if (avx2) runnable.push_back({&avx2::kLoops, "avx2"});
 #endif
-    return {&baseline::kLoops, "baseline"};
+    runnable.push_back({&baseline::kLoops, "baseline"});
+    return runnable;
 }
 
+const std::vector<Selected>& runnable() {
+    static const std::vector<Selected> loops = runnable_loops();
+    return loops;
+}
+
+// The widest runnable loops unless set_isa chose others (to measure a narrower instruction set
+// on a machine that has a wider one).
+std::atomic<const Selected*> g_selected{nullptr};
+
 const Selected& selected() {
-    static const Selected chosen = select_loops();
-    return chosen;
+    const Selected* chosen = g_selected.load(std::memory_order_acquire);
+    return chosen ? *chosen : runnable().front();
 }
 
 // Below this many bytes per buffer one thread is faster than waking a team.
@@ -243,6 +259,24 @@ void check_lengths(size_t ptrs, size_t lens) {
 }  // namespace
 
 const char* isa() { return selected().isa; }
+
+std::vector<std::string> runnable_isas() {
+    std::vector<std::string> names;
+    for (const Selected& loops : runnable()) names.push_back(loops.isa);
+    return names;
+}
+
+void set_isa(const std::string& name) {
+    for (const Selected& loops : runnable()) {
+        if (name == loops.isa) {
+            g_selected.store(&loops, std::memory_order_release);
+            return;
+        }
+    }
+    std::string listed;
+    for (const std::string& isa : runnable_isas()) listed += (listed.empty() ? "" : ", ") + isa;
+    throw std::invalid_argument("instruction set '" + name + "' is not one this CPU runs; it runs: " + listed);
+}
 
 void set_num_threads(int n) {
     if (n < 1) throw std::invalid_argument("number of threads must be >= 1, got " + std::to_string(n));

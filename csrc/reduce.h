@@ -52,8 +52,14 @@ void cast(void* dst, DType dst_dtype, const void* src, DType src_dtype, std::siz
 // this process divided by the MPI ranks on this node, at least 1.
 void set_num_threads(int n);
 int get_num_threads();
-// Name of the instruction set the loops were dispatched to ("avx512", "avx2" or "baseline").
+// Name of the instruction set the loops run ("avx512", "avx2" or "baseline"): the widest this
+// CPU has, unless set_isa chose another.
 const char* isa();
+// The instruction sets this CPU can run the loops with, widest first.
+std::vector<std::string> runnable_isas();
+// Runs the loops compiled for `name` from now on (one of runnable_isas(); std::invalid_argument
+// otherwise). For measuring a narrower instruction set on a machine with a wider one.
+void set_isa(const std::string& name);
 
 }  // namespace cpu
 

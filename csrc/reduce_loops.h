@@ -6,7 +6,8 @@
 // <type_traits>, <immintrin.h>, combine.h (the element combine, shared with the CUDA kernels) and
 // the Half / BFloat16 storage types. MPIDIST_LOOPS_F16C is
 // defined for copies compiled with F16C, which then convert float16 with those instructions, and
-// MPIDIST_LOOPS_AVX512 for the AVX-512 copy, which adds register loops for the half types.
+// MPIDIST_LOOPS_AVX2 / MPIDIST_LOOPS_AVX512 for the AVX2 and AVX-512 copies, which add register
+// loops for the half types.
 
 // ---- float16 / bfloat16 <-> float32 with integer bit operations (branch-free, vectorizable) ----
 
@@ -126,47 +127,66 @@ inline void ElemBase<T, Acc>::store_n(const Acc* in, T* dst, size_t m) {
     for (size_t i = 0; i < m; ++i) dst[i] = Elem<T>::store(in[i]);
 }
 
-// ---- AVX-512 loops for the half types, with the conversions in registers ----------------------
+// ---- register loops for the half types (AVX2 and AVX-512), conversions in registers --------
 //
 // GCC vectorizes the bfloat16 element converters above with zero-extending widens and narrowing
 // moves, and the float16 block path stages 8-element F16C conversions through L1 arrays; both
-// leave the half-type kernels compute-bound where the data is in cache. These loops handle 32
-// elements per vector step, with every conversion in registers, and round exactly as the element
-// code (every non-NaN result is bitwise the same; a NaN result is a quiet NaN, but which input
-// NaN's sign and payload it carries when both inputs are NaN follows the operand order of the
-// vector instruction, which GCC may also commute in the element loops; float16 NaN results now
-// keep the F16C payload everywhere, where the last n % 8 elements of the old block path went
-// through float_to_half and came out as the canonical 0x7e00 with the sign):
-//  - bfloat16: one 512-bit load holds 32 values; as 32-bit lanes, `x << 16` are the even-indexed
-//    values as float32 and `x & 0xffff0000` the odd-indexed ones, so both halves are combined
-//    lane by lane with no permutes. Rounding is the same integer RNE as float_to_bfloat16, NaN
-//    lanes (found with an unordered compare) get the quiet bit instead, and the two rounded
-//    halves are merged back with one 16-bit blend.
-//  - float16: F16C vcvtph2ps / vcvtps2ph on 512-bit registers (round to nearest even).
-// The tail is handled with masked loads and stores, so there is no element loop.
-#ifdef MPIDIST_LOOPS_AVX512
-template <Op op>
-static inline __m512 combine16(__m512 a, __m512 b) {
-    if constexpr (op == Op::sum) {
-        return _mm512_add_ps(a, b);
-    } else if constexpr (op == Op::prod) {
-        return _mm512_mul_ps(a, b);
-    } else {
-        // Same selection as combine(): a wins when it is smaller (larger) or NaN.
-        constexpr int kPredicate = op == Op::min ? _CMP_LT_OQ : _CMP_GT_OQ;
-        const __mmask16 pick = _mm512_cmp_ps_mask(a, b, kPredicate) | _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
-        return _mm512_mask_blend_ps(pick, b, a);
-    }
-}
+// leave the half-type kernels compute-bound where the data is in cache (on AVX2 at 0.6-0.95x of
+// torch's own ops). These loops handle one integer register of half-type elements per step (16
+// with AVX2, 32 with AVX-512), with every conversion in registers, and round exactly as the
+// element code (every non-NaN result is bitwise the same; a NaN result is a quiet NaN, but which
+// input NaN's sign and payload it carries when both inputs are NaN follows the operand order of
+// the vector instruction, which GCC may also commute in the element loops; float16 NaN results
+// keep the F16C payload everywhere):
+//  - bfloat16: as 32-bit lanes, `x << 16` are the even-indexed values as float32 and
+//    `x & 0xffff0000` the odd-indexed ones, so both halves are combined lane by lane with no
+//    permutes. Rounding is the same integer RNE as float_to_bfloat16, NaN lanes (found with an
+//    unordered compare) get the quiet bit instead, and the two rounded halves are merged back
+//    with one 16-bit blend.
+//  - float16: F16C vcvtph2ps / vcvtps2ph (round to nearest even).
+// The last n % step elements go through a zero-padded buffer of one step, so the tail runs the
+// same vector code as the body.
+//
+// Per instruction set, `Vec` holds the float32 register operations and Wide<T> the loads,
+// stores and conversions of a half type; the loops below them are written once.
+#if defined(MPIDIST_LOOPS_AVX512) || defined(MPIDIST_LOOPS_AVX2)
+#define MPIDIST_LOOPS_WIDE 1
 
 template <typename T>
 struct Wide {
     static constexpr bool kAvailable = false;
+    static constexpr bool kRegisterCasts = false;
+};
+
+#ifdef MPIDIST_LOOPS_AVX512
+struct Vec {
+    using F = __m512;
+    static constexpr size_t kLanes = 16;
+    static inline F set1(float x) { return _mm512_set1_ps(x); }
+    static inline F load(const float* p) { return _mm512_loadu_ps(p); }
+    static inline void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+    static inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    template <Op op>
+    static inline F combine(F a, F b) {
+        if constexpr (op == Op::sum) {
+            return _mm512_add_ps(a, b);
+        } else if constexpr (op == Op::prod) {
+            return _mm512_mul_ps(a, b);
+        } else {
+            // Same selection as combine(): a wins when it is smaller (larger) or NaN.
+            constexpr int kPredicate = op == Op::min ? _CMP_LT_OQ : _CMP_GT_OQ;
+            const __mmask16 pick = _mm512_cmp_ps_mask(a, b, kPredicate) | _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+            return _mm512_mask_blend_ps(pick, b, a);
+        }
+    }
 };
 
 template <>
 struct Wide<BFloat16> {
     static constexpr bool kAvailable = true;
+    // float32 <-> bfloat16 casts stay on the element loops here, measured at 1.04-1.35x torch.
+    static constexpr bool kRegisterCasts = false;
+    static constexpr size_t kStep = 32;
     struct Pair {
         __m512 even, odd;
     };
@@ -175,7 +195,6 @@ struct Wide<BFloat16> {
                 _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)))};
     }
     static inline Pair load(const BFloat16* p) { return widen(_mm512_loadu_si512((const void*)p)); }
-    static inline Pair load(const BFloat16* p, __mmask32 m) { return widen(_mm512_maskz_loadu_epi16(m, p)); }
     // float32 -> 32-bit lanes whose upper 16 bits are the bfloat16 (float_to_bfloat16, vectorized).
     static inline __m512i round(__m512 r) {
         const __m512i bits = _mm512_castps_si512(r);
@@ -184,55 +203,145 @@ struct Wide<BFloat16> {
         const __mmask16 nan = _mm512_cmp_ps_mask(r, r, _CMP_UNORD_Q);
         return _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x00400000));
     }
-    static inline __m512i narrow(Pair v) {
-        return _mm512_mask_blend_epi16(0xaaaaaaaau, _mm512_srli_epi32(round(v.even), 16), round(v.odd));
+    static inline void store(BFloat16* p, Pair v) {
+        _mm512_storeu_si512((void*)p,
+                            _mm512_mask_blend_epi16(0xaaaaaaaau, _mm512_srli_epi32(round(v.even), 16), round(v.odd)));
     }
-    static inline void store(BFloat16* p, Pair v) { _mm512_storeu_si512((void*)p, narrow(v)); }
-    static inline void store(BFloat16* p, Pair v, __mmask32 m) { _mm512_mask_storeu_epi16(p, m, narrow(v)); }
 };
 
 template <>
 struct Wide<Half> {
     static constexpr bool kAvailable = true;
+    static constexpr bool kRegisterCasts = true;
+    static constexpr size_t kStep = 32;
     struct Pair {
         __m512 even, odd;  // elements 0-15 and 16-31 (the names only match Wide<BFloat16>)
     };
-    static inline Pair widen(__m512i x) {
+    static inline Pair load(const Half* p) {
+        const __m512i x = _mm512_loadu_si512((const void*)p);
         return {_mm512_cvtph_ps(_mm512_castsi512_si256(x)), _mm512_cvtph_ps(_mm512_extracti64x4_epi64(x, 1))};
     }
-    static inline Pair load(const Half* p) { return widen(_mm512_loadu_si512((const void*)p)); }
-    static inline Pair load(const Half* p, __mmask32 m) { return widen(_mm512_maskz_loadu_epi16(m, p)); }
-    static inline __m512i narrow(Pair v) {
+    static inline void store(Half* p, Pair v) {
         constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-        return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtps_ph(v.even, kRound)),
-                                  _mm512_cvtps_ph(v.odd, kRound), 1);
+        _mm512_storeu_si512((void*)p, _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtps_ph(v.even, kRound)),
+                                                          _mm512_cvtps_ph(v.odd, kRound), 1));
     }
-    static inline void store(Half* p, Pair v) { _mm512_storeu_si512((void*)p, narrow(v)); }
-    static inline void store(Half* p, Pair v, __mmask32 m) { _mm512_mask_storeu_epi16(p, m, narrow(v)); }
+    // Elements in order: the first and second 16 (the same as load/store).
+    static inline Pair load_linear(const Half* p) { return load(p); }
+    static inline void store_linear(Half* p, Pair v) { store(p, v); }
+};
+#else  // AVX2
+struct Vec {
+    using F = __m256;
+    static constexpr size_t kLanes = 8;
+    static inline F set1(float x) { return _mm256_set1_ps(x); }
+    static inline F load(const float* p) { return _mm256_loadu_ps(p); }
+    static inline void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+    static inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+    template <Op op>
+    static inline F combine(F a, F b) {
+        if constexpr (op == Op::sum) {
+            return _mm256_add_ps(a, b);
+        } else if constexpr (op == Op::prod) {
+            return _mm256_mul_ps(a, b);
+        } else {
+            // Same selection as combine(): a wins when it is smaller (larger) or NaN.
+            constexpr int kPredicate = op == Op::min ? _CMP_LT_OQ : _CMP_GT_OQ;
+            const __m256 pick = _mm256_or_ps(_mm256_cmp_ps(a, b, kPredicate), _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+            return _mm256_blendv_ps(b, a, pick);
+        }
+    }
 };
 
-// The mask of the first `left` of 32 16-bit lanes (all of them when left >= 32): the tails.
-static inline __mmask32 tail_mask(size_t left) {
-    return left >= 32 ? ~__mmask32(0) : (__mmask32)((1u << left) - 1u);
-}
+template <>
+struct Wide<BFloat16> {
+    static constexpr bool kAvailable = true;
+    // GCC's element loops cast float32 -> bfloat16 at 0.6-0.8x torch here.
+    static constexpr bool kRegisterCasts = true;
+    static constexpr size_t kStep = 16;
+    struct Pair {
+        __m256 even, odd;
+    };
+    static inline Pair load(const BFloat16* p) {
+        const __m256i x = _mm256_loadu_si256((const __m256i*)p);
+        return {_mm256_castsi256_ps(_mm256_slli_epi32(x, 16)),
+                _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xffff0000u)))};
+    }
+    // float32 -> 32-bit lanes whose upper 16 bits are the bfloat16 (float_to_bfloat16, vectorized).
+    static inline __m256i round(__m256 r) {
+        const __m256i bits = _mm256_castps_si256(r);
+        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+        const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb);
+        const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(r, r, _CMP_UNORD_Q));
+        return _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000)), nan);
+    }
+    static inline void store(BFloat16* p, Pair v) {
+        // vpblendw repeats its 8-bit pattern in both 128-bit halves: odd words from round(odd).
+        _mm256_storeu_si256((__m256i*)p, _mm256_blend_epi16(_mm256_srli_epi32(round(v.even), 16), round(v.odd), 0xaa));
+    }
+    // Elements in order: 0-7 and 8-15, for the casts.
+    static inline Pair load_linear(const BFloat16* p) {
+        const __m256i low = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+        const __m256i high = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 8)));
+        return {_mm256_castsi256_ps(_mm256_slli_epi32(low, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(high, 16))};
+    }
+    static inline void store_linear(BFloat16* p, Pair v) {
+        // packus interleaves the two registers per 128-bit half (0-3, 8-11, 4-7, 12-15): the
+        // 64-bit permute puts them back in order.
+        const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(round(v.even), 16), _mm256_srli_epi32(round(v.odd), 16));
+        _mm256_storeu_si256((__m256i*)p, _mm256_permute4x64_epi64(packed, 0xd8));
+    }
+};
+
+template <>
+struct Wide<Half> {
+    static constexpr bool kAvailable = true;
+    static constexpr bool kRegisterCasts = true;
+    static constexpr size_t kStep = 16;
+    struct Pair {
+        __m256 even, odd;  // elements 0-7 and 8-15 (the names only match Wide<BFloat16>)
+    };
+    static inline Pair load(const Half* p) {
+        return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)),
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)))};
+    }
+    static inline void store(Half* p, Pair v) {
+        constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph(v.even, kRound));
+        _mm_storeu_si128((__m128i*)(p + 8), _mm256_cvtps_ph(v.odd, kRound));
+    }
+    static inline Pair load_linear(const Half* p) { return load(p); }
+    static inline void store_linear(Half* p, Pair v) { store(p, v); }
+};
+#endif
+
+// A tail of `left` < kStep elements as a whole zero-padded step.
+template <typename T>
+struct PaddedStep {
+    T data[Wide<T>::kStep] = {};
+    PaddedStep() = default;
+    PaddedStep(const T* src, size_t left) { std::memcpy(data, src, left * sizeof(T)); }
+    void copy_to(T* dst, size_t left) const { std::memcpy(dst, data, left * sizeof(T)); }
+};
 
 template <typename T>
 struct WideLoops {
     using W = Wide<T>;
     using Pair = typename W::Pair;
-    static constexpr size_t kStep = 32;
+    using F = Vec::F;
+    static constexpr size_t kStep = W::kStep;
 
     template <Op op, bool kScaled>
-    static inline Pair step2(Pair x, Pair y, __m512 factor) {
-        Pair r{combine16<op>(x.even, y.even), combine16<op>(x.odd, y.odd)};
-        if constexpr (kScaled) r = Pair{_mm512_mul_ps(r.even, factor), _mm512_mul_ps(r.odd, factor)};
+    static inline Pair step2(Pair x, Pair y, F factor) {
+        Pair r{Vec::combine<op>(x.even, y.even), Vec::combine<op>(x.odd, y.odd)};
+        if constexpr (kScaled) r = Pair{Vec::mul(r.even, factor), Vec::mul(r.odd, factor)};
         return r;
     }
 
     // dst = (a op b) [* factor]; dst may be a or b.
     template <Op op, bool kScaled>
     static void combine_into(T* dst, const T* a, const T* b, size_t n, float factor) {
-        const __m512 f = _mm512_set1_ps(factor);
+        const F f = Vec::set1(factor);
         size_t i = 0;
         for (; i + 2 * kStep <= n; i += 2 * kStep) {
             const Pair x0 = W::load(a + i), y0 = W::load(b + i);
@@ -240,45 +349,53 @@ struct WideLoops {
             W::store(dst + i, step2<op, kScaled>(x0, y0, f));
             W::store(dst + i + kStep, step2<op, kScaled>(x1, y1, f));
         }
-        for (; i < n; i += kStep) {
-            const __mmask32 m = tail_mask(n - i);
-            W::store(dst + i, step2<op, kScaled>(W::load(a + i, m), W::load(b + i, m), f), m);
+        for (; i + kStep <= n; i += kStep) W::store(dst + i, step2<op, kScaled>(W::load(a + i), W::load(b + i), f));
+        if (i < n) {
+            const PaddedStep<T> x(a + i, n - i), y(b + i, n - i);
+            PaddedStep<T> r;
+            W::store(r.data, step2<op, kScaled>(W::load(x.data), W::load(y.data), f));
+            r.copy_to(dst + i, n - i);
         }
     }
 
     // data *= factor in float32 registers, rounded once (the staged block loop spends most of
-    // its time staging: 0.67-0.71x torch's float16 mul_ at 4-16 MiB).
+    // its time staging: 0.67-0.71x torch's float16 mul_ at 4-16 MiB with AVX-512).
+    static inline Pair scaled(Pair x, F f) { return Pair{Vec::mul(x.even, f), Vec::mul(x.odd, f)}; }
     static void scale(T* data, size_t n, float factor) {
-        const __m512 f = _mm512_set1_ps(factor);
+        const F f = Vec::set1(factor);
         size_t i = 0;
-        for (; i + kStep <= n; i += kStep) {
-            const Pair x = W::load(data + i);
-            W::store(data + i, Pair{_mm512_mul_ps(x.even, f), _mm512_mul_ps(x.odd, f)});
-        }
+        for (; i + kStep <= n; i += kStep) W::store(data + i, scaled(W::load(data + i), f));
         if (i < n) {
-            const __mmask32 m = tail_mask(n - i);
-            const Pair x = W::load(data + i, m);
-            W::store(data + i, Pair{_mm512_mul_ps(x.even, f), _mm512_mul_ps(x.odd, f)}, m);
+            PaddedStep<T> x(data + i, n - i);
+            W::store(x.data, scaled(W::load(x.data), f));
+            x.copy_to(data + i, n - i);
         }
     }
 
     // dst = s[0] op s[1] op ... op s[K-1], left to right in float32 registers, rounded once.
     template <Op op, int K>
+    static inline Pair fold_step(const T* const* s, size_t i) {
+        const F one = Vec::set1(1.0f);
+        Pair r = W::load(s[0] + i);
+        for (int j = 1; j < K; ++j) r = step2<op, false>(r, W::load(s[j] + i), one);
+        return r;
+    }
+    template <Op op, int K>
     static void fused(T* dst, const T* const* srcs, size_t n) {
-        const __m512 one = _mm512_set1_ps(1.0f);
         const T* s[K];
         for (int j = 0; j < K; ++j) s[j] = srcs[j];
         size_t i = 0;
-        for (; i + kStep <= n; i += kStep) {
-            Pair r = W::load(s[0] + i);
-            for (int j = 1; j < K; ++j) r = step2<op, false>(r, W::load(s[j] + i), one);
-            W::store(dst + i, r);
-        }
+        for (; i + kStep <= n; i += kStep) W::store(dst + i, fold_step<op, K>(s, i));
         if (i < n) {
-            const __mmask32 m = tail_mask(n - i);
-            Pair r = W::load(s[0] + i, m);
-            for (int j = 1; j < K; ++j) r = step2<op, false>(r, W::load(s[j] + i, m), one);
-            W::store(dst + i, r, m);
+            PaddedStep<T> tails[K];
+            const T* t[K];
+            for (int j = 0; j < K; ++j) {
+                tails[j] = PaddedStep<T>(s[j] + i, n - i);
+                t[j] = tails[j].data;
+            }
+            PaddedStep<T> r;
+            W::store(r.data, fold_step<op, K>(t, 0));
+            r.copy_to(dst + i, n - i);
         }
     }
 
@@ -295,43 +412,52 @@ struct WideLoops {
             default: return false;
         }
     }
-};
 
-// float32 <-> float16 in registers (F16C on 512-bit registers, round to nearest even), `factor`
-// applied in float32 before the one rounding. The staged block loop spends most of its time on
-// the staging, and measured at half of torch's speed.
-struct WideHalfCast {
-    using W = Wide<Half>;
-
-    static void from_float(Half* dst, const float* src, size_t n, float factor) {
-        const __m512 f = _mm512_set1_ps(factor);
+    // float32 <-> T in registers, `factor` applied in float32 before the one rounding (the
+    // staged block loop spends most of its time on the staging). A factor of 1 skips the
+    // multiplications: casts are memory-bound only once the data leaves the caches.
+    template <bool kScaled>
+    static inline Pair load_floats(const float* src, F f) {
+        const Pair x{Vec::load(src), Vec::load(src + Vec::kLanes)};
+        return kScaled ? scaled(x, f) : x;
+    }
+    template <bool kScaled>
+    static void from_float_loop(T* dst, const float* src, size_t n, F f) {
         size_t i = 0;
-        for (; i + 32 <= n; i += 32) {
-            const __m512 low = _mm512_loadu_ps(src + i), high = _mm512_loadu_ps(src + i + 16);
-            W::store(dst + i, W::Pair{_mm512_mul_ps(low, f), _mm512_mul_ps(high, f)});
-        }
-        if (i < n) {  // the tail, with masks
-            const __mmask32 m = tail_mask(n - i);
-            const __m512 low = _mm512_maskz_loadu_ps((__mmask16)m, src + i);
-            const __m512 high = _mm512_maskz_loadu_ps((__mmask16)(m >> 16), src + i + 16);
-            W::store(dst + i, W::Pair{_mm512_mul_ps(low, f), _mm512_mul_ps(high, f)}, m);
+        for (; i + kStep <= n; i += kStep) W::store_linear(dst + i, load_floats<kScaled>(src + i, f));
+        if (i < n) {
+            float padded[kStep] = {};
+            std::memcpy(padded, src + i, (n - i) * sizeof(float));
+            PaddedStep<T> r;
+            W::store_linear(r.data, load_floats<kScaled>(padded, f));
+            r.copy_to(dst + i, n - i);
         }
     }
+    static void from_float(T* dst, const float* src, size_t n, float factor) {
+        if (factor == 1.0f) return from_float_loop<false>(dst, src, n, Vec::set1(factor));
+        from_float_loop<true>(dst, src, n, Vec::set1(factor));
+    }
 
-    static void to_float(float* dst, const Half* src, size_t n, float factor) {
-        const __m512 f = _mm512_set1_ps(factor);
+    template <bool kScaled>
+    static inline void store_floats(float* dst, Pair v, F f) {
+        if constexpr (kScaled) v = scaled(v, f);
+        Vec::store(dst, v.even);
+        Vec::store(dst + Vec::kLanes, v.odd);
+    }
+    template <bool kScaled>
+    static void to_float_loop(float* dst, const T* src, size_t n, F f) {
         size_t i = 0;
-        for (; i + 32 <= n; i += 32) {
-            const W::Pair v = W::load(src + i);
-            _mm512_storeu_ps(dst + i, _mm512_mul_ps(v.even, f));
-            _mm512_storeu_ps(dst + i + 16, _mm512_mul_ps(v.odd, f));
-        }
+        for (; i + kStep <= n; i += kStep) store_floats<kScaled>(dst + i, W::load_linear(src + i), f);
         if (i < n) {
-            const __mmask32 m = tail_mask(n - i);
-            const W::Pair v = W::load(src + i, m);
-            _mm512_mask_storeu_ps(dst + i, (__mmask16)m, _mm512_mul_ps(v.even, f));
-            _mm512_mask_storeu_ps(dst + i + 16, (__mmask16)(m >> 16), _mm512_mul_ps(v.odd, f));
+            const PaddedStep<T> x(src + i, n - i);
+            float padded[kStep];
+            store_floats<kScaled>(padded, W::load_linear(x.data), f);
+            std::memcpy(dst + i, padded, (n - i) * sizeof(float));
         }
+    }
+    static void to_float(float* dst, const T* src, size_t n, float factor) {
+        if (factor == 1.0f) return to_float_loop<false>(dst, src, n, Vec::set1(factor));
+        to_float_loop<true>(dst, src, n, Vec::set1(factor));
     }
 };
 #endif
@@ -350,7 +476,7 @@ struct Kernels {
     // dst may be a or b (element-wise, so exact aliasing is safe).
     template <Op op, bool kScaled>
     static void combine_into(T* dst, const T* a, const T* b, size_t n, Acc factor) {
-#ifdef MPIDIST_LOOPS_AVX512
+#ifdef MPIDIST_LOOPS_WIDE
         if constexpr (Wide<T>::kAvailable) return WideLoops<T>::template combine_into<op, kScaled>(dst, a, b, n, factor);
 #endif
         if constexpr (E::kBlocked) {
@@ -444,7 +570,7 @@ struct Kernels {
     // in order, then stored once. dst may alias any source: a block is read before it is written.
     template <Op op>
     static void reduce_many_op(T* dst, const T* const* srcs, size_t k, size_t n) {
-#ifdef MPIDIST_LOOPS_AVX512
+#ifdef MPIDIST_LOOPS_WIDE
         // Few sources: all of them streamed at once, accumulated in registers.
         if constexpr (Wide<T>::kAvailable) {
             if (WideLoops<T>::template fused_any<op>(dst, srcs, k, n)) return;
@@ -478,7 +604,7 @@ struct Kernels {
     static void scale(void* data, size_t n, double factor) {
         T* d = (T*)data;
         const Acc f = (Acc)factor;
-#ifdef MPIDIST_LOOPS_AVX512
+#ifdef MPIDIST_LOOPS_WIDE
         if constexpr (Wide<T>::kAvailable) return WideLoops<T>::scale(d, n, (float)factor);
 #endif
         if constexpr (E::kBlocked) {
@@ -501,11 +627,11 @@ struct Kernels {
     static void cast_from(void* dst, const void* src, size_t n, float factor) {
         T* d = (T*)dst;
         const S* s = (const S*)src;
-#ifdef MPIDIST_LOOPS_AVX512
-        if constexpr (std::is_same<T, Half>::value && std::is_same<S, float>::value)
-            return WideHalfCast::from_float(d, s, n, factor);
-        if constexpr (std::is_same<T, float>::value && std::is_same<S, Half>::value)
-            return WideHalfCast::to_float(d, s, n, factor);
+#ifdef MPIDIST_LOOPS_WIDE
+        if constexpr (std::is_same<S, float>::value && Wide<T>::kRegisterCasts)
+            return WideLoops<T>::from_float(d, s, n, factor);
+        if constexpr (std::is_same<T, float>::value && Wide<S>::kRegisterCasts)
+            return WideLoops<S>::to_float(d, s, n, factor);
 #endif
         if constexpr (E::kBlocked || Elem<S>::kBlocked) {
             float x[kBlock];

@@ -21,7 +21,7 @@ CAST_DTYPES = ("float32", "float16", "bfloat16")
 __all__ = [
     "OPS", "reduce", "reduce_scale", "scale", "reduce_many", "reduce_many_to", "pack", "unpack", "cast",
     "reduce_ptr", "reduce_scale_ptr", "scale_ptr", "reduce_many_ptr", "reduce_many_to_ptr",
-    "cuda_available", "set_num_threads", "get_num_threads",
+    "cuda_available", "set_num_threads", "get_num_threads", "cpu_isa", "cpu_isas", "set_cpu_isa",
 ]
 
 _NO_CUDA = "mpidist._C was built without CUDA; reinstall with MPIDIST_CUDA=1"
@@ -261,6 +261,27 @@ def set_num_threads(n: int) -> None:
 def get_num_threads() -> int:
     """Threads the CPU kernels use: set_num_threads, else OMP_NUM_THREADS, else cores / local ranks."""
     return _C.get_num_threads()
+
+
+# ---- instruction sets -------------------------------------------------------------------------
+
+def cpu_isa() -> str:
+    """Instruction set the CPU loops run ("avx512", "avx2" or "baseline")."""
+    return _C.cpu_isa()
+
+
+def cpu_isas() -> list:
+    """Instruction sets this CPU can run the loops with, widest first (the first is the default)."""
+    return list(_C.cpu_isas())
+
+
+def set_cpu_isa(name: str) -> None:
+    """Run the CPU loops compiled for `name` (one of cpu_isas()) in this process from now on: to
+    measure or test a narrower instruction set on a machine that has a wider one."""
+    try:
+        _C.set_cpu_isa(name)
+    except ValueError as error:
+        raise InvalidArgumentError(str(error)) from None
 
 
 # ---- helpers of the collectives ---------------------------------------------------------------

@@ -32,6 +32,16 @@ UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, 
 # Smallest positive subnormal: absolute slack where results underflow.
 TINY = {"float16": 2.0**-24, "bfloat16": 2.0**-133, "float32": 2.0**-149, "float64": 5e-324}
 BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+ISAS = kernels.cpu_isas()  # this CPU's instruction sets, the default first
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Runs a test with the loops of each instruction set this CPU can run (each has its own
+    register code for the half types), then goes back to the default."""
+    kernels.set_cpu_isa(request.param)
+    yield request.param
+    kernels.set_cpu_isa(ISAS[0])
 
 
 def tdtype(name):
@@ -110,6 +120,7 @@ def reference(a, b, op):
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("op", kernels.OPS)
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.usefixtures("isa")
 def test_reduce_matches_reference_bitwise(dtype, op, n):
     dst, src = make(dtype, n, op, seed=1), make(dtype, n, op, seed=2)
     want = reference(dst, src, op)
@@ -137,6 +148,7 @@ def test_reduce_numpy_arrays_and_aliasing():
 
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("op", kernels.OPS)
+@pytest.mark.usefixtures("isa")
 def test_nan_and_inf_propagate(dtype, op):
     special = [np.nan, np.inf, -np.inf, 1.0, np.nan, np.inf, 0.0, -2.0]
     other = [1.0, 2.0, -np.inf, np.nan, np.nan, np.inf, np.inf, -np.inf]
@@ -152,6 +164,7 @@ def test_nan_and_inf_propagate(dtype, op):
 
 
 @pytest.mark.parametrize("dtype,one_plus_tie", [("bfloat16", 2.0**-8), ("float16", 2.0**-11)])
+@pytest.mark.usefixtures("isa")
 def test_half_sum_rounds_ties_to_even(dtype, one_plus_tie):
     # 1 + half an ulp is a tie: even is 1.0; (1 + ulp) + half an ulp rounds up to 1 + 2 ulp.
     ulp = 2 * one_plus_tie
@@ -167,6 +180,7 @@ def test_half_sum_rounds_ties_to_even(dtype, one_plus_tie):
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("op", kernels.OPS)
 @pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.usefixtures("isa")
 def test_reduce_scale_matches_float64(dtype, op, n):
     factor = 1.0 / 3.0
     dst, src = make(dtype, n, op, seed=5), make(dtype, n, op, seed=6)
@@ -189,6 +203,7 @@ def test_reduce_scale_integers_only_by_one(dtype):
 
 
 @pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+@pytest.mark.usefixtures("isa")
 def test_half_scale_specials_and_misaligned_match_torch(dtype):
     # An odd count at an odd element offset (not 64-byte aligned), with NaN, infinities, signed
     # zeros, subnormals and values that overflow or round at the halfway point once scaled:
@@ -208,6 +223,7 @@ def test_half_scale_specials_and_misaligned_match_torch(dtype):
 
 @pytest.mark.parametrize("n", (0, 7, (1 << 20) + 3))
 @pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.usefixtures("isa")
 def test_scale_rounds_once(dtype, n):
     x = make(dtype, n, seed=9)
     want = torch.from_numpy(as_f64(x) * 0.1).to(x.dtype) if dtype != "float64" else x * 0.1
@@ -239,6 +255,7 @@ def model_reduce_many(srcs, op):
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("op", kernels.OPS)
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.usefixtures("isa")
 def test_reduce_many(dtype, op, n, k):
     srcs = [make(dtype, n, op, seed=20 + j) for j in range(k)]
     want = model_reduce_many(srcs, op)
@@ -301,6 +318,7 @@ def model_scale(x, factor):
 @pytest.mark.parametrize("n", (0, 7, 5003, (1 << 19) + 3))
 @pytest.mark.parametrize("op", kernels.OPS)
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.usefixtures("isa")
 def test_reduce_many_to(dtype, op, n, k):
     srcs = [make(dtype, n, op, seed=100 + j) for j in range(k)]
     factor = 1.0 / 3.0 if dtype in FLOATS else 1.0
@@ -364,6 +382,7 @@ def float32_edge_values():
 
 
 @pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.usefixtures("isa")
 def test_cast_float32_to_half_is_round_to_nearest_even(dtype):
     src = float32_edge_values()
     dst = torch.empty(src.numel(), dtype=tdtype(dtype))
@@ -372,6 +391,7 @@ def test_cast_float32_to_half_is_round_to_nearest_even(dtype):
 
 
 @pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.usefixtures("isa")
 def test_cast_half_to_float32_is_exact(dtype):
     every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(tdtype(dtype))
     dst = torch.empty(every.numel(), dtype=torch.float32)
@@ -383,6 +403,7 @@ def test_cast_half_to_float32_is_exact(dtype):
                                                  ("float32", "float16"), ("float32", "bfloat16"),
                                                  ("float32", "float32"), ("bfloat16", "float16")])
 @pytest.mark.parametrize("n", (0, 1, 7, 1023, (1 << 20) + 3))
+@pytest.mark.usefixtures("isa")
 def test_cast_with_scale_rounds_once(dst_dtype, src_dtype, n):
     src = make(src_dtype, n, seed=61)
     factor = 0.125  # a power of two: the scaled float32 value is exact, so only the cast rounds
@@ -391,6 +412,7 @@ def test_cast_with_scale_rounds_once(dst_dtype, src_dtype, n):
     assert_bitwise(dst, (src.to(torch.float32) * factor).to(tdtype(dst_dtype)))
 
 
+@pytest.mark.usefixtures("isa")
 def test_cast_misaligned_and_errors():
     src = make("float32", 1001, seed=62)[1:]
     dst = torch.empty(1001, dtype=torch.bfloat16)[1:]
@@ -471,6 +493,19 @@ def test_cuda_call_without_gpu_raises_the_cuda_error():
     with pytest.raises(MpidistError, match="synchronize: mpidist CUDA error"):
         kernels.synchronize("cuda:0")
     kernels.synchronize("cpu")  # nothing to wait for
+
+
+def test_cpu_isa_switch():
+    assert kernels.cpu_isa() == ISAS[0] and "baseline" in ISAS
+    kernels.set_cpu_isa("baseline")
+    try:
+        assert kernels.cpu_isa() == "baseline"
+        with pytest.raises(InvalidArgumentError, match="'neon' is not one this CPU runs; it runs: " + ", ".join(ISAS)):
+            kernels.set_cpu_isa("neon")
+        assert kernels.cpu_isa() == "baseline"
+    finally:
+        kernels.set_cpu_isa(ISAS[0])
+    assert kernels.cpu_isa() == ISAS[0]
 
 
 def test_thread_count_setting(kernel_threads):
