@@ -13,6 +13,7 @@ Tolerances come from the dtype's unit roundoff u (2**-24 float32, 2**-53 float64
     float32, float64 for float64, rounded once).
 """
 import os
+import shutil
 import subprocess
 import sys
 
@@ -533,6 +534,22 @@ def test_default_thread_count_shares_cores_between_local_ranks(env, expected):
 
 
 # ---- CUDA ------------------------------------------------------------------------------------
+
+ARM_CXX = shutil.which("aarch64-linux-gnu-g++")
+EM_AARCH64 = 183  # e_machine of an ELF object for 64-bit Arm
+
+
+@pytest.mark.skipif(ARM_CXX is None, reason="no aarch64 cross compiler (Debian's g++-aarch64-linux-gnu)")
+def test_cpu_kernels_compile_for_arm(tmp_path):
+    """The CPU loops build for 64-bit Arm (clusters of Grace CPUs), with setup.py's flags and no
+    warnings: no x86-only code outside the x86 copies, which such a build leaves out."""
+    obj = tmp_path / "reduce.o"
+    result = subprocess.run([ARM_CXX, "-std=c++17", "-O3", "-fopenmp", "-fno-trapping-math", "-Wall", "-Werror",
+                             "-Icsrc", "-c", "csrc/reduce.cpp", "-o", str(obj)], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    header = obj.read_bytes()[:20]
+    assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == EM_AARCH64
+
 
 def _cuda_skip_reason():
     if not _C.built_with_cuda:
