@@ -533,11 +533,13 @@ def pytest_mpi_options(prefix) -> list:
 
 def read_junit(path: str) -> dict:
     """Counts of a pytest JUnit XML report, with the names of the tests that did not pass. A test
-    reported more than once (pytest-isolate-mpi adds an entry for the launch of a multi-rank test)
-    failed if any entry failed, else skipped if any entry skipped."""
+    reported more than once (pytest-isolate-mpi reports a multi-rank test once per rank, "[rank=N]",
+    and once for the launch as a whole) failed if any entry failed, else
+    skipped if any entry skipped."""
     outcomes = {}
     for case in ElementTree.parse(path).getroot().iter("testcase"):
-        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        test = re.sub(r"\[rank=[0-9]+\]$", "", case.get("name", ""))
+        name = f"{case.get('classname', '')}::{test}"
         if case.find("failure") is not None or case.find("error") is not None:
             outcome = "failed"
         elif case.find("skipped") is not None:
