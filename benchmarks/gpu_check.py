@@ -76,6 +76,7 @@ class GpuCheck:
         self.site = None  # where missing wheels went
         self.mpi_prefix = None  # where a carried MPI library went
         self.launcher = None  # [mpirun, its options..., "-np"]
+        self.started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         os.makedirs(out, exist_ok=True)
         self.log_path = os.path.join(out, "gpu-check.log")
         open(self.log_path, "w").close()
@@ -133,6 +134,7 @@ class GpuCheck:
         step = Step(name, status, detail, round(time.perf_counter() - start, 1))
         self.steps.append(step)
         print(f"gpu-check: {name}: {status.upper()} ({step.seconds} s){': ' + detail if detail else ''}", flush=True)
+        self.write_report(finished=False)  # a run cut short still leaves what it found
         return step
 
     # ---- 1. the machine -----------------------------------------------------------------------
@@ -143,7 +145,8 @@ class GpuCheck:
         facts["platform"] = platform.platform()
         facts["gpu"] = gpu_facts(self.command)
         nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
-        facts["nvcc"] = last_line(self.command([nvcc, "--version"]).stdout) if nvcc else "not found"
+        release = re.search(r"release [^\n]*", self.command([nvcc, "--version"]).stdout) if nvcc else None
+        facts["nvcc"] = f"{nvcc}: {release.group(0)}" if release else f"{nvcc or 'not found'}"
         probe = self.python(LIBRARIES_PROBE)
         facts.update(json.loads(probe.stdout) if probe.returncode == 0 else {"torch": f"cannot import: {tail(probe)}"})
         if self.dry_run:
@@ -329,7 +332,7 @@ class GpuCheck:
         path = os.path.join(self.out, f"kernels-{self.device}.json")
         args = [sys.executable, os.path.join(REPO, "benchmarks", "kernels.py"), "--device", self.device,
                 "--sizes", *BENCH_SIZES[self.device], "--dtypes", *BENCH_DTYPES, "--json", path]
-        args += ["--reps", "3"] if self.dry_run else ["--reps", "15", "--plot", path.replace(".json", ".png")]
+        args += ["--reps", "3"] if self.dry_run else ["--reps", "20", "--plot", path.replace(".json", ".png")]
         result = self.command(args, timeout=420)
         if result.returncode != 0 or not os.path.exists(path):
             return "failed", f"benchmarks/kernels.py failed: {tail(result)}"
@@ -354,15 +357,14 @@ class GpuCheck:
     # ---- the whole run -----------------------------------------------------------------------
 
     def run(self) -> int:
-        started = datetime.datetime.now(datetime.timezone.utc)
         machine = self.step("machine", self.machine)
         if machine.status == "failed":
-            return self.finish(started)
+            return self.finish()
         self.step("wheels", self.install_wheels)
         self.step("MPI library and launcher", self.mpi)
         built = self.step("build mpidist._C", self.build)
         if built.status == "failed":
-            return self.finish(started)
+            return self.finish()
         self.step("mpidist info", self.info)
         self.step("CUDA tests of tests/", self.cuda_tests)
         if self.launcher is None:
@@ -376,25 +378,30 @@ class GpuCheck:
                                        "mpidist info reports this MPI library is not CUDA-aware"))
         self.step(f"kernel benchmark ({self.device})", self.benchmark)
         self.step("speed targets", self.judge_targets)
-        return self.finish(started)
+        return self.finish()
 
-    def finish(self, started) -> int:
+    def finish(self) -> int:
         if self.dry_run:
             for name, why in DRY_RUN_SKIPS:
                 self.steps.append(Step(name, "skipped", why))
-        failed = [s for s in self.steps if s.status == "failed"]
-        results = {"started": started.isoformat(timespec="seconds"), "dry_run": self.dry_run,
-                   "passed": not failed, "facts": self.facts, "steps": [dataclasses.asdict(s) for s in self.steps],
-                   "launches": self.launches, "targets": self.targets, "benchmark": self.benchmark_rows}
-        with open(os.path.join(self.out, "results.json"), "w") as f:
-            json.dump(results, f, indent=1)
-        with open(os.path.join(self.out, "summary.md"), "w") as f:
-            f.write(summary_markdown(results))
+        failed = self.write_report(finished=True)
         skipped = [s.name for s in self.steps if s.status == "skipped"]
         print(f"gpu-check: {'FAILED' if failed else 'passed'}: {len(self.steps) - len(failed) - len(skipped)} passed, "
               f"{len(failed)} failed, {len(skipped)} skipped"
               f"{' (' + '; '.join(skipped) + ')' if skipped else ''}; results in {self.out}", flush=True)
         return 1 if failed else 0
+
+    def write_report(self, finished: bool) -> list:
+        """results.json and summary.md as they stand; returns the failed steps."""
+        failed = [s for s in self.steps if s.status == "failed"]
+        results = {"started": self.started, "finished": finished, "dry_run": self.dry_run, "passed": finished and not failed,
+                   "facts": self.facts, "steps": [dataclasses.asdict(s) for s in self.steps],
+                   "launches": self.launches, "targets": self.targets, "benchmark": self.benchmark_rows}
+        with open(os.path.join(self.out, "results.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        with open(os.path.join(self.out, "summary.md"), "w") as f:
+            f.write(summary_markdown(results))
+        return failed
 
 
 # What a dry run leaves out, beside the steps it runs on the CPU instead.
@@ -446,11 +453,6 @@ def tail(result, lines: int = 15) -> str:
 
 def first_line(text: str) -> str:
     return next((line.strip() for line in text.splitlines() if line.strip()), "")
-
-
-def last_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else ""
 
 
 def gpu_facts(command):
@@ -630,8 +632,9 @@ def summary_markdown(results: dict) -> str:
     facts = results["facts"]
     gpu = facts.get("gpu") or {}
     info = facts.get("mpidist_info", {})
+    verdict = ("passed" if results["passed"] else "FAILED") if results["finished"] else "unfinished (cut short?)"
     lines = [f"# mpidist GPU check{' (dry run, no GPU)' if results['dry_run'] else ''}", "",
-             f"Result: **{'passed' if results['passed'] else 'FAILED'}** ({results['started']})", "",
+             f"Result: **{verdict}** (started {results['started']})", "",
              "| | |", "| --- | --- |",
              f"| GPU | {gpu.get('name', 'none')} (compute capability {gpu.get('compute_cap', '-')}, "
              f"{gpu.get('memory', '-')}) |",
