@@ -386,14 +386,18 @@ class GpuCheck:
                 self.steps.append(Step(name, "skipped", why))
         failed = self.write_report(finished=True)
         skipped = [s.name for s in self.steps if s.status == "skipped"]
-        print(f"gpu-check: {'FAILED' if failed else 'passed'}: {len(self.steps) - len(failed) - len(skipped)} passed, "
-              f"{len(failed)} failed, {len(skipped)} skipped"
+        passed = [s.name for s in self.steps if s.status == "passed"]
+        print(f"gpu-check: {'FAILED' if failed else 'passed'}: {len(passed)} steps passed, "
+              f"{len(failed)} failed{' (' + '; '.join(failed) + ')' if failed else ''}, {len(skipped)} skipped"
               f"{' (' + '; '.join(skipped) + ')' if skipped else ''}; results in {self.out}", flush=True)
         return 1 if failed else 0
 
     def write_report(self, finished: bool) -> list:
-        """results.json and summary.md as they stand; returns the failed steps."""
-        failed = [s for s in self.steps if s.status == "failed"]
+        """results.json and summary.md as they stand; returns what failed: the failed steps, and
+        any launch with a failed check, whatever step ran it."""
+        failed = [s.name for s in self.steps if s.status == "failed"]
+        failed += [f"{launch['ranks']} ranks, {launch['route']}" for launch in self.launches
+                   if launch["problem"] or not all(check["ok"] for check in launch["checks"])]
         results = {"started": self.started, "finished": finished, "dry_run": self.dry_run, "passed": finished and not failed,
                    "facts": self.facts, "steps": [dataclasses.asdict(s) for s in self.steps],
                    "launches": self.launches, "targets": self.targets, "benchmark": self.benchmark_rows}
@@ -655,7 +659,7 @@ def summary_markdown(results: dict) -> str:
         failed = [c for c in launch["checks"] if not c["ok"]]
         lines += ["", f"### {launch['ranks']} ranks, {launch['route']}: {len(launch['checks']) - len(failed)} of "
                       f"{len(launch['checks'])} checks passed{'; ' + launch['problem'] if launch['problem'] else ''}"]
-        lines += [f"- FAILED {c['name']}: {c['detail'][:500]}" for c in failed]
+        lines += [f"- FAILED {c['name']}: {' '.join(c['detail'][:500].split())}" for c in failed]
     if results["targets"]:
         lines += ["", "## Speed targets", "", "| target | holds | measured |", "| --- | --- | --- |"]
         for target in results["targets"]:

@@ -146,6 +146,8 @@ def test_a_failed_step_fails_the_run_and_the_report_says_so(tmp_path):
     passing = gpu_check.GpuCheck(str(tmp_path / "ok"), str(tmp_path / "wheels"), dry_run=True)
     passing.step("fine", lambda: ("passed", ""))
     assert passing.finish() == 0
+    passing.launches.append({**gpu_check.merge_ranks(str(tmp_path / "no-ranks"), 2, 0), "ranks": 2, "route": "x"})
+    assert passing.finish() == 1  # a launch whose ranks never reported fails the run
 
 
 def test_wheel_list_and_launchers():
