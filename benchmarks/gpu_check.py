@@ -33,6 +33,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -108,11 +109,17 @@ class GpuCheck:
         """Run `args` in the tree, its output appended to the log; never raises for a bad exit."""
         start = time.perf_counter()
         try:
-            result = subprocess.run(args, cwd=REPO, env=env or self.env(), capture_output=True, text=True,
-                                    timeout=timeout)
-        except subprocess.TimeoutExpired as error:
-            result = subprocess.CompletedProcess(args, 124, _text(error.stdout),
-                                                 _text(error.stderr) + f"\n(killed after {timeout:.0f} s)")
+            # A session of its own, so that a timeout ends mpirun's ranks too, not mpirun alone.
+            with subprocess.Popen(args, cwd=REPO, env=env or self.env(), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, start_new_session=True) as process:
+                try:
+                    stdout, stderr = process.communicate(timeout=timeout)
+                    code = process.returncode
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    stdout, stderr = process.communicate()
+                    code, stderr = 124, stderr + f"\n(killed after {timeout:.0f} s)"
+            result = subprocess.CompletedProcess(args, code, stdout, stderr)
         except OSError as error:
             result = subprocess.CompletedProcess(args, 127, "", str(error))
         with open(self.log_path, "a") as log:
@@ -445,10 +452,6 @@ print(json.dumps({"mpi4py": mpi4py.__version__, "mpi_standard": "%d.%d" % MPI.Ge
 
 
 # ---- helpers (module level, so that tests reach them) -------------------------------------------
-
-def _text(value) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else (value or "")
-
 
 def tail(result, lines: int = 15) -> str:
     text = (result.stdout or "") + (result.stderr or "")
