@@ -19,7 +19,6 @@ import hashlib
 import math
 import os
 import pickle
-import signal
 import subprocess
 import tempfile
 import time
@@ -36,6 +35,7 @@ from pytest_isolate_mpi._subsession import assemble_sub_pytest_cmd
 MARKER = "mpi_shared_launch"
 REPORTS = "PYTEST_MPI_REPORTS_PATH"  # where pytest-isolate-mpi's ranks write their reports
 IN_SHARED_LAUNCH = "MPIDIST_TESTS_SHARED_LAUNCH"
+STOP_GRACE_S = 30  # for mpirun to end its ranks once told to
 
 
 def register(config):
@@ -77,6 +77,19 @@ def time_limit(item) -> float:
 
 def reports_directory(root: str, nodeid: str) -> str:
     return os.path.join(root, hashlib.sha256(nodeid.encode()).hexdigest()[:32])
+
+
+def stop(launch):
+    """Ends mpirun and its ranks: mpirun ends them when terminated; killed, it would leave them
+    running (each rank is a process group of its own)."""
+    if launch.poll() is not None:
+        return
+    launch.terminate()
+    try:
+        launch.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        launch.kill()
+        launch.wait()
 
 
 class SharedLaunch:
@@ -135,15 +148,12 @@ class SharedLaunch:
                 env["OMP_NUM_THREADS"] = str(threads)
             with open(os.path.join(directory, "stdout"), "w+") as stdout, \
                     open(os.path.join(directory, "stderr"), "w+") as stderr:
-                # A session of its own, so that a stop ends mpirun and every rank with it.
-                process = subprocess.Popen(command, env=env, cwd=self.config.rootpath, start_new_session=True,
+                process = subprocess.Popen(command, env=env, cwd=self.config.rootpath,
                                            stdout=stdout if capture else None, stderr=stderr if capture else None)
                 try:
                     stopped_in = self.wait(process, items, ranks, directory)
                 finally:
-                    if process.poll() is None:
-                        os.killpg(process.pid, signal.SIGKILL)
-                        process.wait()
+                    stop(process)
                 stdout.seek(0)
                 stderr.seek(0)
                 output = [("Captured stdout", stdout.read()), ("Captured stderr", stderr.read())]
