@@ -189,7 +189,8 @@ class SharedLaunch:
                 if ended_in is None:
                     ended_in = item
                     if stopped_in is item:
-                        message = f"Timeout occurred for {item.nodeid}: exceeded run time limit of {time_limit(item)} s."
+                        message = (f"Timeout occurred for {item.nodeid}: exceeded run time limit of "
+                                   f"{time_limit(item)} s.")
                     else:
                         message = "At least one MPI process has exited prematurely."
                     sections = output

@@ -145,7 +145,8 @@ def row_blocks(tensor, size):
 
 
 @pytest.mark.mpi(ranks=[2, 3])
-@pytest.mark.parametrize("op, prescale, postscale", [(hvd.Average, 1.0, 1.0), (hvd.Sum, 1.0, 1.0), (hvd.Average, 0.5, 3.0)],
+@pytest.mark.parametrize("op, prescale, postscale",
+                         [(hvd.Average, 1.0, 1.0), (hvd.Sum, 1.0, 1.0), (hvd.Average, 0.5, 3.0)],
                          ids=["average", "sum", "scaled_average"])
 def test_reducescatter_is_differentiable_and_its_variants_agree(mpi_world, op, prescale, postscale):
     hvd.init()
