@@ -143,7 +143,9 @@ setup(
         "torch": ["torch"],
         "bench": ["matplotlib"],
         "data": ["scikit-learn"],
-        "test": ["pytest", "pytest-isolate-mpi", "pytest-timeout", "hypothesis", "matplotlib", "scikit-learn"],
+        # tests/mpi_shared_launch.py builds on pytest-isolate-mpi's internals of the 0.4 series.
+        "test": ["pytest", "pytest-isolate-mpi>=0.4.1,<0.5", "pytest-timeout", "hypothesis", "matplotlib",
+                 "scikit-learn"],
     },
     entry_points={"console_scripts": ["mpidist = mpidist.cli:main"]},
     zip_safe=False,

@@ -1,7 +1,9 @@
 """Shared test helpers.
 
 Multi-rank tests use pytest-isolate-mpi: `@pytest.mark.mpi(ranks=[2, 3])` plus an `mpi_ranks`
-argument runs the test under `mpirun -np N` once per N and reports every rank's traceback.
+argument runs the test under `mpirun -np N` once per N and reports every rank's traceback. In a
+module marked `mpi_shared_launch` one launch per N runs all of the module's tests of N ranks
+(mpi_shared_launch.py).
 Inside the ranks, pytest-timeout (pyproject.toml) dumps all stacks and exits a hung rank, and
 the plugin's --mpi-default-test-timeout kills the whole launch as a last resort.
 """
@@ -13,6 +15,8 @@ import tempfile
 
 import numpy as np
 import pytest
+
+import mpi_shared_launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,6 +61,11 @@ def pytest_configure(config):
         config.add_cleanup(lambda: shutil.rmtree(run_directory, ignore_errors=True))
     elif "MPIDIST_TESTS_TMP" in os.environ:
         config.option.basetemp = tempfile.mkdtemp(prefix="rank-", dir=os.environ["MPIDIST_TESTS_TMP"])
+
+
+def pytest_sessionstart(session):
+    # Here rather than in pytest_configure: after pytest-isolate-mpi has registered its plugin.
+    mpi_shared_launch.register(session.config)
 
 
 # Unit roundoff per dtype: a correctly rounded operation is off by at most u * |result|.

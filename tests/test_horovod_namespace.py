@@ -9,6 +9,10 @@ import torch
 import mpidist as md
 import mpidist.torch as hvd
 
+# The multi-rank tests of one world size run in one launch (mpi_shared_launch.py), in file order;
+# the ones that raise on every rank come last.
+pytestmark = pytest.mark.mpi_shared_launch
+
 
 def values(rank, shape, seed=0):
     """Rank `rank`'s input: any rank can rebuild every other rank's, for the references."""
@@ -18,51 +22,6 @@ def values(rank, shape, seed=0):
 def local_loss(rank, output):
     """A different non-linear loss on every rank, so that each rank's output gradient differs."""
     return ((output ** 2) * (rank + 1) + output * (rank - 0.5)).sum()
-
-
-def check_allreduce_is_differentiable():
-    hvd.init()
-    for op, prescale, postscale in [(hvd.Average, 1.0, 1.0), (hvd.Sum, 1.0, 1.0), (hvd.Sum, 2.0, 0.25),
-                                    (hvd.Average, 0.5, 3.0)]:
-        check_allreduce_gradient(op, prescale, postscale)
-
-
-def check_allreduce_gradient(op, prescale, postscale):
-    rank, size = hvd.rank(), hvd.size()
-    x = values(rank, (2, 3)).requires_grad_()
-    y = hvd.allreduce(x, op=op, prescale_factor=prescale, postscale_factor=postscale)
-    local_loss(rank, y).backward()
-
-    # Reference: every rank's input in one process; the objective is the sum of the ranks' losses.
-    xs = [values(k, (2, 3)).requires_grad_() for k in range(size)]
-    combined = sum(prescale * v for v in xs) * postscale
-    if op == hvd.Average:
-        combined = combined / size
-    sum(local_loss(k, combined) for k in range(size)).backward()
-    torch.testing.assert_close(y.detach(), combined.detach())
-    torch.testing.assert_close(x.grad, xs[rank].grad)
-
-
-def sparse_input(rank):
-    """A 6 x 3 sparse tensor with rank + 1 nonzero rows (rank 1: none), some shared with others."""
-    if rank == 1:
-        return torch.sparse_coo_tensor(torch.zeros((2, 0), dtype=torch.int64), torch.zeros(0, dtype=torch.float64), (6, 3))
-    rows = torch.arange(rank + 1) % 6
-    columns = (torch.arange(rank + 1) * 2) % 3
-    return torch.sparse_coo_tensor(torch.stack([rows, columns]), values(rank, (rank + 1,)), (6, 3))
-
-
-def check_sparse_allreduce_async():
-    rank, size = hvd.rank(), hvd.size()
-    everyone = sum(sparse_input(k).to_dense() for k in range(size))
-    for op, expected in ((hvd.Sum, everyone), (hvd.Average, everyone / size)):
-        result = hvd.sparse_allreduce_async(sparse_input(rank), name="embedding", op=op)()
-        assert result.is_sparse and result.shape == (6, 3)
-        torch.testing.assert_close(result.to_dense(), expected)
-    with pytest.raises(md.MismatchError, match=r"different shapes \[\(6, 3\), \(7, 3\)"):
-        hvd.sparse_allreduce_async(torch.zeros(6 + min(rank, 1), 3).to_sparse(), name="bad")
-    with pytest.raises(md.InvalidArgumentError, match="sparse COO tensor, got layout torch.strided"):
-        hvd.sparse_allreduce_async(torch.zeros(2), name="dense")
 
 
 def group_inputs(rank, seed=0):
@@ -75,34 +34,10 @@ def group_inputs(rank, seed=0):
 
 
 @pytest.mark.mpi(ranks=[1, 2, 3])
-def test_horovod_functions_match_one_process_references(mpi_ranks, mpi_world):
-    """The checks of one world size in one launch (each launch starts an interpreter and torch
-    per rank); the ones that raise on every rank come last."""
+@pytest.mark.parametrize("op, prescale, postscale", [(hvd.Average, 1.0, 1.0), (hvd.Sum, 2.0, 0.5), (hvd.Max, 1.0, 1.0)],
+                         ids=["average", "scaled_sum", "max"])
+def test_grouped_allreduce_variants(mpi_world, op, prescale, postscale):
     hvd.init()
-    for op, prescale, postscale in [(hvd.Average, 1.0, 1.0), (hvd.Sum, 2.0, 0.5), (hvd.Max, 1.0, 1.0)]:
-        check_grouped_allreduce_variants(op, prescale, postscale)
-    if mpi_ranks == 1:
-        return
-    check_barrier_objects_and_process_sets()
-    check_allreduce_is_differentiable()
-    check_grouped_allreduce_is_differentiable()
-    check_reducescatter_is_differentiable_and_its_variants_agree()
-    check_grouped_allgather_and_reducescatter()
-    check_allgather_is_differentiable()
-    check_broadcast_is_differentiable()
-    check_alltoall_matches_reference_and_is_differentiable()
-    check_alltoall_equal_splits_returns_the_tensor()
-    check_sparse_allreduce_async()
-    if mpi_ranks == 2:
-        check_synchronize_twice_finishes_once()
-        check_in_place_and_async_variants_stay_out_of_autograd()
-        check_distributed_optimizer_and_data_parallel_on_the_same_parameters_are_refused()
-        check_scale_factors_on_integer_tensors_are_refused_before_sending()
-        check_average_and_op_together_are_refused()
-    check_alltoall_rows_must_agree()
-
-
-def check_grouped_allreduce_variants(op, prescale, postscale):
     rank, size = hvd.rank(), hvd.size()
     everyone = [group_inputs(k) for k in range(size)]
     expected = []
@@ -146,7 +81,50 @@ def check_grouped_allreduce_variants(op, prescale, postscale):
             assert all(r is t for r, t in zip(results, tensors))
 
 
-def check_grouped_allreduce_is_differentiable():
+@pytest.mark.mpi(ranks=[2, 3])
+def test_barrier_objects_and_process_sets(mpi_world):
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    hvd.barrier()
+    gathered = hvd.allgather_object({"rank": rank, 1: (rank, "x" * rank)})
+    # JSON: integer keys come back as strings, tuples as lists.
+    assert gathered == [{"rank": k, "1": [k, "x" * k]} for k in range(size)]
+    with pytest.raises(ValueError, match=r"rank\(s\) \[0\]"):
+        hvd.allgather_object({1, 2} if rank == 0 else [rank])  # every rank raises, none hangs
+    assert hvd.is_homogeneous()
+    everyone = hvd.global_process_set
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=everyone).tolist() == [size, size]
+    assert hvd.broadcast_object(rank, root_rank=0, process_set=everyone) == 0
+    with pytest.raises(md.InvalidArgumentError, match="broadcast_object sends JSON only.*rank 1 passed an object"):
+        hvd.broadcast_object({1, 2} if rank == 1 else None, root_rank=1)  # every rank raises, none hangs
+    assert (everyone.size(), everyone.rank(), everyone.included()) == (size, rank, True)
+    with pytest.raises(md.InvalidArgumentError, match="process_set= takes an hvd.ProcessSet, got object"):
+        hvd.allreduce(torch.ones(2), process_set=object())
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+@pytest.mark.parametrize("op, prescale, postscale", [(hvd.Average, 1.0, 1.0), (hvd.Sum, 1.0, 1.0), (hvd.Sum, 2.0, 0.25),
+                                                     (hvd.Average, 0.5, 3.0)],
+                         ids=["average", "sum", "scaled_sum", "scaled_average"])
+def test_allreduce_is_differentiable(mpi_world, op, prescale, postscale):
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    x = values(rank, (2, 3)).requires_grad_()
+    y = hvd.allreduce(x, op=op, prescale_factor=prescale, postscale_factor=postscale)
+    local_loss(rank, y).backward()
+
+    # Reference: every rank's input in one process; the objective is the sum of the ranks' losses.
+    xs = [values(k, (2, 3)).requires_grad_() for k in range(size)]
+    combined = sum(prescale * v for v in xs) * postscale
+    if op == hvd.Average:
+        combined = combined / size
+    sum(local_loss(k, combined) for k in range(size)).backward()
+    torch.testing.assert_close(y.detach(), combined.detach())
+    torch.testing.assert_close(x.grad, xs[rank].grad)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_grouped_allreduce_is_differentiable(mpi_world):
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     xs = [t.requires_grad_() for t in group_inputs(rank)[:3]]
@@ -166,40 +144,58 @@ def row_blocks(tensor, size):
     return torch.split(tensor, [rows // size + (k < rows % size) for k in range(size)])
 
 
-def check_reducescatter_is_differentiable_and_its_variants_agree():
+@pytest.mark.mpi(ranks=[2, 3])
+@pytest.mark.parametrize("op, prescale, postscale",
+                         [(hvd.Average, 1.0, 1.0), (hvd.Sum, 1.0, 1.0), (hvd.Average, 0.5, 3.0)],
+                         ids=["average", "sum", "scaled_average"])
+def test_reducescatter_is_differentiable_and_its_variants_agree(mpi_world, op, prescale, postscale):
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     shape = (2 * size + 1, 3)  # uneven: rank 0 gets one row more
-    for op, prescale, postscale in [(hvd.Average, 1.0, 1.0), (hvd.Sum, 1.0, 1.0), (hvd.Average, 0.5, 3.0)]:
-        x = values(rank, shape).requires_grad_()
-        y = hvd.reducescatter(x, op=op, prescale_factor=prescale, postscale_factor=postscale)
-        local_loss(rank, y).backward()
+    x = values(rank, shape).requires_grad_()
+    y = hvd.reducescatter(x, op=op, prescale_factor=prescale, postscale_factor=postscale)
+    local_loss(rank, y).backward()
 
-        xs = [values(k, shape).requires_grad_() for k in range(size)]
-        combined = sum(prescale * v for v in xs) * postscale
-        if op == hvd.Average:
-            combined = combined / size
-        blocks = row_blocks(combined, size)
-        sum(local_loss(k, blocks[k]) for k in range(size)).backward()
-        torch.testing.assert_close(y.detach(), blocks[rank].detach())
-        torch.testing.assert_close(x.grad, xs[rank].grad)
+    xs = [values(k, shape).requires_grad_() for k in range(size)]
+    combined = sum(prescale * v for v in xs) * postscale
+    if op == hvd.Average:
+        combined = combined / size
+    blocks = row_blocks(combined, size)
+    sum(local_loss(k, blocks[k]) for k in range(size)).backward()
+    torch.testing.assert_close(y.detach(), blocks[rank].detach())
+    torch.testing.assert_close(x.grad, xs[rank].grad)
 
-        handle = hvd.reducescatter_async(x, op=op, prescale_factor=prescale, postscale_factor=postscale)
-        torch.testing.assert_close(hvd.synchronize(handle), y.detach())
+    handle = hvd.reducescatter_async(x, op=op, prescale_factor=prescale, postscale_factor=postscale)
+    torch.testing.assert_close(hvd.synchronize(handle), y.detach())
 
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_reducescatter_with_fp16_compression(mpi_world):
     # fp16 on the wire: the result comes back in the tensor's dtype, rounded through float16.
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    shape = (2 * size + 1, 3)  # uneven: rank 0 gets one row more
     x = values(rank, shape).float()
     y = hvd.reducescatter(x, compression=hvd.Compression.fp16, op=hvd.Sum)
     exact = row_blocks(sum(values(k, shape) for k in range(size)), size)[rank]
     assert y.dtype == torch.float32
     torch.testing.assert_close(y.double(), exact, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_reducescatter_refusals(mpi_world):
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    shape = (2 * size + 1, 3)
+    x = values(rank, shape).float()
     with pytest.raises(md.InvalidArgumentError, match="floating-point"):  # on every rank, nothing sent
         hvd.grouped_reducescatter([x, torch.ones(size, dtype=torch.int64)], op=hvd.Sum, prescale_factor=2.0)
     with pytest.raises(hvd.NotOfferedError, match="no gradient"):
         hvd.reducescatter(values(rank, shape).requires_grad_(), op=hvd.Max).sum().backward()
 
 
-def check_grouped_allgather_and_reducescatter():
+@pytest.mark.mpi(ranks=[2, 3])
+def test_grouped_allgather_and_reducescatter(mpi_world):
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     firsts = [values(rank, (rank + 1, 2)), values(rank, (2,), seed=1)]
@@ -219,26 +215,8 @@ def check_grouped_allgather_and_reducescatter():
         torch.testing.assert_close(a, b)
 
 
-def check_scale_factors_on_integer_tensors_are_refused_before_sending():
-    hvd.init()
-    for call in (lambda t: hvd.allreduce(t, op=hvd.Sum, prescale_factor=2.0),
-                 lambda t: hvd.allreduce_(t, op=hvd.Sum, postscale_factor=0.5),
-                 lambda t: hvd.allreduce_async_(t, op=hvd.Sum, prescale_factor=3.0)):
-        tensor = torch.arange(4)
-        with pytest.raises(md.InvalidArgumentError, match="need floating-point tensors; got a torch.int64 tensor"):
-            call(tensor)
-        assert tensor.tolist() == [0, 1, 2, 3]
-
-
-def test_grouped_operations_need_a_list_of_tensors():
-    for function in (hvd.grouped_allreduce, hvd.grouped_allreduce_async, hvd.grouped_allgather):
-        with pytest.raises(md.InvalidArgumentError, match="non-empty list of tensors"):
-            function([])
-        with pytest.raises(md.InvalidArgumentError, match="non-empty list of tensors"):
-            function([torch.ones(1), 3.0])
-
-
-def check_allgather_is_differentiable():
+@pytest.mark.mpi(ranks=[2, 3])
+def test_allgather_is_differentiable(mpi_world):
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     x = values(rank, (rank + 1, 2)).requires_grad_()  # ranks differ in the first dimension
@@ -253,7 +231,8 @@ def check_allgather_is_differentiable():
     torch.testing.assert_close(x.grad, xs[rank].grad)
 
 
-def check_broadcast_is_differentiable():
+@pytest.mark.mpi(ranks=[2, 3])
+def test_broadcast_is_differentiable(mpi_world):
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     root = size - 1
@@ -268,22 +247,12 @@ def check_broadcast_is_differentiable():
     torch.testing.assert_close(x.grad, expected)
 
 
-def check_in_place_and_async_variants_stay_out_of_autograd():
-    hvd.init()
-    x = torch.ones(2, dtype=torch.float64, requires_grad=True)
-    assert not hvd.synchronize(hvd.allreduce_async(x)).requires_grad
-    assert not hvd.synchronize(hvd.allgather_async(x)).requires_grad
-    assert not hvd.synchronize(hvd.broadcast_async(x, 0)).requires_grad
-    y = hvd.allreduce(x * 2, op=hvd.Max)
-    with pytest.raises(hvd.NotOfferedError, match="Average and Sum"):
-        y.sum().backward()  # every rank raises: no rank waits for another's gradient
-
-
 def sent_rows(rank, size, splits_of):
     return values(rank, (sum(splits_of(rank)), 2), seed=1)
 
 
-def check_alltoall_matches_reference_and_is_differentiable():
+@pytest.mark.mpi(ranks=[2, 3])
+def test_alltoall_matches_reference_and_is_differentiable(mpi_world):
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
 
@@ -311,28 +280,59 @@ def check_alltoall_matches_reference_and_is_differentiable():
     assert rows.flatten().tolist() == [float(k) for k in range(size)] and splits.tolist() == [1] * size
 
 
-def check_alltoall_equal_splits_returns_the_tensor():
+@pytest.mark.mpi(ranks=[2, 3])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bfloat16, torch.bool])
+def test_alltoall_equal_splits_returns_the_tensor(mpi_world, dtype):
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    for dtype in (torch.int64, torch.bfloat16, torch.bool):
-        sent = (torch.arange(2 * size * 3).reshape(2 * size, 3) + 100 * rank).to(dtype)
-        received = hvd.alltoall(sent)  # no splits=: a tensor, not a tuple (as Horovod)
-        expected = torch.cat([(torch.arange(2 * size * 3).reshape(2 * size, 3) + 100 * k)[2 * rank:2 * rank + 2]
-                              for k in range(size)]).to(dtype)
-        assert received.dtype == dtype
-        assert torch.equal(received, expected)
-    with pytest.raises(ValueError, match="evenly"):
-        hvd.alltoall(torch.ones(size + 1, 2))
+    sent = (torch.arange(2 * size * 3).reshape(2 * size, 3) + 100 * rank).to(dtype)
+    received = hvd.alltoall(sent)  # no splits=: a tensor, not a tuple (as Horovod)
+    expected = torch.cat([(torch.arange(2 * size * 3).reshape(2 * size, 3) + 100 * k)[2 * rank:2 * rank + 2]
+                          for k in range(size)]).to(dtype)
+    assert received.dtype == dtype
+    assert torch.equal(received, expected)
 
 
-def check_alltoall_rows_must_agree():
+@pytest.mark.mpi(ranks=[2, 3])
+def test_alltoall_without_splits_needs_rows_that_divide_evenly(mpi_world):
     hvd.init()
-    width = 2 if hvd.rank() == 0 else 3
-    with pytest.raises(md.MismatchError, match="row size"):  # on every rank, before any data moves
-        hvd.alltoall(torch.ones(hvd.size(), width))
+    with pytest.raises(ValueError, match="evenly"):
+        hvd.alltoall(torch.ones(hvd.size() + 1, 2))
 
 
-def check_synchronize_twice_finishes_once():
+def sparse_input(rank):
+    """A 6 x 3 sparse tensor with rank + 1 nonzero rows (rank 1: none), some shared with others."""
+    if rank == 1:
+        return torch.sparse_coo_tensor(torch.zeros((2, 0), dtype=torch.int64), torch.zeros(0, dtype=torch.float64), (6, 3))
+    rows = torch.arange(rank + 1) % 6
+    columns = (torch.arange(rank + 1) * 2) % 3
+    return torch.sparse_coo_tensor(torch.stack([rows, columns]), values(rank, (rank + 1,)), (6, 3))
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+@pytest.mark.parametrize("op", [hvd.Sum, hvd.Average], ids=["sum", "average"])
+def test_sparse_allreduce_async(mpi_world, op):
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    everyone = sum(sparse_input(k).to_dense() for k in range(size))
+    expected = everyone if op == hvd.Sum else everyone / size
+    result = hvd.sparse_allreduce_async(sparse_input(rank), name="embedding", op=op)()
+    assert result.is_sparse and result.shape == (6, 3)
+    torch.testing.assert_close(result.to_dense(), expected)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_sparse_allreduce_async_refusals(mpi_world):
+    hvd.init()
+    rank = hvd.rank()
+    with pytest.raises(md.MismatchError, match=r"different shapes \[\(6, 3\), \(7, 3\)"):
+        hvd.sparse_allreduce_async(torch.zeros(6 + min(rank, 1), 3).to_sparse(), name="bad")
+    with pytest.raises(md.InvalidArgumentError, match="sparse COO tensor, got layout torch.strided"):
+        hvd.sparse_allreduce_async(torch.zeros(2), name="dense")
+
+
+@pytest.mark.mpi(ranks=[2])
+def test_synchronize_twice_finishes_once(mpi_world):
     hvd.init()
     tensor = torch.full((3,), float(hvd.rank() + 1))
     handle = hvd.allreduce_async_(tensor, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
@@ -342,46 +342,74 @@ def check_synchronize_twice_finishes_once():
     assert tensor.tolist() == [3.0, 3.0, 3.0]  # (1 + 2) * 2 * 0.5, postscale applied once
 
 
-def check_average_and_op_together_are_refused():
+@pytest.mark.mpi(ranks=[2])
+def test_in_place_and_async_variants_stay_out_of_autograd(mpi_world):
+    hvd.init()
+    x = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    assert not hvd.synchronize(hvd.allreduce_async(x)).requires_grad
+    assert not hvd.synchronize(hvd.allgather_async(x)).requires_grad
+    assert not hvd.synchronize(hvd.broadcast_async(x, 0)).requires_grad
+    y = hvd.allreduce(x * 2, op=hvd.Max)
+    with pytest.raises(hvd.NotOfferedError, match="Average and Sum"):
+        y.sum().backward()  # every rank raises: no rank waits for another's gradient
+
+
+@pytest.mark.mpi(ranks=[2])
+def test_distributed_optimizer_and_data_parallel_on_the_same_parameters_are_refused(mpi_world):
+    hvd.init()
+    model = torch.nn.Linear(3, 2)
+    wrapped = md.DataParallel(model)
+    with pytest.raises(md.InvalidArgumentError, match="already has its gradient all-reduced by a DataParallel"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    del wrapped
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(md.InvalidArgumentError, match="by a DistributedOptimizer that is still alive"):
+        md.DataParallel(model)
+    del optimizer
+
+
+@pytest.mark.mpi(ranks=[2])
+@pytest.mark.parametrize("call", [lambda t: hvd.allreduce(t, op=hvd.Sum, prescale_factor=2.0),
+                                  lambda t: hvd.allreduce_(t, op=hvd.Sum, postscale_factor=0.5),
+                                  lambda t: hvd.allreduce_async_(t, op=hvd.Sum, prescale_factor=3.0)],
+                         ids=["allreduce", "allreduce_", "allreduce_async_"])
+def test_scale_factors_on_integer_tensors_are_refused_before_sending(mpi_world, call):
+    hvd.init()
+    tensor = torch.arange(4)
+    with pytest.raises(md.InvalidArgumentError, match="need floating-point tensors; got a torch.int64 tensor"):
+        call(tensor)
+    assert tensor.tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.mpi(ranks=[2])
+@pytest.mark.parametrize("call", [lambda: hvd.allreduce(torch.ones(2), average=True, op=hvd.Sum),
+                                  lambda: hvd.allreduce_(torch.ones(2), average=False, op=hvd.Average),
+                                  lambda: hvd.allreduce_async(torch.ones(2), average=True, op=hvd.Average)],
+                         ids=["allreduce", "allreduce_", "allreduce_async"])
+def test_average_and_op_together_are_refused(mpi_world, call):
     hvd.init()
     message = "The op parameter supersedes average. Please provide only one of them."
-    for call in (lambda: hvd.allreduce(torch.ones(2), average=True, op=hvd.Sum),
-                 lambda: hvd.allreduce_(torch.ones(2), average=False, op=hvd.Average),
-                 lambda: hvd.allreduce_async(torch.ones(2), average=True, op=hvd.Average)):
-        with pytest.raises(ValueError) as info:
-            call()
-        assert str(info.value) == message
+    with pytest.raises(ValueError) as info:
+        call()
+    assert str(info.value) == message
+
+
+@pytest.mark.mpi(ranks=[2])
+def test_average_false_alone_sums(mpi_world):
+    hvd.init()
     assert hvd.allreduce(torch.ones(2), average=False).tolist() == [2.0, 2.0]
 
 
-def check_barrier_objects_and_process_sets():
-    rank, size = hvd.rank(), hvd.size()
-    hvd.barrier()
-    gathered = hvd.allgather_object({"rank": rank, 1: (rank, "x" * rank)})
-    # JSON: integer keys come back as strings, tuples as lists.
-    assert gathered == [{"rank": k, "1": [k, "x" * k]} for k in range(size)]
-    with pytest.raises(ValueError, match=r"rank\(s\) \[0\]"):
-        hvd.allgather_object({1, 2} if rank == 0 else [rank])  # every rank raises, none hangs
-    assert hvd.is_homogeneous()
-    everyone = hvd.global_process_set
-    assert hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=everyone).tolist() == [size, size]
-    assert hvd.broadcast_object(rank, root_rank=0, process_set=everyone) == 0
-    with pytest.raises(md.InvalidArgumentError, match="broadcast_object sends JSON only.*rank 1 passed an object"):
-        hvd.broadcast_object({1, 2} if rank == 1 else None, root_rank=1)  # every rank raises, none hangs
-    assert (everyone.size(), everyone.rank(), everyone.included()) == (size, rank, True)
-    with pytest.raises(md.InvalidArgumentError, match="process_set= takes an hvd.ProcessSet, got object"):
-        hvd.allreduce(torch.ones(2), process_set=object())
+@pytest.mark.mpi(ranks=[2, 3])
+def test_alltoall_rows_must_agree(mpi_world):
+    hvd.init()
+    width = 2 if hvd.rank() == 0 else 3
+    with pytest.raises(md.MismatchError, match="row size"):  # on every rank, before any data moves
+        hvd.alltoall(torch.ones(hvd.size(), width))
 
 
 @pytest.mark.mpi(ranks=[3, 4])
-def test_process_sets(mpi_ranks, mpi_world):
-    """One launch per world size, as above."""
-    check_process_sets_run_their_own_collectives(mpi_world)
-    if mpi_ranks == 4:
-        check_distributed_optimizer_on_a_process_set_matches_its_members_batches(mpi_world)
-
-
-def check_process_sets_run_their_own_collectives(mpi_world):
+def test_process_sets_run_their_own_collectives(mpi_world):
     from mpi4py import MPI
     rank, size = mpi_world.rank, mpi_world.size
     even, odd = hvd.ProcessSet(range(0, size, 2)), hvd.ProcessSet(list(range(1, size, 2)))
@@ -438,7 +466,9 @@ def check_process_sets_run_their_own_collectives(mpi_world):
         hvd.ProcessSet(["0"])
 
 
-def check_distributed_optimizer_on_a_process_set_matches_its_members_batches(mpi_world):
+@pytest.mark.mpi(ranks=[4])
+def test_distributed_optimizer_on_a_process_set_matches_its_members_batches(mpi_world):
+    hvd.init()
     rank = mpi_world.rank
     halves = [hvd.add_process_set([0, 1]), hvd.add_process_set([2, 3])]
     mine = halves[rank // 2]
@@ -462,6 +492,14 @@ def check_distributed_optimizer_on_a_process_set_matches_its_members_batches(mpi
     del optimizer
     for half in halves:
         hvd.remove_process_set(half)
+
+
+def test_grouped_operations_need_a_list_of_tensors():
+    for function in (hvd.grouped_allreduce, hvd.grouped_allreduce_async, hvd.grouped_allgather):
+        with pytest.raises(md.InvalidArgumentError, match="non-empty list of tensors"):
+            function([])
+        with pytest.raises(md.InvalidArgumentError, match="non-empty list of tensors"):
+            function([torch.ones(1), 3.0])
 
 
 def test_is_homogeneous_false_for_uneven_nodes():
@@ -552,15 +590,3 @@ def test_timeline_records_operations_and_gradient_buckets(tmp_path):
         assert 0 <= launched <= waited + waiting  # launched during backward, done by the wait's end
     assert all(start >= 0 and duration >= 0 for row in spans.values() for _, start, duration in row)
     assert timeline_spans(second) == {"gathered": [("ALLGATHER", *timeline_spans(second)["gathered"][0][1:])]}
-
-
-def check_distributed_optimizer_and_data_parallel_on_the_same_parameters_are_refused():
-    model = torch.nn.Linear(3, 2)
-    wrapped = md.DataParallel(model)
-    with pytest.raises(md.InvalidArgumentError, match="already has its gradient all-reduced by a DataParallel"):
-        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    del wrapped
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(md.InvalidArgumentError, match="by a DistributedOptimizer that is still alive"):
-        md.DataParallel(model)
-    del optimizer

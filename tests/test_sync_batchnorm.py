@@ -10,6 +10,10 @@ import mpidist as md
 import mpidist.torch as hvd
 from mpidist.errors import MismatchError
 
+# The multi-rank tests of one world size run in one launch (mpi_shared_launch.py), in file order;
+# the refusals, raised on every rank, come last.
+pytestmark = pytest.mark.mpi_shared_launch
+
 CHANNELS = 3
 
 
@@ -58,116 +62,6 @@ def summed_over_ranks(tensor):
     return total
 
 
-def check_matches_batchnorm_on_all_samples(mpi_world):
-    rank, size = mpi_world.rank, mpi_world.size
-    for trailing in [(), (4,), (2, 3)]:  # BatchNorm1d's (N, C) and (N, C, L), BatchNorm2d's (N, C, H, W)
-        shapes = [(k + 2, CHANNELS) + trailing for k in range(size)]  # uneven batches
-        norm = make_norm()
-        x = values(rank, shapes[rank]).requires_grad_()
-        y = norm(x)
-        local_loss(rank, y).backward()
-
-        outputs, xs, ref = reference(shapes)
-        torch.testing.assert_close(y, outputs[rank])
-        torch.testing.assert_close(x.grad, xs[rank].grad)
-        torch.testing.assert_close(summed_over_ranks(norm.weight.grad), ref.weight.grad)
-        torch.testing.assert_close(summed_over_ranks(norm.bias.grad), ref.bias.grad)
-        torch.testing.assert_close(norm.running_mean, ref.running_mean)
-        torch.testing.assert_close(norm.running_var, ref.running_var)
-        assert norm.num_batches_tracked.item() == 1
-
-
-def check_a_rank_without_samples_takes_part(mpi_world):
-    rank, size = mpi_world.rank, mpi_world.size
-    shapes = [(0 if k == 0 else 3, CHANNELS, 2) for k in range(size)]
-    norm = make_norm()
-    x = values(rank, shapes[rank]).requires_grad_()
-    y = norm(x)
-    local_loss(rank, y).backward()
-
-    outputs, xs, ref = reference(shapes)
-    assert y.shape == shapes[rank]
-    torch.testing.assert_close(y, outputs[rank])
-    torch.testing.assert_close(x.grad, xs[rank].grad)
-    torch.testing.assert_close(summed_over_ranks(norm.weight.grad), ref.weight.grad)
-    torch.testing.assert_close(norm.running_var, ref.running_var)
-
-
-def check_options_as_batchnorm(mpi_world):
-    rank, size = mpi_world.rank, mpi_world.size
-    shapes = [(k + 2, CHANNELS) for k in range(size)]
-    for affine, momentum, track in [(False, None, True), (True, None, True), (False, 0.1, False)]:
-        norm = make_norm(affine=affine, momentum=momentum, track_running_stats=track)
-        for step in range(3):
-            x = values(rank, shapes[rank], seed=step).requires_grad_()
-            y = norm(x)
-            local_loss(rank, y).backward()
-
-        outputs, xs, ref = reference(shapes, steps=3, affine=affine, momentum=momentum, track_running_stats=track)
-        torch.testing.assert_close(y, outputs[rank])
-        torch.testing.assert_close(x.grad, xs[rank].grad)
-        if track:
-            torch.testing.assert_close(norm.running_mean, ref.running_mean)
-            torch.testing.assert_close(norm.running_var, ref.running_var)
-            assert norm.num_batches_tracked.item() == ref.num_batches_tracked.item() == 3
-        else:
-            assert norm.running_mean is None and norm.running_var is None
-
-
-def check_eval_mode_uses_running_statistics_without_communicating(mpi_world):
-    rank, size = mpi_world.rank, mpi_world.size
-    norm = make_norm()
-    with torch.no_grad():
-        norm.running_mean.copy_(torch.tensor([1.0, -2.0, 0.5]))
-        norm.running_var.copy_(torch.tensor([4.0, 0.25, 1.0]))
-    norm.eval()
-    x = values(rank, (rank + 1, CHANNELS, 2))
-    # Rank 0 alone runs extra passes: a collective inside would pair with the next one below.
-    for _ in range(3 if rank == 0 else 1):
-        y = norm(x)
-    expected = F.batch_norm(x, norm.running_mean, norm.running_var, norm.weight, norm.bias, training=False)
-    torch.testing.assert_close(y, expected)
-
-    norm.train()
-    shapes = [(k + 2, CHANNELS) for k in range(size)]
-    norm.running_mean.zero_()
-    norm.running_var.fill_(1.0)
-    x = values(rank, shapes[rank]).requires_grad_()
-    local_loss(rank, norm(x)).backward()
-    outputs, xs, _ = reference(shapes)
-    torch.testing.assert_close(x.grad, xs[rank].grad)
-
-
-def check_float32_and_bfloat16_inputs(mpi_world):
-    rank, size = mpi_world.rank, mpi_world.size
-    shapes = [(k + 4, CHANNELS, 5) for k in range(size)]
-    outputs, _, _ = reference(shapes)
-    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        norm = make_norm().to(torch.float32)
-        x = values(rank, shapes[rank]).to(dtype)
-        y = norm(x)
-        assert y.dtype == dtype
-        torch.testing.assert_close(y.double(), outputs[rank].detach(), atol=tolerance * 10, rtol=tolerance)
-
-
-def check_bad_input_is_refused_on_every_rank(mpi_world):
-    rank = mpi_world.rank
-    norm = make_norm()
-    with pytest.raises(ValueError, match="expected at least 2D input"):
-        norm(torch.zeros(CHANNELS, dtype=torch.float64))
-    with pytest.raises(ValueError, match=r"SyncBatchNorm\(3\) got an input with 4 channels"):
-        norm(torch.zeros(2, 4, dtype=torch.float64))
-    # One value per channel over all ranks: no variance to take, on every rank.
-    x = torch.ones((1 if rank == 0 else 0, CHANNELS), dtype=torch.float64)
-    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training over all ranks, got 1"):
-        norm(x)
-    # Channel counts that differ between ranks: the gathered statistics disagree in shape.
-    other = md.SyncBatchNorm(CHANNELS + rank).double()
-    with pytest.raises(MismatchError, match=r"SyncBatchNorm\(\d\): the ranks normalize different numbers of "
-                                            r"channels .*ranks \[0\] have \(7,\)"):
-        other(torch.ones((2, CHANNELS + rank), dtype=torch.float64))
-
-
 def make_model(seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
@@ -192,12 +86,110 @@ def single_process_training(size, steps):
     return model
 
 
-def check_training_matches_one_process_with_batchnorm(mpi_world):
-    for wrapper in ("DataParallel", "hvd"):
-        check_training_with_sync_batchnorm(mpi_world.rank, mpi_world.size, wrapper)
+@pytest.mark.mpi(ranks=[1, 2, 3, 5])
+# BatchNorm1d's (N, C) and (N, C, L), BatchNorm2d's (N, C, H, W)
+@pytest.mark.parametrize("trailing", [(), (4,), (2, 3)], ids=["N_C", "N_C_L", "N_C_H_W"])
+def test_matches_batchnorm_on_all_samples(mpi_world, trailing):
+    rank, size = mpi_world.rank, mpi_world.size
+    shapes = [(k + 2, CHANNELS) + trailing for k in range(size)]  # uneven batches
+    norm = make_norm()
+    x = values(rank, shapes[rank]).requires_grad_()
+    y = norm(x)
+    local_loss(rank, y).backward()
+
+    outputs, xs, ref = reference(shapes)
+    torch.testing.assert_close(y, outputs[rank])
+    torch.testing.assert_close(x.grad, xs[rank].grad)
+    torch.testing.assert_close(summed_over_ranks(norm.weight.grad), ref.weight.grad)
+    torch.testing.assert_close(summed_over_ranks(norm.bias.grad), ref.bias.grad)
+    torch.testing.assert_close(norm.running_mean, ref.running_mean)
+    torch.testing.assert_close(norm.running_var, ref.running_var)
+    assert norm.num_batches_tracked.item() == 1
 
 
-def check_training_with_sync_batchnorm(rank, ranks, wrapper):
+@pytest.mark.mpi(ranks=[2])
+def test_eval_mode_uses_running_statistics_without_communicating(mpi_world):
+    rank, size = mpi_world.rank, mpi_world.size
+    norm = make_norm()
+    with torch.no_grad():
+        norm.running_mean.copy_(torch.tensor([1.0, -2.0, 0.5]))
+        norm.running_var.copy_(torch.tensor([4.0, 0.25, 1.0]))
+    norm.eval()
+    x = values(rank, (rank + 1, CHANNELS, 2))
+    # Rank 0 alone runs extra passes: a collective inside would pair with the next one below.
+    for _ in range(3 if rank == 0 else 1):
+        y = norm(x)
+    expected = F.batch_norm(x, norm.running_mean, norm.running_var, norm.weight, norm.bias, training=False)
+    torch.testing.assert_close(y, expected)
+
+    norm.train()
+    shapes = [(k + 2, CHANNELS) for k in range(size)]
+    norm.running_mean.zero_()
+    norm.running_var.fill_(1.0)
+    x = values(rank, shapes[rank]).requires_grad_()
+    local_loss(rank, norm(x)).backward()
+    outputs, xs, _ = reference(shapes)
+    torch.testing.assert_close(x.grad, xs[rank].grad)
+
+
+@pytest.mark.mpi(ranks=[3])
+def test_a_rank_without_samples_takes_part(mpi_world):
+    rank, size = mpi_world.rank, mpi_world.size
+    shapes = [(0 if k == 0 else 3, CHANNELS, 2) for k in range(size)]
+    norm = make_norm()
+    x = values(rank, shapes[rank]).requires_grad_()
+    y = norm(x)
+    local_loss(rank, y).backward()
+
+    outputs, xs, ref = reference(shapes)
+    assert y.shape == shapes[rank]
+    torch.testing.assert_close(y, outputs[rank])
+    torch.testing.assert_close(x.grad, xs[rank].grad)
+    torch.testing.assert_close(summed_over_ranks(norm.weight.grad), ref.weight.grad)
+    torch.testing.assert_close(norm.running_var, ref.running_var)
+
+
+@pytest.mark.mpi(ranks=[3])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)],
+                         ids=["float32", "bfloat16"])
+def test_float32_and_bfloat16_inputs(mpi_world, dtype, tolerance):
+    rank, size = mpi_world.rank, mpi_world.size
+    shapes = [(k + 4, CHANNELS, 5) for k in range(size)]
+    outputs, _, _ = reference(shapes)
+    norm = make_norm().to(torch.float32)
+    x = values(rank, shapes[rank]).to(dtype)
+    y = norm(x)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.double(), outputs[rank].detach(), atol=tolerance * 10, rtol=tolerance)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+@pytest.mark.parametrize("affine, momentum, track", [(False, None, True), (True, None, True), (False, 0.1, False)],
+                         ids=["cumulative_average", "affine_cumulative_average", "no_running_statistics"])
+def test_options_as_batchnorm(mpi_world, affine, momentum, track):
+    rank, size = mpi_world.rank, mpi_world.size
+    shapes = [(k + 2, CHANNELS) for k in range(size)]
+    norm = make_norm(affine=affine, momentum=momentum, track_running_stats=track)
+    for step in range(3):
+        x = values(rank, shapes[rank], seed=step).requires_grad_()
+        y = norm(x)
+        local_loss(rank, y).backward()
+
+    outputs, xs, ref = reference(shapes, steps=3, affine=affine, momentum=momentum, track_running_stats=track)
+    torch.testing.assert_close(y, outputs[rank])
+    torch.testing.assert_close(x.grad, xs[rank].grad)
+    if track:
+        torch.testing.assert_close(norm.running_mean, ref.running_mean)
+        torch.testing.assert_close(norm.running_var, ref.running_var)
+        assert norm.num_batches_tracked.item() == ref.num_batches_tracked.item() == 3
+    else:
+        assert norm.running_mean is None and norm.running_var is None
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+@pytest.mark.parametrize("wrapper", ["DataParallel", "hvd"])
+def test_training_matches_one_process_with_batchnorm(mpi_world, wrapper):
+    rank, ranks = mpi_world.rank, mpi_world.size
     steps = 4
     model = md.SyncBatchNorm.convert_sync_batchnorm(make_model())
     assert isinstance(model[1], md.SyncBatchNorm) and model[1] is hvd.SyncBatchNorm.convert_sync_batchnorm(model[1])
@@ -224,18 +216,34 @@ def check_training_with_sync_batchnorm(rank, ranks, wrapper):
     torch.testing.assert_close(model(x), expected(x))
 
 
-@pytest.mark.mpi(ranks=[1, 2, 3, 5])
-def test_sync_batchnorm_against_one_process_batchnorm(mpi_ranks, mpi_world):
-    """Every check of one world size in one launch: each launch starts every rank's interpreter
-    (torch included), which costs more than the checks. The refusals, raised on every rank, come
-    last."""
-    check_matches_batchnorm_on_all_samples(mpi_world)
-    if mpi_ranks == 2:
-        check_eval_mode_uses_running_statistics_without_communicating(mpi_world)
-    if mpi_ranks == 3:
-        check_a_rank_without_samples_takes_part(mpi_world)
-        check_float32_and_bfloat16_inputs(mpi_world)
-    if mpi_ranks in (2, 3):
-        check_options_as_batchnorm(mpi_world)
-        check_training_matches_one_process_with_batchnorm(mpi_world)
-        check_bad_input_is_refused_on_every_rank(mpi_world)
+@pytest.mark.mpi(ranks=[2, 3])
+def test_input_of_fewer_than_2_dimensions_is_refused(mpi_world):
+    norm = make_norm()
+    with pytest.raises(ValueError, match="expected at least 2D input"):
+        norm(torch.zeros(CHANNELS, dtype=torch.float64))
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_input_of_another_channel_count_is_refused(mpi_world):
+    norm = make_norm()
+    with pytest.raises(ValueError, match=r"SyncBatchNorm\(3\) got an input with 4 channels"):
+        norm(torch.zeros(2, 4, dtype=torch.float64))
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_one_value_per_channel_over_all_ranks_is_refused_on_every_rank(mpi_world):
+    # One value per channel over all ranks: no variance to take, on every rank.
+    norm = make_norm()
+    x = torch.ones((1 if mpi_world.rank == 0 else 0, CHANNELS), dtype=torch.float64)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training over all ranks, got 1"):
+        norm(x)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_channel_counts_that_differ_between_ranks_are_refused_on_every_rank(mpi_world):
+    # Channel counts that differ between ranks: the gathered statistics disagree in shape.
+    rank = mpi_world.rank
+    other = md.SyncBatchNorm(CHANNELS + rank).double()
+    with pytest.raises(MismatchError, match=r"SyncBatchNorm\(\d\): the ranks normalize different numbers of "
+                                            r"channels .*ranks \[0\] have \(7,\)"):
+        other(torch.ones((2, CHANNELS + rank), dtype=torch.float64))

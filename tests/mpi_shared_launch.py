@@ -1,0 +1,218 @@
+"""One mpirun per test module and rank count for modules marked `mpi_shared_launch`, every test
+still reported on its own.
+
+pytest-isolate-mpi starts `mpirun -np N pytest <test>` for every multi-rank test and rank count,
+and every start gives each rank a fresh interpreter that imports torch: seconds of CPU, more than
+most checks cost. In a module with `pytestmark = pytest.mark.mpi_shared_launch` the selected
+multi-rank tests of one rank count run in one launch instead, in the order pytest runs them; the
+ranks' processes (MPI, mpidist's state) carry over from one test to the next, so a test must not
+depend on what an earlier one leaves behind, nor leave behind what a later one would notice.
+
+In the ranks, pytest-isolate-mpi writes each test's reports as it always does, here into a
+directory of that test's own; this session then reports each test as pytest-isolate-mpi would
+have: every rank's setup, call and teardown, with its traceback. Each test keeps its own time
+limit, the `timeout` of its mpi mark (else --mpi-default-test-timeout), counted from the end of
+the test before it: past it the launch is stopped, that test fails with the ranks' output and the
+tests after it fail as not run.
+"""
+import hashlib
+import math
+import os
+import pickle
+import subprocess
+import tempfile
+import time
+
+import pytest
+from _pytest.reports import TestReport
+# pytest-isolate-mpi's own pieces, so that a shared launch starts the ranks' pytest exactly as a
+# launch of one test does (the options passed on, the ini file's mpirun settings).
+from pytest_isolate_mpi._constants import ENVIRONMENT_VARIABLE_TO_HIDE_INNARDS_OF_PLUGIN as IN_RANKS
+from pytest_isolate_mpi._constants import MPI_ENV_HINTS, TIME_UNIT_CONVERSION
+from pytest_isolate_mpi._plugin import MPIConfiguration
+from pytest_isolate_mpi._subsession import assemble_sub_pytest_cmd
+
+MARKER = "mpi_shared_launch"
+REPORTS = "PYTEST_MPI_REPORTS_PATH"  # where pytest-isolate-mpi's ranks write their reports
+IN_SHARED_LAUNCH = "MPIDIST_TESTS_SHARED_LAUNCH"
+STOP_GRACE_S = 30  # for mpirun to end its ranks once told to
+
+
+def register(config):
+    """Registers the side of this process: the session that starts launches, or a rank of one.
+
+    Call it after pytest-isolate-mpi has registered its plugin (it does in pytest_configure):
+    pluggy calls the hooks of the plugin registered last first, and this session's
+    pytest_runtest_protocol must come before that plugin's, which would launch each test alone.
+    """
+    if not os.environ.get(IN_RANKS):
+        launcher = SharedLaunch(config)
+        config.pluginmanager.register(launcher, "mpidist-shared-launch")
+        protocols = config.hook.pytest_runtest_protocol.get_hookimpls()
+        first = [impl for impl in protocols if not (impl.hookwrapper or impl.wrapper)][-1]
+        assert first.plugin is launcher, f"pytest_runtest_protocol of {first.plugin_name} runs first"
+    elif os.environ.get(IN_SHARED_LAUNCH):
+        config.pluginmanager.register(SharedLaunchRank(), "mpidist-shared-launch-rank")
+
+
+def launch_key(item):
+    """(module, ranks, OpenMP threads) of a test that runs in a shared launch; else None."""
+    mark = item.get_closest_marker("mpi")
+    if mark is None or item.get_closest_marker(MARKER) is None or item.config.getoption("--no-mpi-isolation"):
+        return None
+    callspec = getattr(item, "callspec", None)
+    ranks = callspec.params.get("mpi_ranks", 1) if callspec is not None else 1
+    return item.path, ranks, mark.kwargs.get("threads")
+
+
+def time_limit(item) -> float:
+    """Seconds the test may take in its launch, as pytest-isolate-mpi reads them."""
+    mark = item.get_closest_marker("mpi")
+    seconds = mark.kwargs.get("timeout", item.config.getoption("--mpi-default-test-timeout"))
+    if seconds is None:
+        return math.inf
+    unit = mark.kwargs.get("unit", item.config.getoption("--mpi-default-test-timeout-unit"))
+    return TIME_UNIT_CONVERSION[unit](seconds)
+
+
+def reports_directory(root: str, nodeid: str) -> str:
+    return os.path.join(root, hashlib.sha256(nodeid.encode()).hexdigest()[:32])
+
+
+def stop(launch):
+    """Ends mpirun and its ranks: mpirun ends them when terminated; killed, it would leave them
+    running (each rank is a process group of its own)."""
+    if launch.poll() is not None:
+        return
+    launch.terminate()
+    try:
+        launch.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        launch.kill()
+        launch.wait()
+
+
+class SharedLaunch:
+    """This session's side: starts a launch at the first test of its group, reports every test."""
+
+    def __init__(self, config):
+        self.config = config
+        self.mpirun = MPIConfiguration(mpi_executable=config.getini("mpi_executable"),
+                                       mpi_option_for_processes=config.getini("mpi_option_for_processes"),
+                                       mpi_command_line_args=config.getini("mpi_command_line_args"))
+        self.reports = {}  # nodeid: the reports of a test whose launch has run
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        key = launch_key(item)
+        if key is None:
+            return None
+        if item.nodeid not in self.reports:
+            items = item.session.items
+            self.launch([other for other in items[items.index(item):] if launch_key(other) == key], key[1])
+        ihook = item.ihook
+        ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        for report in self.reports.pop(item.nodeid):
+            ihook.pytest_runtest_logreport(report=report)
+        # The test ran in the ranks; tear down here what the next item does not share.
+        setupstate = item.session._setupstate
+        call = pytest.CallInfo.from_call(lambda: setupstate.teardown_exact(nextitem), when="teardown")
+        ihook.pytest_runtest_logreport(report=TestReport.from_item_and_call(item, call))
+        ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        return True
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_timeout_set_timer(self, item):
+        # pytest-timeout's timer in this session would count a whole launch against its first
+        # test; the launch keeps every test's own limit instead (and the ranks their pytest-timeout).
+        return True if launch_key(item) is not None else None
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_timeout_cancel_timer(self, item):
+        return True if launch_key(item) is not None else None
+
+    def launch(self, items, ranks):
+        """Runs `items` under one `mpirun -np ranks` and keeps every test's reports."""
+        if any(os.getenv(hint) for hint in MPI_ENV_HINTS):
+            pytest.exit("forked MPI tests cannot be run in an MPI environment", pytest.ExitCode.USAGE_ERROR)
+        option = self.config.option
+        command = assemble_sub_pytest_cmd(option, items[0].nodeid)[:-1] + [item.nodeid for item in items]
+        command = self.mpirun.extend_command_for_parallel_execution(command, ranks)
+        if option.verbose_mpi:
+            print(f"dispatching command: {command}")
+        threads = items[0].get_closest_marker("mpi").kwargs.get("threads")
+        capture = option.capture != "no"
+        with tempfile.TemporaryDirectory() as directory:
+            env = dict(os.environ, **{IN_RANKS: "1", IN_SHARED_LAUNCH: "1", REPORTS: directory})
+            if threads is not None:
+                env["OMP_NUM_THREADS"] = str(threads)
+            with open(os.path.join(directory, "stdout"), "w+") as stdout, \
+                    open(os.path.join(directory, "stderr"), "w+") as stderr:
+                process = subprocess.Popen(command, env=env, cwd=self.config.rootpath,
+                                           stdout=stdout if capture else None, stderr=stderr if capture else None)
+                try:
+                    stopped_in = self.wait(process, items, ranks, directory)
+                finally:
+                    stop(process)
+                stdout.seek(0)
+                stderr.seek(0)
+                output = [("Captured stdout", stdout.read()), ("Captured stderr", stderr.read())]
+            self.collect(items, ranks, directory, stopped_in, output)
+
+    @staticmethod
+    def wait(process, items, ranks, directory):
+        """Waits for the launch test by test; returns the test whose time ran out, or None."""
+        for item in items:
+            last = item is items[-1]  # the launch's exit counts as part of its last test
+            own = reports_directory(directory, item.nodeid)
+            deadline = time.monotonic() + time_limit(item)
+            while process.poll() is None:
+                if not last and all(os.path.exists(os.path.join(own, str(rank))) for rank in range(ranks)):
+                    break
+                if time.monotonic() > deadline:
+                    return item
+                time.sleep(0.1)
+        return None
+
+    def collect(self, items, ranks, directory, stopped_in, output):
+        """Reads every rank's reports of every test; a test that some rank did not finish fails."""
+        ended_in = None  # the first test some rank did not finish
+        for item in items:
+            reports, finished = [], True
+            for rank in range(ranks):
+                try:
+                    with open(os.path.join(reports_directory(directory, item.nodeid), str(rank)), "rb") as file:
+                        reports += pickle.load(file)
+                except (FileNotFoundError, EOFError, pickle.UnpicklingError):
+                    finished = False
+            if not finished:
+                if ended_in is None:
+                    ended_in = item
+                    if stopped_in is item:
+                        message = (f"Timeout occurred for {item.nodeid}: exceeded run time limit of "
+                                   f"{time_limit(item)} s.")
+                    else:
+                        message = "At least one MPI process has exited prematurely."
+                    sections = output
+                else:
+                    message, sections = f"Not run: the launch ended in {ended_in.nodeid}.", []
+                failure = TestReport(nodeid=item.nodeid, location=item.location, outcome="failed", when="call",
+                                     keywords={}, longrepr=message)
+                failure.sections.extend(section for section in sections if section[1])
+                reports.append(failure)
+            self.reports[item.nodeid] = reports
+
+
+class SharedLaunchRank:
+    """A rank's side: pytest-isolate-mpi writes each test's reports into a directory of its own."""
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item):
+        shared = os.environ[REPORTS]
+        own = reports_directory(shared, item.nodeid)
+        os.makedirs(own, exist_ok=True)
+        os.environ[REPORTS] = own
+        try:
+            return (yield)
+        finally:
+            os.environ[REPORTS] = shared
