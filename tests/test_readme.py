@@ -84,6 +84,10 @@ def test_example_runs(example, ranks, tmp_path):
         env = dict(os.environ)
         for hint in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PYTEST_ISOLATE_MPI_IS_FORKED"):
             env.pop(hint, None)
+        # The commands name more ranks than a small machine has cores: let Open MPI place them
+        # anyway, unbound, as the tests' own launches do (--oversubscribe --bind-to none).
+        env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
+        env.setdefault("PRTE_MCA_hwloc_default_binding_policy", "none")
         # A scratch directory, so that files the commands write (checkpoints, JSON) go nowhere else.
         result = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", code], capture_output=True, text=True,
                                 timeout=EXAMPLE_TIMEOUT, env=env, cwd=tmp_path)
