@@ -68,7 +68,7 @@ MKDOCS_SPEC ?= mkdocs==1.6.1
 docs:
 	test -x $(DOCS_VENV)/bin/python || $(PYTHON) -m venv $(DOCS_VENV)
 	$(DOCS_VENV)/bin/python -m pip install --quiet "$(MKDOCS_SPEC)"
-	$(DOCS_VENV)/bin/python -m mkdocs build --strict --site-dir site
+	$(DOCS_VENV)/bin/python -m mkdocs build --strict
 
 # Packaging: `python -m build` makes the sdist and, from it, the wheel (the extension CPU-only,
 # which is quick; `make test` builds the CUDA code); the wheel is installed, not editable, into a
