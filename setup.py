@@ -134,6 +134,7 @@ setup(
     long_description=open(os.path.join(HERE, "README.md")).read() if os.path.exists(os.path.join(HERE, "README.md")) else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["mpidist", "mpidist.*"]),
+    package_data={"mpidist": ["py.typed"]},  # PEP 561: the package's annotations are for type checkers
     ext_modules=[make_extension()],
     cmdclass={"build_ext": BuildWithCuda},
     python_requires=">=3.9",
