@@ -91,8 +91,12 @@ def _stream_of(array, info: BufferInfo) -> int:
 
 
 def _call(name: str, device: str, stream, *args):
-    """Runs kernel `name` on the CPU or, for a CUDA device, as cuda_`name` on `stream`."""
+    """Runs kernel `name` on the CPU or, for a CUDA device, as cuda_`name` on `stream`. The
+    extension checks the op and dtype names itself: a small buffer's call costs little more than
+    the kernel."""
     try:
+        if device == "cpu":
+            return getattr(_C, name)(*args)
         if _is_cuda(device):
             _require_cuda()
             return getattr(_C, "cuda_" + name)(*args, stream=int(stream or 0), device=_device_index(device))
@@ -110,14 +114,14 @@ def _call(name: str, device: str, stream, *args):
 def reduce_ptr(dst_ptr: int, src_ptr: int, count: int, dtype: str, op: str,
                device: str = "cpu", stream=None) -> None:
     """dst = dst op src over `count` elements at raw addresses."""
-    _call("reduce", device, stream, dst_ptr, src_ptr, count, dtype, _check_op(op))
+    _call("reduce", device, stream, dst_ptr, src_ptr, count, dtype, op)
 
 
 def reduce_scale_ptr(dst_ptr: int, src_ptr: int, count: int, dtype: str, op: str, scale: float,
                      device: str = "cpu", stream=None) -> None:
     """dst = (dst op src) * scale in one pass; integer dtypes accept only scale == 1."""
     _check_scale(dtype, scale, "reduce_scale")
-    _call("reduce_scale", device, stream, dst_ptr, src_ptr, count, dtype, _check_op(op), float(scale))
+    _call("reduce_scale", device, stream, dst_ptr, src_ptr, count, dtype, op, float(scale))
 
 
 def scale_ptr(ptr: int, count: int, dtype: str, factor: float, device: str = "cpu", stream=None) -> None:
@@ -134,7 +138,7 @@ def reduce_many_ptr(dst_ptr: int, src_ptrs, count: int, dtype: str, op: str,
     src_ptrs = [int(p) for p in src_ptrs]
     if not src_ptrs:
         raise InvalidArgumentError("reduce_many needs at least one source")
-    _call("reduce_many", device, stream, dst_ptr, src_ptrs, count, dtype, _check_op(op))
+    _call("reduce_many", device, stream, dst_ptr, src_ptrs, count, dtype, op)
 
 
 def reduce_many_to_ptr(dst_ptrs, src_ptrs, count: int, dtype: str, op: str, scale: float = 1.0,
@@ -148,7 +152,7 @@ def reduce_many_to_ptr(dst_ptrs, src_ptrs, count: int, dtype: str, op: str, scal
     if not dst_ptrs:
         raise InvalidArgumentError("reduce_many_to needs at least one destination")
     _check_scale(dtype, scale, "reduce_many_to")
-    _call("reduce_many_to", device, stream, dst_ptrs, src_ptrs, count, dtype, _check_op(op), float(scale))
+    _call("reduce_many_to", device, stream, dst_ptrs, src_ptrs, count, dtype, op, float(scale))
 
 
 # ---- array-level forms ------------------------------------------------------------------------
