@@ -24,8 +24,11 @@ import torch
 
 from . import comm as _comm
 from .errors import InvalidArgumentError, MismatchError, MpidistError, NotOfferedError
-from .parallel.data import (COMPRESSION_DTYPES, GradientBuckets, broadcast_in_place, check_not_synchronized,
-                            last_joiner, register_gradient_hooks, tensors_by_kind, trainable_parameters)
+from .parallel.flat import tensors_by_kind
+from .parallel.join import last_joiner
+from .parallel.model_state import broadcast_in_place
+from .parallel.reducer import (COMPRESSION_DTYPES, GradientBuckets, check_not_synchronized, register_gradient_hooks,
+                               trainable_parameters)
 from .parallel.sync_batchnorm import SyncBatchNorm  # noqa: F401  (hvd.SyncBatchNorm)
 from .timeline import Timeline
 
@@ -449,8 +452,8 @@ def join(device=-1) -> int:
         # The first ranks to join shadow the next exchange unannounced: it tells the others.
         if buckets.active_ranks < world.size or buckets.shadow():
             _take_part_while_joined(world, buckets)
-        exchanges, buckets.exchanges_with_gradients = buckets.exchanges_with_gradients, 0
-        buckets.active_ranks = world.size
+        exchanges = buckets.restart_exchange_count()
+        buckets.end_join()
     return last_joiner(world, exchanges)
 
 
