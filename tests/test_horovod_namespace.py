@@ -500,9 +500,10 @@ def test_elastic_training_is_refused_with_a_clear_error():
 TIMELINE_SCRIPT = """
 import torch
 import mpidist.torch as hvd
+from mpidist.torch import timeline
 
 hvd.init()  # starts the timeline of HOROVOD_TIMELINE
-print("writes", hvd.rank(), hvd._timeline is not None, flush=True)
+print("writes", hvd.rank(), timeline.current() is not None, flush=True)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
 optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
