@@ -44,10 +44,11 @@ def check_uneven_splits_match_the_reference(size, comm):
 
 def check_equal_blocks_of_a_torch_tensor(size, comm):
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
-        sent = (torch.arange(2 * size * 3).reshape(2 * size, 3) + 100 * comm.rank).to(dtype)
-        received, received_rows = comm.alltoall(sent)
-        expected = torch.cat([(torch.arange(2 * size * 3).reshape(2 * size, 3) + 100 * k)[2 * comm.rank:2 * comm.rank + 2]
-                              for k in range(size)]).to(dtype)
+        def rows_of(k):
+            return torch.arange(2 * size * 3).reshape(2 * size, 3) + 100 * k
+
+        received, received_rows = comm.alltoall(rows_of(comm.rank).to(dtype))
+        expected = torch.cat([rows_of(k)[2 * comm.rank:2 * comm.rank + 2] for k in range(size)]).to(dtype)
         assert isinstance(received, torch.Tensor) and received.dtype == dtype
         assert torch.equal(received, expected)
         assert received_rows.tolist() == [2] * size
