@@ -62,9 +62,15 @@ def barrier():
 
 def __getattr__(name):
     # The training modes need torch; import it only when they are used.
-    if name in ("DataParallel", "ParameterAveraging", "Join"):
-        from .parallel import data
-        return getattr(data, name)
+    if name == "DataParallel":
+        from .parallel.data import DataParallel
+        return DataParallel
+    if name == "Join":
+        from .parallel.join import Join
+        return Join
+    if name == "ParameterAveraging":
+        from .parallel.parameter_averaging import ParameterAveraging
+        return ParameterAveraging
     if name == "Pipeline":
         from .parallel.pipeline import Pipeline
         return Pipeline

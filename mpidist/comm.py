@@ -233,6 +233,13 @@ class Communicator:
     def reduce_scatter(self, array, op="sum"):
         return api().reduce_scatter(self, array, op=op)
 
+    def alltoall(self, array, splits=None):
+        """Send `splits[k]` rows of `array` (its first dimension; equal blocks without splits) to
+        rank k (collectives/alltoall.py). Returns (the rows received, in rank order; the row
+        counts received from each rank, an int64 NumPy array)."""
+        from .collectives.alltoall import alltoall
+        return alltoall(self, array, splits)
+
     def async_engine(self):
         """The background thread of this communicator's asynchronous collectives (made on first
         use: every rank makes it at its first asynchronous call, so the duplication is collective)."""

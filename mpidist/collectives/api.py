@@ -44,7 +44,8 @@ HOST_MEMORY_ALGORITHMS = frozenset({"hierarchical"})
 OPS = ("sum", "avg", "min", "max", "prod")
 # "first allreduce_async": the first asynchronous call of each rank starts the background thread,
 # which duplicates the communicator (a collective of its own); ranks check that they all do so.
-COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "first allreduce_async", "adasum")
+COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "first allreduce_async", "adasum",
+               "alltoall")
 # Tags keep the messages of different collectives apart should a rank ever run ahead.
 TAGS = {name: 0x4D44 + index for index, name in enumerate(COLLECTIVES)}
 SIGNATURE_FIELDS = ("collective", "count", "dtype", "op", "algorithm", "root", "row shape")

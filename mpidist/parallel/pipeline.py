@@ -27,8 +27,8 @@ import torch
 from ..collectives.api import wait_with_deadline
 from ..comm import Communicator, init
 from ..errors import InvalidArgumentError, MismatchError
-from .data import (GradientBuckets, broadcast_module_state, check_not_synchronized, register_gradient_hooks,
-                   trainable_parameters)
+from .model_state import broadcast_module_state
+from .reducer import GradientBuckets, check_not_synchronized, register_gradient_hooks, trainable_parameters
 
 SCHEDULES = ("gpipe", "1f1b")
 HEADER_LENGTH = 2 + 8  # dtype code, number of dimensions, up to 8 dimensions

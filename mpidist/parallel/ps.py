@@ -37,7 +37,7 @@ import torch
 from ..collectives.api import call_timeout, poll_until, wait_with_deadline
 from ..comm import init
 from ..errors import DeadlineError, InvalidArgumentError, MismatchError
-from .data import broadcast_module_state
+from .model_state import broadcast_module_state
 from .pipeline import DTYPES, byte_view
 
 MODES = ("sync", "async", "softsync")

@@ -14,7 +14,8 @@ import torch
 
 from ..comm import broadcast_json, init
 from ..errors import InvalidArgumentError, MpidistError, NotOfferedError
-from .data import broadcast_in_place, shaped_like, tensors_by_kind, unpack_tensors
+from .flat import shaped_like, tensors_by_kind, unpack_tensors
+from .model_state import broadcast_in_place
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):

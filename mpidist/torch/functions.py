@@ -1,0 +1,90 @@
+"""Horovod's functions over whole objects: broadcast_parameters and broadcast_optimizer_state
+(model and optimizer state from one rank), broadcast_object and allgather_object (JSON-encoded,
+never pickled).
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+from .. import comm as _comm
+from ..errors import InvalidArgumentError
+from ..parallel.model_state import broadcast_in_place
+from .join import collective_comm
+from .mpi_ops import broadcast_
+from .process_sets import root_in
+from .timeline import traced
+
+
+@traced("BROADCAST")
+def broadcast_parameters(params, root_rank=0):
+    """Broadcast a state_dict or an iterable of (name, tensor) from `root_rank`, in place."""
+    items = sorted(params.items()) if isinstance(params, dict) else list(params)
+    world = collective_comm(None)
+    with torch.no_grad():
+        for _, tensor in items:
+            if isinstance(tensor, torch.Tensor):
+                broadcast_in_place(world, tensor.data, root_rank)
+
+
+@traced("BROADCAST")
+def broadcast_optimizer_state(optimizer, root_rank=0):
+    """Broadcast the optimizer's state tensors and hyperparameters from `root_rank`.
+
+    Ranks that have no state yet (no step taken) get zero-initialized state of the root's
+    layout; hyperparameters travel as JSON, never pickled.
+    """
+    state = optimizer.state_dict()
+    groups = broadcast_object([{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]],
+                              root_rank)
+    layout = broadcast_object({str(index): {name: [list(value.shape), str(value.dtype).replace("torch.", "")]
+                                            for name, value in entries.items() if isinstance(value, torch.Tensor)}
+                               for index, entries in state["state"].items()}, root_rank)
+    scalars = broadcast_object({str(index): {name: value for name, value in entries.items()
+                                             if not isinstance(value, torch.Tensor)}
+                                for index, entries in state["state"].items()}, root_rank)
+    new_state = {}
+    for index, tensors in layout.items():
+        entries = dict(scalars.get(index, {}))
+        current = state["state"].get(int(index), {})
+        for name, (shape, dtype) in tensors.items():
+            tensor = current.get(name)
+            if tensor is None or list(tensor.shape) != shape:
+                tensor = torch.zeros(shape, dtype=getattr(torch, dtype))
+            entries[name] = broadcast_(tensor.contiguous(), root_rank)
+        new_state[int(index)] = entries
+    for group, settings in zip(state["param_groups"], groups):
+        group.update(settings)
+    state["state"] = new_state
+    optimizer.load_state_dict(state)
+
+
+@traced("BROADCAST")
+def broadcast_object(obj, root_rank=0, name=None, process_set=None):
+    """Broadcast a JSON-serializable object (mpidist never unpickles received data, so values
+    come back as JSON gives them: dict keys become strings, tuples lists)."""
+    return _comm.broadcast_json(collective_comm(process_set), obj, root_in(process_set, root_rank), "broadcast_object")
+
+
+@traced("ALLGATHER")
+def allgather_object(obj, name=None, process_set=None):
+    """Every rank's JSON-serializable object, in a list by rank (JSON, as broadcast_object)."""
+    world = collective_comm(process_set)
+    try:
+        data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8).copy()
+        error = None
+    except (TypeError, ValueError) as exc:
+        data, error = np.empty(0, dtype=np.uint8), exc
+    # A rank that cannot encode sends length -1, so that every rank raises instead of the
+    # others waiting for its bytes.
+    lengths = world.allgather(np.array([-1 if error else len(data)], dtype=np.int64))
+    if (lengths < 0).any():
+        failed = [k for k, length in enumerate(lengths) if length < 0]
+        detail = f": {error}" if error else ""
+        raise InvalidArgumentError(f"allgather_object sends JSON only (no pickle); rank(s) {failed} "
+                                   f"passed an object JSON cannot encode{detail}") from error
+    gathered = world.allgather(data)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    return [json.loads(gathered[offsets[k]:offsets[k + 1]].tobytes().decode()) for k in range(world.size)]

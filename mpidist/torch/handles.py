@@ -1,0 +1,48 @@
+"""The handles of hvd's asynchronous operations (what X_async returns and synchronize() waits
+for): Handle wraps the collective's own handle with the result and its finishing step; DoneHandle
+stands for an operation that completed in the call; GroupHandle for several waited together.
+"""
+from __future__ import annotations
+
+
+class Handle:
+    """An asynchronous operation in flight. Its finishing step (postscale_factor) runs once, however
+    often synchronize() is called on it."""
+
+    def __init__(self, handle, result, finish=None):
+        self.handle, self.result, self.finish = handle, result, finish
+        self.finished = False
+        self.trace = None  # (name, activity, start) while the timeline waits for its end
+
+
+class DoneHandle:
+    """Broadcast and allgather complete before returning; the handle only carries the result."""
+
+    def __init__(self, result):
+        self.result = result
+
+    def done(self):
+        return True
+
+    def wait(self):
+        return self.result
+
+
+class GroupHandle:
+    """Several asynchronous operations waited for together."""
+
+    def __init__(self, handles):
+        self.handles = handles
+
+    def done(self):
+        return all(handle.done() for handle in self.handles)
+
+    def wait(self):
+        for handle in self.handles:
+            handle.wait()
+
+    @property
+    def finished(self):
+        """When the last of them completed (perf_counter), once all have."""
+        times = [handle.finished for handle in self.handles]
+        return max(times) if times and None not in times else None

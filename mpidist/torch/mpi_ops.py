@@ -1,0 +1,481 @@
+"""hvd's collective operations on torch tensors, as Horovod's mpi_ops: allreduce, allgather,
+broadcast, alltoall and reducescatter with their in-place (`_`), asynchronous (`_async`) and
+grouped forms, barrier, and poll()/synchronize() for the asynchronous ones' handles. The
+differentiable forms are autograd functions here; the operations run on mpidist's collectives.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from .. import buffers
+from ..errors import InvalidArgumentError, MismatchError, NotOfferedError
+from ..parallel.flat import tensors_by_kind
+from .basics import Adasum, Average, Sum, resolve_op
+from .compression import Compression, dtype_on_wire
+from .handles import DoneHandle, GroupHandle, Handle
+from .join import announce_allreduce, collective_comm
+from .process_sets import comm_of, root_in
+from .timeline import end_traced, traced
+
+_COLLECTIVE_DTYPES = frozenset(getattr(torch, name) for name in buffers.DTYPES)
+
+
+@traced("BARRIER")
+def barrier(process_set=None):
+    """Wait until every rank has called barrier()."""
+    collective_comm(process_set).barrier()
+
+
+# ---- collectives -----------------------------------------------------------------------------
+# allreduce, allgather, broadcast and alltoall are differentiable, as Horovod's (its
+# HorovodAllreduce, HorovodAllgather, HorovodBroadcast and HorovodAlltoall autograd functions);
+# the in-place and asynchronous variants are not, as in Horovod.
+
+def _scaled(tensor, factor):
+    if factor != 1.0:
+        tensor.mul_(factor)
+
+
+def _check_scale_factors(tensors, prescale_factor, postscale_factor):
+    """Scale factors multiply in the tensor's own dtype, which torch refuses for integer tensors:
+    refused here with the reason, before anything is sent."""
+    if prescale_factor == 1.0 and postscale_factor == 1.0:
+        return
+    for tensor in tensors:
+        if not tensor.is_floating_point():
+            raise InvalidArgumentError(f"prescale_factor={prescale_factor} and postscale_factor={postscale_factor} "
+                                       f"need floating-point tensors; got a {tensor.dtype} tensor")
+
+
+def _allreduce_into(tensor, op, compression, prescale_factor, postscale_factor, comm):
+    _check_scale_factors([tensor], prescale_factor, postscale_factor)
+    wire_dtype = dtype_on_wire(tensor, compression)
+    announce_allreduce(comm, tensor, op, asynchronous=False, wire_dtype=wire_dtype)
+    _scaled(tensor, prescale_factor)
+    wire = tensor.to(wire_dtype) if wire_dtype is not None else tensor
+    if op == Adasum:
+        comm.adasum_allreduce(wire)
+    else:
+        comm.allreduce(wire, op=op)
+    if wire is not tensor:
+        tensor.copy_(wire)
+    _scaled(tensor, postscale_factor)
+    return tensor
+
+
+def _contiguous_copy(tensor):
+    return tensor.detach().clone(memory_format=torch.contiguous_format)
+
+
+class _Allreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, op, compression, prescale_factor, postscale_factor, comm):
+        ctx.settings = (op, compression, prescale_factor, postscale_factor, comm)
+        return _allreduce_into(_contiguous_copy(tensor), *ctx.settings)
+
+    @staticmethod
+    def backward(ctx, grad):
+        op = ctx.settings[0]
+        if op not in (Average, Sum):
+            raise NotOfferedError(f"hvd.allreduce with op={op!r} has no gradient; only Average and Sum "
+                                  "are differentiable (as in Horovod)")
+        # Each rank's input enters every rank's output through the same linear map, so its
+        # gradient is the same reduction (op and scale factors) of all ranks' output gradients.
+        return _allreduce_into(_contiguous_copy(grad), *ctx.settings), None, None, None, None, None
+
+
+# Horovod (since v0.22, PR #2687) averages the output gradients of allgather and broadcast over
+# the ranks: every rank's loss counts 1/size, as in DistributedOptimizer's averaged gradients.
+_GATHER_GRADIENT_OP = Average
+
+
+def _combined_gradient(grad, comm):
+    return _allreduce_into(_contiguous_copy(grad), _GATHER_GRADIENT_OP, Compression.none, 1.0, 1.0, comm)
+
+
+class _Allgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, comm):
+        ctx.shape, ctx.comm = tensor.shape, comm
+        return comm.allgather(tensor.detach().contiguous())
+
+    @staticmethod
+    def backward(ctx, grad):
+        world = ctx.comm
+        combined = _combined_gradient(grad, world)
+        rows = ctx.shape[0] if len(ctx.shape) else 1  # a 0-d tensor is gathered as one row
+        all_rows = world.allgather(np.array([rows], dtype=np.int64))
+        offset = int(all_rows[:world.rank].sum())
+        return combined.narrow(0, offset, rows).reshape(ctx.shape), None
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root, comm):
+        ctx.root, ctx.comm = root, comm
+        return comm.broadcast(_contiguous_copy(tensor), root=root)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Every rank's output is the root's input: the root's gradient combines all ranks'
+        # output gradients; the other ranks' inputs were not used (zero gradient, as Horovod).
+        combined = _combined_gradient(grad, ctx.comm)
+        if ctx.comm.rank != ctx.root:
+            combined.zero_()
+        return combined, None, None
+
+
+@traced("ALLREDUCE")
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+               process_set=None, compression=Compression.none):
+    return _allreduce_into(tensor, resolve_op(op, average), compression, prescale_factor, postscale_factor,
+                           comm_of(process_set))
+
+
+@traced("ALLREDUCE")
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, process_set=None):
+    """A new tensor holding the reduction of `tensor` over all ranks (average by default).
+    Differentiable when `tensor` requires grad."""
+    return _Allreduce.apply(tensor, resolve_op(op, average), compression, prescale_factor, postscale_factor,
+                            comm_of(process_set))
+
+
+@traced("ALLREDUCE")
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                     process_set=None):
+    comm = comm_of(process_set)
+    op = resolve_op(op, average)
+    _check_scale_factors([tensor], prescale_factor, postscale_factor)
+    announce_allreduce(comm, tensor, op, asynchronous=True)  # refused for Adasum
+    _scaled(tensor, prescale_factor)
+    if op == Adasum:  # runs at once, in order behind the asynchronous operations in flight
+        comm.adasum_allreduce(tensor)
+        return Handle(DoneHandle(tensor), tensor, lambda t: _scaled(t, postscale_factor))
+    handle = comm.allreduce_async(tensor, op=op)
+    return Handle(handle, tensor, lambda t: _scaled(t, postscale_factor))
+
+
+@traced("ALLREDUCE")
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                    process_set=None):
+    return allreduce_async_(_contiguous_copy(tensor), average, name, op, prescale_factor,
+                            postscale_factor, process_set)
+
+
+def poll(handle) -> bool:
+    return handle.handle.done()
+
+
+def synchronize(handle):
+    """Wait for an asynchronous operation; returns its result tensor (the same one on every call)."""
+    if not handle.finished:
+        handle.handle.wait()
+        if handle.finish is not None:
+            handle.finish(handle.result)
+        handle.finished = True
+        end_traced(handle)
+    return handle.result
+
+
+@traced("BROADCAST")
+def broadcast_(tensor, root_rank, name=None, process_set=None):
+    return collective_comm(process_set).broadcast(tensor, root=root_in(process_set, root_rank))
+
+
+@traced("BROADCAST")
+def broadcast(tensor, root_rank, name=None, process_set=None):
+    """A new tensor holding `root_rank`'s `tensor`. Differentiable when `tensor` requires grad."""
+    comm = collective_comm(process_set)
+    return _Broadcast.apply(tensor, root_in(process_set, root_rank), comm)
+
+
+@traced("BROADCAST")
+def broadcast_async_(tensor, root_rank, name=None, process_set=None):
+    return Handle(DoneHandle(broadcast_(tensor, root_rank, name, process_set)), tensor)
+
+
+@traced("BROADCAST")
+def broadcast_async(tensor, root_rank, name=None, process_set=None):
+    result = broadcast(tensor.detach(), root_rank, name, process_set)
+    return Handle(DoneHandle(result), result)
+
+
+@traced("ALLGATHER")
+def allgather(tensor, name=None, process_set=None):
+    """Every rank's `tensor` concatenated along the first dimension (which may differ by rank).
+    Differentiable when `tensor` requires grad."""
+    return _Allgather.apply(tensor, collective_comm(process_set))
+
+
+@traced("ALLGATHER")
+def allgather_async(tensor, name=None, process_set=None):
+    result = allgather(tensor.detach(), name, process_set)
+    return Handle(DoneHandle(result), result)
+
+
+@traced("ALLREDUCE")
+def sparse_allreduce_async(tensor, name=None, op=Average, process_set=None):
+    """Horovod's all-reduce of a sparse COO tensor: every rank's indices and values gathered into
+    one sparse tensor (duplicate indices left uncoalesced; they add up), the values divided by the
+    rank count for op=Average. Returns a callable that gives the result, as Horovod's does."""
+    op = resolve_op(op, adasum_in="sparse_allreduce_async")
+    if op not in (Average, Sum):
+        raise InvalidArgumentError(f"sparse_allreduce_async takes op=hvd.Average or hvd.Sum, got {op!r}")
+    if not tensor.is_sparse:
+        raise InvalidArgumentError(f"sparse_allreduce_async takes a sparse COO tensor, got layout {tensor.layout}")
+    comm = collective_comm(process_set)
+    shapes = comm.allgather(np.array([tensor.shape], dtype=np.int64))
+    if (shapes != shapes[0]).any():
+        raise MismatchError(f"sparse_allreduce_async: the ranks' tensors have different shapes "
+                            f"{[tuple(row) for row in shapes.tolist()]} by rank")
+    # allgather concatenates along the first dimension: the indices travel one row per element.
+    indices = allgather(tensor._indices().t().contiguous(), name, process_set)
+    values = allgather(tensor._values().contiguous(), name, process_set)
+    if op == Average:
+        values = values / comm.size
+    result = torch.sparse_coo_tensor(indices.t(), values, tensor.shape)
+    return lambda: result
+
+
+def _reducescatter(tensor, op, compression, prescale_factor, postscale_factor, comm):
+    """Rank r's block of rows of the reduction (the first rows % size ranks get one row more)."""
+    _check_scale_factors([tensor], prescale_factor, postscale_factor)
+    source = tensor.detach().contiguous()
+    wire_dtype = dtype_on_wire(source, compression)
+    if prescale_factor != 1.0:
+        source = source * prescale_factor
+    if wire_dtype is not None:
+        result = comm.reduce_scatter(source.to(wire_dtype), op=op).to(tensor.dtype)
+    else:
+        result = comm.reduce_scatter(source, op=op)
+    _scaled(result, postscale_factor)
+    return result
+
+
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, op, compression, prescale_factor, postscale_factor, comm):
+        ctx.op, ctx.scale, ctx.shape, ctx.comm = op, prescale_factor * postscale_factor, tensor.shape, comm
+        return _reducescatter(tensor, op, compression, prescale_factor, postscale_factor, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.op not in (Average, Sum):
+            raise NotOfferedError(f"hvd.reducescatter with op={ctx.op!r} has no gradient; only Average and Sum "
+                                  "are differentiable (as in Horovod)")
+        # Each input row enters only the output of the rank its block goes to, scaled: its
+        # gradient is that rank's output gradient, scaled the same way (as allreduce's, the
+        # gradient of the sum of the ranks' losses).
+        gathered = ctx.comm.allgather(grad.detach().contiguous())
+        _scaled(gathered, ctx.scale / ctx.comm.size if ctx.op == Average else ctx.scale)
+        return gathered.reshape(ctx.shape), None, None, None, None, None
+
+
+@traced("REDUCESCATTER")
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=None,
+                  prescale_factor=1.0, postscale_factor=1.0):
+    """Reduce `tensor` over the ranks and give rank r its r-th block of rows (the first
+    rows % size ranks get one row more, as Horovod splits). Differentiable when `tensor`
+    requires grad (op Average or Sum)."""
+    return _Reducescatter.apply(tensor, resolve_op(op, adasum_in="reducescatter"), compression, prescale_factor,
+                                postscale_factor, collective_comm(process_set))
+
+
+@traced("REDUCESCATTER")
+def reducescatter_async(tensor, name=None, op=Average, process_set=None, prescale_factor=1.0,
+                        postscale_factor=1.0):
+    result = _reducescatter(tensor, resolve_op(op, adasum_in="reducescatter"), Compression.none, prescale_factor,
+                            postscale_factor, collective_comm(process_set))
+    return Handle(DoneHandle(result), result)
+
+
+# ---- grouped collectives ---------------------------------------------------------------------
+# Horovod's grouped_* operations run a list of tensors as one operation. Here an all-reduce of a
+# group packs the tensors of each dtype and device into one buffer (one all-reduce per kind, in
+# the order the kinds first appear, the same on every rank); allgather and reducescatter run per
+# tensor. Results, differentiability and handles are Horovod's.
+
+def pack_group(members):
+    return torch.cat([member.reshape(-1) for member in members])
+
+
+def unpack_group(flat, members):
+    offset = 0
+    for member in members:
+        member.copy_(flat[offset:offset + member.numel()].view(member.shape))
+        offset += member.numel()
+
+
+def _check_group_allreduce(tensors, op, prescale_factor, postscale_factor):
+    """What the all-reduce of one kind would refuse, checked for all of them before the first is
+    sent (an in-place group is then left as it was)."""
+    from ..collectives.api import check_op  # imported here: the collectives initialize MPI
+    _check_scale_factors(tensors, prescale_factor, postscale_factor)
+    if op != Adasum:  # Adasum checks its dtypes itself
+        for tensor in tensors:
+            check_op(op, str(tensor.dtype).removeprefix("torch."))
+
+
+def _grouped_allreduce_into(tensors, op, compression, prescale_factor, postscale_factor, comm):
+    _check_group_allreduce(tensors, op, prescale_factor, postscale_factor)
+    for members in tensors_by_kind(tensors):
+        flat = pack_group(members)
+        _allreduce_into(flat, op, compression, prescale_factor, postscale_factor, comm)
+        unpack_group(flat, members)
+    return list(tensors)
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, settings, *tensors):
+        ctx.settings = settings
+        return tuple(_grouped_allreduce_into([_contiguous_copy(t) for t in tensors], *settings))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op = ctx.settings[0]
+        if op not in (Average, Sum):
+            raise NotOfferedError(f"hvd.grouped_allreduce with op={op!r} has no gradient; only Average and Sum "
+                                  "are differentiable (as in Horovod)")
+        return (None, *_grouped_allreduce_into([_contiguous_copy(g) for g in grads], *ctx.settings))
+
+
+def _check_group(tensors, what):
+    tensors = list(tensors)
+    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise InvalidArgumentError(f"hvd.{what} takes a non-empty list of tensors")
+    return tensors
+
+
+@traced("ALLREDUCE")
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=None):
+    """New tensors holding the reductions of `tensors` (one operation per dtype and device).
+    Differentiable when the tensors require grad."""
+    tensors = _check_group(tensors, "grouped_allreduce")
+    settings = (resolve_op(op, average, "grouped_allreduce"), compression, prescale_factor, postscale_factor,
+                comm_of(process_set))
+    return list(_GroupedAllreduce.apply(settings, *tensors))
+
+
+@traced("ALLREDUCE")
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                       process_set=None):
+    tensors = _check_group(tensors, "grouped_allreduce_")
+    return _grouped_allreduce_into(tensors, resolve_op(op, average, "grouped_allreduce"), Compression.none,
+                                   prescale_factor, postscale_factor, comm_of(process_set))
+
+
+@traced("ALLREDUCE")
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=None):
+    comm = comm_of(process_set)
+    tensors = _check_group(tensors, "grouped_allreduce_async_")
+    op = resolve_op(op, average, "grouped_allreduce")
+    _check_group_allreduce(tensors, op, prescale_factor, postscale_factor)
+    handles, packed = [], []
+    for members in tensors_by_kind(tensors):
+        flat = pack_group(members)
+        announce_allreduce(comm, flat, op, asynchronous=True)
+        _scaled(flat, prescale_factor)
+        handles.append(comm.allreduce_async(flat, op=op))
+        packed.append((flat, members))
+
+    def finish(_result):
+        for flat, members in packed:
+            _scaled(flat, postscale_factor)
+            unpack_group(flat, members)
+
+    return Handle(GroupHandle(handles), tensors, finish)
+
+
+@traced("ALLREDUCE")
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0, process_set=None):
+    tensors = _check_group(tensors, "grouped_allreduce_async")
+    return grouped_allreduce_async_([_contiguous_copy(t) for t in tensors], average, name, op, prescale_factor,
+                                    postscale_factor, process_set)
+
+
+@traced("ALLGATHER")
+def grouped_allgather(tensors, name=None, process_set=None):
+    return [allgather(t, name, process_set) for t in _check_group(tensors, "grouped_allgather")]
+
+
+@traced("ALLGATHER")
+def grouped_allgather_async(tensors, name=None, process_set=None):
+    result = grouped_allgather([t.detach() for t in _check_group(tensors, "grouped_allgather_async")],
+                               name, process_set)
+    return Handle(DoneHandle(result), result)
+
+
+@traced("REDUCESCATTER")
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average, process_set=None,
+                          prescale_factor=1.0, postscale_factor=1.0):
+    tensors = _check_group(tensors, "grouped_reducescatter")
+    _check_scale_factors(tensors, prescale_factor, postscale_factor)  # all of them before the first is sent
+    return [reducescatter(t, name, compression, op, process_set, prescale_factor, postscale_factor)
+            for t in tensors]
+
+
+@traced("REDUCESCATTER")
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=None, prescale_factor=1.0,
+                                postscale_factor=1.0):
+    result = grouped_reducescatter([t.detach() for t in _check_group(tensors, "grouped_reducescatter_async")],
+                                   name, Compression.none, op, process_set, prescale_factor, postscale_factor)
+    return Handle(DoneHandle(result), result)
+
+
+def _alltoall(tensor, splits, comm):
+    """(received rows, received row counts by rank as an int32 tensor) for `tensor`'s
+    first-dimension `splits` over `comm`, by mpidist's alltoall collective."""
+    if isinstance(splits, torch.Tensor):
+        splits = splits.tolist()
+    source = tensor.detach().contiguous()
+    if source.dim() == 0 or source.dtype in _COLLECTIVE_DTYPES:
+        output, received = comm.alltoall(source, splits)
+    else:
+        # The collectives know the dtypes they can reduce; an all-to-all only moves rows, so the
+        # others (bool, int16, complex, ...) travel as their bytes, a row of bytes per row.
+        row_shape = tuple(source.shape[1:])
+        as_bytes = source.reshape(source.shape[0], math.prod(row_shape)).view(torch.uint8)
+        output, received = comm.alltoall(as_bytes, splits)
+        output = output.view(source.dtype).reshape((output.shape[0],) + row_shape)
+    return output, torch.tensor(received.tolist(), dtype=torch.int32)
+
+
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, comm):
+        output, received = _alltoall(tensor, splits, comm)
+        ctx.received, ctx.comm = received, comm
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad, _received_grad):
+        # The gradient of the rows this rank sent comes back from the ranks that received them.
+        grad_input, _ = _alltoall(grad.contiguous(), ctx.received, ctx.comm)
+        return grad_input, None, None
+
+
+@traced("ALLTOALL")
+def alltoall(tensor, splits=None, name=None, process_set=None):
+    """Send `splits[k]` rows of `tensor` (first dimension; equal parts without splits=) to rank k
+    and return the rows received, in rank order. As in Horovod: with splits= the result is
+    (tensor, received_splits), an int32 tensor of the row counts received from each rank.
+    Differentiable when `tensor` requires grad."""
+    output, received = _Alltoall.apply(tensor, splits, collective_comm(process_set))
+    return output if splits is None else (output, received)
+
+
+@traced("ALLTOALL")
+def alltoall_async(tensor, splits=None, name=None, process_set=None):
+    """As Horovod's: synchronize() returns (received rows, received splits), with or without splits=."""
+    output, received = _alltoall(tensor.detach(), splits, collective_comm(process_set))
+    result = (output, received)
+    return Handle(DoneHandle(result), result)

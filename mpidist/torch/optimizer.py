@@ -1,0 +1,220 @@
+"""Horovod's DistributedOptimizer: wraps a torch optimizer so that gradients are all-reduced in
+buckets during backward (mpidist's reducer, parallel/reducer.py) and waited for in step(); with
+op=hvd.Adasum, each rank steps on its own gradients and the parameters' changes are combined by
+Adasum in step().
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+
+import torch
+
+from ..errors import InvalidArgumentError, MpidistError
+from ..parallel.flat import tensors_by_kind
+from ..parallel.reducer import (COMPRESSION_DTYPES, GradientBuckets, check_not_synchronized, register_gradient_hooks,
+                                trainable_parameters)
+from .basics import Adasum, Average, resolve_op
+from .compression import Compression
+from .join import register_adasum_optimizer, register_optimizer
+from .mpi_ops import pack_group
+from .process_sets import comm_of
+from .timeline import current as current_timeline
+
+
+class _DistributedOptimizer:
+    """Mixed into the wrapped optimizer's class: gradients are all-reduced in buckets during
+    backward (after `backward_passes_per_step` passes) and waited for in step()/synchronize()."""
+
+    def _setup_distributed(self, named_parameters, compression, backward_passes_per_step, op,
+                           gradient_predivide_factor, groups, comm):
+        params = [p for group in self.param_groups for p in group["params"]]
+        labels = {id(p): f"param.{index}" for index, p in enumerate(params)}  # for the timeline
+        if named_parameters is not None:
+            named = list(named_parameters)
+            names = [n for n, _ in named]
+            if len(set(names)) != len(names):
+                raise InvalidArgumentError("named_parameters contains duplicate names")
+            known = {id(p) for _, p in named}
+            missing = [i for i, p in enumerate(params) if id(p) not in known]
+            if missing:
+                raise InvalidArgumentError(f"named_parameters does not name optimizer parameters {missing}")
+            labels.update((id(p), n) for n, p in named)
+        op = resolve_op(op)
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise InvalidArgumentError("gradient_predivide_factor needs op=hvd.Average")
+        trainable = trainable_parameters(params)
+        check_not_synchronized(trainable, "DistributedOptimizer")
+        self._buckets = GradientBuckets(trainable, comm, bucket_mb=_fusion_bucket_mb(),
+                                        compression=getattr(compression, "wire", None), op=op,
+                                        predivide=gradient_predivide_factor,
+                                        passes_per_step=backward_passes_per_step,
+                                        groups=_explicit_groups(groups, params, trainable))
+        self._skip_sync = False
+        register_gradient_hooks(self._buckets, "gradient_ready", trainable, "DistributedOptimizer")
+        register_optimizer(self._buckets)
+        # The timeline's row of each bucket: "allreduce.<its parameters' names>".
+        self._bucket_rows = ["allreduce." + "+".join(labels[id(p)] for p in bucket.params)
+                             for bucket in self._buckets.buckets]
+
+    def synchronize(self):
+        """Wait for the gradients' all-reduces (call before clipping gradients, then step()
+        inside skip_synchronize())."""
+        timeline = current_timeline()
+        if timeline is None:
+            self._buckets.wait()
+            return
+        # On the timeline: each bucket's all-reduce from its launch during backward to its
+        # completion, and the wait here on a row of its own.
+        self._buckets.trace = spans = []
+        start = time.perf_counter()
+        try:
+            self._buckets.wait()
+        finally:
+            self._buckets.trace = None
+        timeline.span("DistributedOptimizer", "SYNCHRONIZE", start, time.perf_counter())
+        for row, (began, ended) in zip(self._bucket_rows, spans):
+            timeline.span(row, "ALLREDUCE", began, ended)
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        self._skip_sync = True
+        try:
+            yield
+        finally:
+            self._skip_sync = False
+
+    def step(self, closure=None):
+        if not self._skip_sync:
+            self.synchronize()
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._buckets.active:
+            raise MpidistError("zero_grad() called while gradients are being all-reduced; call "
+                               "step() or synchronize() first")
+        return super().zero_grad(set_to_none=set_to_none)
+
+
+class _DistributedAdasumOptimizer:
+    """Mixed into the wrapped optimizer's class with op=hvd.Adasum (Horovod's
+    _DistributedAdasumOptimizer): each rank steps the wrapped optimizer on its own gradients, so
+    its state (momentum, Adam's moments) stays its own, and the parameters become the step's
+    starting point plus the Adasum over the ranks of their changes, tensor by tensor. Gradients
+    are not exchanged during backward; everything happens in step()."""
+
+    def _setup_adasum(self, compression, comm):
+        if comm.size & (comm.size - 1):
+            raise InvalidArgumentError(
+                f"DistributedOptimizer(op=hvd.Adasum) needs a power-of-two number of ranks (its pairs "
+                f"form a binary tree); there are {comm.size}")
+        params = trainable_parameters([p for group in self.param_groups for p in group["params"]])
+        check_not_synchronized(params, "DistributedOptimizer")
+        self._adasum_params = params
+        self._adasum_comm = comm
+        self._wire = COMPRESSION_DTYPES.get(getattr(compression, "wire", None))
+        register_adasum_optimizer(self)
+
+    def synchronize(self):
+        pass  # as in Horovod: the changes are combined in step()
+
+    def skip_synchronize(self):
+        raise InvalidArgumentError("skip_synchronize() has no use with op=hvd.Adasum: the parameters' "
+                                   "changes are combined in step(), after the local step")
+
+    def step(self, closure=None):
+        params = self._adasum_params
+        start = {id(p): p.detach().clone() for p in params}
+        result = super().step(closure)
+        if self._adasum_comm.size == 1:
+            return result
+        began = time.perf_counter()
+        self._combine_changes(params, start)
+        timeline = current_timeline()
+        if timeline is not None:
+            timeline.span("DistributedOptimizer", "ADASUM", began, time.perf_counter())
+        return result
+
+    def _combine_changes(self, params, start):
+        with torch.no_grad():
+            for members in tensors_by_kind(params):
+                change = pack_group([p - start[id(p)] for p in members])
+                wire = change.to(self._wire) if self._wire is not None and change.is_floating_point() else change
+                self._adasum_comm.adasum_allreduce(wire, sizes=[p.numel() for p in members])
+                if wire is not change:
+                    change.copy_(wire)
+                for param, part in zip(members, change.split([p.numel() for p in members])):
+                    param.copy_(start[id(param)] + part.view_as(param))
+
+
+def _fusion_bucket_mb() -> float:
+    """Horovod's HOROVOD_FUSION_THRESHOLD (bytes) as the buckets' size in MB: unset, DataParallel's
+    25; 0 (Horovod: no fusion), a bucket per gradient."""
+    from ..collectives.common import env_number  # imported here: the collectives initialize MPI
+    threshold = env_number("HOROVOD_FUSION_THRESHOLD", 25 * 2 ** 20, minimum=0)
+    return max(threshold, 1) / 2 ** 20  # a 1-byte bucket holds one gradient, however small
+
+
+def _explicit_groups(groups, params, trainable) -> list:
+    """Horovod's `groups`: a number n (the trainable parameters in optimizer order, cut into n runs
+    of nearly equal length, as Horovod's split_list cuts them) or a list of lists of parameters.
+    Each group is all-reduced as one bucket (GradientBuckets); parameters in no group, and every
+    parameter when groups is None, are bucketed automatically. Frozen parameters are left out."""
+    if groups is None:
+        return []
+    if isinstance(groups, int) and not isinstance(groups, bool):
+        if groups <= 0:
+            raise InvalidArgumentError(f"groups={groups}: pass a positive number of groups or a list of "
+                                       "lists of parameters")
+        quotient, remainder = divmod(len(trainable), groups)
+        runs = [trainable[k * quotient + min(k, remainder):(k + 1) * quotient + min(k + 1, remainder)]
+                for k in range(groups)]
+        return [run for run in runs if run]
+    if not isinstance(groups, (list, tuple)):
+        raise InvalidArgumentError(f"groups must be a positive number or a list of lists of parameters, "
+                                   f"got {type(groups).__name__}")
+    known, trainable_ids, seen, result = {id(p) for p in params}, {id(p) for p in trainable}, set(), []
+    for k, group in enumerate(groups):
+        if not isinstance(group, (list, tuple)):
+            raise InvalidArgumentError(f"groups[{k}] is a {type(group).__name__}; each group must be a list "
+                                       "of parameters")
+        for member in group:
+            if not isinstance(member, torch.Tensor):
+                raise InvalidArgumentError(f"groups[{k}] holds a {type(member).__name__}; groups must consist "
+                                           "of torch.Tensor parameters")
+            if id(member) in seen:
+                raise InvalidArgumentError(f"groups[{k}]: a parameter can only appear once in groups")
+            if id(member) not in known:
+                raise InvalidArgumentError(f"groups[{k}] holds a tensor that is not a parameter of the "
+                                           "wrapped optimizer")
+            seen.add(id(member))
+        members = [p for p in group if id(p) in trainable_ids]
+        if members:
+            result.append(members)
+    return result
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
+                         backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
+                         num_groups=0, groups=None, sparse_as_dense=False, process_set=None):
+    """Wrap a torch optimizer the way horovod.torch.DistributedOptimizer does."""
+    comm = comm_of(process_set)
+    adasum = resolve_op(op) == Adasum
+    if adasum and gradient_predivide_factor != 1.0:
+        raise InvalidArgumentError("gradient_predivide_factor needs op=hvd.Average")
+    if num_groups:
+        warnings.warn("DistributedOptimizer: num_groups is the older name of groups (as in Horovod)",
+                      DeprecationWarning, stacklevel=2)
+        if groups is None:
+            groups = num_groups
+    mixin = _DistributedAdasumOptimizer if adasum else _DistributedOptimizer
+    cls = type(optimizer.__class__.__name__, (mixin, optimizer.__class__), {})
+    distributed = cls.__new__(cls)
+    distributed.__dict__.update(optimizer.__dict__)
+    if adasum:
+        distributed._setup_adasum(compression, comm)
+    else:
+        distributed._setup_distributed(named_parameters, compression, backward_passes_per_step, op,
+                                       gradient_predivide_factor, groups, comm)
+    return distributed
