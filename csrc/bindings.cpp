@@ -244,7 +244,7 @@ PYBIND11_MODULE(_C, m) {
 #endif
     bind_kernels<CpuBackend>(m, "");
     m.def("set_num_threads", &mpidist::cpu::set_num_threads, py::arg("n"),
-          "Threads the CPU kernels use for buffers of 1 MiB and more.");
+          "Threads the CPU kernels use once a call touches 65,536 elements or more (over all its arrays).");
     m.def("get_num_threads", &mpidist::cpu::get_num_threads);
     m.def("store_counter", &mpidist::store_counter, py::arg("address"), py::arg("value"),
           "Publish a progress counter in shared memory (after a full fence).");
