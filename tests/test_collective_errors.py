@@ -11,6 +11,7 @@ import mpidist as md
 from conftest import run_python
 from mpidist import buffers
 from mpidist.collectives import api
+from mpidist.runtime import deadlines
 
 
 @pytest.mark.mpi(ranks=[2, 3])
@@ -79,7 +80,7 @@ def test_a_rank_that_never_starts_the_async_engine_is_an_error_not_a_hang():
     result = run_python(code, ranks=2, env={"MPIDIST_TIMEOUT": "2", "MPIDIST_CHECK": "0"}, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rank 0: InvalidArgumentError: unknown op 'mean'" in result.stdout, result.stdout
-    assert "rank 1: MismatchError: rank 1: the duplication of the communicator for asynchronous" \
+    assert "rank 1: DeadlineError: rank 1: the duplication of the communicator for asynchronous" \
         in result.stdout, result.stdout
 
 
@@ -157,7 +158,7 @@ def test_malformed_numeric_environment_variables_are_named(name):
 def test_malformed_timeout_is_named(monkeypatch):
     monkeypatch.setenv("MPIDIST_TIMEOUT", "five")
     with pytest.raises(md.InvalidArgumentError, match="MPIDIST_TIMEOUT='five' must be a number >= 0"):
-        api.call_timeout()
+        deadlines.timeout()
 
 
 def check_ranks_forcing_different_algorithms_raise_on_every_rank(mpi_ranks, mpi_world, monkeypatch):

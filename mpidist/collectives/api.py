@@ -4,7 +4,6 @@ for GPU buffers, algorithm dispatch, and asynchronous handles.
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import sys
 import threading
@@ -14,11 +13,14 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import _C, buffers, kernels
-from ..buffers import ITEMSIZE, BufferInfo, DTYPES, FLOAT_DTYPES
+from ..buffers import ITEMSIZE, BufferInfo, DTYPES
+from ..runtime.wire import FLOAT_DTYPES
 from ..errors import InvalidArgumentError, MismatchError, MpidistError, UnsupportedDtypeError
 from . import native
 from .broadcast import broadcast as broadcast_algorithm
-from .common import Context, env_number, split_counts
+from ..runtime import deadlines
+from ..runtime.deadlines import wait_for_collective as wait_with_deadline
+from .common import Context, split_counts
 from .hierarchical import hierarchical_allreduce
 from .native import native_allreduce
 from .recursive_doubling import recursive_doubling_allreduce
@@ -51,10 +53,6 @@ SIGNATURE_FIELDS = ("collective", "count", "dtype", "op", "algorithm", "root", "
 # The "collective" field of a rank that refused its own arguments (see share_refusal).
 REFUSED = -1
 REFUSED_SIGNATURE = dict.fromkeys(SIGNATURE_FIELDS, 0) | {"collective": REFUSED}
-
-
-def call_timeout() -> float:
-    return env_number("MPIDIST_TIMEOUT", 300.0, float)
 
 
 # ---- argument checks (local: refused before any communication) --------------------------
@@ -137,36 +135,6 @@ def share_refusal(comm) -> None:
         return
     with contextlib.suppress(MpidistError):  # this rank's own error is the one to report
         check_same_call(comm, comm.mpi, REFUSED_SIGNATURE)
-
-
-def poll_until(test, on_timeout, yield_seconds: float, nap_seconds: float) -> None:
-    """Call test() until it returns True: yielding the core between calls for the first
-    `yield_seconds`, then sleeping `nap_seconds` between calls; after MPIDIST_TIMEOUT seconds
-    on_timeout() is called, which raises the caller's error.
-
-    Yielding hands the core to an oversubscribed peer without a timer's delay; the naps stop a
-    long wait from burning the core the awaited rank may need. Each caller measured its own
-    timings (see them)."""
-    start = time.monotonic()
-    while not test():
-        waited = time.monotonic() - start
-        if waited < yield_seconds:
-            os.sched_yield()
-            continue
-        if waited > call_timeout():
-            on_timeout()
-        time.sleep(nap_seconds)
-
-
-def wait_with_deadline(request, mpi, what: str) -> None:
-    def timed_out():
-        raise MismatchError(
-            f"rank {mpi.Get_rank()}: the {what} did not complete within {call_timeout():.0f} s "
-            "(MPIDIST_TIMEOUT): some rank did not enter the same collective (it may have "
-            "raised an error, or called a different collective). This communicator can no "
-            "longer be used safely.")
-
-    poll_until(request.Test, timed_out, yield_seconds=0.01, nap_seconds=0.0005)
 
 
 def describe_mismatch(table: np.ndarray, row_shapes: list | None = None) -> str:
@@ -521,7 +489,7 @@ class Handle:
         return self._finished.is_set()
 
     def wait(self, timeout: float | None = None):
-        if not self._finished.wait(timeout if timeout is not None else call_timeout() + 60):
+        if not self._finished.wait(timeout if timeout is not None else deadlines.timeout() + 60):
             raise MpidistError(f"{self.description} did not complete within the timeout")
         if self._error is not None:
             raise self._error

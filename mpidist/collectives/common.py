@@ -6,34 +6,16 @@ mpi4py's buffer interface (never pickling), and reduces with the fused kernels o
 from __future__ import annotations
 
 import ctypes
-import os
 
 from .. import kernels
 from ..buffers import ITEMSIZE, BufferInfo, mpi_spec
-from ..errors import InvalidArgumentError
-
-
-def env_number(name: str, default, kind=int, minimum=0):
-    """The number in environment variable `name` (`default` when unset or empty); anything that
-    is not a number of `kind` >= `minimum` is refused with the variable's name, not a bare
-    ValueError from deep inside an import."""
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = kind(text)
-    except ValueError:
-        value = None
-    if value is None or not value >= minimum:  # `not >=` also refuses a float nan
-        what = "an integer" if kind is int else "a number"
-        raise InvalidArgumentError(f"environment variable {name}={text!r} must be {what} >= {minimum} "
-                                   f"(unset it for the default, {default})")
-    return value
+from ..runtime import config
+from ..runtime.config import env_number  # noqa: F401  (mpidist/torch.py reads HOROVOD_FUSION_THRESHOLD with it)
 
 
 # Large messages are cut into segments so the reduction of one segment overlaps the arrival of
 # the next. 256 KiB keeps a segment in L2 while it is reduced.
-SEGMENT_BYTES = env_number("MPIDIST_SEGMENT_BYTES", 256 * 1024, minimum=1)
+SEGMENT_BYTES = config.value("MPIDIST_SEGMENT_BYTES")
 
 class Context:
     """One collective call: the MPI communicator to use, the buffer, the reduction op, scratch."""

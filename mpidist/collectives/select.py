@@ -29,6 +29,8 @@ import warnings
 
 import numpy as np
 
+from ..runtime import config
+
 # (upper bound in bytes, algorithm); the first row whose bound exceeds the message size wins.
 BUILTIN_TABLE = (
     (32 * 1024, "mpi"),
@@ -49,8 +51,7 @@ def forced_algorithm() -> str | None:
     """MPIDIST_ALLREDUCE_ALGORITHM, read by each Communicator when it is created (as MPI libraries
     read their tuning parameters at initialization): looking it up on every call would cost more
     than a small MPI_Allreduce."""
-    forced = os.environ.get("MPIDIST_ALLREDUCE_ALGORITHM")
-    return forced if forced and forced != "auto" else None
+    return config.value("MPIDIST_ALLREDUCE_ALGORITHM")
 
 
 def choose_allreduce(nbytes: int, ranks: int, table=None, dtype: str = "float32", forced: str | None = None) -> str:
@@ -95,8 +96,7 @@ def _lookup(table, nbytes: int) -> str:
 # ---- tuned tables -------------------------------------------------------------------------------
 
 def tuning_path(path: str | None = None) -> str:
-    return path or os.environ.get("MPIDIST_TUNING_FILE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "mpidist", "tuning.json")
+    return path or config.value("MPIDIST_TUNING_FILE")
 
 
 def table_from_rows(rows) -> tuple:

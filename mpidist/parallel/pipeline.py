@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..collectives.api import wait_with_deadline
+from ..runtime.deadlines import wait_for_collective as wait_with_deadline
 from ..comm import Communicator, init
 from ..errors import InvalidArgumentError, MismatchError
 from .data import (GradientBuckets, broadcast_module_state, check_not_synchronized, register_gradient_hooks,

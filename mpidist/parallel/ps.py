@@ -34,7 +34,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from ..collectives.api import call_timeout, poll_until, wait_with_deadline
+from ..runtime.deadlines import poll_until, timeout as call_timeout, wait_for_collective as wait_with_deadline
 from ..comm import init
 from ..errors import DeadlineError, InvalidArgumentError, MismatchError
 from .data import broadcast_module_state
