@@ -16,7 +16,17 @@ from .errors import (  # noqa: F401
     DeadlineError, InvalidArgumentError, MismatchError, MPIUnavailableError, MpidistError, NonContiguousError,
     NotInitializedError, NotOfferedError, UnsupportedBufferError, UnsupportedDtypeError,
 )
+from . import comm as _comm
 from .comm import Communicator, init, is_initialized, world  # noqa: F401
+
+
+def _load_collectives():
+    # Imported with the first Communicator, not here: importing the collectives initializes MPI.
+    from . import collectives
+    return collectives
+
+
+_comm.provide_collectives(_load_collectives)
 
 
 def rank() -> int:

@@ -280,7 +280,7 @@ def copy_host_to_device(array, info: BufferInfo, host_ptr: int) -> None:
 def mpi_spec(info: BufferInfo, offset: int = 0, count: int | None = None):
     """The [memory, MPI.BYTE] message of elements [offset, offset + count) of a described buffer:
     MPI moves bytes, mpidist's kernels do the arithmetic."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # here, not at import: this floor must not initialize MPI
     if count is None:
         count = info.count - offset
     if count == 0:
@@ -290,7 +290,7 @@ def mpi_spec(info: BufferInfo, offset: int = 0, count: int | None = None):
 
 
 def _host_memory(ptr: int, nbytes: int):
-    from mpi4py import MPI
+    from mpi4py import MPI  # here, not at import: this floor must not initialize MPI
     return MPI.buffer.fromaddress(ptr, nbytes)
 
 

@@ -33,7 +33,9 @@ import warnings
 
 import numpy as np
 
+from .comm import is_initialized, world
 from .errors import MpidistError
+from .runtime.deadlines import wait_for_collective
 
 FORMAT = "mpidist-checkpoint"
 FORMAT_VERSION = 1
@@ -130,7 +132,6 @@ def _rank_of(comm) -> int:
     mpi = _mpi_comm(comm)
     if mpi is not None:
         return mpi.Get_rank()
-    from .comm import is_initialized, world
     return world().rank if is_initialized() else 0
 
 
@@ -300,8 +301,7 @@ def _gather_rng(mpi):
     snapshot = _rng_snapshot()
     if mpi is None:
         return [snapshot]
-    from mpi4py import MPI
-    from .runtime.deadlines import wait_for_collective
+    from mpi4py import MPI  # here, not at import: importing mpi4py's MPI initializes MPI
     blob = _pack_rng(snapshot)
     lengths = np.zeros(mpi.Get_size(), dtype=np.int64) if mpi.Get_rank() == 0 else None
     # The first exchange of save_checkpoint: a rank that calls it alone (rank 0 only, as some

@@ -1,12 +1,21 @@
-"""Communicator: an mpi4py communicator plus the node-local and leader sub-communicators.
+"""Communicator: an mpi4py communicator plus the node-local and leader sub-communicators, its
+point-to-point messages, and the world communicator of md.init().
 
 Every Communicator duplicates the communicator it wraps, so mpidist's messages never match the
 user's own sends and receives on the same communicator.
+
+Also declared here, for the collectives above: Channel, what a collective runs on (a
+Communicator, or its asynchronous engine), and Collectives, what a Communicator's collective
+methods call. The collectives sit on a higher floor, so this module never imports them: the
+package root hands them over (provide_collectives), and they are loaded with the first
+Communicator, since importing them initializes MPI.
 """
 from __future__ import annotations
 
+import abc
 import json
 import threading
+import typing
 
 import numpy as np
 
@@ -16,7 +25,55 @@ from .runtime import config
 from .runtime.mpi import load_mpi, mpi_library_cuda_aware
 
 
-class Communicator:
+class Channel(abc.ABC):
+    """What a collective (mpidist/collectives/) runs on: a Communicator, or its asynchronous
+    engine (collectives/engine.py), each with its own MPI communicator and memory.
+
+    mpi, rank, size: the mpi4py communicator the messages travel on, and this rank's place in it.
+    check_calls: whether the cross-rank call check runs (MPIDIST_CHECK).
+    tuning_table, forced_algorithm: algorithm="auto"'s table and MPIDIST_ALLREDUCE_ALGORITHM.
+    scratch, staging: scratch memory and pinned host buffers (buffers.ScratchPool, HostStaging).
+    node_window: the hierarchical all-reduce's shared window, None until that algorithm makes it
+    from node_communicators(); the channel frees it with itself.
+    """
+
+    mpi: typing.Any
+    rank: int
+    size: int
+    check_calls: bool
+    tuning_table: typing.Optional[tuple]
+    forced_algorithm: typing.Optional[str]
+    scratch: buffers.ScratchPool
+    staging: buffers.HostStaging
+    node_window: typing.Any
+
+    @abc.abstractmethod
+    def is_cuda_aware(self) -> bool:
+        """Whether the MPI library reads GPU memory directly (else GPU buffers are staged)."""
+
+    @abc.abstractmethod
+    def node_communicators(self) -> tuple:
+        """(node communicator, leader communicator or None) for node-aware algorithms; the
+        ranks of one node, and one rank per node."""
+
+
+class Collectives(typing.Protocol):
+    """What a Communicator's collective methods call: the namespace of mpidist.collectives."""
+
+    AsyncEngine: type
+
+    def auto_choice(self, mpi) -> tuple: ...
+    def small_cpu_allreduce(self, comm, array, op, algorithm) -> bool: ...
+    def allreduce(self, comm, array, op, algorithm, out): ...
+    def allreduce_async(self, comm, array, op, algorithm, out): ...
+    def adasum_allreduce(self, comm, array, sizes): ...
+    def broadcast(self, comm, array, root): ...
+    def allgather(self, comm, array): ...
+    def reduce_scatter(self, comm, array, op): ...
+    def free_released_windows(self, node_comm) -> None: ...
+
+
+class Communicator(Channel):
     """Rank, size, node topology and point-to-point helpers over one MPI communicator.
 
     Collective methods (allreduce, broadcast, ...) run mpidist's own algorithms; see
@@ -48,12 +105,11 @@ class Communicator:
         self.scratch = buffers.ScratchPool()
         self.staging = buffers.HostStaging()
         self.check_calls = config.value("MPIDIST_CHECK")
-        # algorithm="auto"'s decision table from `mpidist tune` (None: the built-in one).
-        from .collectives.select import forced_algorithm, load_tuning_table, mpi_bounds
-        self.tuning_table = load_tuning_table(self.mpi)
-        self.forced_algorithm = forced_algorithm()  # MPIDIST_ALLREDUCE_ALGORITHM
-        # Below these sizes `auto` hands all-reduces to MPI: the small-message fast path's limit.
-        self.fast_path_bounds = mpi_bounds(self.size, self.tuning_table, self.forced_algorithm)
+        # algorithm="auto"'s decision table from `mpidist tune` (None: the built-in one), the
+        # algorithm MPIDIST_ALLREDUCE_ALGORITHM forces, and the sizes below which `auto` hands
+        # all-reduces to MPI (the small-message fast path's limit).
+        self.tuning_table, self.forced_algorithm, self.fast_path_bounds = api().auto_choice(self.mpi)
+        self.node_window = None
         self._lock = threading.Lock()
         self._engine = None
         self._freed = False
@@ -76,6 +132,9 @@ class Communicator:
             self.cuda_aware = mpi_library_cuda_aware()
         return self.cuda_aware
 
+    def node_communicators(self) -> tuple:
+        return self.node_comm, self.leader_comm
+
     def _send_view(self, array, slot: int) -> buffers.BufferInfo:
         """The memory MPI should send from: the array itself, or a pinned host copy of it."""
         info = buffers.describe(array)
@@ -95,7 +154,7 @@ class Communicator:
     def _receive(self, receive, array, info, view, source) -> None:
         """Run receive(status); exactly info.nbytes must arrive (else a clear error), then move
         a staged receive to the GPU."""
-        from mpi4py import MPI
+        MPI = load_mpi()
         status = MPI.Status()
         try:
             receive(status)
@@ -160,8 +219,7 @@ class Communicator:
     def adasum_allreduce(self, array, sizes=None):
         """Adasum of the ranks' arrays, in place (collectives/adasum.py); `sizes` splits the
         array into tensors combined each with its own coefficients."""
-        from .collectives.adasum import adasum_allreduce
-        return adasum_allreduce(self, array, sizes)
+        return api().adasum_allreduce(self, array, sizes)
 
     def broadcast(self, array, root=0):
         return api().broadcast(self, array, root=root)
@@ -193,11 +251,9 @@ class Communicator:
         if self._engine is not None:
             self._engine.stop()
             self._engine = None
-        from .collectives.polled import free_released_windows
-        free_released_windows(self.node_comm)
-        window = getattr(self, "node_window", None)
-        if window is not None:
-            window.free()
+        api().free_released_windows(self.node_comm)
+        if self.node_window is not None:
+            self.node_window.free()
         for comm in (self.leader_comm, self.node_comm, self.mpi):
             if comm is not None:
                 comm.Free()
@@ -233,16 +289,23 @@ def broadcast_json(comm, obj, root: int = 0, what: str = "broadcast_json"):
     return json.loads(data.tobytes().decode())
 
 
-def api():
-    # Imported on first use: the collectives import this module.
-    global _api
-    if _api is None:
-        from .collectives import api as collectives_api
-        _api = collectives_api
-    return _api
+def provide_collectives(load) -> None:
+    """Hand over `load()`, which returns the collectives (a Collectives); the package root does
+    so at import, and it is called with the first Communicator."""
+    global _load_collectives
+    _load_collectives = load
 
 
-_api = None
+def api() -> Collectives:
+    """The collectives a Communicator's collective methods call."""
+    global _collectives
+    if _collectives is None:
+        _collectives = _load_collectives()
+    return _collectives
+
+
+_load_collectives = None
+_collectives: Collectives | None = None
 
 
 _world: Communicator | None = None

@@ -10,7 +10,7 @@ import torch
 import mpidist as md
 from conftest import run_python
 from mpidist import buffers
-from mpidist.collectives import api
+from mpidist.collectives import callcheck
 from mpidist.runtime import deadlines
 
 
@@ -55,11 +55,11 @@ def check_allgather_row_shape_mismatch_names_the_shapes(mpi_world):
 
 
 def test_describe_mismatch_survives_values_that_are_no_signature():
-    table = np.zeros((2, len(api.SIGNATURE_FIELDS)), dtype=np.int64)
+    table = np.zeros((2, len(callcheck.SIGNATURE_FIELDS)), dtype=np.int64)
     table[1, 0] = 99  # not a collective: some other MPI message crossed the check
-    assert "ranks [1] have an unknown value 99" in api.describe_mismatch(table)
-    table[1, api.SIGNATURE_FIELDS.index("row shape")] = 12345
-    assert "12345" not in api.describe_mismatch(table)
+    assert "ranks [1] have an unknown value 99" in callcheck.describe_mismatch(table)
+    table[1, callcheck.SIGNATURE_FIELDS.index("row shape")] = 12345
+    assert "12345" not in callcheck.describe_mismatch(table)
 
 
 # ---- the asynchronous engine's start -------------------------------------------------------------

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ctypes
 
+from mpi4py import MPI
+
 from .. import kernels
 from ..buffers import ITEMSIZE, BufferInfo, mpi_spec
 from ..runtime import config
@@ -78,7 +80,6 @@ class Context:
     def sendrecv(self, send_offset: int, send_count: int, dest: int,
                  recv_into: BufferInfo, recv_offset: int, recv_count: int, source: int):
         """Send part of the call's buffer while receiving into `recv_into`; empty parts are skipped."""
-        from mpi4py import MPI
         requests = []
         if recv_count:
             requests.append(self.irecv(recv_into, recv_offset, recv_count, source))
@@ -90,7 +91,6 @@ class Context:
                             recv_offset: int, recv_count: int, source: int, slot: int = 0):
         """Send one range of the buffer to `dest` while receiving a peer's copy of another range
         from `source` and reducing it into place, segment by segment as segments arrive."""
-        from mpi4py import MPI
         scratch = self.scratch(recv_count, slot) if recv_count else None
         receives = [(offset, count, self.irecv(scratch, offset, count, source))
                     for offset, count in segments(recv_count, self.info.itemsize)]
@@ -100,6 +100,21 @@ class Context:
             request.Wait()
             self.reduce(self.info, recv_offset + offset, scratch, offset, count)
         MPI.Request.Waitall(sends)
+
+
+def finish_average(ctx: Context, op: str, offset: int = 0, count: int | None = None) -> None:
+    """op="avg": divide elements [offset, offset + count) of the result by the rank count."""
+    count = ctx.info.count - offset if count is None else count
+    if op == "avg" and count:
+        kernels.scale_ptr(ctx.info.ptr + offset * ctx.info.itemsize, count, ctx.info.dtype,
+                          1.0 / ctx.size, device=ctx.info.device)
+        if ctx.info.is_cuda:
+            kernels.synchronize(ctx.info.device)
+
+
+def kernel_op(op: str) -> str:
+    """The kernels' op for a collective's op: an average is a sum, divided afterwards."""
+    return "sum" if op == "avg" else op
 
 
 def split_counts(count: int, parts: int):

@@ -56,8 +56,7 @@ from ..buffers import ITEMSIZE, describe
 from ..errors import InvalidArgumentError
 from ..runtime.deadlines import deadline_error, poll_until
 from ..runtime.mpi import load_mpi
-from .api import kernel_op
-from .common import reduce_and_publish, split_counts
+from .common import kernel_op, reduce_and_publish, split_counts
 
 COUNTER_BYTES = 64  # one cache line per counter: ranks never write the same line
 YIELD_SECONDS = 100e-6  # how long wait() polls without sleeping, with more ranks than cores

@@ -30,13 +30,14 @@ import warnings
 import numpy as np
 
 from ..runtime import config
+from ..runtime.wire import HALF_DTYPES
+from .registry import ALLREDUCE
 
 # (upper bound in bytes, algorithm); the first row whose bound exceeds the message size wins.
 BUILTIN_TABLE = (
     (32 * 1024, "mpi"),
     (float("inf"), "hierarchical"),
 )
-HALF_DTYPES = ("float16", "bfloat16")
 HALF_TABLE = (
     (8 * 1024, "mpi"),
     (float("inf"), "hierarchical"),
@@ -52,6 +53,14 @@ def forced_algorithm() -> str | None:
     read their tuning parameters at initialization): looking it up on every call would cost more
     than a small MPI_Allreduce."""
     return config.value("MPIDIST_ALLREDUCE_ALGORITHM")
+
+
+def auto_choice(mpi) -> tuple:
+    """(tuning table or None, forced algorithm or None, mpi_bounds) of a new communicator:
+    what algorithm="auto" decides with (collective over `mpi`: rank 0 reads the table)."""
+    table = load_tuning_table(mpi)
+    forced = forced_algorithm()
+    return table, forced, mpi_bounds(mpi.Get_size(), table, forced)
 
 
 def choose_allreduce(nbytes: int, ranks: int, table=None, dtype: str = "float32", forced: str | None = None) -> str:
@@ -102,7 +111,6 @@ def tuning_path(path: str | None = None) -> str:
 def table_from_rows(rows) -> tuple:
     """[{"max_bytes": b, "algorithm": a}, ...] (max_bytes inclusive, None = no bound) as the
     (exclusive bound, algorithm) pairs choose_allreduce reads."""
-    from .api import ALLREDUCE
     table = []
     for row in rows:
         algorithm, bound = row["algorithm"], row["max_bytes"]
