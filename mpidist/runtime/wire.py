@@ -141,13 +141,15 @@ def receive(mpi, source: int, tag: int, who: str, what: str, silent: str):
 
 
 def broadcast(mpi, tensor, root: int, who: str, what: str, silent: str):
-    """`root`'s torch tensor (pass None elsewhere) on every rank of `mpi`, header then payload."""
+    """`root`'s torch tensor (pass None elsewhere) on every rank of `mpi`, header then payload;
+    `silent` names the root, or on the root the others."""
     if mpi.Get_rank() == root:
         tensor = tensor.detach().cpu().contiguous()
         header = header_of(tensor)
+        peers = deadlines.other_ranks(mpi)
     else:
         header = np.zeros(HEADER_LENGTH, dtype=np.int64)
-    peers = (root,)
+        peers = (root,)
     deadlines.wait_for_request(mpi.Ibcast(header, root=root), who, what, silent, peers)
     if mpi.Get_rank() != root:
         tensor = empty_from(header)
