@@ -12,6 +12,8 @@ from mpi4py import MPI
 from .. import buffers
 from ..buffers import BufferInfo
 from ..errors import InvalidArgumentError, MpidistError
+# mpidist/torch.py imports this name from here until it takes runtime.deadlines.wait_for_collective.
+from ..runtime.deadlines import wait_for_collective as wait_with_deadline  # noqa: F401
 from .broadcast import broadcast as broadcast_algorithm
 from .callcheck import (TAGS, check_algorithm, check_op, check_root, check_same_call, resolve_algorithm, share_refusal,
                         signature)
@@ -20,9 +22,6 @@ from .engine import Handle, in_order
 from .registry import ALLREDUCE, HOST_MEMORY_ALGORITHMS
 from .ring import allgather_ring, reduce_scatter_ring
 from .staging import copy_buffer, staged
-
-# mpidist/torch.py imports this name from here until it takes runtime.deadlines.wait_for_collective.
-from ..runtime.deadlines import wait_for_collective as wait_with_deadline  # noqa: E402,F401
 
 
 def allreduce(comm, array, op="sum", algorithm="auto", out=None):
