@@ -12,12 +12,12 @@ from .runtime import mpi as _mpi
 # md.init()): MPI reads these when it starts.
 _mpi.apply_start_settings()
 
-from .errors import (  # noqa: F401
+from .errors import (  # noqa: E402,F401
     DeadlineError, InvalidArgumentError, MismatchError, MPIUnavailableError, MpidistError, NonContiguousError,
     NotInitializedError, NotOfferedError, UnsupportedBufferError, UnsupportedDtypeError,
 )
-from . import comm as _comm
-from .comm import Communicator, init, is_initialized, world  # noqa: F401
+from . import comm as _comm  # noqa: E402
+from .comm import Communicator, init, is_initialized, world  # noqa: E402,F401
 
 
 def _load_collectives():
