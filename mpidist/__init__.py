@@ -6,11 +6,27 @@
 """
 __version__ = "0.1.0"
 
-from .errors import (  # noqa: F401
+from .runtime import mpi as _mpi
+
+# Before anything can import mpi4py.MPI (the program itself, between `import mpidist` and
+# md.init()): MPI reads these when it starts.
+_mpi.apply_start_settings()
+
+from .errors import (  # noqa: E402,F401
     DeadlineError, InvalidArgumentError, MismatchError, MPIUnavailableError, MpidistError, NonContiguousError,
     NotInitializedError, NotOfferedError, UnsupportedBufferError, UnsupportedDtypeError,
 )
-from .comm import Communicator, init, is_initialized, world  # noqa: F401
+from . import comm as _comm  # noqa: E402
+from .comm import Communicator, init, is_initialized, world  # noqa: E402,F401
+
+
+def _load_collectives():
+    # Imported with the first Communicator, not here: importing the collectives initializes MPI.
+    from . import collectives
+    return collectives
+
+
+_comm.provide_collectives(_load_collectives)
 
 
 def rank() -> int:

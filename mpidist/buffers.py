@@ -13,13 +13,9 @@ import typing
 import numpy as np
 
 from .errors import InvalidArgumentError, NonContiguousError, UnsupportedBufferError, UnsupportedDtypeError
-
-ITEMSIZE = {
-    "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
-    "int32": 4, "int64": 8, "uint8": 1, "int8": 1,
-}
-DTYPES = tuple(ITEMSIZE)
-FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+# DTYPES: the element types an array may have to be communicated and reduced, from the dtype
+# table of runtime/wire.py.
+from .runtime.wire import COLLECTIVE_DTYPES as DTYPES, ITEMSIZE
 
 
 class BufferInfo(typing.NamedTuple):
@@ -52,7 +48,7 @@ class BufferInfo(typing.NamedTuple):
 
 
 def _check_dtype(name: str, kind: str) -> str:
-    if name not in ITEMSIZE:
+    if name not in DTYPES:
         raise UnsupportedDtypeError(
             f"mpidist does not support {kind} arrays of dtype {name}; supported: {', '.join(DTYPES)}")
     return name
@@ -284,7 +280,7 @@ def copy_host_to_device(array, info: BufferInfo, host_ptr: int) -> None:
 def mpi_spec(info: BufferInfo, offset: int = 0, count: int | None = None):
     """The [memory, MPI.BYTE] message of elements [offset, offset + count) of a described buffer:
     MPI moves bytes, mpidist's kernels do the arithmetic."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # here, not at import: this floor must not initialize MPI
     if count is None:
         count = info.count - offset
     if count == 0:
@@ -294,7 +290,7 @@ def mpi_spec(info: BufferInfo, offset: int = 0, count: int | None = None):
 
 
 def _host_memory(ptr: int, nbytes: int):
-    from mpi4py import MPI
+    from mpi4py import MPI  # here, not at import: this floor must not initialize MPI
     return MPI.buffer.fromaddress(ptr, nbytes)
 
 

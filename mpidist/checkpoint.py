@@ -33,7 +33,9 @@ import warnings
 
 import numpy as np
 
+from .comm import is_initialized, world
 from .errors import MpidistError
+from .runtime.deadlines import wait_for_collective
 
 FORMAT = "mpidist-checkpoint"
 FORMAT_VERSION = 1
@@ -130,7 +132,6 @@ def _rank_of(comm) -> int:
     mpi = _mpi_comm(comm)
     if mpi is not None:
         return mpi.Get_rank()
-    from .comm import is_initialized, world
     return world().rank if is_initialized() else 0
 
 
@@ -300,13 +301,12 @@ def _gather_rng(mpi):
     snapshot = _rng_snapshot()
     if mpi is None:
         return [snapshot]
-    from mpi4py import MPI
-    from .collectives.api import wait_with_deadline
+    from mpi4py import MPI  # here, not at import: importing mpi4py's MPI initializes MPI
     blob = _pack_rng(snapshot)
     lengths = np.zeros(mpi.Get_size(), dtype=np.int64) if mpi.Get_rank() == 0 else None
     # The first exchange of save_checkpoint: a rank that calls it alone (rank 0 only, as some
     # Horovod scripts save) gets an error after MPIDIST_TIMEOUT instead of waiting forever.
-    wait_with_deadline(mpi.Igather(np.array([blob.size], dtype=np.int64), lengths, root=0), mpi,
+    wait_for_collective(mpi.Igather(np.array([blob.size], dtype=np.int64), lengths, root=0), mpi,
                        "gather of save_checkpoint (every rank must call it when comm is given; with "
                        "comm=None a rank saves alone)")
     if mpi.Get_rank() != 0:

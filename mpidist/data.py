@@ -16,6 +16,7 @@ import os
 import numpy as np
 
 from .errors import InvalidArgumentError, MpidistError
+from .runtime import config
 
 DIGITS_FILENAME = "digits.h5"
 DIGITS_TEST_SIZE = 297
@@ -369,7 +370,7 @@ def default_digits_path() -> str:
     beside the package), so every job of the checkout finds the same file whatever its working
     directory; for an installed package, ``./data/digits.h5`` in the working directory.
     """
-    directory = os.environ.get("MPIDIST_DATA_DIR")
+    directory = config.value("MPIDIST_DATA_DIR")
     if not directory:
         checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         base = checkout if os.path.exists(os.path.join(checkout, "setup.py")) else os.getcwd()

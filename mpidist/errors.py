@@ -1,4 +1,7 @@
-"""The errors mpidist raises. Every one is a subclass of MpidistError."""
+"""The errors mpidist raises. Every one is a subclass of MpidistError.
+
+The lowest floor of the package: it imports nothing, so every other module may raise these.
+"""
 
 
 class MpidistError(RuntimeError):
@@ -33,8 +36,14 @@ class MismatchError(MpidistError):
     """Ranks called the same collective with different counts, dtypes, ops or roots."""
 
 
-class DeadlineError(MpidistError):
-    """Another rank did not answer within MPIDIST_TIMEOUT seconds (it stopped, or is stuck)."""
+class DeadlineError(MismatchError):
+    """Another rank did not answer within MPIDIST_TIMEOUT seconds (it stopped, is stuck, or called
+    something else: the ranks no longer run the same steps, hence a MismatchError). `peers`: the
+    ranks waited for, on the communicator of the wait."""
+
+    def __init__(self, message: str, peers=()):
+        super().__init__(message)
+        self.peers = tuple(peers)
 
 
 class NotOfferedError(MpidistError):

@@ -12,8 +12,9 @@ count. Integer data is never scaled by anything but 1.
 from __future__ import annotations
 
 from . import _C
-from .buffers import FLOAT_DTYPES, BufferInfo, describe
+from .buffers import BufferInfo, describe
 from .errors import InvalidArgumentError, MpidistError, UnsupportedDtypeError
+from .runtime.wire import FLOAT_DTYPES
 
 OPS = ("sum", "min", "max", "prod")
 CAST_DTYPES = ("float32", "float16", "bfloat16")

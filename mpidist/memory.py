@@ -20,7 +20,8 @@ MPIDIST_KEEP_FREED_MEMORY=0 leaves malloc alone. Nothing happens where the C lib
 from __future__ import annotations
 
 import ctypes
-import os
+
+from .runtime import config
 
 M_TRIM_THRESHOLD = -1  # mallopt parameter numbers, from glibc's malloc.h
 M_MMAP_THRESHOLD = -3
@@ -37,7 +38,7 @@ def keep_freed_memory() -> bool:
     global _kept
     if _kept:
         return True
-    if os.environ.get("MPIDIST_KEEP_FREED_MEMORY", "1").strip() == "0":
+    if not config.value("MPIDIST_KEEP_FREED_MEMORY"):
         return False
     try:
         libc = ctypes.CDLL(None)

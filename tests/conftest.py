@@ -25,7 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ["MPIDIST_TUNING_FILE"] = os.path.join(REPO, "tests", "no-such-dir", "tuning.json")
 
 # The MPI test processes import mpi4py (initializing MPI) before mpidist can set its default
-# leaving out Open MPI's UCX one-sided component (comm.load_mpi), which prints an error at the
+# leaving out Open MPI's UCX one-sided component (runtime/mpi.py), which prints an error at the
 # first shared window when no UCX network is present. They inherit this environment.
 os.environ.setdefault("OMPI_MCA_osc", "^ucx")
 

@@ -10,7 +10,8 @@ import torch
 import mpidist as md
 from conftest import run_python
 from mpidist import buffers
-from mpidist.collectives import api
+from mpidist.collectives import callcheck
+from mpidist.runtime import deadlines
 
 
 @pytest.mark.mpi(ranks=[2, 3])
@@ -54,11 +55,11 @@ def check_allgather_row_shape_mismatch_names_the_shapes(mpi_world):
 
 
 def test_describe_mismatch_survives_values_that_are_no_signature():
-    table = np.zeros((2, len(api.SIGNATURE_FIELDS)), dtype=np.int64)
+    table = np.zeros((2, len(callcheck.SIGNATURE_FIELDS)), dtype=np.int64)
     table[1, 0] = 99  # not a collective: some other MPI message crossed the check
-    assert "ranks [1] have an unknown value 99" in api.describe_mismatch(table)
-    table[1, api.SIGNATURE_FIELDS.index("row shape")] = 12345
-    assert "12345" not in api.describe_mismatch(table)
+    assert "ranks [1] have an unknown value 99" in callcheck.describe_mismatch(table)
+    table[1, callcheck.SIGNATURE_FIELDS.index("row shape")] = 12345
+    assert "12345" not in callcheck.describe_mismatch(table)
 
 
 # ---- the asynchronous engine's start -------------------------------------------------------------
@@ -79,7 +80,7 @@ def test_a_rank_that_never_starts_the_async_engine_is_an_error_not_a_hang():
     result = run_python(code, ranks=2, env={"MPIDIST_TIMEOUT": "2", "MPIDIST_CHECK": "0"}, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rank 0: InvalidArgumentError: unknown op 'mean'" in result.stdout, result.stdout
-    assert "rank 1: MismatchError: rank 1: the duplication of the communicator for asynchronous" \
+    assert "rank 1: DeadlineError: rank 1: the duplication of the communicator for asynchronous" \
         in result.stdout, result.stdout
 
 
@@ -157,7 +158,7 @@ def test_malformed_numeric_environment_variables_are_named(name):
 def test_malformed_timeout_is_named(monkeypatch):
     monkeypatch.setenv("MPIDIST_TIMEOUT", "five")
     with pytest.raises(md.InvalidArgumentError, match="MPIDIST_TIMEOUT='five' must be a number >= 0"):
-        api.call_timeout()
+        deadlines.timeout()
 
 
 def check_ranks_forcing_different_algorithms_raise_on_every_rank(mpi_ranks, mpi_world, monkeypatch):

@@ -149,10 +149,10 @@ def check_small_message_fast_path(mpi_world, monkeypatch):
     """With the call check off, small CPU messages go straight to MPI_Allreduce; the results are
     the general path's, and what the fast path cannot do falls back to the general path."""
     mpi_ranks = mpi_world.size
-    from mpidist.collectives import api
+    from mpidist import collectives
     taken = []
-    fast = api.small_cpu_allreduce
-    monkeypatch.setattr(api, "small_cpu_allreduce", lambda *args: taken.append(fast(*args)) or taken[-1])
+    fast = collectives.small_cpu_allreduce
+    monkeypatch.setattr(collectives, "small_cpu_allreduce", lambda *args: taken.append(fast(*args)) or taken[-1])
     monkeypatch.setattr(mpi_world, "check_calls", False)
     for dtype in FLOAT_DTYPES + INT_DTYPES:
         for op in OPS:

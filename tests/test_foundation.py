@@ -96,7 +96,7 @@ def test_info_text_report():
 
 
 def test_cuda_aware_override(monkeypatch):
-    from mpidist.comm import mpi_library_cuda_aware
+    from mpidist.runtime.mpi import mpi_library_cuda_aware
     monkeypatch.setenv("MPIDIST_CUDA_AWARE", "1")
     assert mpi_library_cuda_aware() is True
     monkeypatch.setenv("MPIDIST_CUDA_AWARE", "0")
@@ -107,4 +107,4 @@ def test_cuda_aware_override(monkeypatch):
 def test_bad_ranks_per_node_is_refused(value):
     result = run_python("import mpidist as md; md.init()", env={"MPIDIST_RANKS_PER_NODE": value})
     assert result.returncode != 0
-    assert "MPIDIST_RANKS_PER_NODE must be a positive integer" in result.stderr
+    assert f"MPIDIST_RANKS_PER_NODE={value!r} must be a positive integer" in result.stderr

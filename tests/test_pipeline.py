@@ -38,7 +38,7 @@ def train_one_process(steps, lr=0.1, size=10):
 
 
 @pytest.mark.mpi(ranks=[1, 2, 3, 4, 5])
-def test_pipeline(mpi_ranks, mpi_world):
+def test_pipeline(mpi_ranks, mpi_world, monkeypatch):
     """The checks of one world size in one launch (each launch starts an interpreter and torch
     per rank); 4 ranks run the layouts with replicas only, the plain pipelines run on the rest."""
     if mpi_ranks == 4:
@@ -48,6 +48,7 @@ def test_pipeline(mpi_ranks, mpi_world):
     check_pipeline_training_matches_one_process()
     if mpi_ranks == 2:
         check_replicas_match_one_process(replicas=2)
+        check_a_silent_stage_is_named(monkeypatch)
     if mpi_ranks == 3:
         check_pipeline_refuses_bad_input_on_every_rank()
 
@@ -148,3 +149,35 @@ def check_pipeline_refuses_bad_input_on_every_rank():
     pipe.free()  # a second time does nothing
     with pytest.raises(md.InvalidArgumentError, match="was freed"):
         pipe.train_step(x if first else None, y if last else None)
+
+
+def check_a_silent_stage_is_named(monkeypatch):
+    """A stage that stops answering is a DeadlineError after MPIDIST_TIMEOUT on the stage waiting
+    for it, naming the silent stage and its rank."""
+    import time
+    monkeypatch.setenv("MPIDIST_TIMEOUT", "2")
+    comm = md.init()
+
+    def slow_loss(output, target):  # the last stage stalls before its backward
+        time.sleep(5)
+        return torch.nn.functional.cross_entropy(output, target)
+
+    pipe = md.Pipeline(make_model(), slow_loss, chunks=1)
+    x, y = batch(0)
+    try:
+        if comm.rank == 0:
+            with pytest.raises(md.DeadlineError, match=r"stage 0 \(rank 0\): the pipeline receive from stage 1 did not "
+                                                       r"complete within 2 s \(MPIDIST_TIMEOUT\): no answer from "
+                                                       r"stage 1 \(rank 1\)") as excinfo:
+                pipe.train_step(x, None)
+            assert excinfo.value.peers == (1,)
+        else:
+            # Its small messages go out eagerly; whether the result's broadcast completes on its
+            # root with stage 0 gone is up to the MPI library (if not: a DeadlineError too).
+            try:
+                pipe.train_step(None, y)
+            except md.DeadlineError as exc:
+                assert "no answer from the other stages" in str(exc), str(exc)
+    finally:
+        comm.barrier()
+        pipe.free()

@@ -5,6 +5,7 @@ the rules of each mode checked on the updates: one gradient per update (async), 
 workers // n (n-softsync), the stale-synchronous bound, every worker's steps once and in order.
 
 All checks of one world size run in one launch (each launch starts every rank's interpreter)."""
+import re
 import time
 
 import numpy as np
@@ -232,14 +233,19 @@ def check_a_worker_that_never_closes(comm, monkeypatch):
     model = make_model(0)
     ps = md.ParameterServer(model, torch.optim.SGD(model.parameters(), lr=LR))
     if ps.is_server:
-        with pytest.raises(md.DeadlineError, match="no message from workers .* must call close"):
+        workers = list(range(1, comm.size))
+        with pytest.raises(md.DeadlineError, match=re.escape(f"no answer from workers {workers}. A worker that stops "
+                                                             "training must call close()")) as excinfo:
             ps.serve()
+        assert excinfo.value.peers == tuple(workers)
     else:
         loss_of(model, comm.rank, 0).backward()
         ps.step()
         time.sleep(4)  # stops without close() for longer than the server waits
-        with pytest.raises(md.DeadlineError, match="weights from the server did not come"):
+        with pytest.raises(md.DeadlineError, match=r"rank \d+ \(a worker\): the weights from the server did not "
+                                                   r"complete within 2 s .* no answer from the server \(rank 0\)") as excinfo:
             ps.close()
+        assert excinfo.value.peers == (0,)
 
 
 @pytest.mark.mpi(ranks=[2, 3, 5])

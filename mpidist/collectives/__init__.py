@@ -1,8 +1,23 @@
-"""mpidist's own collective algorithms, one per file; api.py is the front door."""
-from ..comm import load_mpi
+"""mpidist's own collective algorithms, one per file, and what runs them.
 
-# The modules below import mpi4py's MPI, which initializes MPI: set mpidist's Open MPI options
-# first, whichever module of the package a program imports before md.init().
+api.py holds the public calls; callcheck.py the argument checks and the cross-rank call check;
+engine.py the asynchronous engine and its handles; fastpath.py small all-reduces straight to MPI;
+staging.py GPU buffers through host memory; registry.py the algorithms by name; select.py
+algorithm="auto"'s choice. This package's namespace is what a Communicator's collective methods
+call (comm.Collectives); importing it initializes MPI.
+"""
+from ..runtime.mpi import load_mpi
+
+# A clear error when mpi4py or the MPI library is missing, before the modules below import
+# mpi4py's MPI module.
 load_mpi()
 
-from .api import ALGORITHMS, ALLREDUCE, OPS, Handle  # noqa: E402,F401
+from .adasum import adasum_allreduce  # noqa: E402,F401
+from .alltoall import alltoall  # noqa: E402,F401
+from .api import allgather, allreduce, allreduce_async, broadcast, reduce_scatter  # noqa: E402,F401
+from .callcheck import OPS  # noqa: E402,F401
+from .engine import AsyncEngine, Handle, in_order  # noqa: E402,F401
+from .fastpath import small_cpu_allreduce  # noqa: E402,F401
+from .polled import free_released_windows  # noqa: E402,F401
+from .registry import ALGORITHMS, ALLREDUCE  # noqa: E402,F401
+from .select import auto_choice  # noqa: E402,F401

@@ -35,7 +35,10 @@ from mpi4py import MPI
 
 from .. import buffers
 from ..errors import InvalidArgumentError, MpidistError, UnsupportedDtypeError
-from .api import (TAGS, check_same_call, in_order, share_refusal, signature, staged, wait_with_deadline)
+from ..runtime.deadlines import wait_for_request
+from .callcheck import TAGS, check_same_call, share_refusal, signature
+from .engine import in_order
+from .staging import staged
 
 ADASUM_DTYPES = ("float16", "float32", "float64")
 # Below this squared norm a vector counts as zero and keeps its coefficient 1 (Horovod's bound).
@@ -161,4 +164,5 @@ class AdasumTree:
         if send.size:
             requests.append(self.mpi.Isend([send, MPI.BYTE], dest=partner, tag=TAGS["adasum"]))
         for request in requests:
-            wait_with_deadline(request, self.mpi, what=f"Adasum exchange with rank {partner}")
+            wait_for_request(request, f"rank {self.mpi.Get_rank()}", f"the Adasum exchange with rank {partner}",
+                             f"rank {partner}", peers=(partner,))

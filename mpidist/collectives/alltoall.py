@@ -16,7 +16,9 @@ from mpi4py import MPI
 from .. import buffers
 from ..buffers import BufferInfo
 from ..errors import InvalidArgumentError, MismatchError, MpidistError
-from .api import check_same_call, in_order, share_refusal, signature, staged
+from .callcheck import check_same_call, share_refusal, signature
+from .engine import in_order
+from .staging import staged
 
 
 def alltoall(comm, array, splits=None):

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from .common import Context, env_number, split_counts
+from ..runtime import config
+from .common import Context, split_counts
 from .ring import allgather_ring
 from .tree import tree_broadcast
 
-SCATTER_ALLGATHER_BYTES = env_number("MPIDIST_BCAST_SCATTER_BYTES", 512 * 1024)
+SCATTER_ALLGATHER_BYTES = config.value("MPIDIST_BCAST_SCATTER_BYTES")
 
 
 def broadcast(ctx: Context, root: int) -> None:

@@ -6,34 +6,17 @@ mpi4py's buffer interface (never pickling), and reduces with the fused kernels o
 from __future__ import annotations
 
 import ctypes
-import os
+
+from mpi4py import MPI
 
 from .. import kernels
 from ..buffers import ITEMSIZE, BufferInfo, mpi_spec
-from ..errors import InvalidArgumentError
-
-
-def env_number(name: str, default, kind=int, minimum=0):
-    """The number in environment variable `name` (`default` when unset or empty); anything that
-    is not a number of `kind` >= `minimum` is refused with the variable's name, not a bare
-    ValueError from deep inside an import."""
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = kind(text)
-    except ValueError:
-        value = None
-    if value is None or not value >= minimum:  # `not >=` also refuses a float nan
-        what = "an integer" if kind is int else "a number"
-        raise InvalidArgumentError(f"environment variable {name}={text!r} must be {what} >= {minimum} "
-                                   f"(unset it for the default, {default})")
-    return value
+from ..runtime import config
 
 
 # Large messages are cut into segments so the reduction of one segment overlaps the arrival of
 # the next. 256 KiB keeps a segment in L2 while it is reduced.
-SEGMENT_BYTES = env_number("MPIDIST_SEGMENT_BYTES", 256 * 1024, minimum=1)
+SEGMENT_BYTES = config.value("MPIDIST_SEGMENT_BYTES")
 
 class Context:
     """One collective call: the MPI communicator to use, the buffer, the reduction op, scratch."""
@@ -96,7 +79,6 @@ class Context:
     def sendrecv(self, send_offset: int, send_count: int, dest: int,
                  recv_into: BufferInfo, recv_offset: int, recv_count: int, source: int):
         """Send part of the call's buffer while receiving into `recv_into`; empty parts are skipped."""
-        from mpi4py import MPI
         requests = []
         if recv_count:
             requests.append(self.irecv(recv_into, recv_offset, recv_count, source))
@@ -108,7 +90,6 @@ class Context:
                             recv_offset: int, recv_count: int, source: int, slot: int = 0):
         """Send one range of the buffer to `dest` while receiving a peer's copy of another range
         from `source` and reducing it into place, segment by segment as segments arrive."""
-        from mpi4py import MPI
         scratch = self.scratch(recv_count, slot) if recv_count else None
         receives = [(offset, count, self.irecv(scratch, offset, count, source))
                     for offset, count in segments(recv_count, self.info.itemsize)]
@@ -118,6 +99,21 @@ class Context:
             request.Wait()
             self.reduce(self.info, recv_offset + offset, scratch, offset, count)
         MPI.Request.Waitall(sends)
+
+
+def finish_average(ctx: Context, op: str, offset: int = 0, count: int | None = None) -> None:
+    """op="avg": divide elements [offset, offset + count) of the result by the rank count."""
+    count = ctx.info.count - offset if count is None else count
+    if op == "avg" and count:
+        kernels.scale_ptr(ctx.info.ptr + offset * ctx.info.itemsize, count, ctx.info.dtype,
+                          1.0 / ctx.size, device=ctx.info.device)
+        if ctx.info.is_cuda:
+            kernels.synchronize(ctx.info.device)
+
+
+def kernel_op(op: str) -> str:
+    """The kernels' op for a collective's op: an average is a sum, divided afterwards."""
+    return "sum" if op == "avg" else op
 
 
 def split_counts(count: int, parts: int):

@@ -118,21 +118,13 @@ class NodeWindow:
 
 
 def node_window(ctx: Context) -> NodeWindow:
-    """The window of ctx's communicator, made on first use. A Communicator lends its node and
-    leader communicators; an asynchronous engine (private duplicate, own thread) splits its own
-    from its duplicate so it never shares a communicator with the caller's thread."""
-    window = getattr(ctx.comm, "node_window", None)
-    if window is None:
-        if hasattr(ctx.comm, "node_comm"):
-            node, leaders = ctx.comm.node_comm, ctx.comm.leader_comm
-        else:
-            owner = ctx.comm.comm
-            node = ctx.mpi.Split(owner.node_rank, owner.rank)
-            leaders = ctx.mpi.Split(0 if owner.local_rank == 0 else MPI.UNDEFINED, owner.rank)
-            leaders = None if leaders == MPI.COMM_NULL else leaders
-        window = NodeWindow(node, leaders, spans_nodes=node.Get_size() < ctx.size)
-        ctx.comm.node_window = window
-    return window
+    """The window of ctx's channel (comm.Channel), made on first use over the channel's node
+    communicators; the channel frees it."""
+    channel = ctx.comm
+    if channel.node_window is None:
+        node, leaders = channel.node_communicators()
+        channel.node_window = NodeWindow(node, leaders, spans_nodes=node.Get_size() < ctx.size)
+    return channel.node_window
 
 
 def across_nodes(ctx: Context, leaders, info: BufferInfo) -> None:

@@ -9,6 +9,7 @@ from mpi4py import MPI
 
 from .. import kernels
 from ..buffers import BufferInfo
+from ..runtime.wire import HALF_DTYPES
 from .common import Context
 
 MPI_TYPES = {
@@ -16,14 +17,13 @@ MPI_TYPES = {
     "uint8": MPI.UINT8_T, "int8": MPI.INT8_T,
 }
 MPI_OPS = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
-HALF_TYPES = ("float16", "bfloat16")
 
 
 def native_allreduce(ctx: Context) -> None:
     info = ctx.info
     if info.count == 0:
         return
-    if info.dtype in HALF_TYPES:
+    if info.dtype in HALF_DTYPES:
         wide = ctx.comm.scratch.get(BufferInfo(info.ptr, info.count, "float32", info.device, info.kind),
                                     info.count * 4, slot=7)
         # op="avg": the cast back divides too, so the result is rounded once.

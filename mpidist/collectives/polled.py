@@ -53,10 +53,10 @@ import numpy as np
 
 from .. import _C
 from ..buffers import ITEMSIZE, describe
-from ..comm import load_mpi
-from ..errors import InvalidArgumentError, MpidistError
-from .api import call_timeout, kernel_op, poll_until
-from .common import reduce_and_publish, split_counts
+from ..errors import InvalidArgumentError
+from ..runtime.deadlines import deadline_error, poll_until
+from ..runtime.mpi import load_mpi
+from .common import kernel_op, reduce_and_publish, split_counts
 
 COUNTER_BYTES = 64  # one cache line per counter: ranks never write the same line
 YIELD_SECONDS = 100e-6  # how long wait() polls without sleeping, with more ranks than cores
@@ -282,10 +282,12 @@ class PolledAllreduce:
         # 32.7 ms per step yielding only, 27.1 ms with naps (training-cpu.md). With a core per
         # rank the yielding lasts longer (yield_seconds).
         def timed_out():
-            raise MpidistError(
-                f"local rank {self.slots.local_rank}: the all-reduce of gradient bucket {self.index} did not "
-                f"complete within {call_timeout():.0f} s (MPIDIST_TIMEOUT): another rank of this node "
-                "stopped before reaching it (different numbers of backward passes?)")
+            me = self.slots.local_rank
+            behind = [k for k, counter in enumerate(self.slots.counters[self.index])
+                      if k != me and not _C.counters_reached([counter], self.stage)]
+            raise deadline_error(f"local rank {me}", f"the all-reduce of gradient bucket {self.index}",
+                                 f"local ranks {behind} of this node", peers=behind,
+                                 advice="They stopped before reaching it (different numbers of backward passes?)")
 
         poll_until(self.progress, timed_out, self.slots.yield_seconds, NAP_SECONDS)
 

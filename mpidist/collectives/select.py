@@ -29,12 +29,15 @@ import warnings
 
 import numpy as np
 
+from ..runtime import config
+from ..runtime.wire import HALF_DTYPES
+from .registry import ALLREDUCE
+
 # (upper bound in bytes, algorithm); the first row whose bound exceeds the message size wins.
 BUILTIN_TABLE = (
     (32 * 1024, "mpi"),
     (float("inf"), "hierarchical"),
 )
-HALF_DTYPES = ("float16", "bfloat16")
 HALF_TABLE = (
     (8 * 1024, "mpi"),
     (float("inf"), "hierarchical"),
@@ -49,8 +52,15 @@ def forced_algorithm() -> str | None:
     """MPIDIST_ALLREDUCE_ALGORITHM, read by each Communicator when it is created (as MPI libraries
     read their tuning parameters at initialization): looking it up on every call would cost more
     than a small MPI_Allreduce."""
-    forced = os.environ.get("MPIDIST_ALLREDUCE_ALGORITHM")
-    return forced if forced and forced != "auto" else None
+    return config.value("MPIDIST_ALLREDUCE_ALGORITHM")
+
+
+def auto_choice(mpi) -> tuple:
+    """(tuning table or None, forced algorithm or None, mpi_bounds) of a new communicator:
+    what algorithm="auto" decides with (collective over `mpi`: rank 0 reads the table)."""
+    table = load_tuning_table(mpi)
+    forced = forced_algorithm()
+    return table, forced, mpi_bounds(mpi.Get_size(), table, forced)
 
 
 def choose_allreduce(nbytes: int, ranks: int, table=None, dtype: str = "float32", forced: str | None = None) -> str:
@@ -95,14 +105,12 @@ def _lookup(table, nbytes: int) -> str:
 # ---- tuned tables -------------------------------------------------------------------------------
 
 def tuning_path(path: str | None = None) -> str:
-    return path or os.environ.get("MPIDIST_TUNING_FILE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "mpidist", "tuning.json")
+    return path or config.value("MPIDIST_TUNING_FILE")
 
 
 def table_from_rows(rows) -> tuple:
     """[{"max_bytes": b, "algorithm": a}, ...] (max_bytes inclusive, None = no bound) as the
     (exclusive bound, algorithm) pairs choose_allreduce reads."""
-    from .api import ALLREDUCE
     table = []
     for row in rows:
         algorithm, bound = row["algorithm"], row["max_bytes"]

@@ -15,28 +15,27 @@ a stage keeps alive and how long ranks sit idle):
   backward, then finishes the backwards. A stage holds at most (stages - s) micro-batches'
   activations, whatever the number of micro-batches.
 
-Messages are typed buffers on a communicator of their own (a small header with the dtype and
-shape, then the tensor), never pickled. Sends are non-blocking and receives wait at most
-MPIDIST_TIMEOUT seconds, so a rank that stops does not leave the others hanging forever.
+Messages are typed buffers on a communicator of their own (runtime/wire.py: a small header with
+the dtype and shape, then the tensor), never pickled. Sends are non-blocking and every wait ends
+after MPIDIST_TIMEOUT seconds with a DeadlineError naming the stage that went silent, so a rank
+that stops does not leave the others hanging forever.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from ..collectives.api import wait_with_deadline
 from ..comm import Communicator, init
 from ..errors import InvalidArgumentError, MismatchError
+from ..runtime import wire
+from ..runtime.deadlines import wait_for_collective
 from .model_state import broadcast_module_state
 from .reducer import GradientBuckets, check_not_synchronized, register_gradient_hooks, trainable_parameters
 
 SCHEDULES = ("gpipe", "1f1b")
-HEADER_LENGTH = 2 + 8  # dtype code, number of dimensions, up to 8 dimensions
-# Tags of micro-batch i: 4i + FORWARD_HEADER (the activation's header; its data with the next
-# tag) and 4i + BACKWARD_HEADER (the gradient's header; its data with the next tag).
+# Tags of micro-batch i: 4i + FORWARD_HEADER (the activation's message: header, then its data
+# with the next tag) and 4i + BACKWARD_HEADER (the gradient's message).
 FORWARD_HEADER, BACKWARD_HEADER = 0, 2
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-          torch.int8, torch.uint8, torch.bool]
 
 
 def split_layers(layers: int, stages: int, balance=None) -> list:
@@ -55,25 +54,11 @@ def split_layers(layers: int, stages: int, balance=None) -> list:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def header_of(tensor, stage: int) -> np.ndarray:
-    """The dtype code and shape of a CPU `tensor` that stage `stage` sends."""
-    if tensor.dtype not in DTYPES or tensor.dim() > HEADER_LENGTH - 2:
+def check_sendable(tensor, stage: int) -> None:
+    """Refuse, naming the stage, a tensor that no message can carry."""
+    if str(tensor.dtype).removeprefix("torch.") not in wire.ITEMSIZE or tensor.dim() > wire.MAX_DIMS:
         raise InvalidArgumentError(f"stage {stage} produced a {tensor.dtype} tensor of {tensor.dim()} "
                                    "dimensions, which cannot be sent between stages")
-    header = np.zeros(HEADER_LENGTH, dtype=np.int64)
-    header[0], header[1] = DTYPES.index(tensor.dtype), tensor.dim()
-    header[2:2 + tensor.dim()] = tensor.shape
-    return header
-
-
-def empty_from(header: np.ndarray) -> torch.Tensor:
-    """An uninitialized CPU tensor of the dtype and shape a header describes."""
-    return torch.empty(tuple(int(d) for d in header[2:2 + header[1]]), dtype=DTYPES[header[0]])
-
-
-def byte_view(tensor) -> np.ndarray:
-    """A contiguous CPU tensor's memory as bytes (what MPI sends and receives)."""
-    return tensor.view(-1).view(torch.uint8).numpy() if tensor.numel() else np.empty(0, np.uint8)
 
 
 def one_f_one_b(stage: int, stages: int, micro_batches: int) -> list:
@@ -235,7 +220,7 @@ class Pipeline(torch.nn.Module):
         if self.last and need_targets:
             mine[1] = len(targets) if isinstance(targets, torch.Tensor) and targets.dim() > 0 else -2
         table = np.empty((self.stages, 2), dtype=np.int64)
-        wait_with_deadline(self.mpi.Iallgather(mine, table), self.mpi, "pipeline's agreement on the batch size")
+        wait_for_collective(self.mpi.Iallgather(mine, table), self.mpi, "pipeline's agreement on the batch size")
         batch, target_rows = int(table[0, 0]), int(table[-1, 1])
         first_rank = self.replica * self.stages
         if batch == -2:
@@ -252,45 +237,32 @@ class Pipeline(torch.nn.Module):
                                        "micro-batches; use a larger batch or fewer chunks")
         return batch
 
-    def _send(self, tensor, dest: int, micro_batch: int, header_tag: int):
-        """Start sending `tensor` (header, then data); returns what must be waited for, holding
-        the buffers alive until then."""
-        tensor = tensor.detach().cpu().contiguous()
-        header, data = header_of(tensor, self.index), byte_view(tensor)
-        tag = 4 * micro_batch + header_tag
-        requests = [self.mpi.Isend(header, dest=dest, tag=tag), self.mpi.Isend(data, dest=dest, tag=tag + 1)]
-        return requests, (header, data, tensor)
+    def _stage(self, index: int) -> str:
+        """Stage `index` of this replica, with its rank in the communicator the user gave."""
+        return f"stage {index} (rank {self.replica * self.stages + index})"
+
+    def _send(self, tensor, dest: int, micro_batch: int, header_tag: int) -> wire.Outgoing:
+        """Start sending `tensor` to stage `dest`; returns what must be waited for."""
+        check_sendable(tensor, self.index)
+        return wire.send(self.mpi, tensor, dest, tag=4 * micro_batch + header_tag)
 
     def _receive(self, micro_batch: int, header_tag: int, source: int) -> torch.Tensor:
-        tag = 4 * micro_batch + header_tag
-        header = np.empty(HEADER_LENGTH, dtype=np.int64)
-        wait_with_deadline(self.mpi.Irecv(header, source=source, tag=tag), self.mpi,
-                           f"pipeline receive from stage {source}")
-        tensor = empty_from(header)
-        if tensor.numel():
-            wait_with_deadline(self.mpi.Irecv(byte_view(tensor), source=source, tag=tag + 1),
-                               self.mpi, f"pipeline receive from stage {source}")
+        tensor, _ = wire.receive(self.mpi, source, 4 * micro_batch + header_tag, self._stage(self.index),
+                                 f"the pipeline receive from stage {source}", self._stage(source))
         return tensor.to(self._device())
 
     def _wait_all(self, sends) -> None:
-        for requests, _buffers in sends:
-            for request in requests:
-                wait_with_deadline(request, self.mpi, "pipeline send")
+        for outgoing in sends:
+            outgoing.wait(self._stage(self.index), f"the pipeline send to stage {outgoing.dest}",
+                          self._stage(outgoing.dest))
 
     def _from_last(self, tensor):
-        """The last stage's tensor on every rank (a broadcast of its header and data)."""
-        from mpi4py import MPI
-        root = self.stages - 1
+        """The last stage's tensor on every rank."""
         if self.last:
-            tensor = tensor.detach().cpu().contiguous()
-            header = header_of(tensor, self.index)
-        else:
-            header = np.zeros(HEADER_LENGTH, dtype=np.int64)
-        wait_with_deadline(self.mpi.Ibcast([header, MPI.INT64_T], root=root), self.mpi, "pipeline's result")
-        if not self.last:
-            tensor = empty_from(header)
-        if tensor.numel():
-            wait_with_deadline(self.mpi.Ibcast(byte_view(tensor), root=root), self.mpi, "pipeline's result")
+            check_sendable(tensor, self.index)
+        root = self.stages - 1
+        tensor = wire.broadcast(self.mpi, tensor, root, self._stage(self.index), "the broadcast of the pipeline's "
+                                "result", self._stage(root) if not self.last else "the other stages")
         return tensor.to(self._device())
 
     def _device(self):

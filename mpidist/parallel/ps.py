@@ -23,9 +23,10 @@ computes on weights that miss its own last gradient. The chief is the first work
 rank that is not the server): every rank starts from its weights, and scripts let it alone log,
 evaluate and save (`is_chief`). When every worker has closed, each gets the final weights.
 
-Messages are typed buffers (an int64 header, then the flat gradient or weights), never pickled.
-Every wait ends after MPIDIST_TIMEOUT seconds with an error: a server that hears from no worker
-for that long, or a worker that waits that long for its weights.
+Messages are typed buffers (runtime/wire.py: an int64 header, then the flat gradient or weights),
+never pickled. Every wait ends after MPIDIST_TIMEOUT seconds with a DeadlineError naming the
+silent side: a server that hears from no worker for that long, or a worker that waits that long
+for its weights.
 """
 from __future__ import annotations
 
@@ -34,16 +35,19 @@ import dataclasses
 import numpy as np
 import torch
 
-from ..collectives.api import call_timeout, poll_until, wait_with_deadline
+from mpi4py import MPI
+
 from ..comm import init
-from ..errors import DeadlineError, InvalidArgumentError, MismatchError
+from ..errors import InvalidArgumentError, MismatchError
+from ..runtime import wire
+from ..runtime.deadlines import wait_for_collective, wait_until
 from .model_state import broadcast_module_state
-from .pipeline import DTYPES, byte_view
 
 MODES = ("sync", "async", "softsync")
-# What a worker's header announces (its first field), and the tags of the four messages.
+# What a worker's message announces (its first field), and the tags of the two kinds of message
+# (each also uses the next tag, for its payload).
 GRADIENT, DONE = 0, 1
-PUSH_HEADER, PUSH_GRADIENT, REPLY_HEADER, REPLY_WEIGHTS = 1, 2, 3, 4
+PUSH, REPLY = 1, 3
 # The settings every rank must agree on, in the order of the agreement table's columns.
 AGREED = ("parameters", "dtype", "mode", "gradients per update", "max_staleness", "staleness_lr", "server",
           "starting version", "server has an optimizer")
@@ -105,7 +109,8 @@ class ParameterServer:
         if not self.params:
             raise InvalidArgumentError("the module has no parameters that require a gradient")
         dtypes = {p.dtype for p in self.params}
-        if len(dtypes) > 1 or self.params[0].dtype not in DTYPES or not self.params[0].is_floating_point():
+        if len(dtypes) > 1 or not self.params[0].is_floating_point() \
+                or str(self.params[0].dtype).removeprefix("torch.") not in wire.ITEMSIZE:
             raise InvalidArgumentError(f"the parameters must share one floating-point dtype, got "
                                        f"{sorted(str(d) for d in dtypes)}")
         self.dtype = self.params[0].dtype
@@ -129,11 +134,11 @@ class ParameterServer:
     def _agree(self, softsync) -> None:
         """Every rank's model size and settings, checked on every rank alike, so a mismatch
         raises the same error everywhere before any gradient moves."""
-        mine = np.array([self.numel, DTYPES.index(self.dtype), MODES.index(self.mode), self.per_update,
+        mine = np.array([self.numel, wire.code_of(wire.name_of(self.dtype)), MODES.index(self.mode), self.per_update,
                          -1 if self.max_staleness is None else self.max_staleness, self.staleness_lr,
                          self.server, self.version, self.optimizer is not None], dtype=np.int64)
         table = np.empty((self.comm.size, len(mine)), dtype=np.int64)
-        wait_with_deadline(self.mpi.Iallgather(mine, table), self.mpi, "parameter server's agreement on its settings")
+        wait_for_collective(self.mpi.Iallgather(mine, table), self.mpi, "parameter server's agreement on its settings")
         for column, name in enumerate(AGREED[:-1]):
             values = table[:, column]
             if (values != values[0]).any():
@@ -146,7 +151,7 @@ class ParameterServer:
     @staticmethod
     def _describe(name: str, value: int):
         if name == "dtype":
-            return str(DTYPES[value])
+            return str(wire.torch_dtype(wire.DTYPES[value]))
         if name == "mode":
             return MODES[value]
         if name == "max_staleness" and value < 0:
@@ -162,8 +167,7 @@ class ParameterServer:
         if not self.is_server:
             raise InvalidArgumentError(f"serve() runs on the server (rank {self.server}); rank {self.comm.rank} is a "
                                        "worker: call step() after each backward, and close() at the end")
-        headers = {w: np.empty(3, dtype=np.int64) for w in self.workers}
-        receives = {w: self.mpi.Irecv(headers[w], source=w, tag=PUSH_HEADER) for w in self.workers}
+        receives = {w: wire.Incoming(self.mpi, w, PUSH) for w in self.workers}
         arrived = {}  # worker -> (gradient, its step, its version), waiting for an update
         owed = set()  # workers whose gradient is applied and who wait for their weights
         pushed = dict.fromkeys(self.workers, 0)
@@ -171,17 +175,16 @@ class ParameterServer:
         history, sends = [], []
         while active:
             worker = self._next_message(receives)
-            kind, step, version = (int(v) for v in headers[worker])
+            incoming = receives[worker]
+            kind, step, version = incoming.fields
             if kind == DONE:
                 active.discard(worker)
                 del receives[worker]
             else:
-                gradient = torch.empty(self.numel, dtype=self.dtype)
-                self._wait(self.mpi.Irecv(byte_view(gradient), source=worker, tag=PUSH_GRADIENT),
-                           f"the gradient of worker {worker}")
+                gradient = incoming.receive_payload(self._who, f"the gradient of worker {worker}", f"worker {worker}")
                 arrived[worker] = (gradient, step, version)
                 pushed[worker] += 1
-                receives[worker] = self.mpi.Irecv(headers[worker], source=worker, tag=PUSH_HEADER)
+                receives[worker] = wire.Incoming(self.mpi, worker, PUSH)
             # An update waits for its share of gradients, unless every worker still training is
             # already waiting (then nobody could bring more).
             if arrived and (len(arrived) >= self.per_update or active <= set(arrived) | owed):
@@ -194,12 +197,11 @@ class ParameterServer:
                 if self._may_start(waiting, pushed, active):
                     owed.discard(waiting)
                     sends.append(self._send_weights(waiting))
-            sends = [s for s in sends if not all(r.Test() for r in s[0])]
+            sends = [outgoing for outgoing in sends if not outgoing.test()]
         for worker in self.workers:
             sends.append(self._send_weights(worker))
-        for requests, _buffers in sends:
-            for request in requests:
-                self._wait(request, "the weights sent to a worker")
+        for outgoing in sends:
+            outgoing.wait(self._who, f"the weights sent to worker {outgoing.dest}", f"worker {outgoing.dest}")
         self.mpi.Free()
         return history
 
@@ -231,24 +233,18 @@ class ParameterServer:
         self.version += 1
         return Update(self.version, tuple((w, arrived[w][1], arrived[w][2]) for w in order), staleness, lr_scale)
 
-    def _send_weights(self, worker: int):
-        """Start sending the current weights and their version; returns the requests and the
-        buffers they read."""
-        header = np.array([self.version], dtype=np.int64)
+    def _send_weights(self, worker: int) -> wire.Outgoing:
+        """Start sending the current weights and their version."""
         if self._sent_weights is None or self._sent_weights[0] != self.version:
             # One copy per version, shared by every reply of that version (sync mode answers
             # every worker with the same one): pending sends only read it.
             self._sent_weights = (self.version, self._flat([p.detach() for p in self.params]))
-        weights = self._sent_weights[1]
-        requests = [self.mpi.Isend(header, dest=worker, tag=REPLY_HEADER),
-                    self.mpi.Isend(byte_view(weights), dest=worker, tag=REPLY_WEIGHTS)]
-        return requests, (header, weights)
+        return wire.send(self.mpi, self._sent_weights[1], worker, REPLY, fields=(self.version,))
 
     def _next_message(self, receives: dict) -> int:
         """The worker whose header arrived first among the pending receives."""
-        from mpi4py import MPI
         workers = list(receives)
-        requests = [receives[w] for w in workers]
+        requests = [receives[w].request for w in workers]
         found = []
 
         def arrived():
@@ -257,12 +253,8 @@ class ParameterServer:
                 found.append(workers[index])
             return flag
 
-        def timed_out():
-            raise DeadlineError(f"parameter server (rank {self.server}): no message from workers {workers} within "
-                                f"{call_timeout():.0f} s (MPIDIST_TIMEOUT); a worker that stops training must call "
-                                "close()")
-
-        poll_until(arrived, timed_out, yield_seconds=0.01, nap_seconds=0.0005)
+        wait_until(arrived, self._who, "the wait for a message from the workers", f"workers {workers}",
+                   peers=workers, advice="A worker that stops training must call close()")
         return found[0]
 
     # ---- a worker --------------------------------------------------------------------------
@@ -272,22 +264,19 @@ class ParameterServer:
         weights of the update that took them, which replace the module's parameters."""
         self._check_worker("step()")
         gradient = self._flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
-        header = np.array([GRADIENT, self.steps, self.version], dtype=np.int64)
-        sends = [self.mpi.Isend(header, dest=self.server, tag=PUSH_HEADER),
-                 self.mpi.Isend(byte_view(gradient), dest=self.server, tag=PUSH_GRADIENT)]
+        outgoing = wire.send(self.mpi, gradient, self.server, PUSH, fields=(GRADIENT, self.steps, self.version))
         self._receive_weights()
-        for request in sends:
-            self._wait(request, "the gradient sent to the server")
+        outgoing.wait(self._who, "the gradient sent to the server", self._server_name)
         self.steps += 1
 
     def close(self) -> None:
         """Tell the server this worker is done, and take the final weights (once every worker
         has closed)."""
         self._check_worker("close()")
-        header = np.array([DONE, self.steps, self.version], dtype=np.int64)
-        send = self.mpi.Isend(header, dest=self.server, tag=PUSH_HEADER)
+        nothing = torch.empty(0, dtype=self.dtype)
+        outgoing = wire.send(self.mpi, nothing, self.server, PUSH, fields=(DONE, self.steps, self.version))
         self._receive_weights()
-        self._wait(send, "the last message to the server")
+        outgoing.wait(self._who, "the last message to the server", self._server_name)
         self.closed = True
         self.mpi.Free()
 
@@ -298,14 +287,12 @@ class ParameterServer:
             raise InvalidArgumentError(f"{call} after close(): this worker has already left the parameter server")
 
     def _receive_weights(self) -> None:
-        header = np.empty(1, dtype=np.int64)
-        self._wait(self.mpi.Irecv(header, source=self.server, tag=REPLY_HEADER), "weights from the server")
-        weights = torch.empty(self.numel, dtype=self.dtype)
-        self._wait(self.mpi.Irecv(byte_view(weights), source=self.server, tag=REPLY_WEIGHTS), "weights from the server")
+        weights, (version,) = wire.receive(self.mpi, self.server, REPLY, self._who, "the weights from the server",
+                                           self._server_name)
         with torch.no_grad():
             for param, part in zip(self.params, weights.split(self.numels)):
                 param.copy_(part.view_as(param))
-        self.version = int(header[0])
+        self.version = version
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -314,9 +301,10 @@ class ParameterServer:
         """The tensors end to end in one contiguous CPU tensor (what travels)."""
         return torch.cat([t.detach().reshape(-1).cpu() for t in tensors])
 
-    def _wait(self, request, what: str) -> None:
-        def timed_out():
-            raise DeadlineError(f"rank {self.comm.rank}: {what} did not come within {call_timeout():.0f} s "
-                                "(MPIDIST_TIMEOUT): the other side stopped or is stuck")
+    @property
+    def _who(self) -> str:
+        return f"rank {self.comm.rank} ({'the parameter server' if self.is_server else 'a worker'})"
 
-        poll_until(request.Test, timed_out, yield_seconds=0.01, nap_seconds=0.0005)
+    @property
+    def _server_name(self) -> str:
+        return f"the server (rank {self.server})"

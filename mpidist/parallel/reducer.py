@@ -184,7 +184,7 @@ class GradientBuckets:
             raise InvalidArgumentError(f"bucket_mb must be positive, got {bucket_mb}")
         if passes_per_step < 1:
             raise InvalidArgumentError(f"backward passes per step must be >= 1, got {passes_per_step}")
-        from ..collectives.api import check_algorithm  # imported here: it initializes MPI
+        from ..collectives.callcheck import check_algorithm  # imported here: the collectives initialize MPI
         check_algorithm(algorithm)
         self.comm = comm
         self.algorithm = algorithm

@@ -15,6 +15,7 @@ import torch
 from .. import comm as _comm
 from ..errors import MismatchError, MpidistError, NotOfferedError
 from ..parallel.join import last_joiner
+from ..runtime.deadlines import wait_for_collective
 from .basics import Average, Sum
 from .process_sets import comm_of
 from .timeline import traced
@@ -105,12 +106,10 @@ def _announce(world, fields):
     (a list of numbers), a joined rank None. Returns what the training ranks announced, or None
     once every rank has joined."""
     from mpi4py import MPI
-
-    from ..collectives.api import wait_with_deadline  # imported here: the collectives initialize MPI
     message = np.zeros(7, dtype=np.int64)
     if fields is not None:
         message[0], message[1:1 + len(fields)] = 1, fields
-    wait_with_deadline(world.mpi.Iallreduce(MPI.IN_PLACE, message, op=MPI.SUM), world.mpi,
+    wait_for_collective(world.mpi.Iallreduce(MPI.IN_PLACE, message, op=MPI.SUM), world.mpi,
                        what="announcement to the ranks waiting in hvd.join()")
     training = int(message[0])
     if training == 0:

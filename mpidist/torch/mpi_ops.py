@@ -313,7 +313,7 @@ def unpack_group(flat, members):
 def _check_group_allreduce(tensors, op, prescale_factor, postscale_factor):
     """What the all-reduce of one kind would refuse, checked for all of them before the first is
     sent (an in-place group is then left as it was)."""
-    from ..collectives.api import check_op  # imported here: the collectives initialize MPI
+    from ..collectives.callcheck import check_op  # imported here: the collectives initialize MPI
     _check_scale_factors(tensors, prescale_factor, postscale_factor)
     if op != Adasum:  # Adasum checks its dtypes itself
         for tensor in tensors:

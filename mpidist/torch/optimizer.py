@@ -13,8 +13,14 @@ import torch
 
 from ..errors import InvalidArgumentError, MpidistError
 from ..parallel.flat import tensors_by_kind
-from ..parallel.reducer import (COMPRESSION_DTYPES, GradientBuckets, check_not_synchronized, register_gradient_hooks,
-                                trainable_parameters)
+from ..parallel.reducer import (
+    COMPRESSION_DTYPES,
+    GradientBuckets,
+    check_not_synchronized,
+    register_gradient_hooks,
+    trainable_parameters,
+)
+from ..runtime.config import env_number
 from .basics import Adasum, Average, resolve_op
 from .compression import Compression
 from .join import register_adasum_optimizer, register_optimizer
@@ -151,7 +157,6 @@ class _DistributedAdasumOptimizer:
 def _fusion_bucket_mb() -> float:
     """Horovod's HOROVOD_FUSION_THRESHOLD (bytes) as the buckets' size in MB: unset, DataParallel's
     25; 0 (Horovod: no fusion), a bucket per gradient."""
-    from ..collectives.common import env_number  # imported here: the collectives initialize MPI
     threshold = env_number("HOROVOD_FUSION_THRESHOLD", 25 * 2 ** 20, minimum=0)
     return max(threshold, 1) / 2 ** 20  # a 1-byte bucket holds one gradient, however small
 

@@ -1,0 +1,163 @@
+"""What a collective call may be: the local argument checks, and the cross-rank call check.
+
+The call check: before a collective moves any data, every rank contributes its signature (which
+collective, count, dtype, op, algorithm, root, row shape; as int64 numbers) to one small
+allgather with a deadline; any difference raises MismatchError on every rank, naming who passed
+what. A rank that refused its own arguments still joins, with a row that says so
+(share_refusal), so the others fail at once instead of waiting out MPIDIST_TIMEOUT.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+from mpi4py import MPI
+
+from ..buffers import DTYPES, BufferInfo
+from ..errors import InvalidArgumentError, MismatchError, MpidistError, UnsupportedDtypeError
+from ..runtime.deadlines import wait_for_collective
+from ..runtime.wire import FLOAT_DTYPES
+from .registry import ALGORITHMS, ALLREDUCE
+from .select import choose_allreduce
+
+OPS = ("sum", "avg", "min", "max", "prod")
+# "first allreduce_async": the first asynchronous call of each rank starts the background thread,
+# which duplicates the communicator (a collective of its own); ranks check that they all do so.
+COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "first allreduce_async", "adasum",
+               "alltoall")
+# Tags keep the messages of different collectives apart should a rank ever run ahead.
+TAGS = {name: 0x4D44 + index for index, name in enumerate(COLLECTIVES)}
+SIGNATURE_FIELDS = ("collective", "count", "dtype", "op", "algorithm", "root", "row shape")
+# The "collective" field of a rank that refused its own arguments (see share_refusal).
+REFUSED = -1
+REFUSED_SIGNATURE = dict.fromkeys(SIGNATURE_FIELDS, 0) | {"collective": REFUSED}
+
+
+# ---- argument checks (local: refused before any communication) --------------------------
+
+def check_op(op: str, dtype: str) -> str:
+    if op not in OPS:
+        raise InvalidArgumentError(f"unknown op {op!r}; choose one of {', '.join(OPS)}")
+    if op == "avg" and dtype not in FLOAT_DTYPES:
+        raise UnsupportedDtypeError(
+            f"op='avg' needs a floating-point dtype, got {dtype}: an integer average would be "
+            "silently truncated; use op='sum' and divide yourself")
+    return op
+
+
+def check_algorithm(algorithm: str) -> str:
+    if algorithm not in ALGORITHMS:
+        raise InvalidArgumentError(
+            f"unknown all-reduce algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    return algorithm
+
+
+def resolve_algorithm(algorithm: str, info: BufferInfo, comm) -> str:
+    if algorithm != "auto":
+        return algorithm
+    chosen = choose_allreduce(info.nbytes, comm.size, comm.tuning_table, info.dtype, comm.forced_algorithm)
+    if chosen not in ALLREDUCE:
+        raise InvalidArgumentError(
+            f"MPIDIST_ALLREDUCE_ALGORITHM={chosen!r} is not an all-reduce algorithm; "
+            f"choose one of {', '.join(ALLREDUCE)}")
+    return chosen
+
+
+def check_root(root, size: int) -> int:
+    if not isinstance(root, (int, np.integer)) or not 0 <= root < size:
+        raise InvalidArgumentError(f"root={root!r} is not a rank of this communicator (size {size})")
+    return int(root)
+
+
+# ---- the cross-rank call check -------------------------------------------------------------
+
+def check_same_call(comm, mpi, fields: dict, row_shape: tuple | None = None) -> None:
+    """All ranks exchange what they were asked to do; any difference raises on every rank.
+
+    Costs one small allgather. It runs non-blocking with a deadline (MPIDIST_TIMEOUT seconds),
+    so a rank that never joins the collective turns into an error instead of a hang.
+    `row_shape` (allgather, reduce_scatter) names the row shape should the ranks' differ.
+    """
+    if not comm.check_calls or mpi.Get_size() == 1:
+        return
+    mine = np.array([fields[name] for name in SIGNATURE_FIELDS], dtype=np.int64)
+    table = np.empty((mpi.Get_size(), len(mine)), dtype=np.int64)
+    request = mpi.Iallgather([mine, MPI.INT64_T], [table, MPI.INT64_T])
+    collective = fields["collective"]
+    wait_for_collective(request, mpi, what=f"{COLLECTIVES[collective] if collective != REFUSED else 'refused'} "
+                                          "call check")
+    if (table == mine).all():
+        return
+    refused = [rank for rank in range(len(table)) if table[rank, 0] == REFUSED]
+    if refused:  # decided alike on every rank, before the exchange below
+        raise MismatchError(
+            f"ranks {refused} refused their arguments to this collective (each raised its own error "
+            "there: see those ranks' output), so the other ranks cannot run it either")
+    row_shapes = None
+    shape_codes = table[:, SIGNATURE_FIELDS.index("row shape")]
+    if (shape_codes != shape_codes[0]).any():
+        # The signature holds only a number standing for the row shape. Every rank sees the same
+        # table, so every rank takes this second exchange (all are known to be here: the first
+        # one completed), and the message can name the shapes. Error path only: pickling is fine.
+        row_shapes = mpi.allgather(row_shape)
+    raise MismatchError(describe_mismatch(table, row_shapes))
+
+
+def share_refusal(comm) -> None:
+    """Called on a rank whose own arguments were just refused, before it raises that error: it
+    still takes part in the call check, with a row that says "refused", so that the other ranks
+    raise MismatchError at once instead of waiting MPIDIST_TIMEOUT for it. `comm` is the channel
+    the collective would have run on (the communicator, or its async engine). With the check off
+    (MPIDIST_CHECK=0) there is no exchange to join: nothing happens."""
+    if not comm.check_calls or comm.size == 1:
+        return
+    with contextlib.suppress(MpidistError):  # this rank's own error is the one to report
+        check_same_call(comm, comm.mpi, REFUSED_SIGNATURE)
+
+
+def describe_mismatch(table: np.ndarray, row_shapes: list | None = None) -> str:
+    names = {"collective": COLLECTIVES, "dtype": DTYPES, "op": OPS, "algorithm": ALGORITHMS}
+    parts = []
+    for column, field in enumerate(SIGNATURE_FIELDS):
+        values = table[:, column]
+        if (values == values[0]).all():
+            continue
+        groups = {}
+        for rank, value in enumerate(values):
+            groups.setdefault(signature_label(field, int(value), names, row_shapes, rank), []).append(rank)
+        title = field
+        if field == "row shape":  # Adasum's carries the sizes of the tensors in the buffer
+            title = "tensor sizes" if (table[:, 0] == COLLECTIVES.index("adasum")).all() else "row shape (shape[1:])"
+        part = f"{title}: " + "; ".join(f"ranks {ranks} have {label}" for label, ranks in groups.items())
+        if field == "algorithm":
+            part += " (the algorithm each rank would run, from algorithm=, MPIDIST_ALLREDUCE_ALGORITHM or auto's table)"
+        parts.append(part)
+    return "ranks called the same collective with different arguments: " + " | ".join(parts)
+
+
+def signature_label(field: str, value: int, names: dict, row_shapes: list | None, rank: int) -> str:
+    if field == "row shape":
+        if row_shapes is None:
+            return "a different row shape"
+        shape = row_shapes[rank]
+        return "no row shape" if shape is None else str(tuple(shape))
+    if field in names:
+        # A value out of range means the peer sent something that is no signature of this
+        # mpidist (another MPI message crossed the check): say so rather than fail here.
+        return names[field][value] if 0 <= value < len(names[field]) else f"an unknown value {value}"
+    return str(value)
+
+
+def signature(collective: str, info: BufferInfo, op: str = "sum", algorithm: str = "auto", root: int = 0,
+              row_shape: tuple | None = None) -> dict:
+    """What a rank was asked to do, as numbers. `algorithm` is the one the rank will run (after
+    MPIDIST_ALLREDUCE_ALGORITHM and auto's choice); `row_shape` is shape[1:] where it matters."""
+    return {"collective": COLLECTIVES.index(collective), "count": info.count,
+            "dtype": DTYPES.index(info.dtype), "op": OPS.index(op), "algorithm": ALGORITHMS.index(algorithm),
+            "root": root, "row shape": 0 if row_shape is None else row_shape_code(row_shape)}
+
+
+def row_shape_code(row_shape: tuple) -> int:
+    # Python's hash of a tuple of ints is the same in every process (only str and bytes hashes
+    # are salted per process); equal codes of different shapes are vanishingly unlikely.
+    return hash(tuple(int(n) for n in row_shape)) & 0x7FFFFFFF

@@ -1,0 +1,136 @@
+"""The asynchronous engine: a background thread per communicator that runs its collectives in
+submission order on a private duplicate of the communicator, and the Handle of each call.
+
+The engine is a Channel (comm.py) of its own: the collectives run on it exactly as on a
+Communicator. It has its own MPI communicator, scratch and staging buffers (its thread must not
+share them with the caller's), and its own node communicators for the hierarchical all-reduce,
+split from its duplicate on first use; the settings (call check, tuning table, forced algorithm,
+CUDA-awareness) are its Communicator's.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from mpi4py import MPI
+
+from .. import buffers
+from ..comm import Channel
+from ..errors import MpidistError
+from ..runtime import deadlines
+
+
+class Handle:
+    """The result of an asynchronous collective: wait() for it, or ask done()."""
+
+    def __init__(self, description: str):
+        self.description = description
+        self._finished = threading.Event()
+        self._result = None
+        self._error = None
+        self.started = self.finished = None  # perf_counter times on the engine's thread
+
+    def _complete(self, result=None, error=None):
+        self._result, self._error = result, error
+        self.finished = time.perf_counter()
+        self._finished.set()
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None):
+        if not self._finished.wait(timeout if timeout is not None else deadlines.timeout() + 60):
+            raise MpidistError(f"{self.description} did not complete within the timeout")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+class AsyncEngine(Channel):
+    """A background thread that runs a communicator's asynchronous collectives in submission
+    order on a private duplicate of the communicator, so they progress while the caller computes
+    (as Horovod's background thread does). Every rank must submit them in the same order."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        # Nonblocking, with the call check's deadline: a rank whose first asynchronous call never
+        # comes (refused locally, or it called something else) would otherwise hang here forever.
+        self.mpi, request = comm.mpi.Idup()
+        deadlines.wait_for_collective(request, comm.mpi, what="duplication of the communicator for "
+                                                              "asynchronous collectives (at the first allreduce_async)")
+        self.rank, self.size = comm.rank, comm.size
+        self.scratch = buffers.ScratchPool()
+        self.staging = buffers.HostStaging()
+        self.node_window = None
+        self._node_comms = None  # (node, leaders), split from self.mpi on first use
+        self._queue = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name="mpidist-async", daemon=True)
+        self._thread.start()
+
+    # ---- the Channel: settings are the communicator's --------------------------------------
+
+    @property
+    def check_calls(self) -> bool:
+        return self.comm.check_calls
+
+    @property
+    def tuning_table(self):
+        return self.comm.tuning_table
+
+    @property
+    def forced_algorithm(self):
+        return self.comm.forced_algorithm
+
+    def is_cuda_aware(self) -> bool:
+        return self.comm.is_cuda_aware()
+
+    def node_communicators(self):
+        """Split from the private duplicate (collective on it; every rank's engine thread asks at
+        the same call), so the engine never shares a communicator with the caller's thread."""
+        if self._node_comms is None:
+            owner = self.comm
+            node = self.mpi.Split(owner.node_rank, owner.rank)
+            leaders = self.mpi.Split(0 if owner.local_rank == 0 else MPI.UNDEFINED, owner.rank)
+            self._node_comms = (node, None if leaders == MPI.COMM_NULL else leaders)
+        return self._node_comms
+
+    # ---- the thread ------------------------------------------------------------------------
+
+    def submit(self, description: str, work) -> Handle:
+        handle = Handle(description)
+        self._queue.put((handle, work))
+        return handle
+
+    def _serve(self):
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            handle, work = item
+            handle.started = time.perf_counter()
+            try:
+                handle._complete(result=work(self))
+            except BaseException as exc:  # handed to the waiting caller
+                handle._complete(error=exc)
+
+    def stop(self):
+        self._queue.put(None)
+        self._thread.join()
+        if self.node_window is not None:
+            self.node_window.free()
+        for comm in self._node_comms or ():
+            if comm is not None:
+                comm.Free()
+        self.mpi.Free()
+
+
+def in_order(comm, work):
+    """Run a blocking collective. Once the communicator has an asynchronous engine, the work
+    runs on the engine's thread behind the operations already queued there: the collectives of
+    one communicator then never run concurrently (MPI libraries do not all allow creating
+    shared-memory windows from two threads at once) and always in program order."""
+    engine = comm._engine
+    if engine is None:
+        return work(comm)
+    return engine.submit("collective", work).wait()

@@ -1,0 +1,10 @@
+"""The runtime floor: what every other part of mpidist stands on, none of which initializes MPI.
+
+- mpi.py: loading mpi4py's MPI module, and the settings that must precede MPI's start.
+- config.py: every MPIDIST_* environment variable, read in one place, each with its default and meaning.
+- deadlines.py: the one helper every wait for another rank goes through, and its error.
+- wire.py: the dtype table of the whole package, and typed header+payload messages between ranks.
+
+Importing any of these leaves MPI alone (mpi4py.MPI is not imported), so `import mpidist` can
+happen before the program, or its launcher, has settled how MPI should start.
+"""

