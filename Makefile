@@ -24,7 +24,7 @@ export OMPI_MCA_rmaps_base_oversubscribe := 1
 export OMPI_MCA_mpi_yield_when_idle := 1
 MPIRUN := mpirun --oversubscribe --bind-to none -np $(NP)
 
-.PHONY: install run test test-slurm test-system-mpi gpu-check gpu-wheels docs test-wheel clean
+.PHONY: install run test lint test-slurm test-system-mpi gpu-check gpu-wheels docs test-wheel clean
 
 install: $(VENV)/.installed
 
@@ -46,6 +46,12 @@ run: install
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Lint and import order (pyproject.toml's [tool.ruff]), with a pinned ruff.
+RUFF_SPEC ?= ruff==0.17.6
+lint: install
+	$(PY) -m pip install --quiet "$(RUFF_SPEC)"
+	$(PY) -m ruff check .
 
 test-slurm: install
 	bash slurm/test-scripts.sh

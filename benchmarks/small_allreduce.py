@@ -27,9 +27,9 @@ import time
 
 import numpy as np
 import torch
+from mpi4py import MPI
 
 import mpidist as md
-from mpi4py import MPI
 
 
 def candidates(world, array, out, tensor):

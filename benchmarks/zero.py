@@ -30,9 +30,7 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
-from training import (build_model, layer_sizes, make_pool, parse_count, report,  # noqa: E402
-                      start_one_thread_per_rank)
+from training import build_model, layer_sizes, make_pool, parse_count, report, start_one_thread_per_rank  # noqa: E402
 
 LR = 1e-3
 

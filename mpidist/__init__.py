@@ -12,12 +12,20 @@ from .runtime import mpi as _mpi
 # md.init()): MPI reads these when it starts.
 _mpi.apply_start_settings()
 
-from .errors import (  # noqa: E402,F401
-    DeadlineError, InvalidArgumentError, MismatchError, MPIUnavailableError, MpidistError, NonContiguousError,
-    NotInitializedError, NotOfferedError, UnsupportedBufferError, UnsupportedDtypeError,
-)
 from . import comm as _comm  # noqa: E402
 from .comm import Communicator, init, is_initialized, world  # noqa: E402,F401
+from .errors import (  # noqa: E402,F401
+    DeadlineError,
+    InvalidArgumentError,
+    MismatchError,
+    MpidistError,
+    MPIUnavailableError,
+    NonContiguousError,
+    NotInitializedError,
+    NotOfferedError,
+    UnsupportedBufferError,
+    UnsupportedDtypeError,
+)
 
 
 def _load_collectives():

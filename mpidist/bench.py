@@ -124,8 +124,8 @@ class Gloo:
 
 
 def mpi_datatype(torch_dtype):
-    from mpi4py import MPI
     import torch
+    from mpi4py import MPI
     return {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.int32: MPI.INT32_T,
             torch.int64: MPI.INT64_T}.get(torch_dtype)
 

@@ -13,9 +13,11 @@ import typing
 import numpy as np
 
 from .errors import InvalidArgumentError, NonContiguousError, UnsupportedBufferError, UnsupportedDtypeError
+
 # DTYPES: the element types an array may have to be communicated and reduced, from the dtype
 # table of runtime/wire.py.
-from .runtime.wire import COLLECTIVE_DTYPES as DTYPES, ITEMSIZE
+from .runtime.wire import COLLECTIVE_DTYPES as DTYPES
+from .runtime.wire import ITEMSIZE
 
 
 class BufferInfo(typing.NamedTuple):

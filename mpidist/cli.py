@@ -8,6 +8,7 @@ import sys
 
 def cmd_info(args) -> int:
     import mpidist as md
+
     from .info import collect, format_report
 
     comm = md.init()
@@ -27,6 +28,7 @@ def bench_options(args, collective):
 
 def cmd_bench(args) -> int:
     import mpidist as md
+
     from . import bench
 
     comm = md.init()
@@ -41,6 +43,7 @@ def cmd_bench(args) -> int:
 
 def cmd_tune(args) -> int:
     import mpidist as md
+
     from . import bench
     from .collectives import select
 

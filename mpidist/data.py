@@ -387,8 +387,9 @@ def prepare_digits(path) -> str:
     samples' positions in scikit-learn's order. Split: the samples are put in a fixed order
     (``numpy.random.default_rng(0).permutation(1797)``, the same on every machine), the first
     1500 are ``train`` and the last 297 ``test``. A fixed shuffle mixes the writers of the
-    original order into both parts (the last 297 in scikit-learn's order are noticeably harder). The file is written beside ``path`` and renamed into place, so a
-    reader never sees a half-written file.
+    original order into both parts (the last 297 in scikit-learn's order are noticeably harder).
+    The file is written beside ``path`` and renamed into place, so a reader never sees a
+    half-written file.
     """
     from sklearn import __version__ as sklearn_version
     from sklearn.datasets import load_digits

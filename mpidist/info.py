@@ -23,6 +23,7 @@ def _cuda_devices(ext) -> int:
 def collect(comm) -> dict:
     """Facts about this installation and this launch, gathered to every rank."""
     from mpi4py import MPI
+
     import mpidist._C as ext
 
     from .collectives import ALGORITHMS

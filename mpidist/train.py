@@ -30,8 +30,14 @@ import time
 import numpy as np
 import torch
 
-from .checkpoint import (CHECKPOINT_NAME, CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint,
-                         save_checkpoint)
+from .checkpoint import (
+    CHECKPOINT_NAME,
+    CheckpointError,
+    checkpoint_path,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from .data import HDF5Dataset, ShardedSampler, ensure_digits
 from .errors import InvalidArgumentError
 
@@ -134,8 +140,9 @@ def check_mode_options(args) -> None:
 
 
 def cmd_train(args) -> int:
-    import mpidist as md
     from tqdm import tqdm
+
+    import mpidist as md
 
     check_mode_options(args)
     comm = md.init()
@@ -247,8 +254,9 @@ def train_with_parameter_server(args, comm, train_set, test_set, say) -> int:
     checkpoints the weights every as many updates as a worker has batches per epoch, with the
     number of each worker's gradients they hold, so that --resume restarts every worker at the
     first batch the weights have not seen."""
-    import mpidist as md
     from tqdm import tqdm
+
+    import mpidist as md
 
     mode = args.ps_mode or "async"
     model = build_model()
@@ -347,8 +355,9 @@ def train_with_pipeline(args, comm, train_set, test_set, say) -> int:
     """--mode pipeline: one stage of the network per rank; every rank of a pipeline reads the
     same batches (the first stage uses the images, the last the labels). With --replicas k,
     k pipelines train on their shares of the data and average their gradients."""
-    import mpidist as md
     from tqdm import tqdm
+
+    import mpidist as md
 
     pipe = md.Pipeline(build_model(), torch.nn.functional.cross_entropy, comm=comm, chunks=args.chunks or 4,
                        schedule=args.schedule or "1f1b", replicas=args.replicas or 1)

@@ -13,10 +13,9 @@ import subprocess
 import sys
 import tempfile
 
+import mpi_shared_launch
 import numpy as np
 import pytest
-
-import mpi_shared_launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

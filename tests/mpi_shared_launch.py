@@ -25,6 +25,7 @@ import time
 
 import pytest
 from _pytest.reports import TestReport
+
 # pytest-isolate-mpi's own pieces, so that a shared launch starts the ranks' pytest exactly as a
 # launch of one test does (the options passed on, the ini file's mpirun settings).
 from pytest_isolate_mpi._constants import ENVIRONMENT_VARIABLE_TO_HIDE_INNARDS_OF_PLUGIN as IN_RANKS

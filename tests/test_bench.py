@@ -2,7 +2,6 @@
 import json
 
 import pytest
-
 from conftest import run_python
 
 from mpidist.bench import ROW_KEYS, decision_table, parse_size, parse_sizes

@@ -9,14 +9,14 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from conftest import run_python
+from test_data import digits_path, shared_tmp  # noqa: F401  (fixtures)
 from torch import nn
 from torch.utils.data import DataLoader
 
-from conftest import run_python
-from mpidist import checkpoint, data
+from mpidist import checkpoint
 from mpidist.checkpoint import CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
 from mpidist.data import HDF5Dataset, ShardedSampler
-from test_data import digits_path, shared_tmp  # noqa: F401  (fixtures)
 
 
 class Net(nn.Module):
@@ -255,11 +255,11 @@ def train(model, optimizer, sampler, loader, step, epoch, stop, save_at=None, pa
         epoch += 1
 
 
-def setup_run(digits_path, seed):
+def setup_run(path, seed):
     torch.manual_seed(seed)
     np.random.seed(seed)
     random.seed(seed)
-    dataset = HDF5Dataset(digits_path)
+    dataset = HDF5Dataset(path)
     sampler = ShardedSampler(len(dataset), rank=1, size=2, seed=4)
     loader = DataLoader(dataset, batch_size=32, sampler=sampler, generator=torch.Generator())
     model = Net()

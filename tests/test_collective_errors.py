@@ -6,9 +6,9 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from conftest import run_python
 
 import mpidist as md
-from conftest import run_python
 from mpidist import buffers
 from mpidist.collectives import callcheck
 from mpidist.runtime import deadlines

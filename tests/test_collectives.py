@@ -12,11 +12,11 @@ A factor 1.01 covers the second-order terms of these first-order bounds.
 import numpy as np
 import pytest
 import torch
+from conftest import UNIT_ROUNDOFF, make_array, raw_bytes, to_float64
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mpidist as md
-from conftest import UNIT_ROUNDOFF, make_array, raw_bytes, to_float64
 
 ALGORITHMS = ["ring", "tree", "recursive_halving", "recursive_doubling", "reduce_bcast", "mpi", "auto"]
 FLOAT_DTYPES = ["float16", "bfloat16", "float32", "float64"]
@@ -122,6 +122,7 @@ def check_allreduce_properties(algorithm, dtype, op, count, seed, kind, in_place
 
 def check_forced_algorithm_and_segmented_messages(mpi_world, monkeypatch):
     from mpi4py import MPI
+
     from mpidist.collectives.select import choose_allreduce
     mpi_ranks = mpi_world.size
     # A communicator reads MPIDIST_ALLREDUCE_ALGORITHM when it is created.

@@ -3,11 +3,11 @@ on emulated nodes of two ranks (MPIDIST_RANKS_PER_NODE=2, so 5 ranks make nodes 
 against the float64 NumPy reference and tolerances of test_collectives."""
 import numpy as np
 import pytest
+from conftest import make_array, raw_bytes, to_float64
 from mpi4py import MPI
+from test_collectives import FLOAT_DTYPES, INT_DTYPES, OPS, rank_values, reference, size_classes, tolerance
 
 import mpidist as md
-from conftest import make_array, raw_bytes, to_float64
-from test_collectives import FLOAT_DTYPES, INT_DTYPES, OPS, rank_values, reference, size_classes, tolerance
 
 
 def check(comm, dtype, op, count, kind, seed=0):

@@ -5,10 +5,10 @@ import gc
 import pytest
 import torch
 from mpi4py import MPI
+from test_data_parallel import assert_close_to_reference, batch, communicator, make_model, train_steps
 
 import mpidist as md
 import mpidist.torch as hvd
-from test_data_parallel import assert_close_to_reference, batch, communicator, make_model, train_steps
 
 STEPS_BY_RANK = [5, 3, 6, 2, 4]  # uneven, and the rank with the most is not always the last rank
 

@@ -379,7 +379,8 @@ def float32_edge_values():
     special = torch.tensor([65504.0, 65519.0, 65520.0, 65536.0, 1e-8, 6e-8, 3e-8, 2.0**-24, 2.0**-25,
                             3.0 * 2.0**-26, 1e38, 3.4e38, 0.0, -0.0, float("inf"), float("-inf")],
                            dtype=torch.float32)
-    return torch.cat([random_bits.view(torch.float32), torch.tensor(ties, dtype=torch.int64).to(torch.int32).view(torch.float32), special])
+    ties = torch.tensor(ties, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    return torch.cat([random_bits.view(torch.float32), ties, special])
 
 
 @pytest.mark.parametrize("dtype", HALVES)

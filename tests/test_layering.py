@@ -4,7 +4,6 @@ import ast
 import os
 
 import pytest
-
 from conftest import REPO
 
 PACKAGE = os.path.join(REPO, "mpidist")

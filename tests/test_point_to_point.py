@@ -1,9 +1,9 @@
 """Point-to-point helpers and the node topology, on 2 to 5 ranks under mpirun."""
 import numpy as np
 import pytest
+from conftest import make_array, raw_bytes
 
 import mpidist as md
-from conftest import make_array, raw_bytes
 
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8", "int8"]
 

@@ -6,13 +6,13 @@ import os
 import numpy as np
 import pytest
 import torch
+from conftest import make_array, raw_bytes, to_float64
 from mpi4py import MPI
+from test_collectives import FLOAT_DTYPES, INT_DTYPES, OPS, rank_values, reference, tolerance
 
 import mpidist as md
-from conftest import make_array, raw_bytes, to_float64
 from mpidist.collectives.polled import OWN_CORE_YIELD_SECONDS, YIELD_SECONDS, NodeSlots, yield_seconds
 from mpidist.parallel.flat import tensor_at
-from test_collectives import FLOAT_DTYPES, INT_DTYPES, OPS, rank_values, reference, tolerance
 
 # Bucket 0 is several gradients of odd lengths laid end to end, so the ranks' slices cut across
 # them; bucket 1 is one array; bucket 2 spans several of the reduction kernel's 8 KiB blocks per

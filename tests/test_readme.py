@@ -12,7 +12,6 @@ import re
 import subprocess
 
 import pytest
-
 from conftest import REPO, run_python
 
 DOCUMENTS = ["README.md"] + sorted(os.path.relpath(path, REPO) for path in glob.glob(os.path.join(REPO, "docs", "*.md")))

@@ -10,9 +10,9 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from conftest import REPO, run_python
 
 import mpidist as md
-from conftest import REPO, run_python
 from mpidist.runtime import config, deadlines, wire
 
 

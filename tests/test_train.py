@@ -4,7 +4,6 @@ import os
 import re
 
 import pytest
-
 from conftest import run_python
 
 TRAIN = "from mpidist.cli import main; raise SystemExit(main({args!r}))"
@@ -61,6 +60,7 @@ def test_parameter_server_mode_trains_to_90_percent_and_resumes(tmp_path):
     assert accuracy >= 0.9, output
     import h5py
     import torch
+
     from mpidist.checkpoint import load_checkpoint
     from mpidist.train import build_model
     model = build_model()

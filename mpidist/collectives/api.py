@@ -13,8 +13,16 @@ from .. import buffers
 from ..buffers import BufferInfo
 from ..errors import InvalidArgumentError, MpidistError
 from .broadcast import broadcast as broadcast_algorithm
-from .callcheck import (TAGS, check_algorithm, check_op, check_root, check_same_call, resolve_algorithm, share_refusal,
-                        signature)
+from .callcheck import (
+    TAGS,
+    check_algorithm,
+    check_op,
+    check_root,
+    check_same_call,
+    resolve_algorithm,
+    share_refusal,
+    signature,
+)
 from .common import Context, finish_average, kernel_op, split_counts
 from .engine import Handle, in_order
 from .registry import ALLREDUCE, HOST_MEMORY_ALGORITHMS

@@ -13,7 +13,6 @@ from .. import kernels
 from ..buffers import ITEMSIZE, BufferInfo, mpi_spec
 from ..runtime import config
 
-
 # Large messages are cut into segments so the reduction of one segment overlaps the arrival of
 # the next. 256 KiB keeps a segment in L2 while it is reduced.
 SEGMENT_BYTES = config.value("MPIDIST_SEGMENT_BYTES")

@@ -34,7 +34,6 @@ import dataclasses
 
 import numpy as np
 import torch
-
 from mpi4py import MPI
 
 from ..comm import init

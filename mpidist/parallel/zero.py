@@ -4,9 +4,10 @@ Models", SC 2020).
 
 Every rank holds all parameters, but each parameter's optimizer state (momentum, Adam's moments)
 lives on one rank only, its owner: the optimizer's memory and the time of its step are divided
-among the ranks (by whole parameters, so as evenly as the parameters' sizes allow). The gradients must already be the same on every rank (DataParallel, or
-DistributedOptimizer's exchange): each rank steps the parameters it owns, then every owner
-broadcasts its updated parameters to the others.
+among the ranks (by whole parameters, so as evenly as the parameters' sizes allow). The
+gradients must already be the same on every rank (DataParallel, or DistributedOptimizer's
+exchange): each rank steps the parameters it owns, then every owner broadcasts its updated
+parameters to the others.
 """
 from __future__ import annotations
 

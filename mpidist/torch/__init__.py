@@ -11,19 +11,66 @@ not offered (elastic training) raise NotOfferedError instead of misbehaving.
 """
 from ..errors import InvalidArgumentError, MismatchError, MpidistError, NotOfferedError
 from ..parallel.sync_batchnorm import SyncBatchNorm
-from .basics import (Adasum, Average, Max, Min, Product, Sum, ccl_built, cross_rank, cross_size, cuda_built,
-                     ddl_built, elastic, gloo_built, gloo_enabled, init, is_homogeneous, is_initialized, local_rank,
-                     local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
-                     shutdown, size)
+from .basics import (
+                     Adasum,
+                     Average,
+                     Max,
+                     Min,
+                     Product,
+                     Sum,
+                     ccl_built,
+                     cross_rank,
+                     cross_size,
+                     cuda_built,
+                     ddl_built,
+                     elastic,
+                     gloo_built,
+                     gloo_enabled,
+                     init,
+                     is_homogeneous,
+                     is_initialized,
+                     local_rank,
+                     local_size,
+                     mpi_built,
+                     mpi_enabled,
+                     mpi_threads_supported,
+                     nccl_built,
+                     rank,
+                     rocm_built,
+                     shutdown,
+                     size,
+)
 from .compression import Compression
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .join import join
-from .mpi_ops import (allgather, allgather_async, allreduce, allreduce_, allreduce_async, allreduce_async_, alltoall,
-                      alltoall_async, barrier, broadcast, broadcast_, broadcast_async, broadcast_async_,
-                      grouped_allgather, grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
-                      grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
-                      grouped_reducescatter_async, poll, reducescatter, reducescatter_async, sparse_allreduce_async,
-                      synchronize)
+from .mpi_ops import (
+                     allgather,
+                     allgather_async,
+                     allreduce,
+                     allreduce_,
+                     allreduce_async,
+                     allreduce_async_,
+                     alltoall,
+                     alltoall_async,
+                     barrier,
+                     broadcast,
+                     broadcast_,
+                     broadcast_async,
+                     broadcast_async_,
+                     grouped_allgather,
+                     grouped_allgather_async,
+                     grouped_allreduce,
+                     grouped_allreduce_,
+                     grouped_allreduce_async,
+                     grouped_allreduce_async_,
+                     grouped_reducescatter,
+                     grouped_reducescatter_async,
+                     poll,
+                     reducescatter,
+                     reducescatter_async,
+                     sparse_allreduce_async,
+                     synchronize,
+)
 from .optimizer import DistributedOptimizer
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .timeline import start_timeline, stop_timeline
