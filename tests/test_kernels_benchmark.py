@@ -10,7 +10,7 @@ from conftest import REPO, run_python
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 from kernels import paired_ratio  # noqa: E402
 
-KEYS = {"kernel", "dtype", "bytes", "gbs", "library_gbs", "copy_gbs", "vs_library", "vs_library_low",
+KEYS = {"kernel", "dtype", "isa", "bytes", "gbs", "library_gbs", "copy_gbs", "vs_library", "vs_library_low",
         "vs_library_high"}
 
 
@@ -37,7 +37,7 @@ def test_kernels_benchmark_rows(tmp_path):
     out, png = tmp_path / "k.json", tmp_path / "k.png"
     script = os.path.join(REPO, "benchmarks", "kernels.py")
     code = (f"import sys, runpy; sys.path.insert(0, {REPO!r}); sys.argv = [{script!r}, '--sizes', '4K', '64K', "
-            f"'--dtypes', 'float32', 'bfloat16', 'int32', '--reps', '3', '--json', {str(out)!r}, "
+            f"'--dtypes', 'float32', 'bfloat16', 'int32', '--reps', '3', '--isa', 'baseline', '--json', {str(out)!r}, "
             f"'--plot', {str(png)!r}]; runpy.run_path({script!r}, run_name='__main__')")
     result = run_python(code, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -51,6 +51,6 @@ def test_kernels_benchmark_rows(tmp_path):
             assert (name, "float32", nbytes) in kernels and (name, "int32", nbytes) not in kernels
         assert ("pack", "float32", nbytes) in kernels and ("cast", "float32->bfloat16", nbytes) in kernels
     for row in rows:
-        assert set(row) == KEYS, row
+        assert set(row) == KEYS and row["isa"] == "baseline", row  # --isa ran the baseline loops
         assert row["gbs"] > 0 and row["library_gbs"] > 0 and row["copy_gbs"] > 0
         assert row["vs_library_low"] <= row["vs_library"] <= row["vs_library_high"]

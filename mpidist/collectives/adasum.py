@@ -34,10 +34,9 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import buffers
-from ..errors import InvalidArgumentError, MpidistError, UnsupportedDtypeError
+from ..errors import InvalidArgumentError, UnsupportedDtypeError
 from ..runtime.deadlines import wait_for_request
-from .callcheck import TAGS, check_same_call, share_refusal, signature
-from .engine import in_order
+from .callcheck import TAGS, check_same_call, checked_in_order, signature
 from .staging import staged
 
 ADASUM_DTYPES = ("float16", "float32", "float64")
@@ -48,12 +47,8 @@ TINY_NORM_SQUARED = np.sqrt(sys.float_info.min)
 def adasum_allreduce(comm, array, sizes=None):
     """Adasum of `array` over the ranks of `comm`, in place; returns the array. `sizes`: the
     element counts of the tensors laid end to end in it (default: one tensor)."""
-    try:
-        info, sizes = check_adasum(comm, array, sizes)
-    except MpidistError:
-        in_order(comm, share_refusal)
-        raise
-    return in_order(comm, lambda channel: _run(channel, array, info, sizes))
+    return checked_in_order(comm, lambda: check_adasum(comm, array, sizes),
+                            lambda channel, info, sizes: _run(channel, array, info, sizes))
 
 
 def check_adasum(comm, array, sizes):

@@ -15,9 +15,8 @@ from mpi4py import MPI
 
 from .. import buffers
 from ..buffers import BufferInfo
-from ..errors import InvalidArgumentError, MismatchError, MpidistError
-from .callcheck import check_same_call, share_refusal, signature
-from .engine import in_order
+from ..errors import InvalidArgumentError, MismatchError
+from .callcheck import check_same_call, checked_in_order, signature
 from .staging import staged
 
 
@@ -25,12 +24,8 @@ def alltoall(comm, array, splits=None):
     """(received array, received row counts by rank as an int64 NumPy array) for `array`'s rows
     sent `splits[k]` to rank k (equal blocks without `splits`). The received array is a new array
     of the same kind, dtype and device."""
-    try:
-        info, send_rows = check_alltoall(comm, array, splits)
-    except MpidistError:
-        in_order(comm, share_refusal)
-        raise
-    return in_order(comm, lambda channel: _run(channel, array, info, send_rows))
+    return checked_in_order(comm, lambda: check_alltoall(comm, array, splits),
+                            lambda channel, info, send_rows: _run(channel, array, info, send_rows))
 
 
 def check_alltoall(comm, array, splits):

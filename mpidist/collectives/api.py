@@ -19,6 +19,7 @@ from .callcheck import (
     check_op,
     check_root,
     check_same_call,
+    checked_in_order,
     resolve_algorithm,
     share_refusal,
     signature,
@@ -32,12 +33,9 @@ from .staging import copy_buffer, staged
 
 def allreduce(comm, array, op="sum", algorithm="auto", out=None):
     """All-reduce `array` across the communicator; in place unless `out` is given. Returns the result."""
-    try:
-        target, target_info, source_info = prepare_allreduce(array, op, algorithm, out)
-    except MpidistError:
-        in_order(comm, share_refusal)
-        raise
-    return in_order(comm, lambda channel: _run_allreduce(channel, target, target_info, op, algorithm, source_info))
+    return checked_in_order(comm, lambda: prepare_allreduce(array, op, algorithm, out),
+                            lambda channel, target, target_info, source_info:
+                            _run_allreduce(channel, target, target_info, op, algorithm, source_info))
 
 
 def prepare_allreduce(array, op, algorithm, out):

@@ -17,6 +17,7 @@ from ..buffers import DTYPES, BufferInfo
 from ..errors import InvalidArgumentError, MismatchError, MpidistError, UnsupportedDtypeError
 from ..runtime.deadlines import wait_for_collective
 from ..runtime.wire import FLOAT_DTYPES
+from .engine import in_order
 from .registry import ALGORITHMS, ALLREDUCE
 from .select import choose_allreduce
 
@@ -113,6 +114,18 @@ def share_refusal(comm) -> None:
         return
     with contextlib.suppress(MpidistError):  # this rank's own error is the one to report
         check_same_call(comm, comm.mpi, REFUSED_SIGNATURE)
+
+
+def checked_in_order(comm, check, run):
+    """A collective that checks its arguments before it joins the queue of its communicator:
+    check() on this rank, then run(channel, *what check returned) in order (engine.in_order). A
+    refusal still joins the other ranks' call check on the channel they use (share_refusal)."""
+    try:
+        checked = check()
+    except MpidistError:
+        in_order(comm, share_refusal)
+        raise
+    return in_order(comm, lambda channel: run(channel, *checked))
 
 
 def describe_mismatch(table: np.ndarray, row_shapes: list | None = None) -> str:

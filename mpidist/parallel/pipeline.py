@@ -160,7 +160,8 @@ class Pipeline(torch.nn.Module):
             micro_targets = torch.split(targets, sizes)
         order = one_f_one_b(self.index, self.stages, self.chunks) if self.schedule == "1f1b" else gpipe(self.chunks)
         received, outputs, sends = {}, {}, []
-        loss = torch.zeros((), dtype=torch.float64)
+        # On the stage's device: adding a CUDA loss into a CPU tensor is an error in torch.
+        loss = torch.zeros((), dtype=torch.float64, device=self._device())
         for kind, i in order:
             if kind == "forward":
                 x = micro_inputs[i] if self.first else self._receive(i, FORWARD_HEADER, self.index - 1)

@@ -15,6 +15,7 @@ import torch
 from .. import comm as _comm
 from ..errors import MismatchError, MpidistError, NotOfferedError
 from ..parallel.join import last_joiner
+from ..runtime import wire
 from ..runtime.deadlines import wait_for_collective
 from .basics import Average, Sum
 from .process_sets import comm_of
@@ -89,8 +90,6 @@ def join(device=-1) -> int:
 # size, dtype, op and device). When the sum of the 1s is 0, every rank has joined.
 
 _NEXT_EXCHANGE, _NEXT_ALLREDUCE = 1, 2
-_ANNOUNCED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8,
-                     torch.int16, torch.int32, torch.int64)
 _ANNOUNCED_OPS = (Sum, Average)  # zeros change no sum; an average still divides by every rank
 _ANNOUNCED_DEVICES = ("cpu", "cuda")
 
@@ -127,11 +126,14 @@ def announce_allreduce(comm, tensor, op, asynchronous, wire_dtype=None) -> None:
     if comm is not _comm.world() or not ranks_waiting_in_join(comm):
         return
     dtype = wire_dtype or tensor.dtype
-    if op not in _ANNOUNCED_OPS or dtype not in _ANNOUNCED_DTYPES or tensor.device.type not in _ANNOUNCED_DEVICES:
+    name = str(dtype).removeprefix("torch.")
+    # Any dtype of the package's table but bool, which has no sum; its code travels in the message.
+    if op not in _ANNOUNCED_OPS or name not in wire.ITEMSIZE or name == "bool" \
+            or tensor.device.type not in _ANNOUNCED_DEVICES:
         raise MpidistError(f"ranks wait in hvd.join() and take part in all-reduces with zeros: op={op!r} of a "
                            f"{dtype} tensor on {tensor.device.type} is not one they can join (sum or "
                            "average of a CPU or CUDA tensor of a standard dtype)")
-    _announce(comm, [_NEXT_ALLREDUCE, tensor.numel(), _ANNOUNCED_DTYPES.index(dtype),
+    _announce(comm, [_NEXT_ALLREDUCE, tensor.numel(), wire.code_of(name),
                      _ANNOUNCED_OPS.index(op), _ANNOUNCED_DEVICES.index(tensor.device.type), int(asynchronous)])
 
 
@@ -148,7 +150,7 @@ def _take_part_while_joined(world, buckets) -> None:
         if kind == _NEXT_EXCHANGE:
             buckets.shadow()
         elif kind == _NEXT_ALLREDUCE:
-            zeros = torch.zeros(numel, dtype=_ANNOUNCED_DTYPES[dtype], device=_ANNOUNCED_DEVICES[device])
+            zeros = torch.zeros(numel, dtype=wire.torch_dtype(wire.DTYPES[dtype]), device=_ANNOUNCED_DEVICES[device])
             if asynchronous:
                 world.allreduce_async(zeros, op=_ANNOUNCED_OPS[op]).wait()
             else:
