@@ -93,11 +93,8 @@ def _stream_of(array, info: BufferInfo) -> int:
 
 def _call(name: str, device: str, stream, *args):
     """Runs kernel `name` on the CPU or, for a CUDA device, as cuda_`name` on `stream`. The
-    extension checks the op and dtype names itself: a small buffer's call costs little more than
-    the kernel."""
+    extension checks the op and dtype names itself."""
     try:
-        if device == "cpu":
-            return getattr(_C, name)(*args)
         if _is_cuda(device):
             _require_cuda()
             return getattr(_C, "cuda_" + name)(*args, stream=int(stream or 0), device=_device_index(device))
