@@ -178,6 +178,8 @@ def _read_tensor(dataset):
     value = dataset[()]
     array = value if isinstance(value, np.ndarray) else np.array(value)
     name = dataset.attrs.get("torch_dtype")
+    # by torch's own name, not the wire's table: a checkpoint keeps every torch dtype (complex,
+    # float8), not only those ranks exchange
     dtype = getattr(torch, str(name), None)
     if not isinstance(dtype, torch.dtype):
         raise CheckpointError(f"{dataset.name}: unknown torch_dtype {name!r}")

@@ -1,8 +1,10 @@
-"""The `mpidist` command: info, bench (collective micro-benchmarks) and tune (auto's table)."""
+"""The `mpidist` command: info, bench (collective micro-benchmarks), tune (auto's table), train and
+prepare-data; only `train` imports torch."""
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 
@@ -16,6 +18,13 @@ def cmd_info(args) -> int:
     if comm.rank == 0:
         print(json.dumps(facts, indent=2) if args.json else format_report(facts), flush=True)
     return 0
+
+
+def cmd_train(args) -> int:
+    # imported here: train needs torch, whose import takes seconds, and `mpidist info`, `bench`
+    # and `tune` run without it
+    from .train import cmd_train as train
+    return train(args)
 
 
 def bench_options(args, collective):
@@ -67,6 +76,52 @@ def add_measurement_options(parser, sizes: str, default_dtype: str = "float32") 
                              "loops that set MPIDIST_CHECK=0)")
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def add_train_command(subparsers) -> None:
+    parser = subparsers.add_parser("train", help="training on the embedded digits data (data parallel, "
+                                                 "parameter server or pipeline)")
+    parser.add_argument("--mode", choices=["data", "ps", "pipeline"], default="data",
+                        help="data parallel, a parameter server on rank 0, or a pipeline of one stage per rank")
+    parser.add_argument("--ps-mode", choices=["sync", "async", "softsync"], default=None,
+                        help="--mode ps: the server's update rule (default async)")
+    parser.add_argument("--softsync", type=positive_int, default=None, help="--ps-mode softsync: n")
+    parser.add_argument("--max-staleness", type=int, default=None, help="--mode ps: bounded staleness (steps)")
+    parser.add_argument("--staleness-lr", action="store_true", help="--mode ps: learning rate / staleness")
+    parser.add_argument("--chunks", type=positive_int, default=None,
+                        help="--mode pipeline: micro-batches per batch (default 4)")
+    parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default=None,
+                        help="--mode pipeline: the schedule (default 1f1b)")
+    parser.add_argument("--replicas", type=positive_int, default=None,
+                        help="--mode pipeline: pipelines side by side, averaging their gradients (default 1)")
+    parser.add_argument("--epochs", type=positive_int, default=12)
+    parser.add_argument("--batch-size", type=positive_int, default=32,
+                        help="per rank (--mode pipeline: per batch, which every stage sees)")
+    parser.add_argument("--lr", type=positive_float, default=0.05)
+    parser.add_argument("--compression", choices=["none", "fp16", "bf16"], default="none")
+    parser.add_argument("--zero", action="store_true",
+                        help="--mode data: shard the optimizer state over the ranks (md.ZeroRedundancyOptimizer)")
+    parser.add_argument("--algorithm", default="auto")
+    parser.add_argument("--checkpoint-dir", default="checkpoints")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument("--data", default=None, help="digits HDF5 file (made if missing)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(run=cmd_train)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mpidist", description="MPI-based HPC training for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -92,7 +147,6 @@ def build_parser() -> argparse.ArgumentParser:
                            "other rank counts already in it are kept")
     tune.set_defaults(run=cmd_tune, algorithms=None)
     from .data import add_prepare_data_command
-    from .train import add_train_command
     add_train_command(sub)
     add_prepare_data_command(sub)
     return parser

@@ -20,10 +20,8 @@ newest epoch every rank has) and writes it to pipeline-final-rank<r>.h5 at the e
 """
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import copy
-import math
 import os
 import time
 
@@ -45,52 +43,6 @@ from .errors import InvalidArgumentError
 def build_model(hidden: int = 128) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
                                torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
-    return value
-
-
-def add_train_command(subparsers) -> None:
-    parser = subparsers.add_parser("train", help="training on the embedded digits data (data parallel, "
-                                                 "parameter server or pipeline)")
-    parser.add_argument("--mode", choices=["data", "ps", "pipeline"], default="data",
-                        help="data parallel, a parameter server on rank 0, or a pipeline of one stage per rank")
-    parser.add_argument("--ps-mode", choices=["sync", "async", "softsync"], default=None,
-                        help="--mode ps: the server's update rule (default async)")
-    parser.add_argument("--softsync", type=positive_int, default=None, help="--ps-mode softsync: n")
-    parser.add_argument("--max-staleness", type=int, default=None, help="--mode ps: bounded staleness (steps)")
-    parser.add_argument("--staleness-lr", action="store_true", help="--mode ps: learning rate / staleness")
-    parser.add_argument("--chunks", type=positive_int, default=None,
-                        help="--mode pipeline: micro-batches per batch (default 4)")
-    parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default=None,
-                        help="--mode pipeline: the schedule (default 1f1b)")
-    parser.add_argument("--replicas", type=positive_int, default=None,
-                        help="--mode pipeline: pipelines side by side, averaging their gradients (default 1)")
-    parser.add_argument("--epochs", type=positive_int, default=12)
-    parser.add_argument("--batch-size", type=positive_int, default=32,
-                        help="per rank (--mode pipeline: per batch, which every stage sees)")
-    parser.add_argument("--lr", type=positive_float, default=0.05)
-    parser.add_argument("--compression", choices=["none", "fp16", "bf16"], default="none")
-    parser.add_argument("--zero", action="store_true",
-                        help="--mode data: shard the optimizer state over the ranks (md.ZeroRedundancyOptimizer)")
-    parser.add_argument("--algorithm", default="auto")
-    parser.add_argument("--checkpoint-dir", default="checkpoints")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    parser.add_argument("--data", default=None, help="digits HDF5 file (made if missing)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-progress", action="store_true")
-    parser.set_defaults(run=cmd_train)
 
 
 def shard_loader(train_set, shard: int, shards: int, args):

@@ -94,6 +94,15 @@ def test_info_text_report():
     assert result.stdout.count("mpi library") == 1  # printed by rank 0 only
 
 
+def test_info_runs_without_torch():
+    # torch is a dependency of training only: `mpidist info` must work where it is missing
+    result = run_python("import sys; sys.modules['torch'] = None\n"  # what a machine without torch sees
+                        "from mpidist.cli import main; raise SystemExit(main(['info', '--json']))", ranks=2)
+    assert result.returncode == 0, result.stderr
+    facts = json.loads(result.stdout)
+    assert facts["ranks"] == 2 and facts["torch"] == "not installed"
+
+
 def test_cuda_aware_override(monkeypatch):
     from mpidist.runtime.mpi import mpi_library_cuda_aware
     monkeypatch.setenv("MPIDIST_CUDA_AWARE", "1")

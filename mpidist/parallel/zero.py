@@ -15,6 +15,7 @@ import torch
 
 from ..comm import broadcast_json, init
 from ..errors import InvalidArgumentError, MpidistError, NotOfferedError
+from ..runtime import wire
 from .flat import shaped_like, tensors_by_kind, unpack_tensors
 from .model_state import broadcast_in_place
 
@@ -176,7 +177,7 @@ def broadcast_state(comm, entries, root: int) -> dict:
     rank: the layout and the numbers as JSON, then each tensor."""
     layout = None
     if comm.rank == root:
-        layout = {str(k): {name: ([list(v.shape), str(v.dtype).replace("torch.", "")] if isinstance(v, torch.Tensor)
+        layout = {str(k): {name: ([list(v.shape), wire.name_of(v.dtype)] if isinstance(v, torch.Tensor)
                                   else ["value", v]) for name, v in values.items()}
                   for k, values in entries.items()}
     layout = broadcast_json(comm, layout, root, "consolidate_state_dict")
@@ -188,7 +189,7 @@ def broadcast_state(comm, entries, root: int) -> dict:
                 entry[name] = detail
                 continue
             tensor = entries[int(key)][name].detach().clone().contiguous() if comm.rank == root \
-                else torch.empty(shape, dtype=getattr(torch, detail))
+                else torch.empty(shape, dtype=wire.torch_dtype(detail))
             comm.broadcast(tensor.reshape(-1) if tensor.dim() else tensor.reshape(1), root=root)
             entry[name] = tensor
         result[int(key)] = entry

@@ -1,9 +1,10 @@
-"""Every MPIDIST_* environment variable: its default, its meaning, when it is read, and the one
-way to read it (value()).
+"""Every environment variable mpidist, its build, its scripts and its tests read: its default, its
+meaning, when it is read, and the one way to read it (value()).
 
 VARIABLES lists them all, including those read by setup.py (the build) and by the SLURM scripts
-(slurm/), which cannot import mpidist: documentation() renders the list as a Markdown table for
-the docs. value(name) reads one of the variables the package itself reads; malformed values are
+(slurm/), which cannot import mpidist. The tables of docs/environment.md are made from it
+(documentation(), `python -m mpidist.runtime.config docs/environment.md`), and a test keeps them
+equal. value(name) reads one of the variables the package itself reads; malformed values are
 refused with an InvalidArgumentError that names the variable. Values are read when asked for, so
 a program may set them between `import mpidist` and the moment they are used (see each one's
 "read" column).
@@ -26,84 +27,132 @@ class Variable:
     kind: str
     default: object  # the value when unset or empty
     minimum: float  # numbers and counts: the least value accepted
-    read: str  # when it is read
-    meaning: str
-    reader: str = "mpidist"  # who reads it: the package ("mpidist"), "setup.py", or a script
+    read: str  # when it is read, or by which script
+    meaning: str  # Markdown, relative to docs/
+    section: str  # the docs' table it is listed in (SECTIONS)
+    shown_default: str  # the default as the docs show it
+    reader: str = "mpidist"  # who reads it: the package ("mpidist"), setup.py, a script or the tests
 
 
-def _package(name, kind, default, read, meaning, minimum=0):
-    return Variable(name, kind, default, minimum, read, meaning)
+# The tables of docs/environment.md, in page order: section -> heading.
+SECTIONS = {
+    "library": "The library",
+    "horovod": "Horovod variables (`mpidist.torch`)",
+    "build": "Building (`setup.py`)",
+    "slurm": "SLURM scripts (`slurm/`)",
+    "local-cluster": "The local test cluster (`slurm/local-cluster.sh`, `slurm/test-scripts.sh`)",
+    "tests": "The tests",
+}
 
 
-def _outside(name, default, reader, meaning):
-    return Variable(name, "text", default, 0, "when the script starts", meaning, reader)
+def _package(name, kind, default, shown_default, read, meaning, minimum=0, section="library", reader="mpidist"):
+    return Variable(name, kind, default, minimum, read, meaning, section, shown_default, reader)
+
+
+def _outside(name, shown_default, reader, meaning, section):
+    return Variable(name, "text", None, 0, f"by `{reader}`", meaning, section, shown_default, reader)
 
 
 VARIABLES = (
-    _package("MPIDIST_TIMEOUT", "number", 300.0, "at every wait",
-             "Seconds a rank waits for another before raising DeadlineError (a collective's call check, "
-             "pipeline and parameter-server messages, gradient buckets, hvd.join announcements)."),
-    _package("MPIDIST_CHECK", "flag", True, "when a Communicator is made",
-             "0 turns off the cross-rank call check (one small allgather per collective that turns a "
-             "mismatched call into an error on every rank); small all-reduces then take the fast path."),
-    _package("MPIDIST_ALLREDUCE_ALGORITHM", "text", None, "when a Communicator is made",
-             "Forces one all-reduce algorithm for algorithm=\"auto\" (ring, tree, recursive_halving, "
-             "recursive_doubling, reduce_bcast, hierarchical, mpi); unset or auto: the tuning table decides."),
+    _package("MPIDIST_ALLREDUCE_ALGORITHM", "text", None, "unset (`auto` chooses)", "when a Communicator is made",
+             "force the algorithm `algorithm=\"auto\"` runs (`ring`, `tree`, `recursive_halving`, "
+             "`recursive_doubling`, `reduce_bcast`, `hierarchical`, `mpi`); an explicit `algorithm=` in a call "
+             "still wins"),
     _package("MPIDIST_TUNING_FILE", "path", os.path.join("~", ".cache", "mpidist", "tuning.json"),
-             "when a Communicator is made, and by `mpidist tune`",
-             "The decision table `mpidist tune` writes and algorithm=\"auto\" reads (rank 0 reads it and "
-             "broadcasts it)."),
-    _package("MPIDIST_SEGMENT_BYTES", "count", 256 * 1024, "at import of the collectives",
-             "Segment size of the pipelined exchange-and-reduce steps: the reduction of one segment "
-             "overlaps the arrival of the next.", minimum=1),
-    _package("MPIDIST_BCAST_SCATTER_BYTES", "count", 512 * 1024, "at import of the collectives",
-             "From this message size broadcast uses scatter + ring allgather instead of a binomial tree."),
-    _package("MPIDIST_CUDA_AWARE", "flag", None, "at the first GPU buffer of a Communicator",
-             "1: the MPI library reads GPU memory directly; 0: GPU buffers are staged through pinned host "
-             "memory; unset: ask the MPI library (Open MPI, MPICH)."),
-    _package("MPIDIST_RANKS_PER_NODE", "count", None, "when a Communicator is made",
-             "Emulate nodes of this many consecutive ranks on one host (testing the hierarchical and "
-             "node-aware paths); unset: the real nodes.", minimum=1),
-    _package("MPIDIST_KEEP_FREED_MEMORY", "flag", True, "when DataParallel or hvd's optimizer starts",
-             "0 leaves glibc's malloc settings alone (by default freed memory is kept for reuse, "
-             "see mpidist/memory.py)."),
-    _package("MPIDIST_DATA_DIR", "path", None, "when the digits data set is looked for",
-             "Directory of digits.h5 for `mpidist train` and `mpidist prepare-data`; unset: data/ in the "
-             "checkout, else in the working directory."),
-    _outside("MPIDIST_CUDA", "auto", "setup.py",
-             "Build the CUDA kernels: 1 (require nvcc), 0 (CPU only), auto (when nvcc is found)."),
-    _outside("MPIDIST_CUDA_ARCHS", "every architecture nvcc supports", "setup.py",
-             "GPU architectures to build for, e.g. \"80;90\" (like TORCH_CUDA_ARCH_LIST)."),
-    _outside("MPIDIST_ROOT", "$SLURM_SUBMIT_DIR, else $PWD", "slurm/common.sh",
-             "The repository root, put first on PYTHONPATH."),
-    _outside("MPIDIST_PYTHON", "$MPIDIST_ROOT/.venv/bin/python, else python3", "slurm/common.sh",
-             "The Python the ranks run."),
-    _outside("MPIDIST_LAUNCHER", "srun", "slurm/common.sh", "srun or mpirun: how ranks are started."),
-    _outside("MPIDIST_SRUN_MPI", "pmix", "slurm/common.sh", "srun's --mpi= plugin."),
-    _outside("MPIDIST_SRUN_ARGS", "", "slurm/common.sh", "More arguments for srun."),
-    _outside("MPIDIST_MPIRUN", "the mpirun beside MPIDIST_PYTHON, else mpirun on PATH", "slurm/common.sh",
-             "The mpirun of MPIDIST_LAUNCHER=mpirun."),
-    _outside("MPIDIST_MPIRUN_ARGS", "", "slurm/common.sh", "More arguments for mpirun."),
-    _outside("MPIDIST_TRAIN_MODE", "data", "slurm/train.sbatch", "data or pipeline."),
-    _outside("MPIDIST_TRAIN_EPOCHS", "12 (train.sbatch), 10 (ps.sbatch)", "slurm/train.sbatch, slurm/ps.sbatch",
-             "Epochs of `mpidist train`."),
-    _outside("MPIDIST_TRAIN_ARGS", "", "slurm/train.sbatch, slurm/ps.sbatch", "More arguments for `mpidist train`."),
-    _outside("MPIDIST_PS_MODE", "async", "slurm/ps.sbatch", "The parameter server's update rule: sync, async, softsync."),
-    _outside("MPIDIST_BENCH_COLLECTIVES", "allreduce", "slurm/bench.sbatch", "Collectives to sweep, comma-separated."),
-    _outside("MPIDIST_BENCH_SIZES", "1K,4K,16K,64K,256K,1M,4M,16M,64M", "slurm/bench.sbatch",
-             "Message sizes, passed to --sizes."),
-    _outside("MPIDIST_BENCH_ALGORITHMS", "all of them", "slurm/bench.sbatch", "Passed to --algorithms when set."),
-    _outside("MPIDIST_BENCH_ARGS", "", "slurm/bench.sbatch", "More arguments for `mpidist bench`."),
-    _outside("MPIDIST_SLURM_DIR", "/tmp/mpidist-slurm", "slurm/local-cluster.sh", "State, config and logs of the local cluster."),
-    _outside("MPIDIST_SLURM_MIN_CPUS", "4", "slurm/local-cluster.sh", "CPUs the local node advertises, at least."),
-    _outside("MPIDIST_SLURM_PORT", "6817", "slurm/local-cluster.sh", "slurmctld's port; slurmd uses the next one."),
-    _outside("MPIDIST_SLURM_TIMEOUT", "60", "slurm/local-cluster.sh", "Seconds `up` waits for the node."),
-    _outside("MPIDIST_TEST_TIMEOUT", "600", "slurm/test-scripts.sh", "Seconds to wait for all test jobs together."),
-    _outside("MPIDIST_TEST_KEEP_CLUSTER", "0", "slurm/test-scripts.sh", "1: leave the local cluster up at exit."),
+             "`~/.cache/mpidist/tuning.json`", "when a Communicator is made, and by `mpidist tune`",
+             "the decision table `mpidist tune` writes and `auto` reads (rank 0 reads it and broadcasts it; the "
+             "built-in table when the file does not exist)"),
+    _package("MPIDIST_CHECK", "flag", True, "`1`", "when a Communicator is made",
+             "`0` skips the per-call [cross-rank signature check](collectives.md#the-cross-rank-call-check) (one "
+             "small allgather per call) and enables the small-message fast path; a refused rank then leaves the "
+             "others waiting `MPIDIST_TIMEOUT`"),
+    _package("MPIDIST_TIMEOUT", "number", 300.0, "`300` (seconds)", "at every wait",
+             "how long a rank waits for a peer: a rank that never joins a collective, a pipeline neighbour or "
+             "parameter-server peer that never answers, a gradient bucket, an `hvd.join` announcement, a "
+             "checkpoint saved by one rank alone; then the wait becomes a `DeadlineError` naming the silent peer "
+             "([Errors](errors.md))"),
+    _package("MPIDIST_SEGMENT_BYTES", "count", 256 * 1024, "`262144` (256 KiB)", "at import of the collectives",
+             "segment size of the pipelined ring and tree all-reduce: the reduction of one segment overlaps the "
+             "arrival of the next", minimum=1),
+    _package("MPIDIST_BCAST_SCATTER_BYTES", "count", 512 * 1024, "`524288` (512 KiB)", "at import of the collectives",
+             "broadcasts of at least this many bytes over more than 2 ranks use scatter + ring allgather instead "
+             "of the binomial tree"),
+    _package("MPIDIST_RANKS_PER_NODE", "count", None, "unset (the real nodes)", "when a Communicator is made",
+             "make groups of N consecutive ranks act as separate nodes (to try the hierarchical and node-aware "
+             "paths on one machine)", minimum=1),
+    _package("MPIDIST_CUDA_AWARE", "flag", None,
+             "detected (`MPIX_Query_cuda_support` / `MPIX_GPU_query_support`)", "at the first GPU buffer of a "
+             "Communicator", "`1`: hand GPU buffers to MPI directly; `0`: stage them through pinned host memory"),
+    _package("MPIDIST_KEEP_FREED_MEMORY", "flag", True, "`1`", "when DataParallel or hvd's optimizer starts",
+             "`0` leaves glibc's malloc settings alone (by default `DataParallel` and `hvd.DistributedOptimizer` "
+             "keep freed CPU memory for the next step, see [Data-parallel training](data-parallel.md))"),
+    _package("MPIDIST_DATA_DIR", "path", None, "`data/` of the source checkout, else `./data`",
+             "when the digits data set is looked for",
+             "where `mpidist train` and `mpidist prepare-data` keep `digits.h5`"),
+    _package("OMP_NUM_THREADS", "count", None, "cores / ranks on the node", "at the first kernel call",
+             "threads of the extension's CPU kernels (once a call touches 65,536 elements over its arrays); "
+             "`mpidist.kernels.set_num_threads(n)` overrides it", minimum=1, reader="mpidist._C"),
+    _package("OMPI_MCA_osc", "text", "^ucx", "set to `^ucx` when unset", "at `import mpidist`",
+             "Open MPI's one-sided components. mpidist sets it before MPI starts: the UCX component prints an "
+             "error at the first shared-memory window when no UCX network is present, and the hierarchical "
+             "all-reduce needs only the shared-memory component. On a cluster whose own RMA code needs UCX "
+             "windows, set it yourself", reader="Open MPI"),
+    _package("HOROVOD_FUSION_THRESHOLD", "count", 25 * 2 ** 20, "`26214400` (25 MiB)",
+             "when `hvd.DistributedOptimizer` is made",
+             "`hvd.DistributedOptimizer`'s bucket size in bytes (`0`: a bucket per gradient, Horovod's \"no "
+             "fusion\"); on the shared-memory path on one node buckets hold at most 4 MB", section="horovod"),
+    _package("HOROVOD_TIMELINE", "path", None, "unset", "by the first `hvd.init()`",
+             "rank 0 writes a Chrome trace of the collectives to this path (`DYNAMIC`: wait for "
+             "`hvd.start_timeline`)", section="horovod"),
+    _outside("MPIDIST_CUDA", "`auto` (CUDA when `nvcc` is found)", "setup.py",
+             "`1`: build the CUDA kernels or fail; `0`: build the extension CPU-only", "build"),
+    _outside("MPIDIST_CUDA_ARCHS", "sm_75 to sm_90 (+ sm_70 with CUDA < 13), plus PTX of the newest", "setup.py",
+             "GPU architectures to compile for, e.g. `\"80;90\"`; one the installed nvcc cannot build is refused "
+             "by name", "build"),
+    _outside("CUDA_HOME", "unset", "setup.py", "where to find `nvcc` (else `CUDA_PATH`, `PATH`, `/usr/local/cuda`)",
+             "build"),
+    _outside("MPIDIST_ROOT", "`$SLURM_SUBMIT_DIR`", "slurm/common.sh",
+             "the repository, when submitting from elsewhere (also put first on `PYTHONPATH`)", "slurm"),
+    _outside("MPIDIST_PYTHON", "`.venv/bin/python` of the repository, else `python3`", "slurm/common.sh",
+             "the Python every rank runs", "slurm"),
+    _outside("MPIDIST_LAUNCHER", "`srun`", "slurm/common.sh", "`srun` or `mpirun`", "slurm"),
+    _outside("MPIDIST_SRUN_MPI", "`pmix`", "slurm/common.sh", "the `srun --mpi=` value", "slurm"),
+    _outside("MPIDIST_SRUN_ARGS", "empty", "slurm/common.sh", "extra `srun` arguments", "slurm"),
+    _outside("MPIDIST_MPIRUN", "the `mpirun` beside `MPIDIST_PYTHON`, else the one on `PATH`", "slurm/common.sh",
+             "which mpirun", "slurm"),
+    _outside("MPIDIST_MPIRUN_ARGS", "empty (`--bind-to none` under `test-scripts.sh`)", "slurm/common.sh",
+             "extra `mpirun` arguments", "slurm"),
+    _outside("RESULTS_DIR", "`runs/$SLURM_JOB_ID` of the repository", "slurm/common.sh",
+             "where the job writes its results", "slurm"),
+    _outside("MPIDIST_BENCH_COLLECTIVES", "`allreduce`", "slurm/bench.sbatch", "collectives to sweep, comma-separated",
+             "slurm"),
+    _outside("MPIDIST_BENCH_SIZES", "`1K,4K,16K,64K,256K,1M,4M,16M,64M`", "slurm/bench.sbatch", "message sizes",
+             "slurm"),
+    _outside("MPIDIST_BENCH_ALGORITHMS", "all", "slurm/bench.sbatch", "passed to `--algorithms`", "slurm"),
+    _outside("MPIDIST_BENCH_ARGS", "empty", "slurm/bench.sbatch", "more `mpidist bench` arguments", "slurm"),
+    _outside("MPIDIST_TRAIN_MODE", "`data`", "slurm/train.sbatch", "`data` or `pipeline`", "slurm"),
+    _outside("MPIDIST_TRAIN_EPOCHS", "`12` (`train.sbatch`), `10` (`ps.sbatch`)", "slurm/train.sbatch, slurm/ps.sbatch",
+             "epochs", "slurm"),
+    _outside("MPIDIST_TRAIN_ARGS", "empty", "slurm/train.sbatch, slurm/ps.sbatch",
+             "more `mpidist train` arguments (`--resume`, `--compression bf16`, `--replicas=2`, ...)", "slurm"),
+    _outside("MPIDIST_PS_MODE", "`async`", "slurm/ps.sbatch",
+             "the server's update rule, `sync`, `async` or `softsync`", "slurm"),
+    _outside("MPIDIST_SLURM_DIR", "`/tmp/mpidist-slurm`", "slurm/local-cluster.sh",
+             "state, configuration and logs of the local cluster", "local-cluster"),
+    _outside("MPIDIST_SLURM_MIN_CPUS", "`4`", "slurm/local-cluster.sh", "CPUs the node advertises, at least",
+             "local-cluster"),
+    _outside("MPIDIST_SLURM_PORT", "`6817`", "slurm/local-cluster.sh", "slurmctld's port; slurmd uses the next one",
+             "local-cluster"),
+    _outside("MPIDIST_SLURM_TIMEOUT", "`60` (seconds)", "slurm/local-cluster.sh", "how long `up` waits for the node",
+             "local-cluster"),
+    _outside("MPIDIST_TEST_TIMEOUT", "`600` (seconds)", "slurm/test-scripts.sh",
+             "how long it waits for all jobs together", "local-cluster"),
+    _outside("MPIDIST_TEST_KEEP_CLUSTER", "`0`", "slurm/test-scripts.sh", "`1` leaves the cluster up at exit",
+             "local-cluster"),
     _outside("MPIDIST_TESTS_TMP", "made per run", "tests/conftest.py",
-             "The test run's temporary directory, handed to the ranks' test sessions."),
+             "the test run's temporary directory, handed to the ranks' test sessions", "tests"),
     _outside("MPIDIST_TESTS_SHARED_LAUNCH", "unset", "tests/mpi_shared_launch.py",
-             "Set in the ranks of a module's shared launch: the tests it runs, one after another."),
+             "set in the ranks of a module's shared launch: the tests it runs, one after another", "tests"),
 )
 _READ_BY_PACKAGE = {variable.name: variable for variable in VARIABLES if variable.reader == "mpidist"}
 
@@ -133,8 +182,7 @@ def value(name: str):
 def env_number(name: str, default, kind=int, minimum=0):
     """The number in environment variable `name` (`default` when unset or empty); anything that
     is not a number of `kind` >= `minimum` is refused with the variable's name, not a bare
-    ValueError from deep inside an import. Also for variables of other programs mpidist honours
-    (Horovod's HOROVOD_FUSION_THRESHOLD)."""
+    ValueError from deep inside an import."""
     text = os.environ.get(name, "").strip()
     if not text:
         return default
@@ -152,12 +200,37 @@ def env_number(name: str, default, kind=int, minimum=0):
     return number
 
 
-def documentation() -> str:
-    """VARIABLES as a Markdown table (for the docs)."""
-    rows = ["| Variable | Default | Read by | When | Meaning |", "|---|---|---|---|---|"]
-    for variable in VARIABLES:
-        default = "unset" if variable.default is None else variable.default
-        if variable.kind == "flag" and isinstance(default, bool):
-            default = int(default)
-        rows.append(f"| `{variable.name}` | {default} | {variable.reader} | {variable.read} | {variable.meaning} |")
+def documentation(section: str) -> str:
+    """The Markdown table of one section of docs/environment.md (SECTIONS)."""
+    rows = ["| variable | default | read | meaning |", "|---|---|---|---|"]
+    rows += [f"| `{v.name}` | {v.shown_default} | {v.read} | {v.meaning} |" for v in VARIABLES if v.section == section]
     return "\n".join(rows)
+
+
+def table_marker(section: str) -> str:
+    """The line before a generated table in docs/environment.md."""
+    return f"<!-- generated by `python -m mpidist.runtime.config docs/environment.md`: {section} -->"
+
+
+def with_tables(page: str) -> str:
+    """`page` with the table after each section's marker replaced by documentation(section)."""
+    lines, out, skipping = page.split("\n"), [], False
+    for line in lines:
+        if skipping and line.startswith("|"):
+            continue
+        skipping = False
+        out.append(line)
+        for section in SECTIONS:
+            if line == table_marker(section):
+                out.append(documentation(section))
+                skipping = True
+    return "\n".join(out)
+
+
+if __name__ == "__main__":  # rewrite the tables of the page named on the command line
+    import sys
+
+    with open(sys.argv[1]) as handle:
+        text = handle.read()
+    with open(sys.argv[1], "w") as handle:
+        handle.write(with_tables(text))

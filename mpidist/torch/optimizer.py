@@ -20,7 +20,7 @@ from ..parallel.reducer import (
     register_gradient_hooks,
     trainable_parameters,
 )
-from ..runtime.config import env_number
+from ..runtime import config
 from .basics import Adasum, Average, resolve_op
 from .compression import Compression
 from .join import register_adasum_optimizer, register_optimizer
@@ -157,7 +157,7 @@ class _DistributedAdasumOptimizer:
 def _fusion_bucket_mb() -> float:
     """Horovod's HOROVOD_FUSION_THRESHOLD (bytes) as the buckets' size in MB: unset, DataParallel's
     25; 0 (Horovod: no fusion), a bucket per gradient."""
-    threshold = env_number("HOROVOD_FUSION_THRESHOLD", 25 * 2 ** 20, minimum=0)
+    threshold = config.value("HOROVOD_FUSION_THRESHOLD")
     return max(threshold, 1) / 2 ** 20  # a 1-byte bucket holds one gradient, however small
 
 

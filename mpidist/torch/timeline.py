@@ -15,11 +15,11 @@ import collections
 import functools
 import inspect
 import json
-import os
 import threading
 import time
 
 from .. import comm as _comm
+from ..runtime import config
 from .handles import DoneHandle, Handle
 
 
@@ -104,7 +104,7 @@ def start_from_environment() -> None:
     global _variable_read
     if not _variable_read:
         _variable_read = True
-        path = os.environ.get("HOROVOD_TIMELINE", "")
+        path = config.value("HOROVOD_TIMELINE")
         if path and path != "DYNAMIC":  # DYNAMIC: started later by start_timeline()
             start_timeline(path)
 
