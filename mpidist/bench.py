@@ -24,6 +24,10 @@ import time
 
 import numpy as np
 
+# torch, matplotlib and mpi4py's MPI are imported in the functions that use them: the `mpidist`
+# command builds its parser from this module without torch, and importing mpi4py's MPI
+# initializes MPI.
+
 OUR_ALLREDUCE = ("ring", "tree", "recursive_halving", "recursive_doubling", "reduce_bcast",
                  "hierarchical", "auto")
 PEERS = ("mpi", "gloo")

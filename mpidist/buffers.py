@@ -19,6 +19,9 @@ from .errors import InvalidArgumentError, NonContiguousError, UnsupportedBufferE
 from .runtime.wire import COLLECTIVE_DTYPES as DTYPES
 from .runtime.wire import ITEMSIZE
 
+# torch and cupy are imported where a buffer of theirs is handled: both are optional here (NumPy
+# buffers need neither), and importing them takes seconds.
+
 
 class BufferInfo(typing.NamedTuple):
     """What the communication layer needs to know about one contiguous array.

@@ -26,16 +26,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import socket
 import time
 import warnings
+from collections import OrderedDict
 
 import numpy as np
 
 from .comm import is_initialized, world
 from .errors import MpidistError
 from .runtime.deadlines import wait_for_collective
+
+# torch and h5py are imported in the functions that use them: `mpidist prepare-data` writes
+# its HDF5 file without torch, and each takes a noticeable part of a second to import.
 
 FORMAT = "mpidist-checkpoint"
 FORMAT_VERSION = 1
@@ -261,8 +266,6 @@ def _read_tree(group):
 # ---- RNG states ---------------------------------------------------------------------------------
 
 def _rng_snapshot() -> dict:
-    import random
-
     import torch
     name, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
     version, internal, gauss_next = random.getstate()
@@ -329,8 +332,6 @@ def _write_rng(group, snapshot):
 
 
 def _restore_rng(group):
-    import random
-
     import torch
     torch.set_rng_state(torch.from_numpy(np.asarray(group["torch_cpu"][()], dtype=np.uint8)))
     if "torch_cuda" in group and torch.cuda.is_available():
@@ -496,7 +497,6 @@ def _load(path, model, optimizer, sampler, restore_rng, comm) -> dict:
             _require(f, "model", path)
             state = _read_tree(f["model"])
             if "metadata" in f["model"].attrs:
-                from collections import OrderedDict
                 state = OrderedDict(state)
                 state._metadata = json.loads(f["model"].attrs["metadata"])
             model.load_state_dict(state)

@@ -7,13 +7,18 @@ import json
 import math
 import sys
 
+from . import bench
+from .comm import init
+from .data import add_prepare_data_command
+from .errors import MpidistError
+from .info import collect, format_report
+
+# The collectives (tune) and train are imported when their command runs: importing the
+# collectives initializes MPI, and train needs torch, whose import takes seconds.
+
 
 def cmd_info(args) -> int:
-    import mpidist as md
-
-    from .info import collect, format_report
-
-    comm = md.init()
+    comm = init()
     facts = collect(comm)
     if comm.rank == 0:
         print(json.dumps(facts, indent=2) if args.json else format_report(facts), flush=True)
@@ -21,26 +26,19 @@ def cmd_info(args) -> int:
 
 
 def cmd_train(args) -> int:
-    # imported here: train needs torch, whose import takes seconds, and `mpidist info`, `bench`
-    # and `tune` run without it
     from .train import cmd_train as train
     return train(args)
 
 
 def bench_options(args, collective):
-    from .bench import Options, parse_sizes
-    return Options(collective=collective, sizes=parse_sizes(args.sizes),
+    return bench.Options(collective=collective, sizes=bench.parse_sizes(args.sizes),
                    dtypes=[d.strip() for d in args.dtype.split(",") if d.strip()],
                    algorithms=[a.strip() for a in args.algorithms.split(",")] if args.algorithms else None,
                    iters=args.iters, warmup=args.warmup, check_calls=args.check)
 
 
 def cmd_bench(args) -> int:
-    import mpidist as md
-
-    from . import bench
-
-    comm = md.init()
+    comm = init()
     rows = bench.run(comm, bench_options(args, args.collective))
     if comm.rank == 0:
         if args.json:
@@ -51,12 +49,9 @@ def cmd_bench(args) -> int:
 
 
 def cmd_tune(args) -> int:
-    import mpidist as md
-
-    from . import bench
     from .collectives import select
 
-    comm = md.init()
+    comm = init()
     table = bench.tune(comm, bench_options(args, "allreduce"))
     if comm.rank == 0:
         path = select.save_tuning_table(table, comm.size, args.output)
@@ -129,24 +124,21 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print the facts as JSON")
     info.set_defaults(run=cmd_info)
 
-    from .bench import COLLECTIVES, DEFAULT_SIZES
-    bench = sub.add_parser("bench", help="collective micro-benchmarks (nccl-tests style table, JSON, plot)")
-    bench.add_argument("collective", choices=COLLECTIVES)
-    add_measurement_options(bench, DEFAULT_SIZES)
-    bench.add_argument("--algorithms", default=None,
+    bench_parser = sub.add_parser("bench", help="collective micro-benchmarks (nccl-tests style table, JSON, plot)")
+    bench_parser.add_argument("collective", choices=bench.COLLECTIVES)
+    add_measurement_options(bench_parser, bench.DEFAULT_SIZES)
+    bench_parser.add_argument("--algorithms", default=None,
                        help="comma-separated algorithms (default: all of mpidist's plus the peers mpi and gloo)")
-    bench.add_argument("--json", metavar="FILE", help="write the rows as JSON to FILE")
-    bench.add_argument("--plot", metavar="FILE.png", help="plot busbw against size to FILE.png")
-    bench.set_defaults(run=cmd_bench)
+    bench_parser.add_argument("--json", metavar="FILE", help="write the rows as JSON to FILE")
+    bench_parser.add_argument("--plot", metavar="FILE.png", help="plot busbw against size to FILE.png")
+    bench_parser.set_defaults(run=cmd_bench)
 
-    from .bench import TUNE_SIZES
     tune = sub.add_parser("tune", help="measure the all-reduce algorithms here and write auto's decision table")
-    add_measurement_options(tune, TUNE_SIZES)
+    add_measurement_options(tune, bench.TUNE_SIZES)
     tune.add_argument("--output", default=None,
                       help="table file (default: $MPIDIST_TUNING_FILE or ~/.cache/mpidist/tuning.json); "
                            "other rank counts already in it are kept")
     tune.set_defaults(run=cmd_tune, algorithms=None)
-    from .data import add_prepare_data_command
     add_train_command(sub)
     add_prepare_data_command(sub)
     return parser
@@ -156,12 +148,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except Exception as exc:
-        from .errors import MpidistError
-        if isinstance(exc, MpidistError):
-            print(f"mpidist: error: {exc}", file=sys.stderr, flush=True)
-            return 2
-        raise
+    except MpidistError as exc:
+        print(f"mpidist: error: {exc}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

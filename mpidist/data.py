@@ -15,8 +15,13 @@ import os
 
 import numpy as np
 
+from .checkpoint import atomic_hdf5, on_root
 from .errors import InvalidArgumentError, MpidistError
 from .runtime import config
+
+# torch, h5py and scikit-learn are imported in the functions that use them: `mpidist prepare-data`
+# runs without torch, scikit-learn is needed only to make the file once, and each takes a
+# noticeable part of a second to import.
 
 DIGITS_FILENAME = "digits.h5"
 DIGITS_TEST_SIZE = 297
@@ -394,8 +399,6 @@ def prepare_digits(path) -> str:
     from sklearn import __version__ as sklearn_version
     from sklearn.datasets import load_digits
 
-    from .checkpoint import atomic_hdf5
-
     digits = load_digits()
     x = (np.asarray(digits.data, dtype=np.float64) / 16.0).astype(np.float32)
     y = np.asarray(digits.target, dtype=np.int64)
@@ -427,7 +430,6 @@ def ensure_digits(path=None, comm=None) -> str:
     only rank 0 checks and writes, and the others wait for it; a failure on rank 0 is raised on
     every rank (``DataPreparationError`` on the others), never a hang.
     """
-    from .checkpoint import on_root
 
     path = os.fspath(path) if path is not None else default_digits_path()
 

@@ -22,6 +22,8 @@ def _cuda_devices(ext) -> int:
 
 def collect(comm) -> dict:
     """Facts about this installation and this launch, gathered to every rank."""
+    # imported here, once init() has started MPI: importing mpi4py's MPI or the collectives
+    # initializes it
     from mpi4py import MPI
 
     import mpidist._C as ext

@@ -82,7 +82,7 @@ def _is_cuda(device: str) -> bool:
 def _stream_of(array, info: BufferInfo) -> int:
     """The caller's current stream on the array's device, as an integer handle."""
     if info.kind == "torch":
-        import torch
+        import torch  # torch and cupy are optional here, and take seconds to import
         return torch.cuda.current_stream(info.device_index).cuda_stream
     if info.kind == "cupy":
         import cupy

@@ -27,6 +27,9 @@ import time
 
 import numpy as np
 import torch
+from tqdm import tqdm
+
+import mpidist as md
 
 from .checkpoint import (
     CHECKPOINT_NAME,
@@ -92,10 +95,6 @@ def check_mode_options(args) -> None:
 
 
 def cmd_train(args) -> int:
-    from tqdm import tqdm
-
-    import mpidist as md
-
     check_mode_options(args)
     comm = md.init()
     if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
@@ -206,10 +205,6 @@ def train_with_parameter_server(args, comm, train_set, test_set, say) -> int:
     checkpoints the weights every as many updates as a worker has batches per epoch, with the
     number of each worker's gradients they hold, so that --resume restarts every worker at the
     first batch the weights have not seen."""
-    from tqdm import tqdm
-
-    import mpidist as md
-
     mode = args.ps_mode or "async"
     model = build_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
@@ -307,10 +302,6 @@ def train_with_pipeline(args, comm, train_set, test_set, say) -> int:
     """--mode pipeline: one stage of the network per rank; every rank of a pipeline reads the
     same batches (the first stage uses the images, the last the labels). With --replicas k,
     k pipelines train on their shares of the data and average their gradients."""
-    from tqdm import tqdm
-
-    import mpidist as md
-
     pipe = md.Pipeline(build_model(), torch.nn.functional.cross_entropy, comm=comm, chunks=args.chunks or 4,
                        schedule=args.schedule or "1f1b", replicas=args.replicas or 1)
     params = list(pipe.parameters())  # none on a stage of activations only

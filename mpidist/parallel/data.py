@@ -100,6 +100,7 @@ class DataParallel(torch.nn.Module, Joinable):
         sum comes back in the gradients' dtype, as torch's hooks do). Other hooks take torch's
         GradBucket and futures of a torch.distributed process group: refused. As in DDP, call it
         once, on every rank (it is collective), before the first backward."""
+        # imported here: torch.distributed is needed only by this call, and is slow to import
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         wire = {default_hooks.allreduce_hook: None, default_hooks.fp16_compress_hook: "fp16",
                 default_hooks.bf16_compress_hook: "bf16"}
