@@ -186,6 +186,10 @@ def test_bool_reductions_are_refused(mpi_world, operation):
     hvd.init()
     with pytest.raises(md.UnsupportedDtypeError, match="bool"):
         getattr(hvd, operation)(torch.ones(hvd.size(), dtype=torch.bool), op=hvd.Sum)
+    group = [torch.ones(2), torch.ones(2, dtype=torch.bool)]
+    with pytest.raises(md.UnsupportedDtypeError, match="bool"):
+        getattr(hvd, f"grouped_{operation}_" if operation == "allreduce" else f"grouped_{operation}")(group)
+    assert group[0].tolist() == [1.0, 1.0]  # refused before the first is sent
 
 
 # ---- integer averages and scale factors ---------------------------------------------------------

@@ -12,7 +12,7 @@ import torch
 
 from .. import buffers
 from .. import comm as _comm
-from ..errors import InvalidArgumentError, MismatchError, NotOfferedError
+from ..errors import InvalidArgumentError, MismatchError, MpidistError, NotOfferedError, UnsupportedDtypeError
 from ..parallel.flat import tensors_by_kind
 from .basics import Adasum, Average, Sum, resolve_op
 from .compression import Compression, dtype_on_wire
@@ -304,17 +304,22 @@ def _refused(comm, error):
     return error
 
 
-def _check_rows(tensors, comm):
-    """As Horovod, reducescatter refuses 0-d tensors, which have no rows to scatter (all of a
-    group's checked before the first is sent)."""
-    if any(tensor.dim() == 0 for tensor in tensors):
-        raise _refused(comm, InvalidArgumentError("reducescatter scatters the first dimension's rows: give "
-                                                  "tensors of at least one dimension, not 0-d ones"))
+def _check_scattered(tensors, comm):
+    """What reducescatter refuses: 0-d tensors (no rows to scatter, as Horovod) and dtypes the
+    reductions do not take; all of a group's checked before the first is sent."""
+    try:
+        for tensor in tensors:
+            _reducible_dtype(tensor)
+        if any(tensor.dim() == 0 for tensor in tensors):
+            raise InvalidArgumentError("reducescatter scatters the first dimension's rows: give tensors of at "
+                                       "least one dimension, not 0-d ones")
+    except MpidistError as error:
+        raise _refused(comm, error) from None
 
 
 def _reducescatter(tensor, op, compression, prescale_factor, postscale_factor, comm):
     """Rank r's block of rows of the reduction (the first rows % size ranks get one row more)."""
-    _check_rows([tensor], comm)
+    _check_scattered([tensor], comm)
     source = _contiguous_copy(tensor)
     wire_dtype = _wire_dtype(source, compression)
     op, postscale_factor = _reduction(source, op, postscale_factor, comm)
@@ -382,14 +387,22 @@ def unpack_group(flat, members):
         offset += member.numel()
 
 
+def _reducible_dtype(tensor):
+    """The name of the dtype `tensor` is reduced in, refused where the reductions take none."""
+    name = str(_wire_dtype(tensor, Compression.none) or tensor.dtype).removeprefix("torch.")
+    if name not in buffers.DTYPES:
+        raise UnsupportedDtypeError(f"the reductions take int16 and {', '.join(buffers.DTYPES)} tensors, "
+                                    f"not {tensor.dtype}")
+    return name
+
+
 def _check_group_allreduce(tensors, op, comm):
     """What the all-reduce of one kind would refuse, checked for all of them before the first is
     sent (an in-place group is then left as it was)."""
     from ..collectives.callcheck import check_op  # imported here: the collectives initialize MPI
     if op != Adasum:  # Adasum checks its dtypes itself
         for tensor in tensors:
-            wire_dtype = _wire_dtype(tensor, Compression.none) or tensor.dtype
-            check_op(_reduction(tensor, op, 1.0, comm)[0], str(wire_dtype).removeprefix("torch."))
+            check_op(_reduction(tensor, op, 1.0, comm)[0], _reducible_dtype(tensor))
 
 
 def _grouped_allreduce_into(tensors, op, compression, prescale_factor, postscale_factor, comm):
@@ -494,7 +507,7 @@ def grouped_allgather_async(tensors, name=None, process_set=None):
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average, process_set=None,
                           prescale_factor=1.0, postscale_factor=1.0):
     tensors = _check_group(tensors, "grouped_reducescatter")
-    _check_rows(tensors, collective_comm(process_set))
+    _check_scattered(tensors, collective_comm(process_set))
     return [reducescatter(t, name, compression, op, process_set, prescale_factor, postscale_factor)
             for t in tensors]
 
