@@ -3,8 +3,9 @@
 
 Two exchanges of the MPI library: MPI_Alltoall of the row counts (with each rank's dtype and
 bytes per row, so that ranks whose rows differ all raise instead of misreading each other's
-bytes, even with the call check off), then MPI_Alltoallv of the rows as typed buffers (one MPI datatype per
-row: counts stay small however large the rows). Bytes sent per rank: the rows it gives away.
+bytes, even with the call check off), then MPI_Alltoallv of the rows as typed buffers (one MPI
+datatype per row: counts stay small however large the rows). Bytes sent per rank: the rows it
+gives away.
 """
 from __future__ import annotations
 
