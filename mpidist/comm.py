@@ -64,8 +64,8 @@ class Collectives(typing.Protocol):
 
     def auto_choice(self, mpi) -> tuple: ...
     def small_cpu_allreduce(self, comm, array, op, algorithm) -> bool: ...
-    def allreduce(self, comm, array, op, algorithm, out): ...
-    def allreduce_async(self, comm, array, op, algorithm, out): ...
+    def allreduce(self, comm, array, op, algorithm, out, shape): ...
+    def allreduce_async(self, comm, array, op, algorithm, out, shape): ...
     def adasum_allreduce(self, comm, array, sizes): ...
     def broadcast(self, comm, array, root): ...
     def allgather(self, comm, array): ...
@@ -208,14 +208,14 @@ class Communicator(Channel):
 
     # ---- collectives (mpidist's own algorithms; see mpidist/collectives/) ----------------------
 
-    def allreduce(self, array, op="sum", algorithm="auto", out=None):
+    def allreduce(self, array, op="sum", algorithm="auto", out=None, shape=None):
         collectives = api()
         if out is None and collectives.small_cpu_allreduce(self, array, op, algorithm):
-            return array  # small CPU messages: straight to MPI_Allreduce
-        return collectives.allreduce(self, array, op=op, algorithm=algorithm, out=out)
+            return array  # small CPU messages: straight to MPI_Allreduce (only without the call check)
+        return collectives.allreduce(self, array, op=op, algorithm=algorithm, out=out, shape=shape)
 
-    def allreduce_async(self, array, op="sum", algorithm="auto", out=None):
-        return api().allreduce_async(self, array, op=op, algorithm=algorithm, out=out)
+    def allreduce_async(self, array, op="sum", algorithm="auto", out=None, shape=None):
+        return api().allreduce_async(self, array, op=op, algorithm=algorithm, out=out, shape=shape)
 
     def adasum_allreduce(self, array, sizes=None):
         """Adasum of the ranks' arrays, in place (collectives/adasum.py); `sizes` splits the

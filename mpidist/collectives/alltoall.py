@@ -1,10 +1,11 @@
 """All-to-all: rank r sends the k-th block of rows of its array (the first dimension cut by
 `splits`, or into equal blocks) to rank k, and receives every rank's r-th block, in rank order.
 
-Two exchanges of the MPI library: MPI_Alltoall of the row counts (with each rank's bytes per
-row, so that ranks whose rows differ all raise instead of misreading each other's bytes, even
-with the call check off), then MPI_Alltoallv of the rows as typed buffers (one MPI datatype per
-row: counts stay small however large the rows). Bytes sent per rank: the rows it gives away.
+Two exchanges of the MPI library: MPI_Alltoall of the row counts (with each rank's dtype and
+bytes per row, so that ranks whose rows differ all raise instead of misreading each other's
+bytes, even with the call check off), then MPI_Alltoallv of the rows as typed buffers (one MPI
+datatype per row: counts stay small however large the rows). Bytes sent per rank: the rows it
+gives away.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from mpi4py import MPI
 from .. import buffers
 from ..buffers import BufferInfo
 from ..errors import InvalidArgumentError, MismatchError
+from ..runtime.wire import DTYPES, code_of
 from .callcheck import check_same_call, checked_in_order, signature
 from .staging import staged
 
@@ -39,7 +41,11 @@ def check_alltoall(comm, array, splits):
             raise InvalidArgumentError(f"alltoall without splits= divides the first dimension ({rows}) "
                                        f"evenly over the {comm.size} ranks; pass splits=")
         return info, np.full(comm.size, rows // comm.size, dtype=np.int64)
-    send_rows = np.array(list(splits), dtype=np.int64).reshape(-1)
+    requested = np.asarray(list(splits))
+    if requested.size and requested.dtype.kind not in "iu":  # a float count would be truncated unseen
+        raise InvalidArgumentError(f"alltoall splits={requested.tolist()} must be integers (row counts), "
+                                   f"got {requested.dtype}")
+    send_rows = requested.astype(np.int64).reshape(-1)
     if len(send_rows) != comm.size or (send_rows < 0).any() or send_rows.sum() != rows:
         raise InvalidArgumentError(f"alltoall splits={send_rows.tolist()} must give one row count >= 0 "
                                    f"per rank ({comm.size}) summing to the first dimension ({rows})")
@@ -52,13 +58,18 @@ def _run(channel, array, info, send_rows):
     check_same_call(channel, channel.mpi, signature("alltoall", BufferInfo(0, 0, info.dtype, info.device, info.kind),
                                                     row_shape=row_shape), row_shape)
     row_bytes = int(np.prod(row_shape, dtype=np.int64)) * info.itemsize
-    mine = np.stack([send_rows, np.full(channel.size, row_bytes, dtype=np.int64)], axis=1)
+    dtype_code = code_of(info.dtype)
+    mine = np.stack([send_rows, np.full(channel.size, row_bytes, dtype=np.int64),
+                     np.full(channel.size, dtype_code, dtype=np.int64)], axis=1)
     theirs = np.empty_like(mine)
     channel.mpi.Alltoall([mine, MPI.INT64_T], [theirs, MPI.INT64_T])
+    if (theirs[:, 2] != dtype_code).any():
+        raise MismatchError(f"alltoall: ranks differ in dtype (by rank {[DTYPES[code] for code in theirs[:, 2]]}); "
+                            "every rank must pass the same dtype")
     if (theirs[:, 1] != row_bytes).any():
-        raise MismatchError(f"alltoall: ranks differ in row shape or dtype (bytes per row by rank "
-                            f"{theirs[:, 1].tolist()}); every rank must pass the same dtype and shape except "
-                            "the first dimension")
+        raise MismatchError(f"alltoall: ranks differ in row shape (bytes per row by rank "
+                            f"{theirs[:, 1].tolist()}); every rank must pass the same shape except the first "
+                            "dimension")
     received_rows = theirs[:, 0].copy()
     out = buffers.new_array(array, (int(received_rows.sum()),) + row_shape)
     if row_bytes:

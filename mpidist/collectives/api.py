@@ -31,11 +31,13 @@ from .ring import allgather_ring, reduce_scatter_ring
 from .staging import copy_buffer, staged
 
 
-def allreduce(comm, array, op="sum", algorithm="auto", out=None):
-    """All-reduce `array` across the communicator; in place unless `out` is given. Returns the result."""
+def allreduce(comm, array, op="sum", algorithm="auto", out=None, shape=None):
+    """All-reduce `array` across the communicator; in place unless `out` is given. Returns the result.
+    The ranks' arrays must agree in count; with `shape` (a shape, or a tuple of shapes) the ranks
+    must pass equal ones too (hvd's calls: Horovod refuses tensors of different shapes)."""
     return checked_in_order(comm, lambda: prepare_allreduce(array, op, algorithm, out),
                             lambda channel, target, target_info, source_info:
-                            _run_allreduce(channel, target, target_info, op, algorithm, source_info))
+                            _run_allreduce(channel, target, target_info, op, algorithm, source_info, shape))
 
 
 def prepare_allreduce(array, op, algorithm, out):
@@ -56,7 +58,7 @@ def prepare_allreduce(array, op, algorithm, out):
     return out, out_info, info
 
 
-def _run_allreduce(comm, array, info, op, algorithm, source_info=None):
+def _run_allreduce(comm, array, info, op, algorithm, source_info=None, shape=None):
     """All-reduce `array` (described by `info`); with `source_info`, copy that input into it
     first, once the ranks have agreed on the call, so a refused call leaves out= untouched."""
     mpi = comm.mpi
@@ -69,7 +71,7 @@ def _run_allreduce(comm, array, info, op, algorithm, source_info=None):
         share_refusal(comm)
         raise
     if comm.check_calls:
-        check_same_call(comm, mpi, signature("allreduce", info, op, name))
+        check_same_call(comm, mpi, signature("allreduce", info, op, name, row_shape=shape), shape)
     if source_info is not None:
         copy_buffer(info, source_info)
     if info.is_cuda:
@@ -179,7 +181,7 @@ def _reduce_scatter(comm, array, op="sum"):
     return out
 
 
-def allreduce_async(comm, array, op="sum", algorithm="auto", out=None) -> Handle:
+def allreduce_async(comm, array, op="sum", algorithm="auto", out=None, shape=None) -> Handle:
     try:
         target, target_info, source_info = prepare_allreduce(array, op, algorithm, out)
         name = resolve_algorithm(algorithm, target_info, comm)
@@ -198,4 +200,4 @@ def allreduce_async(comm, array, op="sum", algorithm="auto", out=None) -> Handle
         copy_buffer(target_info, source_info)
     engine = comm.async_engine()
     return engine.submit("allreduce_async",
-                         lambda eng: _run_allreduce(eng, target, target_info, op, algorithm))
+                         lambda eng: _run_allreduce(eng, target, target_info, op, algorithm, shape=shape))

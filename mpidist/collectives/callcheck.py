@@ -1,7 +1,7 @@
 """What a collective call may be: the local argument checks, and the cross-rank call check.
 
 The call check: before a collective moves any data, every rank contributes its signature (which
-collective, count, dtype, op, algorithm, root, row shape; as int64 numbers) to one small
+collective, count, dtype, op, algorithm, root, row shape or shape; as int64 numbers) to one small
 allgather with a deadline; any difference raises MismatchError on every rank, naming who passed
 what. A rank that refused its own arguments still joins, with a row that says so
 (share_refusal), so the others fail at once instead of waiting out MPIDIST_TIMEOUT.
@@ -77,7 +77,8 @@ def check_same_call(comm, mpi, fields: dict, row_shape: tuple | None = None) -> 
 
     Costs one small allgather. It runs non-blocking with a deadline (MPIDIST_TIMEOUT seconds),
     so a rank that never joins the collective turns into an error instead of a hang.
-    `row_shape` (allgather, reduce_scatter) names the row shape should the ranks' differ.
+    `row_shape` (allgather, reduce_scatter; an all-reduce's shape or shapes) names the row shape
+    should the ranks' differ.
     """
     if not comm.check_calls or mpi.Get_size() == 1:
         return
@@ -139,8 +140,10 @@ def describe_mismatch(table: np.ndarray, row_shapes: list | None = None) -> str:
         for rank, value in enumerate(values):
             groups.setdefault(signature_label(field, int(value), names, row_shapes, rank), []).append(rank)
         title = field
-        if field == "row shape":  # Adasum's carries the sizes of the tensors in the buffer
-            title = "tensor sizes" if (table[:, 0] == COLLECTIVES.index("adasum")).all() else "row shape (shape[1:])"
+        if field == "row shape":  # Adasum's carries the sizes of the tensors in the buffer, allreduce's a shape
+            titles = {COLLECTIVES.index("adasum"): "tensor sizes", COLLECTIVES.index("allreduce"): "shape"}
+            title = titles.get(int(table[0, 0]), "row shape (shape[1:])") if (table[:, 0] == table[0, 0]).all() \
+                else "row shape (shape[1:])"
         part = f"{title}: " + "; ".join(f"ranks {ranks} have {label}" for label, ranks in groups.items())
         if field == "algorithm":
             part += " (the algorithm each rank would run, from algorithm=, MPIDIST_ALLREDUCE_ALGORITHM or auto's table)"
@@ -164,7 +167,8 @@ def signature_label(field: str, value: int, names: dict, row_shapes: list | None
 def signature(collective: str, info: BufferInfo, op: str = "sum", algorithm: str = "auto", root: int = 0,
               row_shape: tuple | None = None) -> dict:
     """What a rank was asked to do, as numbers. `algorithm` is the one the rank will run (after
-    MPIDIST_ALLREDUCE_ALGORITHM and auto's choice); `row_shape` is shape[1:] where it matters."""
+    MPIDIST_ALLREDUCE_ALGORITHM and auto's choice); `row_shape` is shape[1:] where it matters (or
+    the shape, or a tuple of shapes, that an all-reduce's caller asks the ranks to agree on)."""
     return {"collective": COLLECTIVES.index(collective), "count": info.count,
             "dtype": DTYPES.index(info.dtype), "op": OPS.index(op), "algorithm": ALGORITHMS.index(algorithm),
             "root": root, "row shape": 0 if row_shape is None else row_shape_code(row_shape)}
@@ -173,4 +177,9 @@ def signature(collective: str, info: BufferInfo, op: str = "sum", algorithm: str
 def row_shape_code(row_shape: tuple) -> int:
     # Python's hash of a tuple of ints is the same in every process (only str and bytes hashes
     # are salted per process); equal codes of different shapes are vanishingly unlikely.
-    return hash(tuple(int(n) for n in row_shape)) & 0x7FFFFFFF
+    return hash(_as_ints(row_shape)) & 0x7FFFFFFF
+
+
+def _as_ints(shape: tuple) -> tuple:
+    """A shape, or a tuple of shapes, as (nested) tuples of Python ints."""
+    return tuple(_as_ints(n) if isinstance(n, tuple) else int(n) for n in shape)

@@ -1,15 +1,14 @@
 """Horovod's functions over whole objects: broadcast_parameters and broadcast_optimizer_state
-(model and optimizer state from one rank), broadcast_object and allgather_object (JSON-encoded,
-never pickled).
+(model and optimizer state from one rank), broadcast_object and allgather_object (pickled, as
+Horovod's and mpi4py's lower-case methods: for the job's own ranks, which trust each other).
 """
 from __future__ import annotations
 
-import json
+import pickle
 
 import numpy as np
 import torch
 
-from .. import comm as _comm
 from ..errors import InvalidArgumentError
 from ..parallel.model_state import broadcast_in_place
 from .join import collective_comm
@@ -34,7 +33,7 @@ def broadcast_optimizer_state(optimizer, root_rank=0):
     """Broadcast the optimizer's state tensors and hyperparameters from `root_rank`.
 
     Ranks that have no state yet (no step taken) get zero-initialized state of the root's
-    layout; hyperparameters travel as JSON, never pickled.
+    layout; hyperparameters and the layout travel by broadcast_object.
     """
     state = optimizer.state_dict()
     groups = broadcast_object([{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]],
@@ -61,30 +60,44 @@ def broadcast_optimizer_state(optimizer, root_rank=0):
     optimizer.load_state_dict(state)
 
 
+def _pickled(obj):
+    """(obj's pickle as a uint8 array, None), or (an empty array, the error) when it cannot be pickled."""
+    try:
+        return np.frombuffer(pickle.dumps(obj), dtype=np.uint8).copy(), None
+    except Exception as exc:  # noqa: BLE001 - pickling raises whatever the object's __reduce__ raises
+        return np.empty(0, dtype=np.uint8), exc
+
+
+def _refuse_unpicklable(failed, error, what):
+    """A rank that cannot pickle its object sends the length -1 in place of its own, so that every
+    rank raises instead of the others waiting for its bytes."""
+    if failed:
+        detail = f": {error!r}" if error else ""
+        raise InvalidArgumentError(f"{what}: rank(s) {failed} passed an object pickle cannot serialize{detail}") \
+            from error
+
+
 @traced("BROADCAST")
 def broadcast_object(obj, root_rank=0, name=None, process_set=None):
-    """Broadcast a JSON-serializable object (mpidist never unpickles received data, so values
-    come back as JSON gives them: dict keys become strings, tuples lists)."""
-    return _comm.broadcast_json(collective_comm(process_set), obj, root_in(process_set, root_rank), "broadcast_object")
+    """`root_rank`'s object on every rank (pickled, as Horovod's)."""
+    world, root = collective_comm(process_set), root_in(process_set, root_rank)
+    data, error = _pickled(obj) if world.rank == root else (None, None)
+    length = np.array([-1 if error else 0 if data is None else len(data)], dtype=np.int64)
+    world.broadcast(length, root=root)
+    _refuse_unpicklable([root] if length[0] < 0 else [], error, "broadcast_object")
+    if world.rank != root:
+        data = np.empty(int(length[0]), dtype=np.uint8)
+    world.broadcast(data, root=root)
+    return pickle.loads(data.tobytes())
 
 
 @traced("ALLGATHER")
 def allgather_object(obj, name=None, process_set=None):
-    """Every rank's JSON-serializable object, in a list by rank (JSON, as broadcast_object)."""
+    """Every rank's object, in a list by rank (pickled, as broadcast_object)."""
     world = collective_comm(process_set)
-    try:
-        data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8).copy()
-        error = None
-    except (TypeError, ValueError) as exc:
-        data, error = np.empty(0, dtype=np.uint8), exc
-    # A rank that cannot encode sends length -1, so that every rank raises instead of the
-    # others waiting for its bytes.
+    data, error = _pickled(obj)
     lengths = world.allgather(np.array([-1 if error else len(data)], dtype=np.int64))
-    if (lengths < 0).any():
-        failed = [k for k, length in enumerate(lengths) if length < 0]
-        detail = f": {error}" if error else ""
-        raise InvalidArgumentError(f"allgather_object sends JSON only (no pickle); rank(s) {failed} "
-                                   f"passed an object JSON cannot encode{detail}") from error
+    _refuse_unpicklable([rank for rank, length in enumerate(lengths) if length < 0], error, "allgather_object")
     gathered = world.allgather(data)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    return [json.loads(gathered[offsets[k]:offsets[k + 1]].tobytes().decode()) for k in range(world.size)]
+    return [pickle.loads(gathered[offsets[k]:offsets[k + 1]].tobytes()) for k in range(world.size)]

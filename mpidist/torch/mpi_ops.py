@@ -11,12 +11,13 @@ import numpy as np
 import torch
 
 from .. import buffers
-from ..errors import InvalidArgumentError, MismatchError, NotOfferedError
+from .. import comm as _comm
+from ..errors import InvalidArgumentError, MismatchError, MpidistError, NotOfferedError, UnsupportedDtypeError
 from ..parallel.flat import tensors_by_kind
 from .basics import Adasum, Average, Sum, resolve_op
 from .compression import Compression, dtype_on_wire
 from .handles import DoneHandle, GroupHandle, Handle
-from .join import announce_allreduce, collective_comm
+from .join import announce_allreduce, collective_comm, ranks_waiting_in_join
 from .process_sets import comm_of, root_in
 from .timeline import end_traced, traced
 
@@ -35,31 +36,56 @@ def barrier(process_set=None):
 # the in-place and asynchronous variants are not, as in Horovod.
 
 def _scaled(tensor, factor):
+    """Horovod's scaling: a floating-point tensor in its own dtype, an integer one in float64 with
+    the product truncated toward zero into the tensor's dtype (its ScaleBuffer's C++ conversion)."""
     if factor != 1.0:
-        tensor.mul_(factor)
+        if tensor.is_floating_point():
+            tensor.mul_(factor)
+        else:
+            tensor.copy_(tensor.double().mul_(factor))
 
 
-def _check_scale_factors(tensors, prescale_factor, postscale_factor):
-    """Scale factors multiply in the tensor's own dtype, which torch refuses for integer tensors:
-    refused here with the reason, before anything is sent."""
-    if prescale_factor == 1.0 and postscale_factor == 1.0:
-        return
-    for tensor in tensors:
-        if not tensor.is_floating_point():
-            raise InvalidArgumentError(f"prescale_factor={prescale_factor} and postscale_factor={postscale_factor} "
-                                       f"need floating-point tensors; got a {tensor.dtype} tensor")
+def _reduction(tensor, op, postscale_factor, comm):
+    """(op to run, postscale factor) of a reduction of `tensor`. Horovod averages as a sum scaled
+    by postscale_factor / size; the collectives average floating-point tensors themselves, and
+    integer ones are summed and scaled so, as Horovod's (the quotient truncated toward zero)."""
+    if op == Average and not tensor.is_floating_point():
+        return Sum, postscale_factor / comm.size
+    return op, postscale_factor
 
 
-def _allreduce_into(tensor, op, compression, prescale_factor, postscale_factor, comm):
-    _check_scale_factors([tensor], prescale_factor, postscale_factor)
-    wire_dtype = dtype_on_wire(tensor, compression)
+def _wire_dtype(tensor, compression):
+    """The dtype `tensor` is reduced in, or None for its own: the compression's, or int32 for
+    int16, which the kernels do not reduce (cast back after, it wraps as int16 arithmetic)."""
+    if tensor.dtype == torch.int16:
+        return torch.int32
+    return dtype_on_wire(tensor, compression)
+
+
+def _shape_to_check(comm, shape):
+    """The shape (or tuple of shapes) the ranks must agree on beside the count, as Horovod's
+    reductions refuse tensors of different shapes: None while ranks wait in join(), which take
+    part with flat zeros."""
+    if comm is _comm.world() and ranks_waiting_in_join(comm):
+        return None
+    return shape
+
+
+def _group_shape(members):
+    return tuple(tuple(member.shape) for member in members)
+
+
+def _allreduce_into(tensor, op, compression, prescale_factor, postscale_factor, comm, shape=None):
+    """`tensor` reduced in place; `shape` (default: the tensor's) is what the ranks' must match."""
+    wire_dtype = _wire_dtype(tensor, compression)
+    op, postscale_factor = _reduction(tensor, op, postscale_factor, comm)
     announce_allreduce(comm, tensor, op, asynchronous=False, wire_dtype=wire_dtype)
     _scaled(tensor, prescale_factor)
     wire = tensor.to(wire_dtype) if wire_dtype is not None else tensor
     if op == Adasum:
         comm.adasum_allreduce(wire)
     else:
-        comm.allreduce(wire, op=op)
+        comm.allreduce(wire, op=op, shape=_shape_to_check(comm, tuple(tensor.shape) if shape is None else shape))
     if wire is not tensor:
         tensor.copy_(wire)
     _scaled(tensor, postscale_factor)
@@ -100,7 +126,8 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, comm):
         ctx.shape, ctx.comm = tensor.shape, comm
-        return comm.allgather(tensor.detach().contiguous())
+        source = tensor.detach().contiguous()
+        return _restored(comm.allgather(_movable(source)), source)
 
     @staticmethod
     def backward(ctx, grad):
@@ -116,7 +143,9 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, root, comm):
         ctx.root, ctx.comm = root, comm
-        return comm.broadcast(_contiguous_copy(tensor), root=root)
+        result = _contiguous_copy(tensor)
+        comm.broadcast(_movable(result), root=root)
+        return result
 
     @staticmethod
     def backward(ctx, grad):
@@ -148,15 +177,22 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=None):
     comm = comm_of(process_set)
-    op = resolve_op(op, average)
-    _check_scale_factors([tensor], prescale_factor, postscale_factor)
-    announce_allreduce(comm, tensor, op, asynchronous=True)  # refused for Adasum
+    wire_dtype = _wire_dtype(tensor, Compression.none)
+    op, postscale_factor = _reduction(tensor, resolve_op(op, average), postscale_factor, comm)
+    announce_allreduce(comm, tensor, op, asynchronous=True, wire_dtype=wire_dtype)  # refused for Adasum
     _scaled(tensor, prescale_factor)
+    wire = tensor.to(wire_dtype) if wire_dtype is not None else tensor
+
+    def finish(result):
+        if wire is not result:
+            result.copy_(wire)
+        _scaled(result, postscale_factor)
+
     if op == Adasum:  # runs at once, in order behind the asynchronous operations in flight
-        comm.adasum_allreduce(tensor)
-        return Handle(DoneHandle(tensor), tensor, lambda t: _scaled(t, postscale_factor))
-    handle = comm.allreduce_async(tensor, op=op)
-    return Handle(handle, tensor, lambda t: _scaled(t, postscale_factor))
+        comm.adasum_allreduce(wire)
+        return Handle(DoneHandle(tensor), tensor, finish)
+    handle = comm.allreduce_async(wire, op=op, shape=_shape_to_check(comm, tuple(tensor.shape)))
+    return Handle(handle, tensor, finish)
 
 
 @traced("ALLREDUCE")
@@ -183,7 +219,8 @@ def synchronize(handle):
 
 @traced("BROADCAST")
 def broadcast_(tensor, root_rank, name=None, process_set=None):
-    return collective_comm(process_set).broadcast(tensor, root=root_in(process_set, root_rank))
+    collective_comm(process_set).broadcast(_movable(tensor), root=root_in(process_set, root_rank))
+    return tensor
 
 
 @traced("BROADCAST")
@@ -241,13 +278,52 @@ def sparse_allreduce_async(tensor, name=None, op=Average, process_set=None):
     return lambda: result
 
 
+def _movable(tensor):
+    """`tensor` as the collectives move it: as it is, or, for the dtypes they do not reduce
+    (int16, bool, ...), as uint8 bytes, a row of bytes per row (a 0-d tensor: one row). The byte
+    view shares the tensor's memory; a non-contiguous tensor is left for the collective to refuse."""
+    if tensor.dtype in _COLLECTIVE_DTYPES or not tensor.is_contiguous():
+        return tensor
+    rows = tensor.shape[0] if tensor.dim() else 1
+    return tensor.reshape(rows, math.prod(tensor.shape[1:])).view(torch.uint8)
+
+
+def _restored(moved, like):
+    """A collective's result on _movable(like) in `like`'s dtype and row shape."""
+    if moved.dtype == like.dtype:
+        return moved
+    return moved.view(like.dtype).reshape((moved.shape[0],) + tuple(like.shape[1:]))
+
+
+def _refused(comm, error):
+    """`error`, raised on this rank once it has joined the other ranks' call check with a refusal
+    (so that they raise too instead of waiting for it)."""
+    from ..collectives.callcheck import share_refusal  # imported here: the collectives initialize MPI
+    from ..collectives.engine import in_order
+    in_order(comm, share_refusal)
+    return error
+
+
+def _check_scattered(tensors, comm):
+    """What reducescatter refuses: 0-d tensors (no rows to scatter, as Horovod) and dtypes the
+    reductions do not take; all of a group's checked before the first is sent."""
+    try:
+        for tensor in tensors:
+            _reducible_dtype(tensor)
+        if any(tensor.dim() == 0 for tensor in tensors):
+            raise InvalidArgumentError("reducescatter scatters the first dimension's rows: give tensors of at "
+                                       "least one dimension, not 0-d ones")
+    except MpidistError as error:
+        raise _refused(comm, error) from None
+
+
 def _reducescatter(tensor, op, compression, prescale_factor, postscale_factor, comm):
     """Rank r's block of rows of the reduction (the first rows % size ranks get one row more)."""
-    _check_scale_factors([tensor], prescale_factor, postscale_factor)
-    source = tensor.detach().contiguous()
-    wire_dtype = dtype_on_wire(source, compression)
-    if prescale_factor != 1.0:
-        source = source * prescale_factor
+    _check_scattered([tensor], comm)
+    source = _contiguous_copy(tensor)
+    wire_dtype = _wire_dtype(source, compression)
+    op, postscale_factor = _reduction(source, op, postscale_factor, comm)
+    _scaled(source, prescale_factor)
     if wire_dtype is not None:
         result = comm.reduce_scatter(source.to(wire_dtype), op=op).to(tensor.dtype)
     else:
@@ -267,11 +343,12 @@ class _Reducescatter(torch.autograd.Function):
         if ctx.op not in (Average, Sum):
             raise NotOfferedError(f"hvd.reducescatter with op={ctx.op!r} has no gradient; only Average and Sum "
                                   "are differentiable (as in Horovod)")
-        # Each input row enters only the output of the rank its block goes to, scaled: its
-        # gradient is that rank's output gradient, scaled the same way (as allreduce's, the
-        # gradient of the sum of the ranks' losses).
+        # Horovod's gradient (HorovodReducescatter.backward): every rank's output gradient,
+        # gathered back into the rows it came from and scaled by the prescale and postscale
+        # factors, and for Sum by the set's size too. That is size times the gradient of the
+        # sum of the ranks' losses, for Sum and Average alike.
         gathered = ctx.comm.allgather(grad.detach().contiguous())
-        _scaled(gathered, ctx.scale / ctx.comm.size if ctx.op == Average else ctx.scale)
+        _scaled(gathered, ctx.scale * ctx.comm.size if ctx.op == Sum else ctx.scale)
         return gathered.reshape(ctx.shape), None, None, None, None, None
 
 
@@ -310,21 +387,29 @@ def unpack_group(flat, members):
         offset += member.numel()
 
 
-def _check_group_allreduce(tensors, op, prescale_factor, postscale_factor):
+def _reducible_dtype(tensor):
+    """The name of the dtype `tensor` is reduced in, refused where the reductions take none."""
+    name = str(_wire_dtype(tensor, Compression.none) or tensor.dtype).removeprefix("torch.")
+    if name not in buffers.DTYPES:
+        raise UnsupportedDtypeError(f"the reductions take int16 and {', '.join(buffers.DTYPES)} tensors, "
+                                    f"not {tensor.dtype}")
+    return name
+
+
+def _check_group_allreduce(tensors, op, comm):
     """What the all-reduce of one kind would refuse, checked for all of them before the first is
     sent (an in-place group is then left as it was)."""
     from ..collectives.callcheck import check_op  # imported here: the collectives initialize MPI
-    _check_scale_factors(tensors, prescale_factor, postscale_factor)
     if op != Adasum:  # Adasum checks its dtypes itself
         for tensor in tensors:
-            check_op(op, str(tensor.dtype).removeprefix("torch."))
+            check_op(_reduction(tensor, op, 1.0, comm)[0], _reducible_dtype(tensor))
 
 
 def _grouped_allreduce_into(tensors, op, compression, prescale_factor, postscale_factor, comm):
-    _check_group_allreduce(tensors, op, prescale_factor, postscale_factor)
+    _check_group_allreduce(tensors, op, comm)
     for members in tensors_by_kind(tensors):
         flat = pack_group(members)
-        _allreduce_into(flat, op, compression, prescale_factor, postscale_factor, comm)
+        _allreduce_into(flat, op, compression, prescale_factor, postscale_factor, comm, _group_shape(members))
         unpack_group(flat, members)
     return list(tensors)
 
@@ -376,18 +461,23 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     comm = comm_of(process_set)
     tensors = _check_group(tensors, "grouped_allreduce_async_")
     op = resolve_op(op, average, "grouped_allreduce")
-    _check_group_allreduce(tensors, op, prescale_factor, postscale_factor)
+    _check_group_allreduce(tensors, op, comm)
     handles, packed = [], []
     for members in tensors_by_kind(tensors):
         flat = pack_group(members)
-        announce_allreduce(comm, flat, op, asynchronous=True)
+        wire_dtype = _wire_dtype(flat, Compression.none)
+        flat_op, flat_postscale = _reduction(flat, op, postscale_factor, comm)
+        announce_allreduce(comm, flat, flat_op, asynchronous=True, wire_dtype=wire_dtype)
         _scaled(flat, prescale_factor)
-        handles.append(comm.allreduce_async(flat, op=op))
-        packed.append((flat, members))
+        wire = flat.to(wire_dtype) if wire_dtype is not None else flat
+        handles.append(comm.allreduce_async(wire, op=flat_op, shape=_shape_to_check(comm, _group_shape(members))))
+        packed.append((flat, wire, flat_postscale, members))
 
     def finish(_result):
-        for flat, members in packed:
-            _scaled(flat, postscale_factor)
+        for flat, wire, flat_postscale, members in packed:
+            if wire is not flat:
+                flat.copy_(wire)
+            _scaled(flat, flat_postscale)
             unpack_group(flat, members)
 
     return Handle(GroupHandle(handles), tensors, finish)
@@ -417,7 +507,7 @@ def grouped_allgather_async(tensors, name=None, process_set=None):
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average, process_set=None,
                           prescale_factor=1.0, postscale_factor=1.0):
     tensors = _check_group(tensors, "grouped_reducescatter")
-    _check_scale_factors(tensors, prescale_factor, postscale_factor)  # all of them before the first is sent
+    _check_scattered(tensors, collective_comm(process_set))
     return [reducescatter(t, name, compression, op, process_set, prescale_factor, postscale_factor)
             for t in tensors]
 
@@ -436,16 +526,9 @@ def _alltoall(tensor, splits, comm):
     if isinstance(splits, torch.Tensor):
         splits = splits.tolist()
     source = tensor.detach().contiguous()
-    if source.dim() == 0 or source.dtype in _COLLECTIVE_DTYPES:
-        output, received = comm.alltoall(source, splits)
-    else:
-        # The collectives know the dtypes they can reduce; an all-to-all only moves rows, so the
-        # others (bool, int16, complex, ...) travel as their bytes, a row of bytes per row.
-        row_shape = tuple(source.shape[1:])
-        as_bytes = source.reshape(source.shape[0], math.prod(row_shape)).view(torch.uint8)
-        output, received = comm.alltoall(as_bytes, splits)
-        output = output.view(source.dtype).reshape((output.shape[0],) + row_shape)
-    return output, torch.tensor(received.tolist(), dtype=torch.int32)
+    # A 0-d tensor goes as it is, for the collective to refuse (it has no rows to split).
+    output, received = comm.alltoall(source if source.dim() == 0 else _movable(source), splits)
+    return _restored(output, source), torch.tensor(received.tolist(), dtype=torch.int32)
 
 
 class _Alltoall(torch.autograd.Function):
