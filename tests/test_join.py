@@ -1,14 +1,20 @@
 """Uneven inputs: DataParallel.join() (PyTorch DDP's model.join()) and hvd.join() (Horovod's),
-against single-process float64 training that applies the same updates."""
+against single-process float64 training that applies the same updates.
+
+The multi-rank tests of one world size run in one launch (mpi_shared_launch.py), in file order;
+each leaves every rank out of join() and drops what it wrapped: hvd.join() takes part for every
+live DistributedOptimizer, so the tests that make one drop it even when they fail."""
 import gc
 
 import pytest
 import torch
 from mpi4py import MPI
-from test_data_parallel import assert_close_to_reference, batch, communicator, make_model, train_steps
+from test_data_parallel import ON_NODES, assert_close_to_reference, batch, communicator, make_model, train_steps
 
 import mpidist as md
 import mpidist.torch as hvd
+
+pytestmark = pytest.mark.mpi_shared_launch
 
 STEPS_BY_RANK = [5, 3, 6, 2, 4]  # uneven, and the rank with the most is not always the last rank
 
@@ -38,22 +44,25 @@ def reference_parameters(size, steps, divide_by_world_size=True, lr=0.1):
     return [p.detach().float() for p in model.parameters()]
 
 
-def check_data_parallel_join_matches_reference(mpi_ranks, mpi_world, monkeypatch):
+@pytest.mark.mpi(ranks=[2, 3])
+@ON_NODES  # shared slots on one node; the asynchronous engine
+@pytest.mark.parametrize("divide, views", [(True, False), (False, True)],
+                         ids=["by_world_size_copied", "by_ranks_training_views"])
+def test_data_parallel_join_matches_reference(mpi_ranks, mpi_world, monkeypatch, ranks_per_node, divide, views):
     rank, size = mpi_world.rank, mpi_ranks
     longest = max(steps_of(r) for r in range(size))
-    for ranks_per_node in (None, "1"):  # shared slots on one node; the asynchronous engine
-        comm = communicator(ranks_per_node, monkeypatch)
-        for divide, views in ((True, False), (False, True)):
-            model = make_model(seed=rank)
-            ddp = md.DataParallel(model, comm=comm, bucket_mb=0.0005, gradient_as_bucket_view=views)
-            with ddp.join(divide_by_initial_world_size=divide):
-                train_steps(ddp, rank, steps_of(rank))
-            # Every rank now holds the parameters of the rank that trained longest.
-            assert_close_to_reference(list(model.parameters()), reference_parameters(size, longest, divide))
-            del ddp
+    comm = communicator(ranks_per_node, monkeypatch)
+    model = make_model(seed=rank)
+    ddp = md.DataParallel(model, comm=comm, bucket_mb=0.0005, gradient_as_bucket_view=views)
+    with ddp.join(divide_by_initial_world_size=divide):
+        train_steps(ddp, rank, steps_of(rank))
+    # Every rank now holds the parameters of the rank that trained longest.
+    assert_close_to_reference(list(model.parameters()), reference_parameters(size, longest, divide))
+    del ddp
 
 
-def check_join_gives_everyone_the_last_joiners_buffers(mpi_ranks, mpi_world):
+@pytest.mark.mpi(ranks=[2, 3])
+def test_join_gives_everyone_the_last_joiners_buffers(mpi_ranks, mpi_world):
     """Buffers are broadcast while every rank trains, not once one has joined (the joined ranks
     take part in those broadcasts too: nothing hangs); at the end every rank has the buffers of
     the last rank to join."""
@@ -74,7 +83,8 @@ def check_join_gives_everyone_the_last_joiners_buffers(mpi_ranks, mpi_world):
     del ddp
 
 
-def check_join_of_two_models(mpi_ranks, mpi_world):
+@pytest.mark.mpi(ranks=[2, 3])
+def test_join_of_two_models(mpi_ranks, mpi_world):
     """md.Join (torch's Join context manager) over two models trained in the same loop: a rank
     that has run out shadows both models' steps, in their order."""
     rank, size = mpi_world.rank, mpi_ranks
@@ -91,14 +101,24 @@ def check_join_of_two_models(mpi_ranks, mpi_world):
                 optimizer.step()
     for model in (first, second):
         assert_close_to_reference(list(model.parameters()), reference_parameters(size, longest, False))
-    with pytest.raises(md.InvalidArgumentError, match="non-empty list of mpidist.DataParallel"):
-        md.Join([first])
-    with pytest.raises(md.InvalidArgumentError, match="unknown keyword arguments"):
-        md.Join(wrapped, divide_by_world=True)
     del wrapped, optimizers
 
 
-def check_throw_on_early_termination_raises_on_every_rank(mpi_ranks, mpi_world):
+@pytest.mark.mpi(ranks=[2, 3])
+@pytest.mark.parametrize("wrap, keywords, refusal", [
+    (False, {}, "non-empty list of mpidist.DataParallel"),
+    (True, {"divide_by_world": True}, "unknown keyword arguments"),
+], ids=["plain_module", "unknown_keyword"])
+def test_join_refuses_bad_arguments(mpi_world, wrap, keywords, refusal):
+    models = [make_model(seed=mpi_world.rank), make_model(seed=mpi_world.rank)]
+    joinables = [md.DataParallel(models[0]), md.DataParallel(models[1], bucket_mb=0.0005)] if wrap else models[:1]
+    with pytest.raises(md.InvalidArgumentError, match=refusal):
+        md.Join(joinables, **keywords)
+    del joinables
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_throw_on_early_termination_raises_on_every_rank(mpi_ranks, mpi_world):
     rank, size = mpi_world.rank, mpi_ranks
     first_out = min(steps_of(r) for r in range(size))
     ddp = md.DataParallel(make_model())
@@ -119,13 +139,18 @@ def check_throw_on_early_termination_raises_on_every_rank(mpi_ranks, mpi_world):
     del ddp
 
 
-def check_join_refuses_nesting_and_sync_batchnorm(mpi_world):
+@pytest.mark.mpi(ranks=[2, 3])
+def test_join_refuses_nesting(mpi_world):
     ddp = md.DataParallel(make_model())
     with ddp.join():
         with pytest.raises(md.InvalidArgumentError, match="nested"):
             with ddp.join():
                 pass
     del ddp
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_join_refuses_sync_batchnorm(mpi_world):
     model = torch.nn.Sequential(torch.nn.Linear(10, 4), md.SyncBatchNorm(4))
     ddp = md.DataParallel(model)
     with pytest.raises(md.InvalidArgumentError, match="SyncBatchNorm"):
@@ -134,28 +159,40 @@ def check_join_refuses_nesting_and_sync_batchnorm(mpi_world):
     del ddp
 
 
-def check_horovod_join(mpi_ranks, mpi_world):
+def drop(optimizers):
+    """Drops the DistributedOptimizers in `optimizers` (a test's own list), for the next test's
+    hvd.join(): a failed test's frame, kept with its traceback, would hold them otherwise."""
+    optimizers.clear()
+    gc.collect()
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_horovod_join(mpi_ranks, mpi_world):
     """Horovod's semantics: a joined rank adds zeros to the gradients and to the metrics, and the
     others still average over every rank; each rank keeps the parameters of its own last step;
     join() returns the last rank."""
+    hvd.init()
     rank, size = mpi_world.rank, mpi_ranks
-    for epoch in range(2):  # join() twice: the second epoch starts counting afresh
-        model = make_model()
-        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                             named_parameters=model.named_parameters())
-        steps = steps_of((rank + epoch) % size)  # a different last joiner in the second epoch
-        for step in range(steps):
-            x, y = batch(step, (rank + epoch) % size)
-            optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            optimizer.step()
-            check_metrics_while_ranks_wait_in_join(epoch, step)
-        last = hvd.join()
-        assert last == max(r for r in range(size) if steps_of((r + epoch) % size) == max(STEPS_BY_RANK[:size]))
-        if epoch == 0:
-            assert_close_to_reference(list(model.parameters()), reference_parameters(size, steps))
-        del optimizer
-        gc.collect()
+    optimizers = []
+    try:
+        for epoch in range(2):  # join() twice: the second epoch starts counting afresh
+            model = make_model()
+            optimizers.append(hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                                       named_parameters=model.named_parameters()))
+            steps = steps_of((rank + epoch) % size)  # a different last joiner in the second epoch
+            for step in range(steps):
+                x, y = batch(step, (rank + epoch) % size)
+                optimizers[0].zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                optimizers[0].step()
+                check_metrics_while_ranks_wait_in_join(epoch, step)
+            last = hvd.join()
+            assert last == max(r for r in range(size) if steps_of((r + epoch) % size) == max(STEPS_BY_RANK[:size]))
+            if epoch == 0:
+                assert_close_to_reference(list(model.parameters()), reference_parameters(size, steps))
+            drop(optimizers)
+    finally:
+        drop(optimizers)
 
 
 def check_metrics_while_ranks_wait_in_join(epoch, step):
@@ -183,32 +220,30 @@ def check_metrics_while_ranks_wait_in_join(epoch, step):
             assert mine.tolist() == [rank + 1, 2 * (rank + 1)]
 
 
-def check_horovod_join_without_an_optimizer_and_refusals(mpi_ranks, mpi_world):
+@pytest.mark.mpi(ranks=[2, 3])
+def test_horovod_join_without_an_optimizer_returns_the_highest_rank(mpi_ranks, mpi_world):
+    hvd.init()
     assert hvd.join() == mpi_ranks - 1  # nothing exchanged: the highest rank
-    model = make_model()
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Min)
-    with pytest.raises(hvd.NotOfferedError, match="op='min'"):
-        hvd.join()
-    del optimizer
-    gc.collect()
-    first = hvd.DistributedOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1))
-    second = hvd.DistributedOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1))
-    with pytest.raises(hvd.NotOfferedError, match="2 live DistributedOptimizers"):
-        hvd.join()
-    del first, second
-    gc.collect()
 
 
 @pytest.mark.mpi(ranks=[2, 3])
-def test_join(mpi_ranks, mpi_world, monkeypatch):
-    """Every check of one world size in one launch (see test_data_parallel.py)."""
+def test_horovod_join_refuses_an_optimizer_of_op_min(mpi_world):
     hvd.init()
-    with monkeypatch.context() as patch:
-        check_data_parallel_join_matches_reference(mpi_ranks, mpi_world, patch)
-    check_join_gives_everyone_the_last_joiners_buffers(mpi_ranks, mpi_world)
-    check_join_of_two_models(mpi_ranks, mpi_world)
-    check_throw_on_early_termination_raises_on_every_rank(mpi_ranks, mpi_world)
-    check_join_refuses_nesting_and_sync_batchnorm(mpi_world)
-    check_horovod_join(mpi_ranks, mpi_world)
-    check_horovod_join_without_an_optimizer_and_refusals(mpi_ranks, mpi_world)
-    assert MPI.COMM_WORLD.allreduce(1) == mpi_ranks  # every rank got here
+    model = make_model()
+    optimizers = [hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Min)]
+    try:
+        with pytest.raises(hvd.NotOfferedError, match="op='min'"):
+            hvd.join()
+    finally:
+        drop(optimizers)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_horovod_join_refuses_two_optimizers(mpi_world):
+    hvd.init()
+    optimizers = [hvd.DistributedOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1)) for _ in range(2)]
+    try:
+        with pytest.raises(hvd.NotOfferedError, match="2 live DistributedOptimizers"):
+            hvd.join()
+    finally:
+        drop(optimizers)

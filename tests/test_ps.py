@@ -4,7 +4,8 @@ server's updates (each gradient recomputed on the weights of the version its wor
 the rules of each mode checked on the updates: one gradient per update (async), at most
 workers // n (n-softsync), the stale-synchronous bound, every worker's steps once and in order.
 
-All checks of one world size run in one launch (each launch starts every rank's interpreter)."""
+The multi-rank tests of one world size run in one launch (mpi_shared_launch.py), in file order;
+the worker that never closes comes last."""
 import re
 import time
 
@@ -13,6 +14,8 @@ import pytest
 import torch
 
 import mpidist as md
+
+pytestmark = pytest.mark.mpi_shared_launch
 
 LR, MOMENTUM = 0.1, 0.9
 
@@ -126,70 +129,106 @@ def check_stale_synchronous_bound(history, workers, bound):
                         f"{applied} gradients applied (bound {bound})")
 
 
-def check_modes(comm):
+@pytest.mark.mpi(ranks=[2, 3, 5])
+@pytest.mark.parametrize("server_is_last", [False, True], ids=["server_first", "server_last"])
+def test_sync_mode_is_synchronous_sgd(mpi_world, server_is_last):
+    """Synchronous SGD on the workers' batches, with the server on either end of the ranks."""
+    comm = mpi_world
+    server = comm.size - 1 if server_is_last else 0
+    workers = [r for r in range(comm.size) if r != server]
+    history, versions, final, _ = run(comm, "sync", server=server)
+    if comm.rank == server:
+        torch.testing.assert_close(final, sync_reference(workers, min(workers)), rtol=1e-12, atol=1e-14)
+        assert all(u.staleness == 0 for u in history)
+        check_every_step_once_in_order(history, workers)
+    else:
+        assert versions == list(range(steps_of(comm.rank))), "sync: step k on the weights of update k"
+
+
+def check_asynchronous_training(comm, configuration):
+    """`configuration` (run's arguments) on server 0: the versions each worker computed on, the
+    gradients per update, the stale-synchronous bound, and a replay of the server's updates."""
     server, workers = 0, list(range(1, comm.size))
     chief = workers[0]
-    # Synchronous: synchronous SGD on the workers' batches, on either end of the ranks.
-    for server in (0, comm.size - 1):
-        workers = [r for r in range(comm.size) if r != server]
-        history, versions, final, _ = run(comm, "sync", server=server)
-        if comm.rank == server:
-            torch.testing.assert_close(final, sync_reference(workers, min(workers)), rtol=1e-12, atol=1e-14)
-            assert all(u.staleness == 0 for u in history)
-            check_every_step_once_in_order(history, workers)
-        else:
-            assert versions == list(range(steps_of(comm.rank))), "sync: step k on the weights of update k"
-    server, workers = 0, list(range(1, comm.size))
-    configurations = [dict(mode="async", staleness_lr=True, slow_worker=chief),
-                      dict(mode="async", max_staleness=1, slow_worker=chief),
-                      dict(mode="async", max_staleness=0, staleness_lr=True, slow_worker=workers[-1])]
-    if len(workers) >= 4:
-        configurations.append(dict(mode="softsync", softsync=2, max_staleness=1, staleness_lr=True, slow_worker=chief))
-    for configuration in configurations:
-        history, versions, final, ps = run(comm, **configuration)
-        gathered = comm.mpi.gather(versions, root=server)
-        if comm.rank != server:
-            continue
-        where = str(configuration)
-        check_every_step_once_in_order(history, workers)
-        for worker in workers:  # each worker computed on the versions the server recorded
-            recorded = [v for u in history for w, _, v in u.gradients if w == worker]
-            assert gathered[worker] == recorded, where
-        limit = 1 if configuration["mode"] == "async" else len(workers) // configuration["softsync"]
-        assert all(1 <= len(u.gradients) <= limit for u in history), where
-        if configuration["mode"] == "async" and "max_staleness" in configuration:
-            check_stale_synchronous_bound(history, workers, configuration["max_staleness"])
-        weights = replay(history, workers, chief, configuration.get("staleness_lr", False))
-        torch.testing.assert_close(final, weights[-1], rtol=1e-12, atol=1e-14, msg=where)
+    history, versions, final, ps = run(comm, **configuration)
+    gathered = comm.mpi.gather(versions, root=server)
+    if comm.rank != server:
+        return
+    where = str(configuration)
+    check_every_step_once_in_order(history, workers)
+    for worker in workers:  # each worker computed on the versions the server recorded
+        recorded = [v for u in history for w, _, v in u.gradients if w == worker]
+        assert gathered[worker] == recorded, where
+    limit = 1 if configuration["mode"] == "async" else len(workers) // configuration["softsync"]
+    assert all(1 <= len(u.gradients) <= limit for u in history), where
+    if configuration["mode"] == "async" and "max_staleness" in configuration:
+        check_stale_synchronous_bound(history, workers, configuration["max_staleness"])
+    weights = replay(history, workers, chief, configuration.get("staleness_lr", False))
+    torch.testing.assert_close(final, weights[-1], rtol=1e-12, atol=1e-14, msg=where)
 
 
-def check_refusals(comm):
+@pytest.mark.mpi(ranks=[2, 3, 5])
+@pytest.mark.parametrize("configuration, slow", [
+    (dict(mode="async", staleness_lr=True), "chief"),
+    (dict(mode="async", max_staleness=1), "chief"),
+    (dict(mode="async", max_staleness=0, staleness_lr=True), "last worker"),
+], ids=["staleness_lr", "max_staleness_1", "max_staleness_0_staleness_lr"])
+def test_async_mode(mpi_world, configuration, slow):
+    slow_worker = 1 if slow == "chief" else mpi_world.size - 1  # the server is rank 0
+    check_asynchronous_training(mpi_world, dict(configuration, slow_worker=slow_worker))
+
+
+@pytest.mark.mpi(ranks=[5])  # 2-softsync takes 2 gradients per update from 4 workers
+def test_softsync_mode(mpi_world):
+    check_asynchronous_training(mpi_world, dict(mode="softsync", softsync=2, max_staleness=1, staleness_lr=True,
+                                                slow_worker=1))
+
+
+def one_rank_world():
     from mpi4py import MPI
+    return md.Communicator(MPI.COMM_SELF)
+
+
+def uneven_model(last):
+    model = torch.nn.Linear(5, 4 if last else 3).double()
+    return model, torch.optim.SGD(model.parameters(), lr=LR)
+
+
+# Each builds a ParameterServer from (model, optimizer, whether this rank is the last); settings
+# that differ between ranks fail on every rank, before anything moves.
+@pytest.mark.mpi(ranks=[2, 3, 5])
+@pytest.mark.parametrize("construct, error, refusal", [
+    (lambda model, optimizer, last: md.ParameterServer(model, optimizer, mode="bogus"),
+     md.InvalidArgumentError, "mode='bogus'"),
+    (lambda model, optimizer, last: md.ParameterServer(model, optimizer, mode="async", softsync=2),
+     md.InvalidArgumentError, "softsync=n goes with mode='softsync'"),
+    (lambda model, optimizer, last: md.ParameterServer(model, optimizer, mode="async", max_staleness=-1),
+     md.InvalidArgumentError, "max_staleness must be None or an integer >= 0"),
+    (lambda model, optimizer, last: md.ParameterServer(model, optimizer, comm=one_rank_world()),
+     md.InvalidArgumentError, "at least 2 ranks"),
+    (lambda model, optimizer, last: md.ParameterServer(*uneven_model(last)),
+     md.MismatchError, r"disagree on parameters: .*rank 0: 18"),
+    (lambda model, optimizer, last: md.ParameterServer(model, optimizer, mode="async" if last else "sync"),
+     md.MismatchError, "disagree on mode: .*async"),
+    (lambda model, optimizer, last: md.ParameterServer(model, None),
+     md.InvalidArgumentError, r"server \(rank 0\) was given no optimizer"),
+    (lambda model, optimizer, last: md.ParameterServer(model, optimizer, version=-1),
+     md.InvalidArgumentError, "version must be an integer >= 0"),
+    (lambda model, optimizer, last: md.ParameterServer(model, optimizer, version=5 if last else 0),
+     md.MismatchError, "disagree on starting version: .*rank 0: 0"),
+], ids=["unknown_mode", "softsync_without_its_mode", "negative_max_staleness", "one_rank", "parameters_differ",
+        "modes_differ", "no_optimizer_on_the_server", "negative_version", "starting_versions_differ"])
+def test_refusals(mpi_world, construct, error, refusal):
     model = make_model(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    with pytest.raises(md.InvalidArgumentError, match="mode='bogus'"):
-        md.ParameterServer(model, optimizer, mode="bogus")
-    with pytest.raises(md.InvalidArgumentError, match="softsync=n goes with mode='softsync'"):
-        md.ParameterServer(model, optimizer, mode="async", softsync=2)
-    with pytest.raises(md.InvalidArgumentError, match="max_staleness must be None or an integer >= 0"):
-        md.ParameterServer(model, optimizer, mode="async", max_staleness=-1)
-    with pytest.raises(md.InvalidArgumentError, match="at least 2 ranks"):
-        md.ParameterServer(model, optimizer, comm=md.Communicator(MPI.COMM_SELF))
-    # Settings that differ between ranks fail on every rank, before anything moves.
-    last = comm.rank == comm.size - 1
-    uneven = torch.nn.Linear(5, 4 if last else 3).double()
-    with pytest.raises(md.MismatchError, match=r"disagree on parameters: .*rank 0: 18"):
-        md.ParameterServer(uneven, torch.optim.SGD(uneven.parameters(), lr=LR))
-    with pytest.raises(md.MismatchError, match="disagree on mode: .*async"):
-        md.ParameterServer(model, optimizer, mode="async" if last else "sync")
-    with pytest.raises(md.InvalidArgumentError, match=r"server \(rank 0\) was given no optimizer"):
-        md.ParameterServer(model, None)
-    with pytest.raises(md.InvalidArgumentError, match="version must be an integer >= 0"):
-        md.ParameterServer(model, optimizer, version=-1)
-    with pytest.raises(md.MismatchError, match="disagree on starting version: .*rank 0: 0"):
-        md.ParameterServer(model, optimizer, version=5 if last else 0)
-    # Calls on the wrong side, and after close().
-    ps = md.ParameterServer(model, optimizer)
+    with pytest.raises(error, match=refusal):
+        construct(model, optimizer, mpi_world.rank == mpi_world.size - 1)
+
+
+@pytest.mark.mpi(ranks=[2, 3, 5])
+def test_calls_on_the_wrong_side_and_after_close_are_refused(mpi_world):
+    model = make_model(0)
+    ps = md.ParameterServer(model, torch.optim.SGD(model.parameters(), lr=LR))
     if ps.is_server:
         with pytest.raises(md.InvalidArgumentError, match="step\\(\\) runs on workers"):
             ps.step()
@@ -202,9 +241,11 @@ def check_refusals(comm):
             ps.step()
 
 
-def check_resumed_versions_and_the_update_hook(comm):
+@pytest.mark.mpi(ranks=[2, 3, 5])
+def test_resumed_versions_and_the_update_hook(mpi_world):
     """A server started at version 7 (resumed weights) numbers its updates on from there, and
     staleness counts from there too; on_update sees each update as it is applied."""
+    comm = mpi_world
     model = make_model(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     ps = md.ParameterServer(model, optimizer, mode="async", version=7)
@@ -226,9 +267,13 @@ def check_resumed_versions_and_the_update_hook(comm):
     assert ps.version == 7 + comm.size - 1  # every rank ends with the final weights' version
 
 
-def check_a_worker_that_never_closes(comm, monkeypatch):
+# Last of its launch: the server and the worker each give up waiting for the other, leaving this
+# parameter server's messages unmatched, which a test after it could meet.
+@pytest.mark.mpi(ranks=[2])
+def test_a_worker_that_never_closes(mpi_world, monkeypatch):
     """Nobody waits forever: the server gives up after MPIDIST_TIMEOUT, and so does the worker
     waiting for the final weights it will never get."""
+    comm = mpi_world
     monkeypatch.setenv("MPIDIST_TIMEOUT", "2")
     model = make_model(0)
     ps = md.ParameterServer(model, torch.optim.SGD(model.parameters(), lr=LR))
@@ -246,13 +291,3 @@ def check_a_worker_that_never_closes(comm, monkeypatch):
                                                    r"complete within 2 s .* no answer from the server \(rank 0\)") as excinfo:
             ps.close()
         assert excinfo.value.peers == (0,)
-
-
-@pytest.mark.mpi(ranks=[2, 3, 5])
-def test_parameter_server(mpi_ranks, mpi_world, monkeypatch):
-    comm = md.init()
-    check_modes(comm)
-    check_refusals(comm)
-    check_resumed_versions_and_the_update_hook(comm)
-    if comm.size == 2:
-        check_a_worker_that_never_closes(comm, monkeypatch)
