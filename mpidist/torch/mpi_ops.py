@@ -173,7 +173,9 @@ def poll(handle) -> bool:
 def synchronize(handle):
     """Wait for an asynchronous operation; returns its result tensor (the same one on every call)."""
     if not handle.finished:
-        handle.handle.wait()
+        outcome = handle.handle.wait()
+        if handle.result is None:  # the operation made it (see Handle)
+            handle.result = outcome
         if handle.finish is not None:
             handle.finish(handle.result)
         handle.finished = True
@@ -195,13 +197,13 @@ def broadcast(tensor, root_rank, name=None, process_set=None):
 
 @traced("BROADCAST")
 def broadcast_async_(tensor, root_rank, name=None, process_set=None):
-    return Handle(DoneHandle(broadcast_(tensor, root_rank, name, process_set)), tensor)
+    comm = collective_comm(process_set)
+    return Handle(comm.broadcast_async(tensor, root=root_in(process_set, root_rank)), tensor)
 
 
 @traced("BROADCAST")
 def broadcast_async(tensor, root_rank, name=None, process_set=None):
-    result = broadcast(tensor.detach(), root_rank, name, process_set)
-    return Handle(DoneHandle(result), result)
+    return broadcast_async_(_contiguous_copy(tensor), root_rank, name, process_set)
 
 
 @traced("ALLGATHER")
@@ -213,8 +215,8 @@ def allgather(tensor, name=None, process_set=None):
 
 @traced("ALLGATHER")
 def allgather_async(tensor, name=None, process_set=None):
-    result = allgather(tensor.detach(), name, process_set)
-    return Handle(DoneHandle(result), result)
+    # Sends a copy, as allreduce_async: the caller may change its tensor while the operation runs.
+    return Handle(collective_comm(process_set).allgather_async(_contiguous_copy(tensor)))
 
 
 @traced("ALLREDUCE")
@@ -285,12 +287,22 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
                                 postscale_factor, collective_comm(process_set))
 
 
+def _start_reducescatter(tensor, op, prescale_factor, comm):
+    """Queue the reduce-scatter of a prescaled copy of `tensor` (the caller may change its tensor
+    while the operation runs)."""
+    source = _contiguous_copy(tensor)
+    _scaled(source, prescale_factor)
+    return comm.reduce_scatter_async(source, op=op)
+
+
 @traced("REDUCESCATTER")
 def reducescatter_async(tensor, name=None, op=Average, process_set=None, prescale_factor=1.0,
                         postscale_factor=1.0):
-    result = _reducescatter(tensor, resolve_op(op, adasum_in="reducescatter"), Compression.none, prescale_factor,
-                            postscale_factor, collective_comm(process_set))
-    return Handle(DoneHandle(result), result)
+    op = resolve_op(op, adasum_in="reducescatter")
+    comm = collective_comm(process_set)
+    _check_scale_factors([tensor], prescale_factor, postscale_factor)
+    return Handle(_start_reducescatter(tensor, op, prescale_factor, comm),
+                  finish=lambda result: _scaled(result, postscale_factor))
 
 
 # ---- grouped collectives ---------------------------------------------------------------------
@@ -408,9 +420,9 @@ def grouped_allgather(tensors, name=None, process_set=None):
 
 @traced("ALLGATHER")
 def grouped_allgather_async(tensors, name=None, process_set=None):
-    result = grouped_allgather([t.detach() for t in _check_group(tensors, "grouped_allgather_async")],
-                               name, process_set)
-    return Handle(DoneHandle(result), result)
+    tensors = _check_group(tensors, "grouped_allgather_async")
+    comm = collective_comm(process_set)
+    return Handle(GroupHandle([comm.allgather_async(_contiguous_copy(t)) for t in tensors]))
 
 
 @traced("REDUCESCATTER")
@@ -425,9 +437,17 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
 @traced("REDUCESCATTER")
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=None, prescale_factor=1.0,
                                 postscale_factor=1.0):
-    result = grouped_reducescatter([t.detach() for t in _check_group(tensors, "grouped_reducescatter_async")],
-                                   name, Compression.none, op, process_set, prescale_factor, postscale_factor)
-    return Handle(DoneHandle(result), result)
+    tensors = _check_group(tensors, "grouped_reducescatter_async")
+    op = resolve_op(op, adasum_in="reducescatter")
+    comm = collective_comm(process_set)
+    _check_scale_factors(tensors, prescale_factor, postscale_factor)  # all of them before the first is sent
+    handles = [_start_reducescatter(t, op, prescale_factor, comm) for t in tensors]
+
+    def finish(results):
+        for result in results:
+            _scaled(result, postscale_factor)
+
+    return Handle(GroupHandle(handles), finish=finish)
 
 
 def _alltoall(tensor, splits, comm):
