@@ -22,13 +22,14 @@ from .callcheck import (
     check_op,
     check_root,
     check_same_call,
+    checked_here,
     checked_in_order,
     resolve_algorithm,
     share_refusal,
     signature,
 )
 from .common import Context, finish_average, kernel_op, split_counts
-from .engine import Handle, in_order
+from .engine import Handle
 from .registry import ALLREDUCE, HOST_MEMORY_ALGORITHMS
 from .ring import allgather_ring, reduce_scatter_ring
 from .staging import copy_buffer, staged
@@ -188,17 +189,6 @@ def _reduce_scatter(comm, array, info, op):
 
 # ---- asynchronous collectives: queued on the communicator's engine (engine.py) -------------------
 
-def _checked_here(comm, check):
-    """check() this rank's arguments at the call; a refusal first joins the other ranks' call
-    check on the channel they use (the communicator, or at their first asynchronous call before
-    the engine exists, this one: in_order picks the same), then raises here."""
-    try:
-        return check()
-    except MpidistError:
-        in_order(comm, share_refusal)
-        raise
-
-
 def _async_engine(comm, first_call: dict, row_shape=None):
     """The communicator's asynchronous engine. The first asynchronous call starts it, which
     duplicates the communicator, a collective on it: the ranks check first (signature
@@ -210,8 +200,8 @@ def _async_engine(comm, first_call: dict, row_shape=None):
 
 
 def allreduce_async(comm, array, op="sum", algorithm="auto", out=None) -> Handle:
-    target, target_info, source_info, name = _checked_here(comm, lambda: _prepare_allreduce_async(comm, array, op,
-                                                                                                  algorithm, out))
+    target, target_info, source_info, name = checked_here(
+        comm, lambda: _prepare_allreduce_async(comm, array, op, algorithm, out))
     engine = _async_engine(comm, signature("first allreduce_async", target_info, op, name))
     if source_info is not None:
         # Copied now, as the call returns: the caller may reuse the input at once.
@@ -228,7 +218,7 @@ def _prepare_allreduce_async(comm, array, op, algorithm, out):
 def broadcast_async(comm, array, root=0) -> Handle:
     """broadcast, run in the background: the handle's wait() returns the array (written in
     place on every rank but the root). The array must not be used until then."""
-    array, info, root = _checked_here(comm, lambda: _check_broadcast(comm, array, root))
+    array, info, root = checked_here(comm, lambda: _check_broadcast(comm, array, root))
     engine = _async_engine(comm, signature("first broadcast_async", info, root=root))
     return engine.submit("broadcast_async", lambda eng: _broadcast(eng, array, info, root))
 
@@ -236,7 +226,7 @@ def broadcast_async(comm, array, root=0) -> Handle:
 def allgather_async(comm, array) -> Handle:
     """allgather, run in the background: the handle's wait() returns the new array. The input
     must not change until then."""
-    array, info = _checked_here(comm, lambda: (array, buffers.describe(array)))
+    array, info = checked_here(comm, lambda: (array, buffers.describe(array)))
     engine = _async_engine(comm, *_allgather_signature("first allgather_async", array, info))
     return engine.submit("allgather_async", lambda eng: _allgather(eng, array, info))
 
@@ -244,6 +234,6 @@ def allgather_async(comm, array) -> Handle:
 def reduce_scatter_async(comm, array, op="sum") -> Handle:
     """reduce_scatter, run in the background: the handle's wait() returns this rank's block. The
     input must not change until then."""
-    array, info, op = _checked_here(comm, lambda: _check_reduce_scatter(array, op))
+    array, info, op = checked_here(comm, lambda: _check_reduce_scatter(array, op))
     engine = _async_engine(comm, *_reduce_scatter_signature("first reduce_scatter_async", array, info, op))
     return engine.submit("reduce_scatter_async", lambda eng: _reduce_scatter(eng, array, info, op))

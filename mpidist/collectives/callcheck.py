@@ -117,15 +117,23 @@ def share_refusal(comm) -> None:
         check_same_call(comm, comm.mpi, REFUSED_SIGNATURE)
 
 
-def checked_in_order(comm, check, run):
-    """A collective that checks its arguments before it joins the queue of its communicator:
-    check() on this rank, then run(channel, *what check returned) in order (engine.in_order). A
-    refusal still joins the other ranks' call check on the channel they use (share_refusal)."""
+def checked_here(comm, check):
+    """check() this rank's arguments, before the collective joins the queue of its communicator.
+    A refusal still joins the other ranks' call check on the channel they use (share_refusal;
+    in_order picks the same one: the engine's, or the communicator's before it has one), then
+    raises here."""
     try:
-        checked = check()
+        return check()
     except MpidistError:
         in_order(comm, share_refusal)
         raise
+
+
+def checked_in_order(comm, check, run):
+    """A collective that checks its arguments before it joins the queue of its communicator:
+    check() on this rank (checked_here), then run(channel, *what check returned) in order
+    (engine.in_order)."""
+    checked = checked_here(comm, check)
     return in_order(comm, lambda channel: run(channel, *checked))
 
 
