@@ -1,8 +1,11 @@
-"""The public collective calls: allreduce, allreduce_async, broadcast, allgather, reduce_scatter.
+"""The public collective calls: allreduce, broadcast, allgather, reduce_scatter, and their
+asynchronous forms (allreduce_async, broadcast_async, allgather_async, reduce_scatter_async).
 
 Each call checks its arguments on this rank (a refusal still joins the call check, so the other
 ranks fail at once), then runs in order on its channel (engine.in_order): the ranks agree on the
 call (callcheck.py), GPU buffers are staged where needed (staging.py), and the algorithm runs.
+The asynchronous forms check their arguments at the call and queue the rest on the
+communicator's engine (engine.py), whose thread runs them in submission order.
 """
 from __future__ import annotations
 
@@ -19,13 +22,14 @@ from .callcheck import (
     check_op,
     check_root,
     check_same_call,
+    checked_here,
     checked_in_order,
     resolve_algorithm,
     share_refusal,
     signature,
 )
 from .common import Context, finish_average, kernel_op, split_counts
-from .engine import Handle, in_order
+from .engine import Handle
 from .registry import ALLREDUCE, HOST_MEMORY_ALGORITHMS
 from .ring import allgather_ring, reduce_scatter_ring
 from .staging import copy_buffer, staged
@@ -91,18 +95,18 @@ def _reduce_with(algorithm, ctx: Context, op: str) -> None:
 
 def broadcast(comm, array, root=0):
     """Broadcast `root`'s array into every rank's array, in place. Returns the array."""
-    return in_order(comm, lambda channel: _broadcast(channel, array, root))
+    return checked_in_order(comm, lambda: _check_broadcast(comm, array, root), _broadcast)
 
 
-def _broadcast(comm, array, root=0):
-    try:
-        info = buffers.describe(array)
-        root = check_root(root, comm.size)
-        if comm.rank != root:  # the root's array is only read
-            buffers.check_writable(array, f"broadcast writes root {root}'s data into rank {comm.rank}'s array")
-    except MpidistError:
-        share_refusal(comm)
-        raise
+def _check_broadcast(comm, array, root):
+    info = buffers.describe(array)
+    root = check_root(root, comm.size)
+    if comm.rank != root:  # the root's array is only read
+        buffers.check_writable(array, f"broadcast writes root {root}'s data into rank {comm.rank}'s array")
+    return array, info, root
+
+
+def _broadcast(comm, array, info, root):
     check_same_call(comm, comm.mpi, signature("broadcast", info, root=root))
     with staged(comm, array, info) as work:
         broadcast_algorithm(Context(comm, comm.mpi, work, tag=TAGS["broadcast"]), root)
@@ -112,22 +116,21 @@ def _broadcast(comm, array, root=0):
 def allgather(comm, array):
     """Concatenate every rank's array along the first dimension (ranks may differ in that
     dimension, as in Horovod). Returns a new array of the same kind and device."""
-    return in_order(comm, lambda channel: _allgather(channel, array))
+    return checked_in_order(comm, lambda: (array, buffers.describe(array)), _allgather)
 
 
-def _allgather(comm, array):
-    try:
-        info = buffers.describe(array)
-    except MpidistError:
-        share_refusal(comm)
-        raise
+def _allgather_signature(collective, array, info):
+    """The first dimension may differ, so the count is not part of the check; the row shape is."""
+    row_shape = tuple(array.shape)[1:]
+    return signature(collective, BufferInfo(0, 0, info.dtype, info.device, info.kind), row_shape=row_shape), row_shape
+
+
+def _allgather(comm, array, info):
     shape = tuple(array.shape)
     rows = shape[0] if shape else 1
-    row_shape = shape[1:]
+    fields, row_shape = _allgather_signature("allgather", array, info)
     row_elements = int(np.prod(row_shape)) if row_shape else 1
-    # The first dimension may differ, so the count is not part of the check.
-    check_same_call(comm, comm.mpi, signature("allgather", BufferInfo(0, 0, info.dtype, info.device, info.kind),
-                                              row_shape=row_shape), row_shape)
+    check_same_call(comm, comm.mpi, fields, row_shape)
     all_rows = np.empty(comm.size, dtype=np.int64)
     comm.mpi.Allgather([np.array([rows], dtype=np.int64), MPI.INT64_T], [all_rows, MPI.INT64_T])
     total = int(all_rows.sum())
@@ -147,22 +150,27 @@ def _allgather(comm, array):
 def reduce_scatter(comm, array, op="sum"):
     """Reduce across ranks and give rank r the r-th block of rows of the result (the first
     rows % p ranks get one extra row). The input is left unchanged. Returns a new array."""
-    return in_order(comm, lambda channel: _reduce_scatter(channel, array, op))
+    return checked_in_order(comm, lambda: _check_reduce_scatter(array, op), _reduce_scatter)
 
 
-def _reduce_scatter(comm, array, op="sum"):
-    try:
-        info = buffers.describe(array)
-        check_op(op, info.dtype)
-    except MpidistError:
-        share_refusal(comm)
-        raise
+def _check_reduce_scatter(array, op):
+    info = buffers.describe(array)
+    check_op(op, info.dtype)
+    return array, info, op
+
+
+def _reduce_scatter_signature(collective, array, info, op):
+    # The row shape too: ranks with equal counts but different rows would cut the blocks
+    # differently (a truncated message, wrong sums or a hang).
+    row_shape = tuple(array.shape)[1:]
+    return signature(collective, info, op, row_shape=row_shape), row_shape
+
+
+def _reduce_scatter(comm, array, info, op):
     shape = tuple(array.shape)
     rows = shape[0] if shape else 1
     row_elements = info.count // rows if rows else 0
-    # The row shape too: ranks with equal counts but different rows would cut the blocks
-    # differently (a truncated message, wrong sums or a hang).
-    check_same_call(comm, comm.mpi, signature("reduce_scatter", info, op, row_shape=shape[1:]), shape[1:])
+    check_same_call(comm, comm.mpi, *_reduce_scatter_signature("reduce_scatter", array, info, op))
     chunks = [(o * row_elements, c * row_elements) for o, c in split_counts(rows, comm.size)]
     my_rows = split_counts(rows, comm.size)[comm.rank][1]
     out = buffers.new_array(array, (my_rows,) + shape[1:] if shape else (my_rows,))
@@ -181,23 +189,53 @@ def _reduce_scatter(comm, array, op="sum"):
     return out
 
 
-def allreduce_async(comm, array, op="sum", algorithm="auto", out=None, shape=None) -> Handle:
-    try:
-        target, target_info, source_info = prepare_allreduce(array, op, algorithm, out)
-        name = resolve_algorithm(algorithm, target_info, comm)
-    except MpidistError:
-        # The others' call check runs on the engine's communicator, or, at their first
-        # asynchronous call, on this one: in_order picks the same.
-        in_order(comm, share_refusal)
-        raise
+# ---- asynchronous collectives: queued on the communicator's engine (engine.py) -------------------
+
+def _async_engine(comm, first_call: dict, row_shape=None):
+    """The communicator's asynchronous engine. The first asynchronous call starts it, which
+    duplicates the communicator, a collective on it: the ranks check first (signature
+    `first_call`) that every one of them is starting it with the same call, not running another
+    collective there (whose messages would cross the duplication's own)."""
     if comm._engine is None and comm.check_calls:
-        # Starting the engine duplicates the communicator, a collective on it: check first that
-        # every rank is starting it too, not running another collective there (whose messages
-        # would cross the duplication's own).
-        check_same_call(comm, comm.mpi, signature("first allreduce_async", target_info, op, name))
+        check_same_call(comm, comm.mpi, first_call, row_shape)
+    return comm.async_engine()
+
+
+def allreduce_async(comm, array, op="sum", algorithm="auto", out=None, shape=None) -> Handle:
+    target, target_info, source_info, name = checked_here(
+        comm, lambda: _prepare_allreduce_async(comm, array, op, algorithm, out))
+    engine = _async_engine(comm, signature("first allreduce_async", target_info, op, name))
     if source_info is not None:
         # Copied now, as the call returns: the caller may reuse the input at once.
         copy_buffer(target_info, source_info)
-    engine = comm.async_engine()
     return engine.submit("allreduce_async",
                          lambda eng: _run_allreduce(eng, target, target_info, op, algorithm, shape=shape))
+
+
+def _prepare_allreduce_async(comm, array, op, algorithm, out):
+    target, target_info, source_info = prepare_allreduce(array, op, algorithm, out)
+    return target, target_info, source_info, resolve_algorithm(algorithm, target_info, comm)
+
+
+def broadcast_async(comm, array, root=0) -> Handle:
+    """broadcast, run in the background: the handle's wait() returns the array (written in
+    place on every rank but the root). The array must not be used until then."""
+    array, info, root = checked_here(comm, lambda: _check_broadcast(comm, array, root))
+    engine = _async_engine(comm, signature("first broadcast_async", info, root=root))
+    return engine.submit("broadcast_async", lambda eng: _broadcast(eng, array, info, root))
+
+
+def allgather_async(comm, array) -> Handle:
+    """allgather, run in the background: the handle's wait() returns the new array. The input
+    must not change until then."""
+    array, info = checked_here(comm, lambda: (array, buffers.describe(array)))
+    engine = _async_engine(comm, *_allgather_signature("first allgather_async", array, info))
+    return engine.submit("allgather_async", lambda eng: _allgather(eng, array, info))
+
+
+def reduce_scatter_async(comm, array, op="sum") -> Handle:
+    """reduce_scatter, run in the background: the handle's wait() returns this rank's block. The
+    input must not change until then."""
+    array, info, op = checked_here(comm, lambda: _check_reduce_scatter(array, op))
+    engine = _async_engine(comm, *_reduce_scatter_signature("first reduce_scatter_async", array, info, op))
+    return engine.submit("reduce_scatter_async", lambda eng: _reduce_scatter(eng, array, info, op))

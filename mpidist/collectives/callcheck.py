@@ -22,10 +22,11 @@ from .registry import ALGORITHMS, ALLREDUCE
 from .select import choose_allreduce
 
 OPS = ("sum", "avg", "min", "max", "prod")
-# "first allreduce_async": the first asynchronous call of each rank starts the background thread,
-# which duplicates the communicator (a collective of its own); ranks check that they all do so.
+# "first allreduce_async" (and the other "first"s): the first asynchronous call of each rank starts
+# the background thread, which duplicates the communicator (a collective of its own); ranks check
+# that they all do so, with the same call.
 COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "first allreduce_async", "adasum",
-               "alltoall")
+               "alltoall", "first broadcast_async", "first allgather_async", "first reduce_scatter_async")
 # Tags keep the messages of different collectives apart should a rank ever run ahead.
 TAGS = {name: 0x4D44 + index for index, name in enumerate(COLLECTIVES)}
 SIGNATURE_FIELDS = ("collective", "count", "dtype", "op", "algorithm", "root", "row shape")
@@ -117,15 +118,23 @@ def share_refusal(comm) -> None:
         check_same_call(comm, comm.mpi, REFUSED_SIGNATURE)
 
 
-def checked_in_order(comm, check, run):
-    """A collective that checks its arguments before it joins the queue of its communicator:
-    check() on this rank, then run(channel, *what check returned) in order (engine.in_order). A
-    refusal still joins the other ranks' call check on the channel they use (share_refusal)."""
+def checked_here(comm, check):
+    """check() this rank's arguments, before the collective joins the queue of its communicator.
+    A refusal still joins the other ranks' call check on the channel they use (share_refusal;
+    in_order picks the same one: the engine's, or the communicator's before it has one), then
+    raises here."""
     try:
-        checked = check()
+        return check()
     except MpidistError:
         in_order(comm, share_refusal)
         raise
+
+
+def checked_in_order(comm, check, run):
+    """A collective that checks its arguments before it joins the queue of its communicator:
+    check() on this rank (checked_here), then run(channel, *what check returned) in order
+    (engine.in_order)."""
+    checked = checked_here(comm, check)
     return in_order(comm, lambda channel: run(channel, *checked))
 
 

@@ -58,7 +58,7 @@ class AsyncEngine(Channel):
         # comes (refused locally, or it called something else) would otherwise hang here forever.
         self.mpi, request = comm.mpi.Idup()
         deadlines.wait_for_collective(request, comm.mpi, what="duplication of the communicator for "
-                                                              "asynchronous collectives (at the first allreduce_async)")
+                                                              "asynchronous collectives (at the first asynchronous call)")
         self.rank, self.size = comm.rank, comm.size
         self.scratch = buffers.ScratchPool()
         self.staging = buffers.HostStaging()

@@ -6,17 +6,20 @@ from __future__ import annotations
 
 
 class Handle:
-    """An asynchronous operation in flight. Its finishing step (postscale_factor) runs once, however
-    often synchronize() is called on it."""
+    """An asynchronous operation in flight. `result` is the tensor (or list) it writes where the
+    call knows it, else None: the operation makes it (allgather's rows come from every rank) and
+    synchronize() takes what the collective's handle gives. Its finishing step (postscale_factor,
+    the dtype back from the one the collective moved) takes that result and returns the final
+    one; it runs once, however often synchronize() is called on it."""
 
-    def __init__(self, handle, result, finish=None):
+    def __init__(self, handle, result=None, finish=None):
         self.handle, self.result, self.finish = handle, result, finish
         self.finished = False
         self.trace = None  # (name, activity, start) while the timeline waits for its end
 
 
 class DoneHandle:
-    """Broadcast and allgather complete before returning; the handle only carries the result."""
+    """An operation that completed in the call (Adasum, alltoall); the handle only carries the result."""
 
     def __init__(self, result):
         self.result = result
@@ -38,8 +41,7 @@ class GroupHandle:
         return all(handle.done() for handle in self.handles)
 
     def wait(self):
-        for handle in self.handles:
-            handle.wait()
+        return [handle.wait() for handle in self.handles]
 
     @property
     def finished(self):

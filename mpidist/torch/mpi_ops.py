@@ -187,6 +187,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
         if wire is not result:
             result.copy_(wire)
         _scaled(result, postscale_factor)
+        return result
 
     if op == Adasum:  # runs at once, in order behind the asynchronous operations in flight
         comm.adasum_allreduce(wire)
@@ -209,9 +210,11 @@ def poll(handle) -> bool:
 def synchronize(handle):
     """Wait for an asynchronous operation; returns its result tensor (the same one on every call)."""
     if not handle.finished:
-        handle.handle.wait()
+        outcome = handle.handle.wait()
+        if handle.result is None:  # the operation made it (see Handle)
+            handle.result = outcome
         if handle.finish is not None:
-            handle.finish(handle.result)
+            handle.result = handle.finish(handle.result)
         handle.finished = True
         end_traced(handle)
     return handle.result
@@ -232,13 +235,13 @@ def broadcast(tensor, root_rank, name=None, process_set=None):
 
 @traced("BROADCAST")
 def broadcast_async_(tensor, root_rank, name=None, process_set=None):
-    return Handle(DoneHandle(broadcast_(tensor, root_rank, name, process_set)), tensor)
+    comm = collective_comm(process_set)
+    return Handle(comm.broadcast_async(_movable(tensor), root=root_in(process_set, root_rank)), tensor)
 
 
 @traced("BROADCAST")
 def broadcast_async(tensor, root_rank, name=None, process_set=None):
-    result = broadcast(tensor.detach(), root_rank, name, process_set)
-    return Handle(DoneHandle(result), result)
+    return broadcast_async_(_contiguous_copy(tensor), root_rank, name, process_set)
 
 
 @traced("ALLGATHER")
@@ -250,8 +253,10 @@ def allgather(tensor, name=None, process_set=None):
 
 @traced("ALLGATHER")
 def allgather_async(tensor, name=None, process_set=None):
-    result = allgather(tensor.detach(), name, process_set)
-    return Handle(DoneHandle(result), result)
+    # Sends a copy, as allreduce_async: the caller may change its tensor while the operation runs.
+    source = _contiguous_copy(tensor)
+    return Handle(collective_comm(process_set).allgather_async(_movable(source)),
+                  finish=lambda result: _restored(result, source))
 
 
 @traced("ALLREDUCE")
@@ -362,12 +367,31 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
                                 postscale_factor, collective_comm(process_set))
 
 
+def _start_reducescatter(tensor, op, prescale_factor, postscale_factor, comm):
+    """(the handle, the finishing step) of the queued reduce-scatter of a prescaled copy of
+    `tensor` (the caller may change its tensor while the operation runs), as _reducescatter's."""
+    source = _contiguous_copy(tensor)
+    wire_dtype = _wire_dtype(source, Compression.none)
+    op, postscale_factor = _reduction(source, op, postscale_factor, comm)
+    _scaled(source, prescale_factor)
+    handle = comm.reduce_scatter_async(source.to(wire_dtype) if wire_dtype is not None else source, op=op)
+
+    def finish(result):
+        result = result.to(tensor.dtype) if wire_dtype is not None else result
+        _scaled(result, postscale_factor)
+        return result
+
+    return handle, finish
+
+
 @traced("REDUCESCATTER")
 def reducescatter_async(tensor, name=None, op=Average, process_set=None, prescale_factor=1.0,
                         postscale_factor=1.0):
-    result = _reducescatter(tensor, resolve_op(op, adasum_in="reducescatter"), Compression.none, prescale_factor,
-                            postscale_factor, collective_comm(process_set))
-    return Handle(DoneHandle(result), result)
+    op = resolve_op(op, adasum_in="reducescatter")
+    comm = collective_comm(process_set)
+    _check_scattered([tensor], comm)
+    handle, finish = _start_reducescatter(tensor, op, prescale_factor, postscale_factor, comm)
+    return Handle(handle, finish=finish)
 
 
 # ---- grouped collectives ---------------------------------------------------------------------
@@ -479,6 +503,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
                 flat.copy_(wire)
             _scaled(flat, flat_postscale)
             unpack_group(flat, members)
+        return tensors
 
     return Handle(GroupHandle(handles), tensors, finish)
 
@@ -498,9 +523,11 @@ def grouped_allgather(tensors, name=None, process_set=None):
 
 @traced("ALLGATHER")
 def grouped_allgather_async(tensors, name=None, process_set=None):
-    result = grouped_allgather([t.detach() for t in _check_group(tensors, "grouped_allgather_async")],
-                               name, process_set)
-    return Handle(DoneHandle(result), result)
+    tensors = _check_group(tensors, "grouped_allgather_async")
+    comm = collective_comm(process_set)
+    sources = [_contiguous_copy(t) for t in tensors]
+    return Handle(GroupHandle([comm.allgather_async(_movable(source)) for source in sources]),
+                  finish=lambda results: [_restored(result, source) for result, source in zip(results, sources)])
 
 
 @traced("REDUCESCATTER")
@@ -515,9 +542,13 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
 @traced("REDUCESCATTER")
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=None, prescale_factor=1.0,
                                 postscale_factor=1.0):
-    result = grouped_reducescatter([t.detach() for t in _check_group(tensors, "grouped_reducescatter_async")],
-                                   name, Compression.none, op, process_set, prescale_factor, postscale_factor)
-    return Handle(DoneHandle(result), result)
+    tensors = _check_group(tensors, "grouped_reducescatter_async")
+    op = resolve_op(op, adasum_in="reducescatter")
+    comm = collective_comm(process_set)
+    _check_scattered(tensors, comm)  # all of them before the first is sent
+    started = [_start_reducescatter(t, op, prescale_factor, postscale_factor, comm) for t in tensors]
+    return Handle(GroupHandle([handle for handle, _ in started]),
+                  finish=lambda results: [finish(result) for result, (_, finish) in zip(results, started)])
 
 
 def _alltoall(tensor, splits, comm):
