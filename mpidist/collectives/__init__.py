@@ -14,7 +14,7 @@ load_mpi()
 
 from .adasum import adasum_allreduce  # noqa: E402,F401
 from .alltoall import alltoall  # noqa: E402,F401
-from .api import allgather, allreduce, allreduce_async, broadcast, reduce_scatter  # noqa: E402,F401
+from .api import allgather, allreduce, allreduce_async, barrier, broadcast, reduce_scatter  # noqa: E402,F401
 from .callcheck import OPS  # noqa: E402,F401
 from .engine import AsyncEngine, Handle, in_order  # noqa: E402,F401
 from .fastpath import small_cpu_allreduce  # noqa: E402,F401

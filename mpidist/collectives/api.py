@@ -1,4 +1,5 @@
-"""The public collective calls: allreduce, allreduce_async, broadcast, allgather, reduce_scatter.
+"""The public collective calls: allreduce, allreduce_async, broadcast, allgather, reduce_scatter,
+barrier.
 
 Each call checks its arguments on this rank (a refusal still joins the call check, so the other
 ranks fail at once), then runs in order on its channel (engine.in_order): the ranks agree on the
@@ -12,8 +13,10 @@ from mpi4py import MPI
 from .. import buffers
 from ..buffers import BufferInfo
 from ..errors import InvalidArgumentError, MpidistError
+from ..runtime.deadlines import wait_for_collective
 from .broadcast import broadcast as broadcast_algorithm
 from .callcheck import (
+    BARRIER_SIGNATURE,
     TAGS,
     check_algorithm,
     check_op,
@@ -177,6 +180,21 @@ def _reduce_scatter(comm, array, op="sum"):
     copy_buffer(out_info, BufferInfo(work_info.ptr + chunks[comm.rank][0] * info.itemsize, out_info.count,
                                      info.dtype, info.device, info.kind))
     return out
+
+
+def barrier(comm) -> None:
+    """Wait until every rank has called barrier(), in order behind the communicator's queued
+    asynchronous collectives, with the deadline (MPIDIST_TIMEOUT). With the call check on, the
+    check is the barrier (its allgather completes on no rank before every rank has entered it),
+    so a rank that called another collective meanwhile makes every rank raise at once."""
+    in_order(comm, _barrier)
+
+
+def _barrier(comm) -> None:
+    if comm.check_calls:
+        check_same_call(comm, comm.mpi, BARRIER_SIGNATURE)
+    else:
+        wait_for_collective(comm.mpi.Ibarrier(), comm.mpi, what="barrier")
 
 
 def allreduce_async(comm, array, op="sum", algorithm="auto", out=None) -> Handle:

@@ -13,6 +13,7 @@ import torch
 from .. import buffers
 from ..errors import InvalidArgumentError, MismatchError, NotOfferedError
 from ..parallel.flat import tensors_by_kind
+from .arguments import release
 from .basics import Adasum, Average, Sum, resolve_op
 from .compression import Compression, dtype_on_wire
 from .handles import DoneHandle, GroupHandle, Handle
@@ -178,6 +179,7 @@ def synchronize(handle):
             handle.finish(handle.result)
         handle.finished = True
         end_traced(handle)
+        release(handle)
     return handle.result
 
 
