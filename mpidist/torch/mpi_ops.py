@@ -174,12 +174,14 @@ def poll(handle) -> bool:
 def synchronize(handle):
     """Wait for an asynchronous operation; returns its result tensor (the same one on every call)."""
     if not handle.finished:
-        handle.handle.wait()
+        try:
+            handle.handle.wait()
+        finally:
+            release(handle)  # a failed operation is over too: its name may be used again
         if handle.finish is not None:
             handle.finish(handle.result)
         handle.finished = True
         end_traced(handle)
-        release(handle)
     return handle.result
 
 
