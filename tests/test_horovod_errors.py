@@ -95,13 +95,16 @@ def test_non_tensors_are_a_type_error_on_every_rank(mpi_world, no_deadline_in_re
              "alltoall": hvd.alltoall,
              "grouped_allreduce": lambda t: hvd.grouped_allreduce([torch.ones(2), t])}
     for name, call in calls.items():
-        with pytest.raises(TypeError, match=rf"^hvd.{name} takes torch tensors, got NoneType"):
+        # A group holding a non-tensor is an InvalidArgumentError (a ValueError), as before.
+        refusal, message = ((md.InvalidArgumentError, "a non-empty list of tensors, got ['Tensor', 'NoneType']")
+                            if name.startswith("grouped") else (TypeError, "a torch tensor, got NoneType"))
+        with pytest.raises(refusal, match=rf"^hvd.{name} takes {re.escape(message)}"):
             call(None)
-        # One rank's None: it raises its TypeError, the others a MismatchError naming it.
-        with pytest.raises((TypeError, md.MismatchError)) as error:
+        # One rank's None: it raises its own error, the others a MismatchError naming it.
+        with pytest.raises((refusal, md.MismatchError)) as error:
             call(None if rank == 1 else torch.ones(6))  # 6 rows: alltoall splits them over 2 or 3 ranks
         if rank == 1:
-            assert isinstance(error.value, md.UnsupportedBufferError)
+            assert isinstance(error.value, refusal) and not isinstance(error.value, md.MismatchError)
         else:
             assert "ranks [1] refused their arguments" in prompt(error)
     hvd.barrier()

@@ -45,15 +45,12 @@ def release(handle) -> None:
 
 
 def _check_tensors(operation: str, arguments: dict) -> None:
-    if "tensor" in arguments:
-        tensors = [arguments["tensor"]]
-    elif isinstance(arguments.get("tensors"), (list, tuple)):
-        tensors = arguments["tensors"]
-    else:
-        return
-    for tensor in tensors:
-        if not isinstance(tensor, torch.Tensor):
-            raise UnsupportedBufferError(f"hvd.{operation} takes torch tensors, got {type(tensor).__name__}")
+    if "tensor" in arguments and not isinstance(arguments["tensor"], torch.Tensor):
+        raise UnsupportedBufferError(f"hvd.{operation} takes a torch tensor, got {type(arguments['tensor']).__name__}")
+    group = arguments.get("tensors", ())
+    if isinstance(group, (list, tuple)) and not all(isinstance(member, torch.Tensor) for member in group):
+        raise InvalidArgumentError(f"hvd.{operation} takes a non-empty list of tensors, got "
+                                   f"{[type(member).__name__ for member in group]}")
 
 
 def _share_refusal(process_set) -> None:
