@@ -45,8 +45,8 @@ def collective_comm(process_set):
     waiting = ranks_waiting_in_join(comm) if comm is _comm.world() else 0
     if waiting:
         raise MismatchError(f"{waiting} rank(s) ran out of data and wait in hvd.join(), where they take part only "
-                           "in all-reduces and the DistributedOptimizer's gradient exchanges: run other "
-                           "collectives before any rank joins, or after every rank has")
+                            "in all-reduces and the DistributedOptimizer's gradient exchanges: run other "
+                            "collectives before any rank joins, or after every rank has")
     return comm
 
 
