@@ -73,6 +73,7 @@ class Collectives(typing.Protocol):
     def allgather_async(self, comm, array): ...
     def reduce_scatter(self, comm, array, op): ...
     def reduce_scatter_async(self, comm, array, op): ...
+    def barrier(self, comm) -> None: ...
     def alltoall(self, comm, array, splits): ...
     def free_released_windows(self, node_comm) -> None: ...
 
@@ -206,8 +207,6 @@ class Communicator(Channel):
         if not isinstance(peer, int) or not 0 <= peer < self.size:
             raise InvalidArgumentError(f"{what}={peer!r} is not a rank of this communicator (size {self.size})")
 
-    def barrier(self) -> None:
-        self.mpi.Barrier()
 
     # ---- collectives (mpidist's own algorithms; see mpidist/collectives/) ----------------------
 
@@ -245,6 +244,10 @@ class Communicator(Channel):
 
     def reduce_scatter_async(self, array, op="sum"):
         return api().reduce_scatter_async(self, array, op=op)
+
+    def barrier(self) -> None:
+        """Wait until every rank has called barrier() (with the deadline, MPIDIST_TIMEOUT)."""
+        api().barrier(self)
 
     def alltoall(self, array, splits=None):
         """Send `splits[k]` rows of `array` (its first dimension; equal blocks without splits) to

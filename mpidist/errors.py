@@ -16,8 +16,9 @@ class MPIUnavailableError(MpidistError):
     """mpi4py or the MPI library behind it cannot be loaded."""
 
 
-class UnsupportedBufferError(MpidistError):
-    """The object is not an array kind mpidist can communicate (NumPy, torch, CuPy)."""
+class UnsupportedBufferError(MpidistError, TypeError):
+    """The object is not an array kind mpidist can communicate (NumPy, torch, CuPy). Also a
+    TypeError, the error Python gives an argument of the wrong type."""
 
 
 class UnsupportedDtypeError(MpidistError):

@@ -19,6 +19,7 @@ from .api import (  # noqa: E402,F401
     allgather_async,
     allreduce,
     allreduce_async,
+    barrier,
     broadcast,
     broadcast_async,
     reduce_scatter,

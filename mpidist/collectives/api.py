@@ -1,5 +1,5 @@
-"""The public collective calls: allreduce, broadcast, allgather, reduce_scatter, and their
-asynchronous forms (allreduce_async, broadcast_async, allgather_async, reduce_scatter_async).
+"""The public collective calls: allreduce, broadcast, allgather, reduce_scatter, barrier, and
+the asynchronous forms (allreduce_async, broadcast_async, allgather_async, reduce_scatter_async).
 
 Each call checks its arguments on this rank (a refusal still joins the call check, so the other
 ranks fail at once), then runs in order on its channel (engine.in_order): the ranks agree on the
@@ -15,8 +15,10 @@ from mpi4py import MPI
 from .. import buffers
 from ..buffers import BufferInfo
 from ..errors import InvalidArgumentError, MpidistError
+from ..runtime.deadlines import wait_for_collective
 from .broadcast import broadcast as broadcast_algorithm
 from .callcheck import (
+    BARRIER_SIGNATURE,
     TAGS,
     check_algorithm,
     check_op,
@@ -29,7 +31,7 @@ from .callcheck import (
     signature,
 )
 from .common import Context, finish_average, kernel_op, split_counts
-from .engine import Handle
+from .engine import Handle, in_order
 from .registry import ALLREDUCE, HOST_MEMORY_ALGORITHMS
 from .ring import allgather_ring, reduce_scatter_ring
 from .staging import copy_buffer, staged
@@ -187,6 +189,21 @@ def _reduce_scatter(comm, array, info, op):
     copy_buffer(out_info, BufferInfo(work_info.ptr + chunks[comm.rank][0] * info.itemsize, out_info.count,
                                      info.dtype, info.device, info.kind))
     return out
+
+
+def barrier(comm) -> None:
+    """Wait until every rank has called barrier(), in order behind the communicator's queued
+    asynchronous collectives, with the deadline (MPIDIST_TIMEOUT). With the call check on, the
+    check is the barrier (its allgather completes on no rank before every rank has entered it),
+    so a rank that called another collective meanwhile makes every rank raise at once."""
+    in_order(comm, _barrier)
+
+
+def _barrier(comm) -> None:
+    if comm.check_calls:
+        check_same_call(comm, comm.mpi, BARRIER_SIGNATURE)
+    else:
+        wait_for_collective(comm.mpi.Ibarrier(), comm.mpi, what="barrier")
 
 
 # ---- asynchronous collectives: queued on the communicator's engine (engine.py) -------------------

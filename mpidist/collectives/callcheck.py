@@ -4,7 +4,9 @@ The call check: before a collective moves any data, every rank contributes its s
 collective, count, dtype, op, algorithm, root, row shape or shape; as int64 numbers) to one small
 allgather with a deadline; any difference raises MismatchError on every rank, naming who passed
 what. A rank that refused its own arguments still joins, with a row that says so
-(share_refusal), so the others fail at once instead of waiting out MPIDIST_TIMEOUT.
+(share_refusal), so the others fail at once instead of waiting out MPIDIST_TIMEOUT. So does a
+rank that has run out of data and waits in join (join_call_check): a rank calling another
+collective meanwhile raises, naming it, while the joined rank waits on.
 """
 from __future__ import annotations
 
@@ -26,13 +28,18 @@ OPS = ("sum", "avg", "min", "max", "prod")
 # the background thread, which duplicates the communicator (a collective of its own); ranks check
 # that they all do so, with the same call.
 COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "first allreduce_async", "adasum",
-               "alltoall", "first broadcast_async", "first allgather_async", "first reduce_scatter_async")
+               "alltoall", "first broadcast_async", "first allgather_async", "first reduce_scatter_async", "barrier",
+               "join")
 # Tags keep the messages of different collectives apart should a rank ever run ahead.
 TAGS = {name: 0x4D44 + index for index, name in enumerate(COLLECTIVES)}
 SIGNATURE_FIELDS = ("collective", "count", "dtype", "op", "algorithm", "root", "row shape")
 # The "collective" field of a rank that refused its own arguments (see share_refusal).
 REFUSED = -1
 REFUSED_SIGNATURE = dict.fromkeys(SIGNATURE_FIELDS, 0) | {"collective": REFUSED}
+# A barrier moves no data: its signature is the collective alone. So is a joined rank's.
+BARRIER_SIGNATURE = dict.fromkeys(SIGNATURE_FIELDS, 0) | {"collective": COLLECTIVES.index("barrier")}
+JOINED = COLLECTIVES.index("join")
+JOIN_SIGNATURE = dict.fromkeys(SIGNATURE_FIELDS, 0) | {"collective": JOINED}
 
 
 # ---- argument checks (local: refused before any communication) --------------------------
@@ -83,19 +90,20 @@ def check_same_call(comm, mpi, fields: dict, row_shape: tuple | None = None) -> 
     """
     if not comm.check_calls or mpi.Get_size() == 1:
         return
-    mine = np.array([fields[name] for name in SIGNATURE_FIELDS], dtype=np.int64)
-    table = np.empty((mpi.Get_size(), len(mine)), dtype=np.int64)
-    request = mpi.Iallgather([mine, MPI.INT64_T], [table, MPI.INT64_T])
-    collective = fields["collective"]
-    wait_for_collective(request, mpi, what=f"{COLLECTIVES[collective] if collective != REFUSED else 'refused'} "
-                                          "call check")
-    if (table == mine).all():
+    table = exchange_signatures(mpi, fields)
+    if (table == table[mpi.Get_rank()]).all():
         return
     refused = [rank for rank in range(len(table)) if table[rank, 0] == REFUSED]
     if refused:  # decided alike on every rank, before the exchange below
         raise MismatchError(
             f"ranks {refused} refused their arguments to this collective (each raised its own error "
             "there: see those ranks' output), so the other ranks cannot run it either")
+    joined = [rank for rank in range(len(table)) if table[rank, 0] == JOINED]
+    if joined:  # the joined ranks wait on (join_call_check); the others learn why they cannot go on
+        raise MismatchError(
+            f"{COLLECTIVES[fields['collective']]} is not supported with join: ranks {joined} have run out of data "
+            "and wait in join() for the others, taking part only in the operations join() shadows; run it before "
+            "any rank joins, or after every rank has")
     row_shapes = None
     shape_codes = table[:, SIGNATURE_FIELDS.index("row shape")]
     if (shape_codes != shape_codes[0]).any():
@@ -104,6 +112,27 @@ def check_same_call(comm, mpi, fields: dict, row_shape: tuple | None = None) -> 
         # one completed), and the message can name the shapes. Error path only: pickling is fine.
         row_shapes = mpi.allgather(row_shape)
     raise MismatchError(describe_mismatch(table, row_shapes))
+
+
+def exchange_signatures(mpi, fields: dict) -> np.ndarray:
+    """Every rank's signature (a row by rank), exchanged with the deadline."""
+    mine = np.array([fields[name] for name in SIGNATURE_FIELDS], dtype=np.int64)
+    table = np.empty((mpi.Get_size(), len(mine)), dtype=np.int64)
+    request = mpi.Iallgather([mine, MPI.INT64_T], [table, MPI.INT64_T])
+    collective = fields["collective"]
+    wait_for_collective(request, mpi, what=f"{COLLECTIVES[collective] if collective != REFUSED else 'refused'} "
+                                          "call check")
+    return table
+
+
+def join_call_check(comm) -> bool:
+    """One round of a rank waiting in join: it takes part in the others' next call check with a
+    row that says "join". True once every rank's row does; else the others called something else
+    (there they raise, see check_same_call) and the joined rank waits for their next call. With
+    the check off (MPIDIST_CHECK=0) there is no exchange: True."""
+    if not comm.check_calls or comm.size == 1:
+        return True
+    return bool((exchange_signatures(comm.mpi, JOIN_SIGNATURE)[:, 0] == JOINED).all())
 
 
 def share_refusal(comm) -> None:

@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from .. import buffers
 from ..comm import Channel
-from ..errors import MpidistError
+from ..errors import DeadlineError
 from ..runtime import deadlines
 
 
@@ -41,7 +41,9 @@ class Handle:
 
     def wait(self, timeout: float | None = None):
         if not self._finished.wait(timeout if timeout is not None else deadlines.timeout() + 60):
-            raise MpidistError(f"{self.description} did not complete within the timeout")
+            # The engine's own wait has the deadline and names the silent ranks; this one only
+            # fires if the engine thread itself is stuck.
+            raise DeadlineError(f"{self.description} did not complete within MPIDIST_TIMEOUT + 60 s")
         if self._error is not None:
             raise self._error
         return self._result

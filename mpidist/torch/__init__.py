@@ -7,13 +7,17 @@ parameters, optimizer state and objects), optimizer (DistributedOptimizer), join
 timeline. This module only re-exports their public names.
 
 Differences from Horovod are listed in README.md ("Horovod compatibility"); features that are
-not offered (elastic training) raise NotOfferedError instead of misbehaving.
+not offered (elastic training) raise NotOfferedError instead of misbehaving. Horovod's exception
+names map onto mpidist's errors (basics.py; docs/horovod.md).
 """
 from ..errors import InvalidArgumentError, MismatchError, MpidistError, NotOfferedError
 from ..parallel.sync_batchnorm import SyncBatchNorm
 from .basics import (
                      Adasum,
                      Average,
+                     HorovodInternalError,
+                     HorovodVersionMismatchError,
+                     HostsUpdatedInterrupt,
                      Max,
                      Min,
                      Product,
@@ -98,4 +102,5 @@ __all__ = [
     "start_timeline", "stop_timeline",
     # errors
     "MpidistError", "InvalidArgumentError", "MismatchError", "NotOfferedError",
+    "HorovodInternalError", "HostsUpdatedInterrupt", "HorovodVersionMismatchError",
 ]

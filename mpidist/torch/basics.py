@@ -1,14 +1,15 @@
 """What Horovod's common layer gives every framework: init() and the process information
 (rank, size, local and cross ranks, homogeneity), which backends are built, the reduction ops
-(Average, Sum, ..., Adasum) with Horovod's rule for the deprecated `average=`, and hvd.elastic,
-which mpidist does not offer.
+(Average, Sum, ..., Adasum) with Horovod's rule for the deprecated `average=`, the names of its
+exceptions (horovod.common.exceptions) on mpidist's errors, and hvd.elastic, which mpidist does
+not offer.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .. import comm as _comm
-from ..errors import InvalidArgumentError, NotOfferedError
+from ..errors import InvalidArgumentError, MismatchError, NotOfferedError
 from . import timeline
 from .process_sets import register
 
@@ -139,6 +140,31 @@ def rocm_built() -> bool:
 def cuda_built() -> bool:
     import mpidist._C as ext
     return bool(ext.built_with_cuda)
+
+
+# ---- Horovod's exceptions -------------------------------------------------------------------------
+# Horovod raises HorovodInternalError when a collective fails across the ranks; mpidist raises
+# MismatchError then (the ranks called different collectives or arguments, a rank refused its
+# own, ranks wait in join(); DeadlineError, a subclass, when a rank did not answer in time).
+HorovodInternalError = MismatchError
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Horovod elastic's interrupt when the job's hosts change. The ranks of an MPI job are
+    fixed, so mpidist never raises it; scripts that catch it run unchanged."""
+
+    def __init__(self, skip_sync=False):
+        super().__init__("the hosts of the job changed")
+        self.skip_sync = skip_sync
+
+
+class HorovodVersionMismatchError(ImportError):
+    """Horovod's error when torch differs from the version Horovod was built with. mpidist's
+    extension does not link torch, so it never raises it; scripts that catch it run unchanged."""
+
+    def __init__(self, name, version, installed_version):
+        super().__init__(f"{name} {version} differs from {installed_version}, the version it was built with")
+        self.name, self.version, self.installed_version = name, version, installed_version
 
 
 # ---- what mpidist does not offer -----------------------------------------------------------------

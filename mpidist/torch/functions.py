@@ -11,8 +11,10 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..parallel.model_state import broadcast_in_place
+from ..runtime import wire
 from .join import collective_comm
 from .mpi_ops import broadcast_
+from .optimizer import local_step
 from .process_sets import root_in
 from .timeline import traced
 
@@ -32,15 +34,23 @@ def broadcast_parameters(params, root_rank=0):
 def broadcast_optimizer_state(optimizer, root_rank=0):
     """Broadcast the optimizer's state tensors and hyperparameters from `root_rank`.
 
-    Ranks that have no state yet (no step taken) get zero-initialized state of the root's
-    layout; hyperparameters and the layout travel by broadcast_object.
+    A rank whose optimizer has no state yet (no step taken) first makes it as Horovod does, by
+    one step of the wrapped optimizer with zero gradients; unlike Horovod, the parameters and
+    gradients are then put back as they were, so that weight decay does not move them. State
+    the root has and a rank still lacks arrives into zeros of the root's layout; hyperparameters
+    and the layout travel by broadcast_object.
     """
+    if not optimizer.state_dict()["state"]:
+        _make_state(optimizer)
     state = optimizer.state_dict()
     groups = broadcast_object([{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]],
                               root_rank)
-    layout = broadcast_object({str(index): {name: [list(value.shape), str(value.dtype).replace("torch.", "")]
+    layout = broadcast_object({str(index): {name: [list(value.shape), str(value.dtype).removeprefix("torch.")]
                                             for name, value in entries.items() if isinstance(value, torch.Tensor)}
                                for index, entries in state["state"].items()}, root_rank)
+    # Every rank reads all of the root's dtype names, so that one the package does not know fails
+    # alike everywhere, before any tensor is sent.
+    dtypes = {name: wire.torch_dtype(wire.name_of(name)) for tensors in layout.values() for _, name in tensors.values()}
     scalars = broadcast_object({str(index): {name: value for name, value in entries.items()
                                              if not isinstance(value, torch.Tensor)}
                                 for index, entries in state["state"].items()}, root_rank)
@@ -51,13 +61,29 @@ def broadcast_optimizer_state(optimizer, root_rank=0):
         for name, (shape, dtype) in tensors.items():
             tensor = current.get(name)
             if tensor is None or list(tensor.shape) != shape:
-                tensor = torch.zeros(shape, dtype=getattr(torch, dtype))
+                tensor = torch.zeros(shape, dtype=dtypes[dtype])
             entries[name] = broadcast_(tensor.contiguous(), root_rank)
         new_state[int(index)] = entries
     for group, settings in zip(state["param_groups"], groups):
         group.update(settings)
     state["state"] = new_state
     optimizer.load_state_dict(state)
+
+
+def _make_state(optimizer) -> None:
+    """Step the wrapped optimizer (exchanging nothing) on zero gradients, so that it makes its
+    state; the parameters and gradients are restored afterwards."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    saved = [(p.detach().clone(), p.grad) for p in params]
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    try:
+        local_step(optimizer)
+    finally:
+        with torch.no_grad():
+            for param, (value, grad) in zip(params, saved):
+                param.copy_(value)
+                param.grad = grad
 
 
 def _pickled(obj):

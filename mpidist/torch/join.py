@@ -44,9 +44,9 @@ def collective_comm(process_set):
     comm = comm_of(process_set)
     waiting = ranks_waiting_in_join(comm) if comm is _comm.world() else 0
     if waiting:
-        raise MpidistError(f"{waiting} rank(s) ran out of data and wait in hvd.join(), where they take part only "
-                           "in all-reduces and the DistributedOptimizer's gradient exchanges: run other "
-                           "collectives before any rank joins, or after every rank has")
+        raise MismatchError(f"{waiting} rank(s) ran out of data and wait in hvd.join(), where they take part only "
+                            "in all-reduces and the DistributedOptimizer's gradient exchanges: run other "
+                            "collectives before any rank joins, or after every rank has")
     return comm
 
 
@@ -77,7 +77,18 @@ def join(device=-1) -> int:
             _take_part_while_joined(world, buckets)
         exchanges = buckets.restart_exchange_count()
         buckets.end_join()
+    _wait_for_every_rank_to_join(world)
     return last_joiner(world, exchanges)
+
+
+def _wait_for_every_rank_to_join(world) -> None:
+    """Meet the other ranks' call checks until every rank has called join(): a rank that calls
+    another collective meanwhile (one the ranks here do not shadow: an allgather, a broadcast, a
+    barrier, ... as in Horovod) raises there at once, naming it, and this rank waits on."""
+    from ..collectives.callcheck import join_call_check  # imported here: the collectives initialize MPI
+    from ..collectives.engine import in_order
+    while not in_order(world, join_call_check):
+        pass
 
 
 # Ranks that have joined (run out of data) take part, with zeros, in what the ranks still

@@ -14,6 +14,7 @@ from .. import buffers
 from .. import comm as _comm
 from ..errors import InvalidArgumentError, MismatchError, MpidistError, NotOfferedError, UnsupportedDtypeError
 from ..parallel.flat import tensors_by_kind
+from .arguments import release
 from .basics import Adasum, Average, Sum, resolve_op
 from .compression import Compression, dtype_on_wire
 from .handles import DoneHandle, GroupHandle, Handle
@@ -210,7 +211,10 @@ def poll(handle) -> bool:
 def synchronize(handle):
     """Wait for an asynchronous operation; returns its result tensor (the same one on every call)."""
     if not handle.finished:
-        outcome = handle.handle.wait()
+        try:
+            outcome = handle.handle.wait()
+        finally:
+            release(handle)  # a failed operation is over too: its name may be used again
         if handle.result is None:  # the operation made it (see Handle)
             handle.result = outcome
         if handle.finish is not None:

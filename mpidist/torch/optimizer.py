@@ -1,7 +1,8 @@
 """Horovod's DistributedOptimizer: wraps a torch optimizer so that gradients are all-reduced in
 buckets during backward (mpidist's reducer, parallel/reducer.py) and waited for in step(); with
 op=hvd.Adasum, each rank steps on its own gradients and the parameters' changes are combined by
-Adasum in step().
+Adasum in step(); on a rank outside its process_set, it steps on the rank's own gradients alone
+(as Horovod's). local_step steps any of them without exchanging anything.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from .basics import Adasum, Average, resolve_op
 from .compression import Compression
 from .join import register_adasum_optimizer, register_optimizer
 from .mpi_ops import pack_group
-from .process_sets import comm_of
+from .process_sets import ProcessSet, comm_of
 from .timeline import current as current_timeline
 
 
@@ -57,7 +58,7 @@ class _DistributedOptimizer:
                                         predivide=gradient_predivide_factor,
                                         passes_per_step=backward_passes_per_step,
                                         groups=_explicit_groups(groups, params, trainable))
-        self._skip_sync = False
+        self._skip_sync = self._synchronized = False
         register_gradient_hooks(self._buckets, "gradient_ready", trainable, "DistributedOptimizer")
         register_optimizer(self._buckets)
         # The timeline's row of each bucket: "allreduce.<its parameters' names>".
@@ -67,6 +68,7 @@ class _DistributedOptimizer:
     def synchronize(self):
         """Wait for the gradients' all-reduces (call before clipping gradients, then step()
         inside skip_synchronize())."""
+        self._synchronized = True
         timeline = current_timeline()
         if timeline is None:
             self._buckets.wait()
@@ -93,7 +95,14 @@ class _DistributedOptimizer:
 
     def step(self, closure=None):
         if not self._skip_sync:
+            if self._synchronized:
+                # Horovod warns here too: step() after an explicit synchronize() synchronizes again.
+                warnings.warn("optimizer.step() was called after optimizer.synchronize() without "
+                              "optimizer.skip_synchronize(): step() waits for the gradients' all-reduces a "
+                              "second time, for nothing; after synchronize(), call step() inside "
+                              "`with optimizer.skip_synchronize():`", UserWarning, stacklevel=2)
             self.synchronize()
+        self._synchronized = False
         return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True):
@@ -101,6 +110,21 @@ class _DistributedOptimizer:
             raise MpidistError("zero_grad() called while gradients are being all-reduced; call "
                                "step() or synchronize() first")
         return super().zero_grad(set_to_none=set_to_none)
+
+
+class _OutsideProcessSetOptimizer(_DistributedOptimizer):
+    """Mixed into the wrapped optimizer's class on a rank outside the DistributedOptimizer's
+    process_set, as Horovod does there: no gradient is exchanged, and step() is the wrapped
+    optimizer's own step on this rank's gradients (synchronize() has nothing to wait for)."""
+
+    def _setup_outside(self):
+        self._skip_sync = self._synchronized = False
+
+    def synchronize(self):
+        self._synchronized = True
+
+    def zero_grad(self, set_to_none: bool = True):
+        return super(_DistributedOptimizer, self).zero_grad(set_to_none=set_to_none)
 
 
 class _DistributedAdasumOptimizer:
@@ -154,6 +178,16 @@ class _DistributedAdasumOptimizer:
                     param.copy_(start[id(param)] + part.view_as(param))
 
 
+def local_step(optimizer) -> None:
+    """A step of `optimizer` (a torch optimizer, or one DistributedOptimizer wraps) on this rank's
+    gradients alone: a DistributedOptimizer's exchanges need every rank to step."""
+    for mixin in (_DistributedOptimizer, _DistributedAdasumOptimizer):
+        if isinstance(optimizer, mixin):
+            super(mixin, optimizer).step()
+            return
+    optimizer.step()
+
+
 def _fusion_bucket_mb() -> float:
     """Horovod's HOROVOD_FUSION_THRESHOLD (bytes) as the buckets' size in MB: unset, DataParallel's
     25; 0 (Horovod: no fusion), a bucket per gradient."""
@@ -204,7 +238,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False, process_set=None):
     """Wrap a torch optimizer the way horovod.torch.DistributedOptimizer does."""
-    comm = comm_of(process_set)
+    outside = (isinstance(process_set, ProcessSet) and process_set._registered().process_set_id != 0
+               and not process_set.included())
+    comm = None if outside else comm_of(process_set)
     adasum = resolve_op(op) == Adasum
     if adasum and gradient_predivide_factor != 1.0:
         raise InvalidArgumentError("gradient_predivide_factor needs op=hvd.Average")
@@ -213,11 +249,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                       DeprecationWarning, stacklevel=2)
         if groups is None:
             groups = num_groups
-    mixin = _DistributedAdasumOptimizer if adasum else _DistributedOptimizer
+    mixin = _OutsideProcessSetOptimizer if outside else _DistributedAdasumOptimizer if adasum else _DistributedOptimizer
     cls = type(optimizer.__class__.__name__, (mixin, optimizer.__class__), {})
     distributed = cls.__new__(cls)
     distributed.__dict__.update(optimizer.__dict__)
-    if adasum:
+    if outside:
+        distributed._setup_outside()
+    elif adasum:
         distributed._setup_adasum(compression, comm)
     else:
         distributed._setup_distributed(named_parameters, compression, backward_passes_per_step, op,

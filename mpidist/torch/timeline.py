@@ -6,7 +6,8 @@ Each operation name (a tensor's `name=`, or a gradient bucket) gets a row of its
 Horovod's timeline, and each operation a span on it: its activity (ALLREDUCE, BROADCAST, ...)
 from the call to its completion as this rank saw them. Events are written as they happen, so a
 run that dies keeps what it had recorded; close() ends the JSON array. As in Horovod, rank 0
-writes the timeline.
+writes the timeline. Every operation carries `traced`, so it also has each call's arguments
+checked first (arguments.py).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import time
 
 from .. import comm as _comm
 from ..runtime import config
+from . import arguments
 from .handles import DoneHandle, Handle
 
 
@@ -112,15 +114,20 @@ def start_from_environment() -> None:
 def traced(activity):
     """Record each call as a span of `activity` on the row of its `name=` (or a new
     "<activity>.noname.<n>" row); an asynchronous call's span ends when synchronize() sees it done
-    (end_traced)."""
+    (end_traced). Before the call, its arguments are checked (arguments.check_call); after it,
+    an asynchronous operation's name is held until synchronize()."""
     def decorate(function):
         signature = inspect.signature(function)
 
         @functools.wraps(function)
         def traced_call(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs).arguments
+            arguments.check_call(function.__name__, bound)
+            name = bound.get("name")
             if _timeline is None or getattr(_tracing, "inside", False):
-                return function(*args, **kwargs)
-            name = signature.bind(*args, **kwargs).arguments.get("name")
+                result = function(*args, **kwargs)
+                arguments.hold_name(name, result)
+                return result
             if name is None:
                 _unnamed[activity] += 1
                 name = f"{activity.lower()}.noname.{_unnamed[activity]}"
@@ -134,6 +141,7 @@ def traced(activity):
                 result.trace = (str(name), activity, start)
             elif _timeline is not None:
                 _timeline.span(str(name), activity, start, time.perf_counter())
+            arguments.hold_name(bound.get("name"), result)
             return result
         return traced_call
     return decorate

@@ -1,0 +1,289 @@
+"""mpidist.torch's errors against Horovod's: a name used twice while in flight, a collective the
+ranks waiting in hvd.join() cannot take part in, a barrier nobody else enters, a non-tensor, a
+DistributedOptimizer on a rank outside its process set, a missing optimizer state to broadcast,
+step() after synchronize(), and Horovod's exception names. Each error comes on every rank that
+made the call, at once: MPIDIST_TIMEOUT is set far beyond the tests' own time limit, so none of
+them can pass by waiting it out (except the one that checks the deadline itself)."""
+import gc
+import re
+import warnings
+
+import pytest
+import torch
+from mpi4py import MPI
+
+import mpidist as md
+import mpidist.torch as hvd
+
+# The multi-rank tests of one world size run in one launch (mpi_shared_launch.py), in file order.
+pytestmark = pytest.mark.mpi_shared_launch
+
+BEYOND_THE_TEST_TIME_LIMIT = "3600"  # seconds; pyproject.toml gives a rank 240
+
+
+@pytest.fixture
+def no_deadline_in_reach(monkeypatch):
+    monkeypatch.setenv("MPIDIST_TIMEOUT", BEYOND_THE_TEST_TIME_LIMIT)
+
+
+def prompt(error_info):
+    """The error of a pytest.raises block, checked not to be the deadline's."""
+    assert not isinstance(error_info.value, md.DeadlineError), error_info.value
+    return str(error_info.value)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_a_name_in_flight_is_refused_on_every_rank(mpi_world, no_deadline_in_reach):
+    hvd.init()
+    size = hvd.size()
+    handle = hvd.allreduce_async(torch.ones(3), name="loss", op=hvd.Sum)
+    for call in (lambda: hvd.allreduce_async(torch.ones(3), name="loss"),
+                 lambda: hvd.allgather_async(torch.ones(3), name="loss"),
+                 lambda: hvd.broadcast(torch.ones(3), root_rank=0, name="loss")):  # synchronous ones too
+        with pytest.raises(ValueError, match=r"name='loss' is that of an asynchronous operation still in flight"):
+            call()
+    assert hvd.synchronize(handle).tolist() == [size] * 3  # the first one is untouched
+    again = hvd.allreduce_async(torch.ones(3), name="loss", op=hvd.Sum)  # free once synchronized
+    assert hvd.synchronize(again).tolist() == [size] * 3
+    hvd.barrier()
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_a_name_reused_by_ranks_at_different_points_errs_everywhere(mpi_world, no_deadline_in_reach):
+    """Horovod's test_horovod_allreduce_duplicate_name_error: rank 0 reuses the name before a
+    barrier, the others after it. mpidist matches operations by order, not by name, so the ranks'
+    calls no longer pair up: each rank's mismatched calls raise at once, and the ranks meet again
+    at the next barrier."""
+    hvd.init()
+    rank = hvd.rank()
+    hvd.synchronize(hvd.allreduce_async(torch.ones(1)))  # the asynchronous engine runs on every rank
+    tensor = torch.ones(17)
+
+    def first_then_twice():
+        handle = hvd.allreduce_async(tensor, name="duplicate_name")
+        with pytest.raises(ValueError, match="name='duplicate_name' is that of an asynchronous operation"):
+            hvd.allreduce_async(tensor, name="duplicate_name")
+        return handle
+
+    if rank == 0:
+        handle = first_then_twice()
+    with pytest.raises(hvd.HorovodInternalError) as barrier_error:
+        hvd.barrier()
+    if rank > 0:
+        handle = first_then_twice()
+    with pytest.raises(hvd.HorovodInternalError) as operation_error:
+        hvd.synchronize(handle)
+    hvd.barrier()  # the ranks are in step again
+    # Rank 0's all-reduce met the others' barrier; their all-reduce met rank 0's refusal of the
+    # name, and rank 0's barrier the others' refusal.
+    others = list(range(1, hvd.size()))
+    if rank == 0:
+        assert "ranks [0] have allreduce" in prompt(operation_error)
+        assert f"ranks {others} refused their arguments" in prompt(barrier_error)
+    else:
+        assert "ranks [0] refused their arguments" in prompt(operation_error)
+        assert f"ranks {others} have barrier" in prompt(barrier_error)
+    assert hvd.synchronize(hvd.allreduce_async(tensor, name="duplicate_name")).tolist() == [1.0] * 17
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_non_tensors_are_a_type_error_on_every_rank(mpi_world, no_deadline_in_reach):
+    hvd.init()
+    rank = hvd.rank()
+    calls = {"broadcast": lambda t: hvd.broadcast(t, root_rank=0), "allreduce": hvd.allreduce,
+             "allreduce_async": lambda t: hvd.synchronize(hvd.allreduce_async(t)), "allgather": hvd.allgather,
+             "alltoall": hvd.alltoall,
+             "grouped_allreduce": lambda t: hvd.grouped_allreduce([torch.ones(2), t])}
+    for name, call in calls.items():
+        # A group holding a non-tensor is an InvalidArgumentError (a ValueError), as before.
+        refusal, message = ((md.InvalidArgumentError, "a non-empty list of tensors, got ['Tensor', 'NoneType']")
+                            if name.startswith("grouped") else (TypeError, "a torch tensor, got NoneType"))
+        with pytest.raises(refusal, match=rf"^hvd.{name} takes {re.escape(message)}"):
+            call(None)
+        # One rank's None: it raises its own error, the others a MismatchError naming it.
+        with pytest.raises((refusal, md.MismatchError)) as error:
+            call(None if rank == 1 else torch.ones(6))  # 6 rows: alltoall splits them over 2 or 3 ranks
+        if rank == 1:
+            assert isinstance(error.value, refusal) and not isinstance(error.value, md.MismatchError)
+        else:
+            assert "ranks [1] refused their arguments" in prompt(error)
+    hvd.barrier()
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_a_barrier_nobody_else_enters_ends_at_the_deadline(mpi_world, monkeypatch):
+    monkeypatch.setenv("MPIDIST_TIMEOUT", "1")
+    comm = md.Communicator(MPI.COMM_WORLD)  # its own: left behind by a rank, it is ours to mend
+    try:
+        others = re.escape(str(list(range(1, comm.size))))
+        if comm.rank == 0:
+            with pytest.raises(md.DeadlineError, match=rf"barrier call check did not complete .* ranks {others}"):
+                comm.barrier()
+        MPI.COMM_WORLD.Barrier()
+        monkeypatch.setenv("MPIDIST_TIMEOUT", BEYOND_THE_TEST_TIME_LIMIT)
+        if comm.rank > 0:
+            comm.barrier()  # the late ranks complete the one rank 0 left
+        MPI.COMM_WORLD.Barrier()
+        comm.barrier()
+    finally:
+        comm.free()
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_collectives_with_join_fail_at_once_on_the_ranks_that_call_them(mpi_world, no_deadline_in_reach):
+    """Horovod's test_horovod_join_allgather and _broadcast (and a barrier): while one rank waits
+    in join(), the others' allgather raises there at once, naming it; the joined rank waits on
+    until they join too, and join() returns the same rank everywhere."""
+    hvd.init()
+    gc.collect()  # no DistributedOptimizer of an earlier test is left for join() to take part for
+    rank, size = hvd.rank(), hvd.size()
+    calls = {"allgather": lambda: hvd.allgather(torch.ones(2, 3)),
+             "broadcast": lambda: hvd.broadcast(torch.ones(2), root_rank=rank, name="test_horovod_join_broadcast"),
+             "barrier": hvd.barrier}
+    for first_to_join in range(size):
+        for name, call in calls.items():
+            if rank != first_to_join:
+                with pytest.raises(hvd.HorovodInternalError) as error:
+                    call()
+                assert prompt(error).startswith(f"{name} is not supported with join: ranks [{first_to_join}] have run "
+                                                "out of data and wait in join()")
+            last = hvd.join()
+            assert hvd.allgather_object(last) == [last] * size
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_distributed_optimizer_outside_its_process_set_steps_alone(mpi_world, no_deadline_in_reach):
+    """As in Horovod (test_optimizer_process_sets): every rank builds the optimizer; the set's
+    ranks average their gradients, a rank outside it steps on its own."""
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    members = list(range(size - 1))
+    process_set = hvd.add_process_set(members)
+
+    def model_and_data(k):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2).double()
+        data = torch.randn(4, 3, generator=torch.Generator().manual_seed(k), dtype=torch.float64)
+        return model, data
+
+    def reference(ranks):
+        """Float64 SGD on the average of `ranks`' gradients, in one process."""
+        models = [model_and_data(k) for k in ranks]
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m, _ in models]
+        for _ in range(2):
+            for (model, data), optimizer in zip(models, optimizers):
+                optimizer.zero_grad()
+                model(data).pow(2).sum().backward()
+            for params in zip(*(m.parameters() for m, _ in models)):
+                average = sum(p.grad for p in params) / len(params)
+                for p in params:
+                    p.grad = average.clone()
+            for optimizer in optimizers:
+                optimizer.step()
+        return list(models[0][0].parameters())
+
+    model, data = model_and_data(rank)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                         named_parameters=model.named_parameters(), process_set=process_set)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(data).pow(2).sum().backward()
+        optimizer.step()
+    expected = reference(members if rank in members else [rank])
+    for param, value in zip(model.parameters(), expected):
+        torch.testing.assert_close(param.detach(), value.detach())
+    del optimizer
+    hvd.remove_process_set(process_set)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_step_after_synchronize_warns_as_in_horovod(mpi_world, no_deadline_in_reach):
+    hvd.init()
+    model = torch.nn.Linear(3, 2)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def backward():
+        model.zero_grad()
+        model(torch.ones(1, 3)).sum().backward()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        backward()
+        optimizer.step()  # synchronizes itself: no warning
+        backward()
+        optimizer.synchronize()
+        with optimizer.skip_synchronize():
+            optimizer.step()  # the documented pattern: no warning
+    backward()
+    optimizer.synchronize()
+    with pytest.warns(UserWarning, match=r"step\(\) was called after optimizer.synchronize\(\) without "
+                                         r"optimizer.skip_synchronize\(\)"):
+        optimizer.step()
+    del optimizer
+
+
+def adam_state(optimizer):
+    """{parameter index: {name: value}} of the optimizer's state (tensors cloned)."""
+    return {index: {name: value.clone() if torch.is_tensor(value) else value for name, value in entries.items()}
+            for index, entries in optimizer.state_dict()["state"].items()}
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_broadcast_optimizer_state_makes_a_missing_state(mpi_world, no_deadline_in_reach):
+    """As Horovod: a rank whose optimizer has no state yet makes it with a zero-gradient step of
+    the wrapped optimizer (here the parameters and gradients are then put back as they were,
+    weight decay notwithstanding), then takes the root's."""
+    hvd.init()
+    rank = hvd.rank()
+
+    def fresh(distributed):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        adam = torch.optim.Adam(model.parameters(), lr=0.1, weight_decay=0.5)
+        return model, hvd.DistributedOptimizer(adam, named_parameters=model.named_parameters()) if distributed else adam
+
+    def equal_states(mine, expected):
+        assert sorted(mine) == sorted(expected) == [0, 1]
+        for index in expected:
+            assert sorted(mine[index]) == sorted(expected[index]) == ["exp_avg", "exp_avg_sq", "step"]
+            for name, value in expected[index].items():
+                torch.testing.assert_close(mine[index][name], value, rtol=0, atol=0)
+
+    # No rank has a state: each makes the one of a zero-gradient step of torch's own Adam.
+    reference_model, reference = fresh(distributed=False)
+    for param in reference_model.parameters():
+        param.grad = torch.zeros_like(param)
+    reference.step()
+    model, optimizer = fresh(distributed=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    equal_states(adam_state(optimizer), adam_state(reference))
+    assert adam_state(reference)[0]["exp_avg"].abs().sum() > 0  # weight decay moved the reference
+    for param, value in zip(model.parameters(), before):
+        assert torch.equal(param.detach(), value) and param.grad is None  # but not these
+    del optimizer
+
+    # The root has a state (a checkpoint's), the others none: they get the root's.
+    checkpoint_model, checkpoint = fresh(distributed=False)
+    checkpoint_model(torch.arange(3.0)[None]).sum().backward()
+    checkpoint.step()
+    model, optimizer = fresh(distributed=True)
+    if rank == 0:
+        optimizer.load_state_dict(checkpoint.state_dict())
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    equal_states(adam_state(optimizer), adam_state(checkpoint))
+    del optimizer
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_a_collective_failing_across_ranks_is_a_horovod_internal_error(mpi_world, no_deadline_in_reach):
+    hvd.init()
+    rank = hvd.rank()
+    with pytest.raises(hvd.HorovodInternalError) as error:
+        hvd.allreduce(torch.ones(2 + rank))  # the ranks' counts differ
+    assert "count" in prompt(error)
+    assert hvd.HorovodInternalError is md.MismatchError and issubclass(md.DeadlineError, hvd.HorovodInternalError)
+    interrupt = hvd.HostsUpdatedInterrupt(skip_sync=True)
+    assert isinstance(interrupt, RuntimeError) and interrupt.skip_sync
+    assert issubclass(hvd.HorovodVersionMismatchError, ImportError)
+    assert {"HorovodInternalError", "HostsUpdatedInterrupt", "HorovodVersionMismatchError"} <= set(hvd.__all__)
