@@ -54,10 +54,15 @@ def _check_tensors(operation: str, arguments: dict) -> None:
 
 
 def _share_refusal(process_set) -> None:
-    from ..collectives.callcheck import share_refusal  # imported here: the collectives initialize MPI
-    from ..collectives.engine import in_order
     try:
         comm = comm_of(process_set)
     except MpidistError:
         return  # outside the process set: no rank waits for this one
+    share_refusal_on(comm)
+
+
+def share_refusal_on(comm) -> None:
+    """Join the other ranks' call check on `comm` with a refusal, so that they raise at once."""
+    from ..collectives.callcheck import share_refusal  # imported here: the collectives initialize MPI
+    from ..collectives.engine import in_order
     in_order(comm, share_refusal)

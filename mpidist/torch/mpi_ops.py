@@ -14,7 +14,7 @@ from .. import buffers
 from .. import comm as _comm
 from ..errors import InvalidArgumentError, MismatchError, MpidistError, NotOfferedError, UnsupportedDtypeError
 from ..parallel.flat import tensors_by_kind
-from .arguments import release
+from .arguments import release, share_refusal_on
 from .basics import Adasum, Average, Sum, resolve_op
 from .compression import Compression, dtype_on_wire
 from .handles import DoneHandle, GroupHandle, Handle
@@ -307,9 +307,7 @@ def _restored(moved, like):
 def _refused(comm, error):
     """`error`, raised on this rank once it has joined the other ranks' call check with a refusal
     (so that they raise too instead of waiting for it)."""
-    from ..collectives.callcheck import share_refusal  # imported here: the collectives initialize MPI
-    from ..collectives.engine import in_order
-    in_order(comm, share_refusal)
+    share_refusal_on(comm)
     return error
 
 
