@@ -111,3 +111,16 @@ def raw_bytes(array) -> bytes:
 def mpi_world():
     import mpidist as md
     return md.init()
+
+
+@pytest.fixture
+def own_comm():
+    """A Communicator of the test's own over MPI's world, freed after it. Tests that start an
+    asynchronous engine, turn the call check off or need neither done use it, so that the world
+    communicator (mpi_world) stays as the later tests of a shared launch expect."""
+    from mpi4py import MPI
+
+    import mpidist as md
+    comm = md.Communicator(MPI.COMM_WORLD)
+    yield comm
+    comm.free()

@@ -6,7 +6,8 @@ and every start gives each rank a fresh interpreter that imports torch: seconds 
 most checks cost. In a module with `pytestmark = pytest.mark.mpi_shared_launch` the selected
 multi-rank tests of one rank count run in one launch instead, in the order pytest runs them; the
 ranks' processes (MPI, mpidist's state) carry over from one test to the next, so a test must not
-depend on what an earlier one leaves behind, nor leave behind what a later one would notice.
+depend on what an earlier one leaves behind, nor leave behind what a later one would notice. A
+test marked `mpi_own_launch` (one that leaves a collective unfinished, say) still runs alone.
 
 In the ranks, pytest-isolate-mpi writes each test's reports as it always does, here into a
 directory of that test's own; this session then reports each test as pytest-isolate-mpi would
@@ -34,6 +35,7 @@ from pytest_isolate_mpi._plugin import MPIConfiguration
 from pytest_isolate_mpi._subsession import assemble_sub_pytest_cmd
 
 MARKER = "mpi_shared_launch"
+OWN_LAUNCH = "mpi_own_launch"
 REPORTS = "PYTEST_MPI_REPORTS_PATH"  # where pytest-isolate-mpi's ranks write their reports
 IN_SHARED_LAUNCH = "MPIDIST_TESTS_SHARED_LAUNCH"
 STOP_GRACE_S = 30  # for mpirun to end its ranks once told to
@@ -59,7 +61,8 @@ def register(config):
 def launch_key(item):
     """(module, ranks, OpenMP threads) of a test that runs in a shared launch; else None."""
     mark = item.get_closest_marker("mpi")
-    if mark is None or item.get_closest_marker(MARKER) is None or item.config.getoption("--no-mpi-isolation"):
+    if mark is None or item.get_closest_marker(MARKER) is None or item.get_closest_marker(OWN_LAUNCH) is not None \
+            or item.config.getoption("--no-mpi-isolation"):
         return None
     callspec = getattr(item, "callspec", None)
     ranks = callspec.params.get("mpi_ranks", 1) if callspec is not None else 1

@@ -1,5 +1,7 @@
 """Adasum (md.adasum_allreduce, hvd.allreduce(op=hvd.Adasum), DistributedOptimizer(op=hvd.Adasum))
-against a float64 NumPy reference of the pairwise tree, and its refusals on every rank."""
+against a float64 NumPy reference of the pairwise tree, and its refusals on every rank.
+
+The multi-rank tests of one world size run in one launch (mpi_shared_launch.py), in file order."""
 import sys
 
 import numpy as np
@@ -9,6 +11,9 @@ import torch
 import mpidist as md
 import mpidist.torch as hvd
 
+pytestmark = pytest.mark.mpi_shared_launch
+# One rank: Adasum of one vector is that vector; three ranks are refused.
+POWERS_OF_TWO = pytest.mark.mpi(ranks=[2, 4])
 TINY = np.sqrt(sys.float_info.min)
 
 
@@ -42,28 +47,33 @@ def rank_vector(rank, count, seed, dtype):
 TOLERANCE = {"float16": 2e-3, "float32": 1e-6, "float64": 1e-12}
 
 
-def check_adasum_matches_the_reference(mpi_ranks, mpi_world):
-    for dtype in ("float64", "float32", "float16"):
-        for seed, sizes in enumerate([[1], [7], [1000], [5, 0, 12, 1, 3], [33, 64]]):
-            count = sum(sizes)
-            mine = rank_vector(mpi_world.rank, count, seed, dtype)
-            expected = adasum_reference([rank_vector(r, count, seed, dtype) for r in range(mpi_ranks)], sizes, dtype)
-            result = md.adasum_allreduce(mine, sizes=None if len(sizes) == 1 else sizes)
-            assert result is mine
-            np.testing.assert_allclose(mine.astype(np.float64), expected, rtol=TOLERANCE[dtype],
-                                       atol=TOLERANCE[dtype] * np.abs(expected).max(), err_msg=f"{dtype} {sizes}")
-            # Every rank holds the same bits.
-            gathered = mpi_world.mpi.allgather(mine.tobytes())
-            assert all(g == gathered[0] for g in gathered)
+@POWERS_OF_TWO
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
+@pytest.mark.parametrize("seed, sizes", list(enumerate([[1], [7], [1000], [5, 0, 12, 1, 3], [33, 64]])),
+                         ids=["one", "seven", "thousand", "five_tensors", "two_tensors"])
+def test_adasum_matches_the_reference(mpi_ranks, mpi_world, dtype, seed, sizes):
+    count = sum(sizes)
+    mine = rank_vector(mpi_world.rank, count, seed, dtype)
+    expected = adasum_reference([rank_vector(r, count, seed, dtype) for r in range(mpi_ranks)], sizes, dtype)
+    result = md.adasum_allreduce(mine, sizes=None if len(sizes) == 1 else sizes)
+    assert result is mine
+    np.testing.assert_allclose(mine.astype(np.float64), expected, rtol=TOLERANCE[dtype],
+                               atol=TOLERANCE[dtype] * np.abs(expected).max(), err_msg=f"{dtype} {sizes}")
+    # Every rank holds the same bits.
+    gathered = mpi_world.mpi.allgather(mine.tobytes())
+    assert all(g == gathered[0] for g in gathered)
 
 
-def check_adasum_identities(mpi_ranks, mpi_world):
-    """Parallel vectors average, orthogonal ones add, a zero vector changes nothing."""
+@POWERS_OF_TWO
+def test_parallel_vectors_average(mpi_ranks, mpi_world):
     direction = np.linspace(-1.0, 2.0, 11)
     parallel = direction * (mpi_world.rank + 1.0)
     md.adasum_allreduce(parallel)
     np.testing.assert_allclose(parallel, direction * (mpi_ranks + 1) / 2, rtol=1e-13)
 
+
+@POWERS_OF_TWO
+def test_orthogonal_vectors_add(mpi_ranks, mpi_world):
     orthogonal = np.zeros(2 * mpi_ranks)
     orthogonal[mpi_world.rank] = 1.0 + mpi_world.rank
     md.adasum_allreduce(orthogonal)
@@ -71,12 +81,16 @@ def check_adasum_identities(mpi_ranks, mpi_world):
     expected[:mpi_ranks] = 1.0 + np.arange(mpi_ranks)
     np.testing.assert_array_equal(orthogonal, expected)
 
+
+@POWERS_OF_TWO
+def test_vectors_below_the_threshold_add(mpi_ranks, mpi_world):
     tiny = np.full(8, 1e-300) * (mpi_world.rank + 1)  # below Horovod's threshold: a plain sum
     md.adasum_allreduce(tiny)
     np.testing.assert_allclose(tiny, np.full(8, 1e-300) * sum(range(1, mpi_ranks + 1)), rtol=1e-13)
 
 
-def check_horovod_allreduce_with_adasum(mpi_ranks, mpi_world):
+@POWERS_OF_TWO
+def test_horovod_allreduce_with_adasum(mpi_ranks, mpi_world):
     hvd.init()
     x = torch.from_numpy(rank_vector(mpi_world.rank, 50, 7, "float32")).reshape(5, 10)
     result = hvd.allreduce(x, op=hvd.Adasum, prescale_factor=0.5, postscale_factor=3.0)
@@ -85,6 +99,12 @@ def check_horovod_allreduce_with_adasum(mpi_ranks, mpi_world):
     expected = adasum_reference(scaled, [50], "float32") * 3.0
     np.testing.assert_allclose(result.reshape(-1).double().numpy(), expected, rtol=1e-6, atol=1e-6)
     assert torch.equal(x, torch.from_numpy(rank_vector(mpi_world.rank, 50, 7, "float32")).reshape(5, 10))
+
+
+@POWERS_OF_TWO
+def test_horovod_allreduce_async_in_place_with_adasum(mpi_ranks, mpi_world):
+    hvd.init()
+    x = torch.from_numpy(rank_vector(mpi_world.rank, 50, 7, "float32")).reshape(5, 10)
     handle = hvd.allreduce_async_(x, op=hvd.Adasum)
     assert hvd.synchronize(handle) is x
     np.testing.assert_allclose(x.reshape(-1).double().numpy(),
@@ -129,11 +149,16 @@ def adasum_training_reference(size, steps):
     return [p.detach() for p in models[0].parameters()]
 
 
-def check_distributed_optimizer_with_adasum(mpi_ranks, mpi_world):
+def adasum_optimizer(model):
     hvd.init()
+    return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                    named_parameters=model.named_parameters(), op=hvd.Adasum)
+
+
+@POWERS_OF_TWO
+def test_distributed_optimizer_with_adasum(mpi_ranks, mpi_world):
     model = make_model()
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                         named_parameters=model.named_parameters(), op=hvd.Adasum)
+    optimizer = adasum_optimizer(model)
     for step in range(3):
         x, y = batch(step, mpi_world.rank)
         optimizer.zero_grad()
@@ -142,39 +167,57 @@ def check_distributed_optimizer_with_adasum(mpi_ranks, mpi_world):
         optimizer.step()
     for mine, expected in zip(model.parameters(), adasum_training_reference(mpi_ranks, 3)):
         torch.testing.assert_close(mine.detach(), expected, rtol=1e-12, atol=1e-12)
+
+
+@POWERS_OF_TWO
+def test_skip_synchronize_is_refused_with_adasum(mpi_world):
+    optimizer = adasum_optimizer(make_model())
     with pytest.raises(md.InvalidArgumentError, match="skip_synchronize"):
         with optimizer.skip_synchronize():
             pass
+
+
+@POWERS_OF_TWO
+def test_join_is_refused_beside_an_adasum_optimizer(mpi_world):
+    optimizer = adasum_optimizer(make_model())
     with pytest.raises(hvd.NotOfferedError, match="join.*Adasum"):
         hvd.join()
     del optimizer
 
 
-def check_adasum_refusals(mpi_world):
+@POWERS_OF_TWO
+def test_integer_vectors_are_refused(mpi_world):
     with pytest.raises(md.UnsupportedDtypeError, match="Adasum combines floating-point vectors"):
         md.adasum_allreduce(np.arange(4, dtype=np.int64))
+
+
+@POWERS_OF_TWO
+def test_sizes_that_do_not_add_up_are_refused(mpi_world):
     with pytest.raises(md.InvalidArgumentError, match=r"sizes \[3, 2\] must be counts >= 0 adding up to"):
         md.adasum_allreduce(np.ones(4), sizes=[3, 2])
+
+
+@POWERS_OF_TWO
+def test_grouped_adasum_is_not_offered(mpi_world):
+    hvd.init()
     with pytest.raises(hvd.NotOfferedError, match="Adasum.*grouped"):
         hvd.grouped_allreduce([torch.ones(2)], op=hvd.Adasum)
-    if mpi_world.size > 1:  # refused on rank 0 only: the others fail at once too
-        wrong = np.ones(5, dtype=np.int32 if mpi_world.rank == 0 else np.float64)
-        expected = (md.UnsupportedDtypeError, "Adasum combines") if mpi_world.rank == 0 else \
-            (md.MismatchError, r"ranks \[0\] refused their arguments")
-        with pytest.raises(expected[0], match=expected[1]):
-            md.adasum_allreduce(wrong)
-        shorter = np.ones(5 if mpi_world.rank == 0 else 6)
-        with pytest.raises(md.MismatchError, match="count"):
-            md.adasum_allreduce(shorter)
 
 
-@pytest.mark.mpi(ranks=[2, 4])  # one rank: Adasum of one vector is that vector
-def test_adasum(mpi_ranks, mpi_world):
-    check_adasum_matches_the_reference(mpi_ranks, mpi_world)
-    check_adasum_identities(mpi_ranks, mpi_world)
-    check_horovod_allreduce_with_adasum(mpi_ranks, mpi_world)
-    check_distributed_optimizer_with_adasum(mpi_ranks, mpi_world)
-    check_adasum_refusals(mpi_world)
+@POWERS_OF_TWO
+def test_a_refusal_on_one_rank_fails_the_others_at_once(mpi_world):
+    wrong = np.ones(5, dtype=np.int32 if mpi_world.rank == 0 else np.float64)
+    expected = (md.UnsupportedDtypeError, "Adasum combines") if mpi_world.rank == 0 else \
+        (md.MismatchError, r"ranks \[0\] refused their arguments")
+    with pytest.raises(expected[0], match=expected[1]):
+        md.adasum_allreduce(wrong)
+
+
+@POWERS_OF_TWO
+def test_different_counts_raise_on_every_rank(mpi_world):
+    shorter = np.ones(5 if mpi_world.rank == 0 else 6)
+    with pytest.raises(md.MismatchError, match="count"):
+        md.adasum_allreduce(shorter)
 
 
 @pytest.mark.mpi(ranks=[3])

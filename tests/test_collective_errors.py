@@ -1,6 +1,10 @@
 """Wrong calls become clear errors on every rank, never hangs, raw MPI errors or wrong values:
 row shapes, the asynchronous engine's start, unusual NumPy arrays, environment variables, and
-arguments refused on one rank only."""
+arguments refused on one rank only.
+
+The multi-rank tests of one world size run in one launch (mpi_shared_launch.py), in file order.
+The tests that start an asynchronous engine, or need none started, run on a communicator of their
+own (own_comm), which they free: the world communicator's engine stays unstarted."""
 import textwrap
 
 import numpy as np
@@ -13,28 +17,13 @@ from mpidist import buffers
 from mpidist.collectives import callcheck
 from mpidist.runtime import deadlines
 
-
-@pytest.mark.mpi(ranks=[2, 3])
-def test_calls_that_differ_between_ranks_raise_on_every_rank(mpi_ranks, mpi_world, monkeypatch):
-    """The checks of one world size in one launch: each launch starts every rank's interpreter
-    (torch included), which costs more than the checks themselves. The world communicator's
-    asynchronous engine, once started, stays: the check that starts it comes last, so that the
-    others run without one, as in a launch of their own."""
-    check_reduce_scatter_with_different_row_shapes_raises_on_every_rank(mpi_ranks, mpi_world)
-    if mpi_ranks == 2:
-        check_allgather_row_shape_mismatch_names_the_shapes(mpi_world)
-    # Each check's environment variables end with it.
-    with monkeypatch.context() as patch:
-        check_async_on_one_rank_and_blocking_on_another_raise_on_every_rank(mpi_ranks, patch)
-    with monkeypatch.context() as patch:
-        check_ranks_forcing_different_algorithms_raise_on_every_rank(mpi_ranks, mpi_world, patch)
-    with monkeypatch.context() as patch:
-        check_an_argument_refused_on_one_rank_fails_the_others_at_once(mpi_ranks, mpi_world, patch)
+pytestmark = pytest.mark.mpi_shared_launch
 
 
 # ---- row shapes (allgather, reduce_scatter) ----------------------------------------------------
 
-def check_reduce_scatter_with_different_row_shapes_raises_on_every_rank(mpi_ranks, mpi_world):
+@pytest.mark.mpi(ranks=[2, 3])
+def test_reduce_scatter_with_different_row_shapes_raises_on_every_rank(mpi_ranks, mpi_world):
     # Same element count (12) on every rank: only the row shapes differ.
     x = np.arange(12.0).reshape((4, 3) if mpi_world.rank == 0 else (12, 1))
     with pytest.raises(md.MismatchError) as excinfo:
@@ -45,13 +34,16 @@ def check_reduce_scatter_with_different_row_shapes_raises_on_every_rank(mpi_rank
     assert (md.reduce_scatter(np.ones((mpi_ranks, 2))) == mpi_ranks).all()  # still usable
 
 
-def check_allgather_row_shape_mismatch_names_the_shapes(mpi_world):
+@pytest.mark.mpi(ranks=[2])
+@pytest.mark.parametrize("rank_0_shape, expected", [
+    ((2, 4), "row shape (shape[1:]): ranks [0] have (4,); ranks [1] have (3,)"),
+    ((2, 3, 1), "ranks [0] have (3, 1); ranks [1] have (3,)"),
+], ids=["row_length", "row_dimensions"])
+def test_allgather_row_shape_mismatch_names_the_shapes(mpi_world, rank_0_shape, expected):
     with pytest.raises(md.MismatchError) as excinfo:
-        md.allgather(np.ones((2, 3) if mpi_world.rank else (2, 4)))
+        md.allgather(np.ones((2, 3) if mpi_world.rank else rank_0_shape))
     message = str(excinfo.value)
-    assert "row shape (shape[1:]): ranks [0] have (4,); ranks [1] have (3,)" in message, message
-    with pytest.raises(md.MismatchError, match=r"ranks \[0\] have \(3, 1\); ranks \[1\] have \(3,\)"):
-        md.allgather(np.ones((2, 3) if mpi_world.rank else (2, 3, 1)))
+    assert expected in message, message
 
 
 def test_describe_mismatch_survives_values_that_are_no_signature():
@@ -84,7 +76,8 @@ def test_a_rank_that_never_starts_the_async_engine_is_an_error_not_a_hang():
         in result.stdout, result.stdout
 
 
-def check_async_on_one_rank_and_blocking_on_another_raise_on_every_rank(mpi_ranks, monkeypatch):
+@pytest.mark.mpi(ranks=[2, 3])
+def test_async_on_one_rank_and_blocking_on_another_raise_on_every_rank(mpi_ranks, monkeypatch):
     from mpi4py import MPI
     monkeypatch.setenv("MPIDIST_TIMEOUT", "20")
     comm = md.Communicator(MPI.COMM_WORLD)  # a fresh one: no engine yet
@@ -113,31 +106,47 @@ def test_non_native_byte_order_is_refused(mpi_world):
     assert buffers.describe(np.zeros(2, dtype="|u1")).dtype == "uint8"  # no byte order at all
 
 
-# A launch of its own: it starts the world communicator's asynchronous engine, which the check of
-# an argument refused on one rank must find not yet started; and it refuses a read-only array at
-# the first allreduce_async, before the engine exists, which it would no longer do after that check.
-@pytest.mark.mpi(ranks=[1, 2])
-def test_read_only_arrays_are_refused_only_where_written(mpi_ranks, mpi_world):
+def read_only_array():
+    """[0, 1, 2, 3] in memory NumPy may not write, and the bytes it was made from."""
     data = np.arange(4.0).tobytes()
-    read_only = np.frombuffer(data)
-    for call in (lambda: md.allreduce(read_only),
-                 lambda: md.allreduce(np.ones(4), out=read_only),
-                 lambda: md.allreduce_async(read_only).wait()):
-        with pytest.raises(md.InvalidArgumentError, match="read-only NumPy array"):
-            call()
+    return np.frombuffer(data), data
+
+
+# On a communicator of its own: the read-only array is refused at the first allreduce_async,
+# before the engine exists.
+@pytest.mark.mpi(ranks=[1, 2])
+@pytest.mark.parametrize("call", [
+    lambda comm, read_only: comm.allreduce(read_only),
+    lambda comm, read_only: comm.allreduce(np.ones(4), out=read_only),
+    lambda comm, read_only: comm.allreduce_async(read_only).wait(),
+], ids=["in_place", "out", "async"])
+def test_read_only_arrays_are_refused_where_written(mpi_ranks, own_comm, call):
+    read_only, data = read_only_array()
+    with pytest.raises(md.InvalidArgumentError, match="read-only NumPy array"):
+        call(own_comm, read_only)
     assert np.frombuffer(data).tolist() == [0.0, 1.0, 2.0, 3.0]
-    # Only read: allowed.
-    assert (md.allreduce(read_only, out=np.empty(4)) == mpi_ranks * read_only).all()
-    assert md.allgather(read_only).shape == (4 * mpi_ranks,)
+    assert (own_comm.allreduce(np.ones(2)) == mpi_ranks).all()
+
+
+@pytest.mark.mpi(ranks=[1, 2])
+def test_read_only_arrays_are_read(mpi_ranks, own_comm):
+    read_only, _ = read_only_array()
+    assert (own_comm.allreduce(read_only, out=np.empty(4)) == mpi_ranks * read_only).all()
+    assert own_comm.allgather(read_only).shape == (4 * mpi_ranks,)
     # Rank r gets block r of the sum, the first `4 % ranks` blocks one element longer.
-    expected = np.array_split(mpi_ranks * np.arange(4.0), mpi_ranks)[mpi_world.rank]
-    np.testing.assert_array_equal(md.reduce_scatter(read_only), expected)
-    md.broadcast(read_only, root=0) if mpi_world.rank == 0 else md.broadcast(np.empty(4), root=0)
-    if mpi_ranks > 1:
-        with pytest.raises(md.InvalidArgumentError if mpi_world.rank else md.MismatchError,
-                           match="broadcast writes root 0's data" if mpi_world.rank else "ranks .* refused"):
-            md.broadcast(read_only, root=0)
-    assert (md.allreduce(np.ones(2)) == mpi_ranks).all()
+    expected = np.array_split(mpi_ranks * np.arange(4.0), mpi_ranks)[own_comm.rank]
+    np.testing.assert_array_equal(own_comm.reduce_scatter(read_only), expected)
+    own_comm.broadcast(read_only, root=0) if own_comm.rank == 0 else own_comm.broadcast(np.empty(4), root=0)
+    assert (own_comm.allreduce(np.ones(2)) == mpi_ranks).all()
+
+
+@pytest.mark.mpi(ranks=[2])
+def test_a_read_only_array_is_refused_where_broadcast_writes(mpi_ranks, own_comm):
+    read_only, _ = read_only_array()
+    with pytest.raises(md.InvalidArgumentError if own_comm.rank else md.MismatchError,
+                       match="broadcast writes root 0's data" if own_comm.rank else "ranks .* refused"):
+        own_comm.broadcast(read_only, root=0)
+    assert (own_comm.allreduce(np.ones(2)) == mpi_ranks).all()
 
 
 def test_sparse_torch_tensors_are_refused():
@@ -161,7 +170,8 @@ def test_malformed_timeout_is_named(monkeypatch):
         deadlines.timeout()
 
 
-def check_ranks_forcing_different_algorithms_raise_on_every_rank(mpi_ranks, mpi_world, monkeypatch):
+@pytest.mark.mpi(ranks=[2, 3])
+def test_ranks_forcing_different_algorithms_raise_on_every_rank(mpi_ranks, mpi_world, monkeypatch):
     from mpi4py import MPI
     monkeypatch.setenv("MPIDIST_ALLREDUCE_ALGORITHM", "ring" if mpi_world.rank == 0 else "tree")
     comm = md.Communicator(MPI.COMM_WORLD)
@@ -179,32 +189,36 @@ def check_ranks_forcing_different_algorithms_raise_on_every_rank(mpi_ranks, mpi_
 # ---- arguments refused on one rank only ------------------------------------------------------------
 
 ONE_RANK_REFUSES = {
-    "bad root": (lambda r: md.broadcast(np.ones(3), root=5 if r == 0 else 0), md.InvalidArgumentError),
-    "bad op": (lambda r: md.allreduce(np.ones(3), op="mean" if r == 0 else "sum"), md.InvalidArgumentError),
-    "non-contiguous": (lambda r: md.allreduce(np.ones((3, 2)).T if r == 0 else np.ones(6)), md.NonContiguousError),
-    "allgather": (lambda r: md.allgather(np.ones((3, 2)).T if r == 0 else np.ones((2, 3))), md.NonContiguousError),
-    "reduce_scatter": (lambda r: md.reduce_scatter(np.ones(4), op="mean" if r == 0 else "sum"),
+    "bad root": (lambda comm, r: comm.broadcast(np.ones(3), root=5 if r == 0 else 0), md.InvalidArgumentError),
+    "bad op": (lambda comm, r: comm.allreduce(np.ones(3), op="mean" if r == 0 else "sum"), md.InvalidArgumentError),
+    "non-contiguous": (lambda comm, r: comm.allreduce(np.ones((3, 2)).T if r == 0 else np.ones(6)),
+                       md.NonContiguousError),
+    "allgather": (lambda comm, r: comm.allgather(np.ones((3, 2)).T if r == 0 else np.ones((2, 3))),
+                  md.NonContiguousError),
+    "reduce_scatter": (lambda comm, r: comm.reduce_scatter(np.ones(4), op="mean" if r == 0 else "sum"),
                        md.InvalidArgumentError),
-    "async": (lambda r: md.allreduce_async(np.ones(3), op="mean" if r == 0 else "sum").wait(),
+    "async": (lambda comm, r: comm.allreduce_async(np.ones(3), op="mean" if r == 0 else "sum").wait(),
               md.InvalidArgumentError),
 }
 
 
-def check_an_argument_refused_on_one_rank_fails_the_others_at_once(mpi_ranks, mpi_world, monkeypatch):
+@pytest.mark.mpi(ranks=[2, 3])
+@pytest.mark.parametrize("engine", [False, True], ids=["engine_idle", "engine_running"])
+@pytest.mark.parametrize("case", ONE_RANK_REFUSES)
+def test_an_argument_refused_on_one_rank_fails_the_others_at_once(mpi_ranks, own_comm, monkeypatch, engine, case):
     import time
     monkeypatch.setenv("MPIDIST_TIMEOUT", "60")
-    r = mpi_world.rank
-    for engine in (False, True):
-        if engine:  # once the async engine runs, every collective goes through its communicator
-            assert (md.allreduce_async(np.ones(2)).wait() == mpi_ranks).all()
-        for case, (call, error) in ONE_RANK_REFUSES.items():
-            start = time.monotonic()
-            with pytest.raises(error if r == 0 else md.MismatchError) as excinfo:
-                call(r)
-            assert time.monotonic() - start < 30, case
-            if r != 0:
-                assert "ranks [0] refused their arguments" in str(excinfo.value), (case, str(excinfo.value))
-        assert (md.allreduce(np.ones(2)) == mpi_ranks).all()  # still usable
+    r = own_comm.rank
+    if engine:  # once the async engine runs, every collective goes through its communicator
+        assert (own_comm.allreduce_async(np.ones(2)).wait() == mpi_ranks).all()
+    call, error = ONE_RANK_REFUSES[case]
+    start = time.monotonic()
+    with pytest.raises(error if r == 0 else md.MismatchError) as excinfo:
+        call(own_comm, r)
+    assert time.monotonic() - start < 30, case
+    if r != 0:
+        assert "ranks [0] refused their arguments" in str(excinfo.value), (case, str(excinfo.value))
+    assert (own_comm.allreduce(np.ones(2)) == mpi_ranks).all()  # still usable
 
 
 def test_a_refused_argument_does_not_communicate_with_the_check_off():

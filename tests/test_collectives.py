@@ -8,6 +8,12 @@ Tolerances are derived from the dtype's unit roundoff u (conftest.UNIT_ROUNDOFF)
 - prod: p-1 multiplications, each off by a relative u: |error| <= (p-1) * u * |result|.
 The float64 reference rounds too, so u is replaced by u + 2^-53 (this matters for float64).
 A factor 1.01 covers the second-order terms of these first-order bounds.
+
+The multi-rank tests of one world size run in one launch (mpi_shared_launch.py), in file order.
+The tests that start an asynchronous engine, turn the call check off or need neither done run
+on a communicator of their own (own_comm), which they free: the world communicator stays as
+every test expects. The mismatch and refusal tests run with the engine idle and running: once it
+runs, blocking collectives take its queue too.
 """
 import numpy as np
 import pytest
@@ -17,6 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mpidist as md
+
+pytestmark = pytest.mark.mpi_shared_launch
 
 ALGORITHMS = ["ring", "tree", "recursive_halving", "recursive_doubling", "reduce_bcast", "mpi", "auto"]
 FLOAT_DTYPES = ["float16", "bfloat16", "float32", "float64"]
@@ -80,29 +88,51 @@ def size_classes(p):
     return sorted({0, 1, max(p - 1, 0), 7, 1009, 70001})
 
 
-def check_allreduce_grid(comm):
-    """Every algorithm x dtype x op x size class; NumPy and torch inputs, in place and out=."""
-    variants = [("numpy", True), ("torch", False), ("torch", True), ("numpy", False)]
+GRID_VARIANTS = [("numpy", True), ("torch", False), ("torch", True), ("numpy", False)]
+
+
+def allreduce_grid(p):
+    """Every algorithm x dtype x op x size class of `p` ranks as the arguments of check_allreduce
+    after the communicator: NumPy and torch inputs, in place and out=, in turn."""
     case = 0
     for algorithm in ALGORITHMS:
         for dtype in FLOAT_DTYPES + INT_DTYPES:
             for op in OPS:
                 if op == "avg" and dtype in INT_DTYPES:
                     continue
-                for count in size_classes(comm.size):
-                    kind, in_place = variants[case % len(variants)]
+                for count in size_classes(p):
+                    kind, in_place = GRID_VARIANTS[case % len(GRID_VARIANTS)]
                     case += 1
-                    if dtype == "bfloat16":
-                        kind = "torch"
-                    check_allreduce(comm, algorithm, dtype, op, count, kind, in_place)
+                    yield algorithm, dtype, op, count, "torch" if dtype == "bfloat16" else kind, in_place
 
 
-def check_allreduce_is_deterministic(comm):
-    for algorithm in ALGORITHMS:
-        for dtype in ("float32", "bfloat16"):
-            first = check_allreduce(comm, algorithm, dtype, "sum", 70001, "torch", True, seed=3)
-            second = check_allreduce(comm, algorithm, dtype, "sum", 70001, "torch", True, seed=3)
-            assert raw_bytes(first) == raw_bytes(second), f"{algorithm} {dtype}: runs differ"
+def start_engine(comm):
+    """Start the communicator's asynchronous engine; blocking collectives then run in its queue."""
+    assert (comm.allreduce_async(np.ones(2)).wait() == comm.size).all()
+
+
+ENGINE = pytest.mark.parametrize("engine", [False, True], ids=["engine_idle", "engine_running"])
+
+
+@pytest.mark.mpi(ranks=ALL_RANKS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + INT_DTYPES)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_allreduce_grid(mpi_ranks, mpi_world, algorithm, dtype):
+    """Every op and size class of one algorithm and dtype (the name keeps the Makefile's `-k grid`
+    selection of the system-MPI run)."""
+    cases = [case for case in allreduce_grid(mpi_ranks) if case[:2] == (algorithm, dtype)]
+    assert cases
+    for case in cases:
+        check_allreduce(mpi_world, *case)
+
+
+@pytest.mark.mpi(ranks=[2, 3, 5])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_allreduce_is_deterministic(mpi_world, algorithm, dtype):
+    first = check_allreduce(mpi_world, algorithm, dtype, "sum", 70001, "torch", True, seed=3)
+    second = check_allreduce(mpi_world, algorithm, dtype, "sum", 70001, "torch", True, seed=3)
+    assert raw_bytes(first) == raw_bytes(second), f"{algorithm} {dtype}: runs differ"
 
 
 # derandomize=True: every rank draws the same examples, so they all call the same collective.
@@ -120,11 +150,16 @@ def check_allreduce_properties(algorithm, dtype, op, count, seed, kind, in_place
     check_allreduce(comm, algorithm, dtype, op, count, kind, in_place, seed=seed)
 
 
-def check_forced_algorithm_and_segmented_messages(mpi_world, monkeypatch):
+@pytest.mark.mpi(ranks=[2, 3, 5])
+def test_allreduce_properties(mpi_world):
+    check_allreduce_properties()
+
+
+@pytest.mark.mpi(ranks=ALL_RANKS)
+def test_forced_algorithm_and_segmented_messages(mpi_ranks, mpi_world, monkeypatch):
     from mpi4py import MPI
 
     from mpidist.collectives.select import choose_allreduce
-    mpi_ranks = mpi_world.size
     # A communicator reads MPIDIST_ALLREDUCE_ALGORITHM when it is created.
     monkeypatch.setenv("MPIDIST_ALLREDUCE_ALGORITHM", "tree")
     assert mpi_world.forced_algorithm is None
@@ -136,90 +171,122 @@ def check_forced_algorithm_and_segmented_messages(mpi_world, monkeypatch):
         check_allreduce(comm, "auto", "float32", "sum", 3, "torch", True)  # small messages too
     finally:
         comm.free()
+
+
+@pytest.mark.mpi(ranks=ALL_RANKS)
+def test_unknown_forced_algorithm_is_named(monkeypatch):
+    from mpi4py import MPI
     monkeypatch.setenv("MPIDIST_ALLREDUCE_ALGORITHM", "bogus")
     comm = md.Communicator(MPI.COMM_WORLD)
     try:
-        if mpi_ranks > 1:
-            with pytest.raises(md.InvalidArgumentError, match="MPIDIST_ALLREDUCE_ALGORITHM='bogus'"):
-                comm.allreduce(np.zeros(4), algorithm="auto")
+        with pytest.raises(md.InvalidArgumentError, match="MPIDIST_ALLREDUCE_ALGORITHM='bogus'"):
+            comm.allreduce(np.zeros(4), algorithm="auto")
     finally:
         comm.free()
 
 
-def check_small_message_fast_path(mpi_world, monkeypatch):
-    """With the call check off, small CPU messages go straight to MPI_Allreduce; the results are
-    the general path's, and what the fast path cannot do falls back to the general path."""
-    mpi_ranks = mpi_world.size
+@pytest.fixture
+def fast_path_calls(own_comm, monkeypatch):
+    """With the call check off, small CPU messages go straight to MPI_Allreduce. Returns the list
+    to which every try of the fast path appends whether it took the message."""
     from mpidist import collectives
     taken = []
     fast = collectives.small_cpu_allreduce
     monkeypatch.setattr(collectives, "small_cpu_allreduce", lambda *args: taken.append(fast(*args)) or taken[-1])
-    monkeypatch.setattr(mpi_world, "check_calls", False)
-    for dtype in FLOAT_DTYPES + INT_DTYPES:
-        for op in OPS:
-            if op == "avg" and dtype in INT_DTYPES:
-                continue
-            for kind in ("numpy", "torch"):
-                for count in (0, 1, 7, 1009):
-                    if dtype == "bfloat16":
-                        kind = "torch"
-                    taken.clear()
-                    check_allreduce(mpi_world, "auto", dtype, op, count, kind, in_place=True)
-                    expect_fast = mpi_ranks > 1 and count > 0
-                    assert taken == [expect_fast], (dtype, op, kind, count, taken)
-    # Explicit algorithm="mpi" takes it at any size; other algorithms never do.
-    for algorithm, expect_fast in (("mpi", True), ("ring", False)):
-        taken.clear()
-        check_allreduce(mpi_world, algorithm, "float32", "sum", 70001, "torch", in_place=True)
-        assert taken == [expect_fast]
-    # Large messages under "auto" go to the tables' algorithms.
-    taken.clear()
-    check_allreduce(mpi_world, "auto", "float64", "sum", 300001, "numpy", in_place=True)
-    assert taken == [False]
-    # A torch Parameter is a tensor too; a non-contiguous array still gets the general path's error.
-    weight = torch.nn.Parameter(torch.full((3, 4), float(mpi_world.rank)), requires_grad=False)
-    md.allreduce(weight)
+    own_comm.check_calls = False
+    return taken
+
+
+@pytest.mark.mpi(ranks=ALL_RANKS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + INT_DTYPES)
+def test_small_message_fast_path(mpi_ranks, own_comm, fast_path_calls, dtype):
+    """The results are the general path's; one rank or an empty message takes the general path."""
+    for op in OPS:
+        if op == "avg" and dtype in INT_DTYPES:
+            continue
+        for kind in ("numpy", "torch"):
+            for count in (0, 1, 7, 1009):
+                if dtype == "bfloat16":
+                    kind = "torch"
+                fast_path_calls.clear()
+                check_allreduce(own_comm, "auto", dtype, op, count, kind, in_place=True)
+                expect_fast = mpi_ranks > 1 and count > 0
+                assert fast_path_calls == [expect_fast], (dtype, op, kind, count, fast_path_calls)
+
+
+@pytest.mark.mpi(ranks=ALL_RANKS)
+@pytest.mark.parametrize("algorithm, expect_fast", [("mpi", True), ("ring", False)])
+def test_fast_path_of_an_explicit_algorithm(own_comm, fast_path_calls, algorithm, expect_fast):
+    """Explicit algorithm="mpi" takes it at any size; other algorithms never do."""
+    check_allreduce(own_comm, algorithm, "float32", "sum", 70001, "torch", in_place=True)
+    assert fast_path_calls == [expect_fast]
+
+
+@pytest.mark.mpi(ranks=ALL_RANKS)
+def test_large_messages_leave_the_fast_path(own_comm, fast_path_calls):
+    """Large messages under "auto" go to the tables' algorithms."""
+    check_allreduce(own_comm, "auto", "float64", "sum", 300001, "numpy", in_place=True)
+    assert fast_path_calls == [False]
+
+
+@pytest.mark.mpi(ranks=ALL_RANKS)
+def test_fast_path_takes_a_parameter_and_leaves_errors_to_the_general_path(mpi_ranks, own_comm, fast_path_calls):
+    """A torch Parameter is a tensor too; a non-contiguous array still gets the general path's error."""
+    weight = torch.nn.Parameter(torch.full((3, 4), float(own_comm.rank)), requires_grad=False)
+    own_comm.allreduce(weight)
     assert torch.equal(weight, torch.full((3, 4), float(sum(range(mpi_ranks)))))
     with pytest.raises(md.NonContiguousError, match="not contiguous"):
-        md.allreduce(torch.zeros(4, 4).t())
+        own_comm.allreduce(torch.zeros(4, 4).t())
     with pytest.raises(md.UnsupportedDtypeError, match="op='avg' needs a floating-point dtype"):
-        md.allreduce(np.zeros(3, dtype=np.int32), op="avg")
+        own_comm.allreduce(np.zeros(3, dtype=np.int32), op="avg")
 
 
-def check_broadcast_allgather_reduce_scatter(comm):
-    p, r = comm.size, comm.rank
+@pytest.mark.mpi(ranks=ALL_RANKS)
+@pytest.mark.parametrize("kind, dtype", [("numpy", "float64"), ("torch", "bfloat16"), ("numpy", "int32")])
+def test_broadcast_from_every_root(mpi_world, kind, dtype):
+    p, r = mpi_world.size, mpi_world.rank
     for root in range(p):
         for count in (0, 1, 1009, 300001):  # 300001 float64 takes the scatter + allgather path
-            for kind, dtype in (("numpy", "float64"), ("torch", "bfloat16"), ("numpy", "int32")):
-                values = np.arange(count) % 251 + root
-                array = make_array(kind, values if r == root else np.zeros(count), dtype)
-                assert md.broadcast(array, root=root) is array
-                assert raw_bytes(array) == raw_bytes(make_array(kind, values, dtype)), (root, count, kind)
-    for rows in (0, 1, 3, 11):
-        mine = make_array("torch", np.full((rows + r, 3), r + 1.0), "float32")
-        gathered = md.allgather(mine)
-        expected = np.concatenate([np.full((rows + k, 3), k + 1.0) for k in range(p)])
-        assert gathered.shape == expected.shape and (to_float64(gathered) == expected).all()
+            values = np.arange(count) % 251 + root
+            array = make_array(kind, values if r == root else np.zeros(count), dtype)
+            assert md.broadcast(array, root=root) is array
+            assert raw_bytes(array) == raw_bytes(make_array(kind, values, dtype)), (root, count, kind)
+
+
+@pytest.mark.mpi(ranks=ALL_RANKS)
+@pytest.mark.parametrize("rows", [0, 1, 3, 11])
+def test_allgather_of_different_row_counts(mpi_world, rows):
+    p, r = mpi_world.size, mpi_world.rank
+    mine = make_array("torch", np.full((rows + r, 3), r + 1.0), "float32")
+    gathered = md.allgather(mine)
+    expected = np.concatenate([np.full((rows + k, 3), k + 1.0) for k in range(p)])
+    assert gathered.shape == expected.shape and (to_float64(gathered) == expected).all()
+
+
+@pytest.mark.mpi(ranks=ALL_RANKS)
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+def test_reduce_scatter(mpi_world, op):
+    p, r = mpi_world.size, mpi_world.rank
     for rows in (0, 1, p, 2 * p + 1):
-        for op in ("sum", "avg", "max"):
-            inputs = [rank_values(7, k, rows * 2, "float64", op).reshape(rows, 2) for k in range(p)]
-            before = inputs[r].copy()
-            mine = inputs[r].copy()
-            block = md.reduce_scatter(mine, op=op)
-            assert (mine == before).all(), "reduce_scatter must not change its input"
-            full = reference(inputs, op)
-            base, extra = divmod(rows, p)
-            start = r * base + min(r, extra)
-            mine_rows = base + (1 if r < extra else 0)
-            assert block.shape == (mine_rows, 2)
-            np.testing.assert_allclose(block, full[start:start + mine_rows], rtol=1e-13, atol=1e-13)
+        inputs = [rank_values(7, k, rows * 2, "float64", op).reshape(rows, 2) for k in range(p)]
+        before = inputs[r].copy()
+        mine = inputs[r].copy()
+        block = md.reduce_scatter(mine, op=op)
+        assert (mine == before).all(), "reduce_scatter must not change its input"
+        full = reference(inputs, op)
+        base, extra = divmod(rows, p)
+        start = r * base + min(r, extra)
+        mine_rows = base + (1 if r < extra else 0)
+        assert block.shape == (mine_rows, 2)
+        np.testing.assert_allclose(block, full[start:start + mine_rows], rtol=1e-13, atol=1e-13)
 
 
-def check_async_handles_progress_without_polling(mpi_world):
+@pytest.mark.mpi(ranks=[2, 3])
+def test_async_handles_progress_without_polling(own_comm):
     import time
-    p = mpi_world.size
-    arrays = [np.full(100003, float(mpi_world.rank + k)) for k in range(4)]
-    handles = [md.allreduce_async(a, op="sum", algorithm=alg)
+    p = own_comm.size
+    arrays = [np.full(100003, float(own_comm.rank + k)) for k in range(4)]
+    handles = [own_comm.allreduce_async(a, op="sum", algorithm=alg)
                for a, alg in zip(arrays, ["ring", "tree", "auto", "mpi"])]
     deadline = time.monotonic() + 60
     while not all(h.done() for h in handles) and time.monotonic() < deadline:
@@ -228,80 +295,106 @@ def check_async_handles_progress_without_polling(mpi_world):
     for k, (h, a) in enumerate(zip(handles, arrays)):
         assert h.wait() is a
         assert (a == sum(range(p)) + p * k).all()
-    bad = md.allreduce_async(np.zeros(3, dtype=np.int32), op="sum", algorithm="ring")
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_async_allreduce_of_integers(own_comm):
+    bad = own_comm.allreduce_async(np.zeros(3, dtype=np.int32), op="sum", algorithm="ring")
     assert (bad.wait() == 0).all()
 
 
-def check_local_argument_errors_are_refused_on_every_rank(mpi_world):
-    with pytest.raises(md.InvalidArgumentError, match="unknown op 'mean'"):
-        md.allreduce(np.zeros(3), op="mean")
-    with pytest.raises(md.InvalidArgumentError, match="unknown all-reduce algorithm 'butterfly'"):
-        md.allreduce(np.zeros(3), algorithm="butterfly")
-    with pytest.raises(md.UnsupportedDtypeError, match="op='avg' needs a floating-point dtype, got int32"):
-        md.allreduce(np.zeros(3, dtype=np.int32), op="avg")
-    with pytest.raises(md.NonContiguousError):
-        md.allreduce(np.zeros((3, 3))[:, 0])
-    with pytest.raises(md.InvalidArgumentError, match="out= must match the input"):
-        md.allreduce(np.zeros(3), out=np.zeros(4))
-    with pytest.raises(md.InvalidArgumentError, match="root=9 is not a rank"):
-        md.broadcast(np.zeros(3), root=9)
+LOCAL_REFUSALS = {
+    "unknown op": (lambda comm: comm.allreduce(np.zeros(3), op="mean"), md.InvalidArgumentError, "unknown op 'mean'"),
+    "unknown algorithm": (lambda comm: comm.allreduce(np.zeros(3), algorithm="butterfly"), md.InvalidArgumentError,
+                          "unknown all-reduce algorithm 'butterfly'"),
+    "integer average": (lambda comm: comm.allreduce(np.zeros(3, dtype=np.int32), op="avg"), md.UnsupportedDtypeError,
+                        "op='avg' needs a floating-point dtype, got int32"),
+    "non-contiguous": (lambda comm: comm.allreduce(np.zeros((3, 3))[:, 0]), md.NonContiguousError, None),
+    "out of another size": (lambda comm: comm.allreduce(np.zeros(3), out=np.zeros(4)), md.InvalidArgumentError,
+                            "out= must match the input"),
+    "root not a rank": (lambda comm: comm.broadcast(np.zeros(3), root=9), md.InvalidArgumentError,
+                        "root=9 is not a rank"),
+}
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+@ENGINE
+@pytest.mark.parametrize("case", LOCAL_REFUSALS)
+def test_local_argument_errors_are_refused_on_every_rank(own_comm, engine, case):
+    if engine:
+        start_engine(own_comm)
+    call, error, message = LOCAL_REFUSALS[case]
+    with pytest.raises(error, match=message):
+        call(own_comm)
     # The communicator still works after refused calls.
-    assert (md.allreduce(np.ones(3)) == mpi_world.size).all()
+    assert (own_comm.allreduce(np.ones(3)) == own_comm.size).all()
 
 
-def check_mismatched_calls_raise_on_every_rank(mpi_world):
-    r = mpi_world.rank
-    mpi_ranks = mpi_world.size
-    last = mpi_ranks - 1
-    cases = [
-        (dict(array=np.zeros(5 if r != last else 6)), "count: ranks"),
-        (dict(array=np.zeros(5, dtype=np.float32 if r != last else np.float64)), "dtype: ranks"),
-        (dict(array=np.zeros(5), op="sum" if r != last else "max"), "op: ranks"),
-        (dict(array=np.zeros(5), algorithm="ring" if r != last else "tree"), "algorithm: ranks"),
-    ]
-    for kwargs, field in cases:
-        with pytest.raises(md.MismatchError) as excinfo:
-            md.allreduce(**kwargs)
-        message = str(excinfo.value)
-        assert field in message and f"[{last}]" in message, message
-    # A refused call leaves out= as it was (the input is copied there only once the ranks agree).
-    source = np.ones(5 if r != last else 6)
+def differing_on_the_last_rank(rank, last):
+    """allreduce arguments that differ on rank `last` only, each with the field the error names."""
+    return {
+        "count": (dict(array=np.zeros(5 if rank != last else 6)), "count: ranks"),
+        "dtype": (dict(array=np.zeros(5, dtype=np.float32 if rank != last else np.float64)), "dtype: ranks"),
+        "op": (dict(array=np.zeros(5), op="sum" if rank != last else "max"), "op: ranks"),
+        "algorithm": (dict(array=np.zeros(5), algorithm="ring" if rank != last else "tree"), "algorithm: ranks"),
+    }
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+@ENGINE
+@pytest.mark.parametrize("field", ["count", "dtype", "op", "algorithm"])
+def test_mismatched_calls_raise_on_every_rank(own_comm, engine, field):
+    if engine:
+        start_engine(own_comm)
+    last = own_comm.size - 1
+    kwargs, names = differing_on_the_last_rank(own_comm.rank, last)[field]
+    with pytest.raises(md.MismatchError) as excinfo:
+        own_comm.allreduce(**kwargs)
+    message = str(excinfo.value)
+    assert names in message and f"[{last}]" in message, message
+    # After a detected mismatch the communicator is still usable.
+    assert (own_comm.allreduce(np.ones(2)) == own_comm.size).all()
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+@ENGINE
+def test_mismatched_call_leaves_out_as_it_was(own_comm, engine):
+    """The input is copied into out= only once the ranks agree."""
+    if engine:
+        start_engine(own_comm)
+    source = np.ones(5 if own_comm.rank != own_comm.size - 1 else 6)
     out = np.full_like(source, -7.0)
     with pytest.raises(md.MismatchError, match="count: ranks"):
-        md.allreduce(source, out=out)
+        own_comm.allreduce(source, out=out)
     assert (out == -7.0).all() and (source == 1.0).all()
+    assert (own_comm.allreduce(np.ones(2)) == own_comm.size).all()
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+@ENGINE
+def test_mismatched_broadcast_roots_raise_on_every_rank(own_comm, engine):
+    if engine:
+        start_engine(own_comm)
     with pytest.raises(md.MismatchError, match="root: ranks"):
-        md.broadcast(np.zeros(4), root=0 if r != last else 1)
+        own_comm.broadcast(np.zeros(4), root=0 if own_comm.rank != own_comm.size - 1 else 1)
+    assert (own_comm.allreduce(np.ones(2)) == own_comm.size).all()
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+@ENGINE
+def test_mismatched_collectives_raise_on_every_rank(own_comm, engine):
+    if engine:
+        start_engine(own_comm)
     with pytest.raises(md.MismatchError, match="collective: ranks"):
-        if r == last:
-            md.broadcast(np.zeros(4))
+        if own_comm.rank == own_comm.size - 1:
+            own_comm.broadcast(np.zeros(4))
         else:
-            md.allreduce(np.zeros(4))
-    # After a detected mismatch the communicator is still usable.
-    assert (md.allreduce(np.ones(2)) == mpi_ranks).all()
+            own_comm.allreduce(np.zeros(4))
+    assert (own_comm.allreduce(np.ones(2)) == own_comm.size).all()
 
 
-@pytest.mark.mpi(ranks=ALL_RANKS, timeout=900)
-@pytest.mark.timeout(600)
-def test_collectives_grid_and_checks(mpi_ranks, mpi_world, monkeypatch):
-    """Every check of one world size in one launch: each launch starts every rank's interpreter
-    (torch included), which costs more than most checks. The name keeps the Makefile's
-    `-k grid` selection (the system-MPI run)."""
-    check_allreduce_grid(mpi_world)
-    check_broadcast_allgather_reduce_scatter(mpi_world)
-    with monkeypatch.context() as patch:
-        check_forced_algorithm_and_segmented_messages(mpi_world, patch)
-    with monkeypatch.context() as patch:
-        check_small_message_fast_path(mpi_world, patch)
-    if mpi_ranks in (2, 3, 5):
-        check_allreduce_is_deterministic(mpi_world)
-        check_allreduce_properties()
-    if mpi_ranks in (2, 3):
-        check_async_handles_progress_without_polling(mpi_world)
-        check_local_argument_errors_are_refused_on_every_rank(mpi_world)
-        check_mismatched_calls_raise_on_every_rank(mpi_world)
-
-
+# A launch of its own: rank 1's all-reduce stays unfinished, rank 0 never having joined it.
+@pytest.mark.mpi_own_launch
 @pytest.mark.mpi(ranks=[2])
 def test_a_rank_that_never_joins_is_an_error_not_a_hang(mpi_ranks, mpi_world, monkeypatch):
     monkeypatch.setenv("MPIDIST_TIMEOUT", "3")

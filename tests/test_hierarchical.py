@@ -1,6 +1,9 @@
 """The hierarchical (shared-memory window + leaders) all-reduce on 1 to 5 ranks, on one node and
 on emulated nodes of two ranks (MPIDIST_RANKS_PER_NODE=2, so 5 ranks make nodes of 2, 2 and 1),
-against the float64 NumPy reference and tolerances of test_collectives."""
+against the float64 NumPy reference and tolerances of test_collectives.
+
+The multi-rank tests of one world size run in one launch (mpi_shared_launch.py), each on a
+communicator of its own, freed at its end."""
 import numpy as np
 import pytest
 from conftest import make_array, raw_bytes, to_float64
@@ -8,6 +11,10 @@ from mpi4py import MPI
 from test_collectives import FLOAT_DTYPES, INT_DTYPES, OPS, rank_values, reference, size_classes, tolerance
 
 import mpidist as md
+
+pytestmark = pytest.mark.mpi_shared_launch
+
+ON_NODES = pytest.mark.parametrize("ranks_per_node", [None, "2"], ids=["one_node", "nodes_of_two"])
 
 
 def check(comm, dtype, op, count, kind, seed=0):
@@ -23,45 +30,69 @@ def check(comm, dtype, op, count, kind, seed=0):
     return array
 
 
-# One launch per rank count covers both topologies: a launch costs more than the checks.
-@pytest.mark.mpi(ranks=[1, 2, 3, 4, 5])
-def test_hierarchical_on_one_node_and_on_emulated_nodes(mpi_ranks, monkeypatch):
-    for ranks_per_node in (None, "2"):
-        check_topology(mpi_ranks, ranks_per_node, monkeypatch)
-        check_async_beside_blocking(mpi_ranks, ranks_per_node, monkeypatch)
-
-
-def check_topology(mpi_ranks, ranks_per_node, monkeypatch):
+@pytest.fixture
+def comm(ranks_per_node, monkeypatch):
+    """A communicator on one node (ranks_per_node None) or on emulated nodes of `ranks_per_node`."""
     if ranks_per_node:
         monkeypatch.setenv("MPIDIST_RANKS_PER_NODE", ranks_per_node)
     else:
         monkeypatch.delenv("MPIDIST_RANKS_PER_NODE", raising=False)
     comm = md.Communicator(MPI.COMM_WORLD)
-    expected_nodes = (mpi_ranks + 1) // 2 if ranks_per_node else 1
-    assert comm.num_nodes == expected_nodes
+    yield comm
+    comm.free()
+
+
+def hierarchical_grid(p):
+    """(dtype, op, count, kind) of every dtype x op x size class of `p` ranks below segmented
+    messages; NumPy and torch inputs in turn. Sizes grow and shrink again, so the window is grown
+    and then reused."""
     case = 0
     for dtype in FLOAT_DTYPES + INT_DTYPES:
         for op in OPS:
             if op == "avg" and dtype in INT_DTYPES:
                 continue
-            # Sizes grow and shrink again, so the window is grown and then reused; the largest
-            # size (segmented messages across nodes) runs once per dtype below.
-            for count in [c for c in size_classes(mpi_ranks) if c < 70001] + [3]:
-                kind = "torch" if dtype == "bfloat16" or case % 2 else "numpy"
+            for count in [c for c in size_classes(p) if c < 70001] + [3]:
+                yield dtype, op, count, "torch" if dtype == "bfloat16" or case % 2 else "numpy"
                 case += 1
-                check(comm, dtype, op, count, kind)
-    for dtype in FLOAT_DTYPES + INT_DTYPES:
-        check(comm, dtype, "sum", 300001, "torch")
+
+
+@pytest.mark.mpi(ranks=[1, 2, 3, 4, 5])
+@ON_NODES
+def test_nodes(mpi_ranks, comm, ranks_per_node):
+    assert comm.num_nodes == ((mpi_ranks + 1) // 2 if ranks_per_node else 1)
+
+
+@pytest.mark.mpi(ranks=[1, 2, 3, 4, 5])
+@ON_NODES
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + INT_DTYPES)
+def test_hierarchical_grid(mpi_ranks, comm, dtype):
+    cases = [case for case in hierarchical_grid(mpi_ranks) if case[0] == dtype]
+    assert cases
+    for case in cases:
+        check(comm, *case)
+
+
+@pytest.mark.mpi(ranks=[1, 2, 3, 4, 5])
+@ON_NODES
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + INT_DTYPES)
+def test_hierarchical_segmented_messages(comm, dtype):
+    """Messages segmented across nodes."""
+    check(comm, dtype, "sum", 300001, "torch")
+
+
+@pytest.mark.mpi(ranks=[1, 2, 3, 4, 5])
+@ON_NODES
+def test_hierarchical_is_deterministic(comm):
     first = check(comm, "bfloat16", "sum", 70001, "torch", seed=5)
     second = check(comm, "bfloat16", "sum", 70001, "torch", seed=5)
     assert raw_bytes(first) == raw_bytes(second), "hierarchical is not deterministic"
-    comm.free()
 
 
-def check_async_beside_blocking(mpi_ranks, ranks_per_node, monkeypatch):
+@pytest.mark.mpi(ranks=[1, 2, 3, 4, 5])
+@ON_NODES
+def test_async_beside_blocking(mpi_ranks, comm):
     """The asynchronous engine runs hierarchical on its own node communicator and window while
     the caller's thread runs it on the Communicator's."""
-    comm = md.Communicator(MPI.COMM_WORLD)
     arrays = [np.full(50001, float(comm.rank + k)) for k in range(3)]
     handles = [comm.allreduce_async(a, algorithm="hierarchical") for a in arrays]
     blocking = np.full(999, 1.0, dtype=np.float32)
@@ -70,4 +101,3 @@ def check_async_beside_blocking(mpi_ranks, ranks_per_node, monkeypatch):
     for k, (handle, array) in enumerate(zip(handles, arrays)):
         assert handle.wait() is array
         assert (array == sum(range(mpi_ranks)) + mpi_ranks * k).all()
-    comm.free()
