@@ -181,8 +181,9 @@ def test_a_freed_pipeline_refuses_to_train(mpi_world):
         pipe.train_step(x if first else None, y if last else None)
 
 
-# Last of its launch: rank 0 gives up on a receive that stage 1 answers later, so a test after it
-# could meet that late message.
+# In a launch of its own: rank 0 gives up on a receive that stage 1 answers later, so a test after
+# it could meet that late message.
+@pytest.mark.mpi_own_launch
 @pytest.mark.mpi(ranks=[2])
 def test_a_silent_stage_is_named(mpi_world, monkeypatch):
     """A stage that stops answering is a DeadlineError after MPIDIST_TIMEOUT on the stage waiting
@@ -212,5 +213,6 @@ def test_a_silent_stage_is_named(mpi_world, monkeypatch):
             except md.DeadlineError as exc:
                 assert "no answer from the other stages" in str(exc), str(exc)
     finally:
+        monkeypatch.setenv("MPIDIST_TIMEOUT", "120")  # the barrier waits for the stalled stage
         comm.barrier()
         pipe.free()
