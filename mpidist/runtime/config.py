@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 from ..errors import InvalidArgumentError
 
@@ -228,8 +229,6 @@ def with_tables(page: str) -> str:
 
 
 if __name__ == "__main__":  # rewrite the tables of the page named on the command line
-    import sys
-
     with open(sys.argv[1]) as handle:
         text = handle.read()
     with open(sys.argv[1], "w") as handle:

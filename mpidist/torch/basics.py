@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import _C
 from .. import comm as _comm
 from ..errors import InvalidArgumentError, MismatchError, NotOfferedError
 from . import timeline
@@ -109,7 +110,7 @@ def mpi_built() -> bool:
 
 
 def mpi_threads_supported() -> bool:
-    from mpi4py import MPI
+    from mpi4py import MPI  # imported here: importing mpi4py's MPI initializes MPI
     return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 
@@ -138,8 +139,7 @@ def rocm_built() -> bool:
 
 
 def cuda_built() -> bool:
-    import mpidist._C as ext
-    return bool(ext.built_with_cuda)
+    return bool(_C.built_with_cuda)
 
 
 # ---- Horovod's exceptions -------------------------------------------------------------------------

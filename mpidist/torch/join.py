@@ -115,7 +115,7 @@ def _announce(world, fields):
     """One announcement (collective over all ranks): a training rank passes what comes next
     (a list of numbers), a joined rank None. Returns what the training ranks announced, or None
     once every rank has joined."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # imported here: importing mpi4py's MPI initializes MPI
     message = np.zeros(7, dtype=np.int64)
     if fields is not None:
         message[0], message[1:1 + len(fields)] = 1, fields
