@@ -174,4 +174,5 @@ def test_a_message_that_never_comes_names_its_sender(mpi_ranks, mpi_world, monke
                 as excinfo:
             wire.receive(mpi_world.mpi, 0, 99, "rank 1", "a test message", "rank 0")
         assert excinfo.value.peers == (0,)
+    monkeypatch.setenv("MPIDIST_TIMEOUT", "120")  # rank 0 waits here while rank 1 waits out the 1 s
     mpi_world.barrier()
