@@ -60,8 +60,8 @@ GRADIENT, DONE = 0, 1
 APPLY, ANSWER, DROP, FINISH = 0, 1, 2, 3
 PUSH, REPLY, COMMAND, SHARE = 1, 3, 5, 7
 # The settings every rank must agree on, in the order of the agreement table's columns.
-AGREED = ("parameters", "dtype", "mode", "gradients per update", "max_staleness", "staleness_lr", "server",
-          "starting version", "servers", "layout", "backup_workers", "server has an optimizer")
+AGREED = ("parameters", "dtype", "server", "servers", "layout", "mode", "backup_workers", "gradients per update",
+          "max_staleness", "staleness_lr", "starting version", "server has an optimizer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,11 +180,11 @@ class ParameterServer:
     def _agree(self, softsync) -> None:
         """Every rank's model size and settings, checked on every rank alike, so a mismatch
         raises the same error everywhere before any gradient moves."""
-        mine = np.array([self.numel, wire.code_of(wire.name_of(self.dtype)), MODES.index(self.mode), self.per_update,
-                         -1 if self.max_staleness is None else self.max_staleness, self.staleness_lr,
-                         self.server, self.version, len(self.servers),
-                         ps_shards.fingerprint(self.shapes, [(r, *span) for r, span in zip(self.servers, self.ranges)]),
-                         self.backup_workers, self.optimizer is not None], dtype=np.int64)
+        layout = ps_shards.fingerprint(self.shapes, [(rank, *span) for rank, span in zip(self.servers, self.ranges)])
+        mine = np.array([self.numel, wire.code_of(wire.name_of(self.dtype)), self.server, len(self.servers), layout,
+                         MODES.index(self.mode), self.backup_workers, self.per_update,
+                         -1 if self.max_staleness is None else self.max_staleness, self.staleness_lr, self.version,
+                         self.optimizer is not None], dtype=np.int64)
         table = np.empty((self.comm.size, len(mine)), dtype=np.int64)
         wait_for_collective(self.mpi.Iallgather(mine, table), self.mpi, "parameter server's agreement on its settings")
         for column, name in enumerate(AGREED[:-1]):
