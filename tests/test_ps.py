@@ -370,8 +370,10 @@ class Table(torch.nn.Module):
      md.InvalidArgumentError, "leaves no gradient to apply"),
     (lambda last: md.ParameterServer(Table((1, 4)), servers=2),
      md.InvalidArgumentError, "too few to split over 2 servers"),
+    (lambda last: md.ParameterServer(Table((1, 24) if last else (6, 4)), servers=2),
+     md.MismatchError, "disagree on layout: .*: a model too small to split over the servers"),
 ], ids=["servers_differ", "layouts_differ", "coordinators_differ", "backup_workers_differ", "repeated_server",
-        "server_and_list", "backup_without_sync", "too_many_backups", "too_few_rows"])
+        "server_and_list", "backup_without_sync", "too_many_backups", "too_few_rows", "too_few_rows_on_one_rank"])
 def test_layout_refusals(mpi_world, construct, error, refusal):
     with pytest.raises(error, match=refusal):
         construct(mpi_world.rank == mpi_world.size - 1)

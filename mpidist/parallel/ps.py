@@ -59,6 +59,7 @@ MODES = ("sync", "async", "softsync")
 GRADIENT, DONE = 0, 1
 APPLY, ANSWER, DROP, FINISH = 0, 1, 2, 3
 PUSH, REPLY, COMMAND, SHARE = 1, 3, 5, 7
+UNSPLITTABLE = -1  # the layout of a rank whose model has fewer rows than there are servers
 # The settings every rank must agree on, in the order of the agreement table's columns.
 AGREED = ("parameters", "dtype", "server", "servers", "layout", "mode", "backup_workers", "gradients per update",
           "max_staleness", "staleness_lr", "starting version", "server has an optimizer")
@@ -141,7 +142,10 @@ class ParameterServer:
         self.numels = [p.numel() for p in self.params]
         self.numel = sum(self.numels)
         self.shapes = [tuple(p.shape) for p in self.params]
-        self.ranges = ps_shards.partition(self.shapes, len(self.servers))  # each server's part of the flat vector
+        try:  # each server's part of the flat vector
+            self.ranges, unsplittable = ps_shards.partition(self.shapes, len(self.servers)), None
+        except InvalidArgumentError as error:  # raised after the agreement, so that every rank learns of it
+            self.ranges, unsplittable = None, error
         self.server = self.servers[0]  # the coordinator
         self.workers = [r for r in range(self.comm.size) if r not in self.servers]
         self.chief = self.workers[0]
@@ -156,7 +160,7 @@ class ParameterServer:
         self.steps = 0  # workers: gradients pushed
         self.closed = False
         self.mpi = self.comm.mpi.Dup()  # point-to-point traffic of its own, apart from collectives
-        self._agree(softsync)
+        self._agree(unsplittable)
         broadcast_module_state(module, self.comm, root=self.chief)
 
     def _server_ranks(self, servers, server: int) -> list:
@@ -177,10 +181,11 @@ class ParameterServer:
             raise InvalidArgumentError(f"{given} leaves no worker among the {self.comm.size} ranks")
         return ranks
 
-    def _agree(self, softsync) -> None:
+    def _agree(self, unsplittable) -> None:
         """Every rank's model size and settings, checked on every rank alike, so a mismatch
         raises the same error everywhere before any gradient moves."""
-        layout = ps_shards.fingerprint(self.shapes, [(rank, *span) for rank, span in zip(self.servers, self.ranges)])
+        layout = UNSPLITTABLE if unsplittable else \
+            ps_shards.fingerprint(self.shapes, [(rank, *span) for rank, span in zip(self.servers, self.ranges)])
         mine = np.array([self.numel, wire.code_of(wire.name_of(self.dtype)), self.server, len(self.servers), layout,
                          MODES.index(self.mode), self.backup_workers, self.per_update,
                          -1 if self.max_staleness is None else self.max_staleness, self.staleness_lr, self.version,
@@ -192,6 +197,8 @@ class ParameterServer:
             if (values != values[0]).any():
                 described = "; ".join(f"rank {r}: {self._describe(name, int(v))}" for r, v in enumerate(values))
                 raise MismatchError(f"the ranks of the parameter server disagree on {name}: {described}")
+        if unsplittable:
+            raise unsplittable
         without = [r for r in self.servers if not table[r, -1]]
         if without:
             raise InvalidArgumentError(f"the server (rank {without[0]}) was given no optimizer; pass the optimizer "
@@ -203,6 +210,8 @@ class ParameterServer:
             return str(wire.torch_dtype(wire.DTYPES[value]))
         if name == "mode":
             return MODES[value]
+        if name == "layout" and value == UNSPLITTABLE:
+            return "a model too small to split over the servers"
         if name == "max_staleness" and value < 0:
             return "None"
         return value
