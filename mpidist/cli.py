@@ -95,6 +95,8 @@ def add_train_command(subparsers) -> None:
     parser.add_argument("--softsync", type=positive_int, default=None, help="--ps-mode softsync: n")
     parser.add_argument("--max-staleness", type=int, default=None, help="--mode ps: bounded staleness (steps)")
     parser.add_argument("--staleness-lr", action="store_true", help="--mode ps: learning rate / staleness")
+    parser.add_argument("--servers", type=positive_int, default=None,
+                        help="--mode ps: server ranks (0 .. k-1), the model partitioned over them (default 1)")
     parser.add_argument("--chunks", type=positive_int, default=None,
                         help="--mode pipeline: micro-batches per batch (default 4)")
     parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default=None,

@@ -11,7 +11,9 @@ checkpoint.
 Parameter server (--mode ps): rank 0 serves, the other ranks train on their shares of the data
 at their own pace; the chief (rank 1) shows its progress; the server checkpoints the weights in
 ps/ as it goes (--resume continues from the newest), and at the end prints what it applied,
-writes ps-final.h5 and the final test accuracy.
+writes ps-final.h5 and the final test accuracy. --servers k: ranks 0 .. k-1 serve, the model
+partitioned over them; only the final weights are written (ps-final.h5, without the optimizer's
+state, which is spread over the servers).
 
 Pipeline (--mode pipeline): the network's layers cut into one stage per rank, every batch run
 through the stages in micro-batches (--replicas k: k such pipelines averaging their gradients);
@@ -78,7 +80,7 @@ def evaluate(model, dataset) -> float:
 
 
 # The options of one mode only (argparse attribute names); given in another mode they are refused.
-MODE_OPTIONS = {"ps": ("ps_mode", "softsync", "max_staleness", "staleness_lr"),
+MODE_OPTIONS = {"ps": ("ps_mode", "softsync", "max_staleness", "staleness_lr", "servers"),
                 "pipeline": ("chunks", "schedule", "replicas"),
                 "data": ("zero",)}
 
@@ -90,6 +92,9 @@ def check_mode_options(args) -> None:
         if given and args.mode != mode:
             options = ", ".join("--" + name.replace("_", "-") for name in given)
             raise InvalidArgumentError(f"{options}: these options go with --mode {mode}")
+    if args.mode == "ps" and (args.servers or 1) > 1 and args.resume:
+        raise InvalidArgumentError("--resume goes with one server: with --servers > 1 no server holds the whole "
+                                   "model until the end, so none is checkpointed on the way")
     if args.mode != "data" and args.compression != "none":
         raise InvalidArgumentError(f"--compression applies to --mode data; --mode {args.mode} sends full precision")
 
@@ -200,17 +205,20 @@ class _Snapshot:
 
 
 def train_with_parameter_server(args, comm, train_set, test_set, say) -> int:
-    """--mode ps: rank 0 applies the workers' gradients; each worker trains on its share of the
-    data, at its own pace (no collective among workers while they train). The server
-    checkpoints the weights every as many updates as a worker has batches per epoch, with the
-    number of each worker's gradients they hold, so that --resume restarts every worker at the
-    first batch the weights have not seen."""
+    """--mode ps: rank 0 (ranks 0 .. k-1 with --servers k) applies the workers' gradients; each
+    worker trains on its share of the data, at its own pace (no collective among workers while
+    they train). One server checkpoints the weights every as many updates as a worker has
+    batches per epoch, with the number of each worker's gradients they hold, so that --resume
+    restarts every worker at the first batch the weights have not seen."""
     mode = args.ps_mode or "async"
     model = build_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     directory = os.path.join(args.checkpoint_dir, "ps")
-    workers = list(range(1, comm.size))  # the server is rank 0
-    sampler, loader = shard_loader(train_set, max(comm.rank - 1, 0), len(workers), args)
+    servers = args.servers or 1
+    if comm.size <= servers:
+        raise InvalidArgumentError(f"--servers {servers} leaves no worker among the {comm.size} ranks")
+    workers = list(range(servers, comm.size))  # the servers are ranks 0 .. servers - 1
+    sampler, loader = shard_loader(train_set, max(comm.rank - servers, 0), len(workers), args)
     version, applied = 0, dict.fromkeys(workers, 0)  # worker -> its gradients the weights hold
     if args.resume:
         latest = latest_checkpoint(directory, comm=comm)
@@ -226,7 +234,8 @@ def train_with_parameter_server(args, comm, train_set, test_set, say) -> int:
             say(f"resumed from {latest} (update {version}, gradients per worker {list(applied.values())})",
                 flush=True)
     ps = md.ParameterServer(model, optimizer, comm=comm, mode=mode, softsync=args.softsync,
-                            max_staleness=args.max_staleness, staleness_lr=args.staleness_lr, version=version)
+                            max_staleness=args.max_staleness, staleness_lr=args.staleness_lr, version=version,
+                            servers=servers)
     started = time.perf_counter()
     if ps.is_server:
         os.makedirs(directory, exist_ok=True)
@@ -241,16 +250,19 @@ def train_with_parameter_server(args, comm, train_set, test_set, say) -> int:
                                  optimizer, step=update.version, epoch=update.version // len(loader), extra=extra)
 
         try:
-            updates = ps.serve(on_update=checkpoint)
+            # With several servers each holds only its range of the weights until serve() ends.
+            updates = ps.serve(on_update=checkpoint if servers == 1 else None)
         finally:
             checkpoints.close()
         gradients = sum(len(u.gradients) for u in updates)
         staleness = [u.version - 1 - held for u in updates for _, _, held in u.gradients] or [0]
-        say(f"parameter server ({mode}, {len(ps.workers)} workers): {len(updates)} updates of "
+        placement = f"{servers} servers, " if servers > 1 else ""
+        say(f"parameter server ({mode}, {placement}{len(ps.workers)} workers): {len(updates)} updates of "
             f"{gradients} gradients in {time.perf_counter() - started:.1f} s; staleness mean "
             f"{np.mean(staleness):.2f}, max {max(staleness)}", flush=True)
-        save_checkpoint(os.path.join(args.checkpoint_dir, "ps-final.h5"), model, optimizer, step=ps.version,
-                        epoch=args.epochs)
+        if comm.rank == 0:
+            save_checkpoint(os.path.join(args.checkpoint_dir, "ps-final.h5"), model,
+                            optimizer if servers == 1 else None, step=ps.version, epoch=args.epochs)
     else:
         # The sampler continues after the batches the weights already hold (it resumes mid-epoch).
         start_epoch, skip = divmod(applied[comm.rank], len(loader))
@@ -274,7 +286,7 @@ def train_with_parameter_server(args, comm, train_set, test_set, say) -> int:
     # Every rank now holds the final weights.
     accuracy = evaluate(model, test_set)
     say(f"final test accuracy: {accuracy:.4f} ({len(test_set)} test images, parameter server and "
-        f"{comm.size - 1} workers)", flush=True)
+        f"{len(workers)} workers)", flush=True)
     return 0
 
 

@@ -3,6 +3,8 @@ plain synchronous SGD on the workers' batches; the asynchronous modes against a 
 server's updates (each gradient recomputed on the weights of the version its worker had), with
 the rules of each mode checked on the updates: one gradient per update (async), at most
 workers // n (n-softsync), the stale-synchronous bound, every worker's steps once and in order.
+The same with the model partitioned over several servers, which must all record the same
+updates; and sync mode with backup workers, whose dropped gradients are checked and replayed.
 
 The multi-rank tests of one world size run in one launch (mpi_shared_launch.py), in file order;
 the worker that never closes comes last."""
@@ -44,20 +46,30 @@ def steps_of(worker):
     return 4 + worker % 2  # workers stop at different steps
 
 
-def run(comm, mode="sync", softsync=None, max_staleness=None, staleness_lr=False, server=0, slow_worker=None):
-    """Every rank's part of one training; returns (history or None, this worker's versions)."""
+def make_optimizer(kind, model):
+    if kind == "adagrad":
+        return torch.optim.Adagrad(model.parameters(), lr=LR)
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+
+def run(comm, mode="sync", softsync=None, max_staleness=None, staleness_lr=False, server=0, slow_worker=None,
+        servers=1, backup_workers=0, optimizer_kind="sgd", slow_seconds=0.02):
+    """Every rank's part of one training; returns (history or None, this worker's versions,
+    the final weights, the ParameterServer)."""
     model = make_model(seed=comm.rank)  # different on every rank: the chief's must win
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM) if comm.rank == server else None
-    ps = md.ParameterServer(model, optimizer, comm=comm, mode=mode, softsync=softsync,
-                            max_staleness=max_staleness, staleness_lr=staleness_lr, server=server)
-    assert ps.is_chief == (comm.rank == min(r for r in range(comm.size) if r != server))
+    server_ranks = list(range(server, server + servers)) if isinstance(servers, int) else servers
+    optimizer = make_optimizer(optimizer_kind, model) if comm.rank in server_ranks else None
+    ps = md.ParameterServer(model, optimizer, comm=comm, mode=mode, softsync=softsync, max_staleness=max_staleness,
+                            staleness_lr=staleness_lr, server=server, servers=servers, backup_workers=backup_workers)
+    assert ps.servers == server_ranks and ps.server == server_ranks[0]
+    assert ps.is_chief == (comm.rank == min(r for r in range(comm.size) if r not in server_ranks))
     if ps.is_server:
         history, versions = ps.serve(), None
     else:
         history, versions = None, []
         for step in range(steps_of(comm.rank)):
             if comm.rank == slow_worker:
-                time.sleep(0.02)  # lets the other workers run ahead, unless a bound holds them
+                time.sleep(slow_seconds)  # lets the other workers run ahead, unless a bound holds them
             model.zero_grad()
             loss_of(model, comm.rank, step).backward()
             versions.append(ps.version)
@@ -65,15 +77,15 @@ def run(comm, mode="sync", softsync=None, max_staleness=None, staleness_lr=False
         ps.close()
     final = flat(model)
     expected = final.clone()
-    comm.broadcast(expected, root=server)
+    comm.broadcast(expected, root=ps.server)
     assert torch.equal(final, expected), "every rank ends with the server's weights"
     return history, versions, final, ps
 
 
-def sync_reference(workers, chief):
+def sync_reference(workers, chief, optimizer_kind="sgd"):
     """Synchronous SGD: step k averages the gradients of the workers that have a step k."""
     model = make_model(chief)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    optimizer = make_optimizer(optimizer_kind, model)
     for step in range(max(steps_of(w) for w in workers)):
         present = [w for w in workers if step < steps_of(w)]
         optimizer.zero_grad()
@@ -146,14 +158,18 @@ def test_sync_mode_is_synchronous_sgd(mpi_world, server_is_last):
 
 
 def check_asynchronous_training(comm, configuration):
-    """`configuration` (run's arguments) on server 0: the versions each worker computed on, the
-    gradients per update, the stale-synchronous bound, and a replay of the server's updates."""
-    server, workers = 0, list(range(1, comm.size))
+    """`configuration` (run's arguments) on servers 0 .. servers - 1: the versions each worker
+    computed on, the gradients per update, the stale-synchronous bound, and a replay of the
+    server's updates, which every server recorded alike."""
+    servers = configuration.get("servers", 1)
+    server, workers = 0, list(range(servers, comm.size))
     chief = workers[0]
     history, versions, final, ps = run(comm, **configuration)
     gathered = comm.mpi.gather(versions, root=server)
+    histories = comm.mpi.gather(history, root=server)
     if comm.rank != server:
         return
+    assert histories[:servers] == [history] * servers, "every server applied the same updates"
     where = str(configuration)
     check_every_step_once_in_order(history, workers)
     for worker in workers:  # each worker computed on the versions the server recorded
@@ -265,6 +281,102 @@ def test_resumed_versions_and_the_update_hook(mpi_world):
         assert ps.version >= 8
         ps.close()
     assert ps.version == 7 + comm.size - 1  # every rank ends with the final weights' version
+
+
+@pytest.mark.mpi(ranks=[4, 5])
+@pytest.mark.parametrize("optimizer_kind", ["sgd", "adagrad"])
+def test_sharded_sync_mode_is_synchronous_sgd(mpi_world, optimizer_kind):
+    """Two servers (and, with 5 ranks, three given as a list with the coordinator last, which
+    cuts a weight matrix into row ranges) apply synchronous SGD as one process does."""
+    comm = mpi_world
+    servers = 2 if comm.size == 4 else [4, 0, 2]
+    server_ranks = [0, 1] if comm.size == 4 else servers
+    workers = [r for r in range(comm.size) if r not in server_ranks]
+    history, versions, final, ps = run(comm, "sync", servers=servers, optimizer_kind=optimizer_kind)
+    assert ps.ranges[0][0] == 0 and ps.ranges[-1][1] == ps.numel
+    assert [start for start, _ in ps.ranges[1:]] == [end for _, end in ps.ranges[:-1]]
+    if comm.size == 5:
+        assert ps.ranges[1][0] == 20, "the first weight matrix (7 rows of 5) cut after its 4th row"
+    histories = comm.mpi.gather(history, root=ps.server)
+    if comm.rank == ps.server:
+        assert [histories[r] for r in server_ranks] == [history] * len(server_ranks)
+        torch.testing.assert_close(final, sync_reference(workers, min(workers), optimizer_kind), rtol=1e-12,
+                                   atol=1e-14)
+        check_every_step_once_in_order(history, workers)
+    elif comm.rank in workers:
+        assert versions == list(range(steps_of(comm.rank))), "sync: step k on the weights of update k"
+
+
+@pytest.mark.mpi(ranks=[6])  # two servers; 2-softsync takes 2 gradients per update from 4 workers
+@pytest.mark.parametrize("configuration", [
+    dict(mode="async", staleness_lr=True, slow_worker=2),
+    dict(mode="async", max_staleness=1, slow_worker=5),
+    dict(mode="softsync", softsync=2, max_staleness=1, staleness_lr=True, slow_worker=2),
+], ids=["async_staleness_lr", "async_max_staleness_1", "softsync"])
+def test_sharded_asynchronous_modes(mpi_world, configuration):
+    check_asynchronous_training(mpi_world, dict(configuration, servers=2))
+
+
+@pytest.mark.mpi(ranks=[5])
+@pytest.mark.parametrize("servers", [1, 2])
+def test_backup_workers_drop_late_gradients(mpi_world, servers):
+    """Sync mode with one backup worker (among four workers, or three beside two servers): each
+    update takes the first gradients but one of its step; the slowed worker's late ones are
+    dropped and counted, and the applied ones replay to the final weights."""
+    comm = mpi_world
+    workers = list(range(servers, comm.size))
+    slow = workers[-1]
+    history, _, final, ps = run(comm, "sync", servers=servers, backup_workers=1, slow_worker=slow, slow_seconds=0.5)
+    dropped = comm.mpi.gather(ps.dropped if ps.is_server else None, root=0)
+    histories = comm.mpi.gather(history, root=0)
+    if comm.rank != 0:
+        return
+    assert histories[:servers] == [history] * servers and dropped[:servers] == [ps.dropped] * servers
+    assert all(1 <= len(u.gradients) <= len(workers) - 1 and u.staleness == 0 for u in history), history
+    assert [d for u in history for d in u.dropped] == ps.dropped[:len([d for u in history for d in u.dropped])]
+    assert any(worker == slow for worker, _, _ in ps.dropped), f"the slowed worker is never late: {history}"
+    for worker in workers:  # every step either applied or dropped, once
+        applied = [step for u in history for w, step, _ in u.gradients if w == worker]
+        late = [step for w, step, _ in ps.dropped if w == worker]
+        assert sorted(applied + late) == list(range(steps_of(worker))), (worker, applied, late)
+    weights = replay(history, workers, workers[0], staleness_lr=False)
+    torch.testing.assert_close(final, weights[-1], rtol=1e-12, atol=1e-14)
+
+
+class Table(torch.nn.Module):
+    def __init__(self, shape):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64))
+
+
+# Layouts the ranks disagree on fail on every rank, before anything moves.
+@pytest.mark.mpi(ranks=[3, 5])
+@pytest.mark.parametrize("construct, error, refusal", [
+    (lambda last: md.ParameterServer(Table((6, 4)), servers=2 if last else 1),
+     md.MismatchError, r"disagree on servers: rank 0: 1; .*: 2"),
+    (lambda last: md.ParameterServer(Table((4, 6) if last else (6, 4)), servers=2),
+     md.MismatchError, "disagree on layout"),
+    (lambda last: md.ParameterServer(Table((6, 4)), servers=[0, 1] if last else [1, 0]),
+     md.MismatchError, "disagree on server: rank 0: 1"),
+    (lambda last: md.ParameterServer(Table((6, 4)), mode="sync", backup_workers=1 if last else 0),
+     md.MismatchError, "disagree on backup_workers: .*: 1"),
+    (lambda last: md.ParameterServer(Table((6, 4)), servers=[0, 0]),
+     md.InvalidArgumentError, "the servers must be distinct ranks"),
+    (lambda last: md.ParameterServer(Table((6, 4)), servers=[1], server=1),
+     md.InvalidArgumentError, "give only servers="),
+    (lambda last: md.ParameterServer(Table((6, 4)), mode="async", backup_workers=1),
+     md.InvalidArgumentError, "above 0 only with mode='sync'"),
+    (lambda last: md.ParameterServer(Table((6, 4)), backup_workers=4),
+     md.InvalidArgumentError, "leaves no gradient to apply"),
+    (lambda last: md.ParameterServer(Table((1, 4)), servers=2),
+     md.InvalidArgumentError, "too few to split over 2 servers"),
+    (lambda last: md.ParameterServer(Table((1, 24) if last else (6, 4)), servers=2),
+     md.MismatchError, "disagree on layout: .*: a model too small to split over the servers"),
+], ids=["servers_differ", "layouts_differ", "coordinators_differ", "backup_workers_differ", "repeated_server",
+        "server_and_list", "backup_without_sync", "too_many_backups", "too_few_rows", "too_few_rows_on_one_rank"])
+def test_layout_refusals(mpi_world, construct, error, refusal):
+    with pytest.raises(error, match=refusal):
+        construct(mpi_world.rank == mpi_world.size - 1)
 
 
 # Last of its launch: the server and the worker each give up waiting for the other, leaving this

@@ -87,6 +87,20 @@ def test_parameter_server_mode_trains_to_90_percent_and_resumes(tmp_path):
     assert rest == 2 * batches, resumed
 
 
+def test_parameter_server_mode_with_two_servers(tmp_path):
+    """Synchronous updates over two servers, each holding half of the network: training goes as
+    with one server, and the final weights (every server's range) are written."""
+    output = train(tmp_path, "--mode", "ps", "--servers", "2", "--ps-mode", "sync", "--epochs", "3", ranks=4)
+    assert re.search(r"parameter server \(sync, 2 servers, 2 workers\): \d+ updates", output), output
+    accuracy = float(re.search(r"final test accuracy: ([0-9.]+)", output).group(1))
+    assert accuracy >= 0.85, output
+    from mpidist.checkpoint import load_checkpoint
+    from mpidist.train import HDF5Dataset, build_model, evaluate
+    model = build_model()
+    load_checkpoint(str(tmp_path / "ck" / "ps-final.h5"), model)
+    assert abs(evaluate(model, HDF5Dataset(str(tmp_path / "d.h5"), "test")) - accuracy) < 1e-4
+
+
 def test_pipeline_mode_trains_as_one_process_does(tmp_path):
     """Three stages, five uneven micro-batches per batch: the same epoch losses and test accuracy
     as the same network trained by one process on the same batches (4 printed decimals)."""
@@ -150,7 +164,9 @@ def test_bad_options_are_refused_on_every_rank(tmp_path):
                                 (["--mode", "ps", "--schedule", "gpipe"], "go with --mode pipeline"),
                                 (["--replicas", "2"], "go with --mode pipeline"),
                                 (["--mode", "ps", "--zero"], "--zero: these options go with --mode data"),
-                                (["--mode", "ps", "--compression", "bf16"], "--compression applies to --mode data")):
+                                (["--mode", "ps", "--compression", "bf16"], "--compression applies to --mode data"),
+                                (["--servers", "2"], "--servers: these options go with --mode ps"),
+                                (["--mode", "ps", "--servers", "2", "--resume"], "--resume goes with one server")):
         with pytest.raises(InvalidArgumentError, match=message):
             check_mode_options(build_parser().parse_args(["train", *wrong_mode]))
     (tmp_path / "file").write_text("")

@@ -138,6 +138,8 @@ VARIABLES = (
              "more `mpidist train` arguments (`--resume`, `--compression bf16`, `--replicas=2`, ...)", "slurm"),
     _outside("MPIDIST_PS_MODE", "`async`", "slurm/ps.sbatch",
              "the server's update rule, `sync`, `async` or `softsync`", "slurm"),
+    _outside("MPIDIST_PS_SERVERS", "`1`", "slurm/ps.sbatch",
+             "server tasks (the first ones), the model partitioned over them (`--servers`)", "slurm"),
     _outside("MPIDIST_SLURM_DIR", "`/tmp/mpidist-slurm`", "slurm/local-cluster.sh",
              "state, configuration and logs of the local cluster", "local-cluster"),
     _outside("MPIDIST_SLURM_MIN_CPUS", "`4`", "slurm/local-cluster.sh", "CPUs the node advertises, at least",
