@@ -101,6 +101,9 @@ def __getattr__(name):
     if name in ("ParameterServer", "Update"):
         from .parallel import ps
         return getattr(ps, name)
+    if name == "CentralStorage":
+        from .parallel.central_storage import CentralStorage
+        return CentralStorage
     if name == "ZeroRedundancyOptimizer":
         from .parallel.zero import ZeroRedundancyOptimizer
         return ZeroRedundancyOptimizer
