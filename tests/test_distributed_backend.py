@@ -268,3 +268,60 @@ def test_rank_given_against_mpi_is_refused():
                         env={"RANK": "1", "WORLD_SIZE": "2"})
     assert result.returncode != 0
     assert "takes rank and size from MPI" in result.stderr and "RANK=1 but MPI says 0" in result.stderr
+
+
+@pytest.mark.mpi(ranks=[2])
+@pytest.mark.parametrize("schedule", ["ScheduleGPipe", "Schedule1F1B"])
+def test_pipelining_trains_as_one_process(mpi_world, schedule):
+    from torch.distributed import pipelining
+    rank, size = world()
+    torch.manual_seed(2)
+    layers = [torch.nn.Linear(4, 4).double() for _ in range(size)]
+    reference = torch.nn.Sequential(*copy.deepcopy(layers))
+    stage = pipelining.PipelineStage(layers[rank], rank, size, torch.device("cpu"))
+
+    def loss_fn(output, target):
+        return (output - target).pow(2).sum()
+
+    runner = getattr(pipelining, schedule)(stage, n_microbatches=4, loss_fn=loss_fn)
+    batch, target = values(0, (8, 4), seed=5), values(1, (8, 4), seed=5)
+    if rank == 0:
+        runner.step(batch)
+    elif rank == size - 1:
+        runner.step(target=target)
+    else:
+        runner.step()
+    # The schedules average the microbatches' gradients (scale_grads): the loss over 4 in one process.
+    (loss_fn(reference(batch), target) / 4).backward()
+    for mine, theirs in zip(layers[rank].parameters(), reference[rank].parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad)
+
+
+@pytest.mark.mpi(ranks=[2])
+def test_distributed_checkpoint_saves_and_loads(mpi_world, tmp_path_factory):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    rank, size = world()
+    mesh = init_device_mesh("cpu", (size,))
+    full = values(0, (4 * size, 3), seed=6)
+    directory = [str(tmp_path_factory.mktemp("dcp"))] if rank == 0 else [None]
+    dist.broadcast_object_list(directory, src=0)
+    dcp.save({"weight": distribute_tensor(full, mesh, [Shard(0)])}, checkpoint_id=directory[0])
+    loaded = {"weight": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)])}
+    dcp.load(loaded, checkpoint_id=directory[0])
+    torch.testing.assert_close(loaded["weight"].full_tensor(), full)
+
+
+@pytest.mark.mpi(ranks=[4])
+def test_device_mesh_2x2_dtensor_matmul(mpi_world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    world()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    a, b = values(0, (4, 6), seed=7), values(1, (6, 8), seed=7)
+    product = distribute_tensor(a, mesh, [Shard(0), Replicate()]) @ distribute_tensor(b, mesh, [Replicate(), Shard(1)])
+    torch.testing.assert_close(product.full_tensor(), a @ b)
+    row = values(0, (2,), seed=8)
+    dist.all_reduce(row, group=mesh["tp"].get_group())  # a sub-mesh's group: the 2 ranks of a row
+    torch.testing.assert_close(row, 2 * values(0, (2,), seed=8))
