@@ -29,11 +29,13 @@ from ..errors import InvalidArgumentError, NotOfferedError
 from ..runtime.deadlines import wait_for_request
 from .registration import NAME, check_agrees_with_mpi
 
+# c10d's reduce ops by their numbers (an enum's hash costs microseconds on every call).
 RedOpType = dist.ReduceOp.RedOpType
-NATIVE_OPS = {RedOpType.SUM: "sum", RedOpType.AVG: "avg", RedOpType.PRODUCT: "prod",
-              RedOpType.MIN: "min", RedOpType.MAX: "max"}
-BITWISE_OPS = {RedOpType.BAND: torch.bitwise_and, RedOpType.BOR: torch.bitwise_or,
-               RedOpType.BXOR: torch.bitwise_xor}
+NATIVE_OPS = {RedOpType.SUM.value: "sum", RedOpType.AVG.value: "avg", RedOpType.PRODUCT.value: "prod",
+              RedOpType.MIN.value: "min", RedOpType.MAX.value: "max"}
+BITWISE_OPS = {RedOpType.BAND.value: torch.bitwise_and, RedOpType.BOR.value: torch.bitwise_or,
+               RedOpType.BXOR.value: torch.bitwise_xor}
+PREMUL_SUM = RedOpType.PREMUL_SUM.value
 BITWISE_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
@@ -41,9 +43,10 @@ class MpidistWork(dist.Work):
     """A collective's Work: wait() raises the collective's error, get_future() completes with
     the output tensors (as gloo's)."""
 
-    def __init__(self, future: Future, handle=None):
+    def __init__(self, outputs, future: Future | None = None, handle=None):
         super().__init__()
-        self._future = future
+        self._outputs = outputs
+        self._future = future  # made at once for a queued collective; on demand for one already run
         self._handle = handle  # None: the collective already ran on the caller's thread
 
     def wait(self, timeout=None):
@@ -61,6 +64,9 @@ class MpidistWork(dist.Work):
         return self._handle._error if self._handle is not None else None
 
     def get_future(self):
+        if self._future is None:
+            self._future = Future()
+            self._future.set_result(self._outputs)
         return self._future
 
 
@@ -157,6 +163,9 @@ class ProcessGroupMpidist(dist.ProcessGroup):
     def _run(self, description: str, run, outputs, opts) -> MpidistWork:
         """run(channel) now (behind the queued asynchronous collectives) or, with async_op=True,
         on the engine; the Work's future then completes with `outputs`."""
+        if not getattr(opts, "asyncOp", True):
+            in_order(self.comm, run)
+            return MpidistWork(outputs)
         future = Future()
 
         def work(channel):
@@ -167,10 +176,7 @@ class ProcessGroupMpidist(dist.ProcessGroup):
                 raise
             future.set_result(outputs)
 
-        if not getattr(opts, "asyncOp", True):
-            in_order(self.comm, work)
-            return MpidistWork(future)
-        return MpidistWork(future, self.comm.async_engine().submit(description, work))
+        return MpidistWork(outputs, future, self.comm.async_engine().submit(description, work))
 
     # ---- reductions --------------------------------------------------------------------------
 
@@ -180,8 +186,8 @@ class ProcessGroupMpidist(dist.ProcessGroup):
         return self._run("all_reduce", lambda channel: self._allreduce(channel, tensor, reduce_op), [tensor], opts)
 
     def _allreduce(self, channel, tensor, reduce_op) -> None:
-        """All-reduce `tensor` in place on `channel` with a c10d ReduceOp of any kind."""
-        kind = reduce_op.op
+        """All-reduce `tensor` in place on `channel` with a reduction of any kind (_reduction)."""
+        kind, factor = reduce_op
         if kind in BITWISE_OPS:
             gathered = collectives.allgather(channel, tensor.reshape(1, -1))
             folded = gathered[0]
@@ -189,9 +195,12 @@ class ProcessGroupMpidist(dist.ProcessGroup):
                 folded = BITWISE_OPS[kind](folded, row)
             tensor.copy_(folded.view_as(tensor))
             return
-        if kind == RedOpType.PREMUL_SUM:
-            tensor.mul_(_premul_factor(reduce_op))
-        collectives.allreduce(channel, tensor, op=NATIVE_OPS.get(kind, "sum"))
+        if kind == PREMUL_SUM:
+            tensor.mul_(factor)
+        if channel is self.comm:  # on the caller's thread: the Communicator's call, with its small-message path
+            channel.allreduce(tensor, op=NATIVE_OPS.get(kind, "sum"))
+        else:
+            collectives.allreduce(channel, tensor, op=NATIVE_OPS.get(kind, "sum"))
 
     def allreduce_coalesced(self, tensors, opts=None):
         if not tensors:
@@ -250,8 +259,8 @@ class ProcessGroupMpidist(dist.ProcessGroup):
 
     def _reduce_scatter_rows(self, channel, rows, output, reduce_op) -> None:
         """Reduce the (group size, n) `rows` across the ranks; rank r's row r into `output`."""
-        if reduce_op.op in NATIVE_OPS:
-            mine = collectives.reduce_scatter(channel, rows, op=NATIVE_OPS[reduce_op.op])
+        if reduce_op[0] in NATIVE_OPS:
+            mine = collectives.reduce_scatter(channel, rows, op=NATIVE_OPS[reduce_op[0]])
         else:  # bitwise and pre-multiplied sums: reduced whole, then the row kept
             rows = rows.clone()
             self._allreduce(channel, rows, reduce_op)
@@ -442,19 +451,19 @@ def _option(opts, kind):
     return kind() if opts is None else opts
 
 
-def _reduce_op(reduce_op, dtype, what: str):
-    """The c10d ReduceOp, checked against the dtype (as gloo checks it)."""
-    kind = reduce_op.op if isinstance(reduce_op, dist.ReduceOp) else reduce_op
+def _reduce_op(reduce_op, dtype, what: str) -> tuple:
+    """(kind, factor): the c10d ReduceOp's number and PREMUL_SUM's factor (else None), checked
+    against the dtype as gloo checks it."""
+    op_type = reduce_op.op if isinstance(reduce_op, dist.ReduceOp) else reduce_op
+    kind = op_type.value
     if kind in BITWISE_OPS and dtype not in BITWISE_DTYPES:
-        raise InvalidArgumentError(f"{what}: {kind.name} reduces integer or bool tensors, got {dtype}")
-    if kind not in BITWISE_OPS and kind not in NATIVE_OPS and kind != RedOpType.PREMUL_SUM:
-        raise NotOfferedError(f"{what}: reduce op {kind} is not offered by the mpidist backend")
-    return reduce_op if isinstance(reduce_op, dist.ReduceOp) else dist.ReduceOp(kind)
-
-
-def _premul_factor(reduce_op):
-    factor = reduce_op.factor
-    return factor.item() if isinstance(factor, torch.Tensor) else factor
+        raise InvalidArgumentError(f"{what}: {op_type.name} reduces integer or bool tensors, got {dtype}")
+    if kind == PREMUL_SUM:
+        factor = reduce_op.factor
+        return kind, factor.item() if isinstance(factor, torch.Tensor) else factor
+    if kind not in BITWISE_OPS and kind not in NATIVE_OPS:
+        raise NotOfferedError(f"{what}: reduce op {op_type.name} is not offered by the mpidist backend")
+    return kind, None
 
 
 def _contiguous(tensor, what: str):
