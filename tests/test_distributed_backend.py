@@ -33,7 +33,7 @@ def test_importing_mpidist_registers_the_backend():
     assert dist.Backend("mpidist") == "mpidist"
 
 
-@pytest.mark.mpi(ranks=[1, 2, 3])
+@pytest.mark.mpi(ranks=[2, 3])
 @pytest.mark.parametrize("op", ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "PREMUL_SUM"])
 def test_all_reduce(mpi_world, op):
     rank, size = world()
@@ -204,6 +204,8 @@ def test_new_group_is_a_sub_communicator(mpi_world):
         dist.all_reduce(tensor, group=group)
         torch.testing.assert_close(tensor, sum(values(k, (4,)) for k in members))
         assert dist.get_group_rank(group, rank) == members.index(rank)
+        with pytest.raises(md.MismatchError, match="count"):  # the group keeps the call check
+            dist.all_reduce(torch.ones(2 + rank), group=group)
     dist.barrier()
 
 
@@ -262,12 +264,22 @@ def test_mismatched_calls_raise_on_every_rank(mpi_world):
         dist.all_reduce(torch.ones(3 + rank))
 
 
-def test_rank_given_against_mpi_is_refused():
-    result = run_python("import mpidist, torch.distributed as dist\n"
-                        "dist.init_process_group('mpidist')\n",
+def test_plain_python_is_a_world_of_one_and_a_rank_against_mpi_is_refused():
+    result = run_python("import os, mpidist, torch, torch.distributed as dist\n"
+                        "try:\n"
+                        "    dist.init_process_group('mpidist')\n"
+                        "except mpidist.InvalidArgumentError as error:\n"
+                        "    print('refused:', error)\n"
+                        "del os.environ['RANK'], os.environ['WORLD_SIZE']\n"
+                        "dist.init_process_group('mpidist')\n"
+                        "tensor = torch.arange(3.0)\n"
+                        "dist.all_reduce(tensor, op=dist.ReduceOp.AVG)\n"
+                        "print(dist.get_rank(), dist.get_world_size(), tensor.tolist())\n",
                         env={"RANK": "1", "WORLD_SIZE": "2"})
-    assert result.returncode != 0
-    assert "takes rank and size from MPI" in result.stderr and "RANK=1 but MPI says 0" in result.stderr
+    assert result.returncode == 0, result.stderr
+    refused, world = result.stdout.splitlines()
+    assert "takes rank and size from MPI" in refused and "RANK=1 but MPI says 0" in refused
+    assert world == "0 1 [0.0, 1.0, 2.0]"
 
 
 @pytest.mark.mpi(ranks=[2])
