@@ -1,8 +1,8 @@
 """The torch.distributed backend "mpidist": `dist.init_process_group("mpidist")` runs torch's
 DDP, FSDP, DTensor, pipelining and checkpointing on mpidist's collectives.
 
-registration.py names the backend to torch (and the rendezvous that takes rank and size from
-MPI); backend.py is the process group itself. Importing this package imports neither torch nor
+registration.py names the backend to torch; rendezvous.py takes rank and size from MPI and
+sets up torch's store; backend.py is the process group itself. Importing this package imports neither torch nor
 MPI: `import mpidist` calls register_when_torch_loads(), which registers the backend at once when
 torch.distributed is already imported, else as soon as the program imports it.
 """

@@ -27,7 +27,7 @@ from ..collectives.engine import in_order
 from ..comm import Communicator, init
 from ..errors import InvalidArgumentError, NotOfferedError
 from ..runtime.deadlines import wait_for_request
-from .registration import NAME, check_agrees_with_mpi
+from .rendezvous import check_agrees_with_mpi
 
 # c10d's reduce ops by their numbers (an enum's hash costs microseconds on every call).
 RedOpType = dist.ReduceOp.RedOpType
@@ -119,34 +119,36 @@ class ProcessGroupMpidist(dist.ProcessGroup):
     """torch.distributed's process group on an mpidist Communicator (see the module docstring)."""
 
     @classmethod
-    def create(cls, group_rank: int, group_size: int, global_ranks: list, name: str):
+    def create(cls, group_rank: int, group_size: int, global_ranks: list, name: str, backend_name: str):
         """The world group (no `global_ranks`) or the group of `global_ranks`, collectively over
-        those ranks (torch calls the creator on the group's ranks only)."""
+        those ranks (torch calls the creator on the group's ranks only); `name` is the group's,
+        `backend_name` the one the backend is registered under."""
         world = init()
         if not global_ranks:
             check_agrees_with_mpi(world, (group_rank, f"rank {group_rank}"), (group_size, f"world size {group_size}"))
-            return cls(Communicator(world.mpi), name)
+            return cls(Communicator(world.mpi), name, backend_name)
         group = world.mpi.Get_group().Incl(global_ranks)
         sub = world.mpi.Create_group(group)
         group.Free()
         try:
-            return cls(Communicator(sub), name)
+            return cls(Communicator(sub), name, backend_name)
         finally:
             sub.Free()
 
-    def __init__(self, comm: Communicator, name: str):
+    def __init__(self, comm: Communicator, name: str, backend_name: str):
         super().__init__(comm.rank, comm.size)
         self.comm = comm
+        self._backend_name = backend_name
         self._p2p = comm.mpi.Dup()
         self._group_name = name
 
     # ---- what torch asks of every process group --------------------------------------------
 
     def getBackendName(self):
-        return NAME
+        return self._backend_name
 
     def _get_backend_name(self):
-        return NAME
+        return self._backend_name
 
     def _set_group_name(self, name):
         self._group_name = name
