@@ -15,6 +15,9 @@ writes ps-final.h5 and the final test accuracy. --servers k: ranks 0 .. k-1 serv
 partitioned over them; only the final weights are written (ps-final.h5, without the optimizer's
 state, which is spread over the servers).
 
+torch DDP (--mode ddp): --mode data with torch's DistributedDataParallel over the "mpidist"
+torch.distributed backend in place of mpidist's DataParallel.
+
 Pipeline (--mode pipeline): the network's layers cut into one stage per rank, every batch run
 through the stages in micro-batches (--replicas k: k such pipelines averaging their gradients);
 each rank checkpoints its stage every epoch in pipeline-rank<r>/ (--resume continues from the
@@ -117,7 +120,10 @@ def cmd_train(args) -> int:
     sampler, loader = shard_loader(train_set, comm.rank, comm.size, args)
     model = build_model()
     compression = None if args.compression == "none" else args.compression
-    ddp = md.DataParallel(model, comm=comm, compression=compression, algorithm=args.algorithm)
+    if args.mode == "ddp":
+        ddp = wrap_with_torch_ddp(model)
+    else:
+        ddp = md.DataParallel(model, comm=comm, compression=compression, algorithm=args.algorithm)
     if args.zero:  # each rank keeps the momentum of its share of the parameters
         optimizer = md.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, comm=comm, lr=args.lr, momentum=0.9)
     else:
@@ -166,6 +172,15 @@ def cmd_train(args) -> int:
     accuracy = evaluate(model, test_set)
     say(f"final test accuracy: {accuracy:.4f} ({len(test_set)} test images, {comm.size} ranks)", flush=True)
     return 0
+
+
+def wrap_with_torch_ddp(model):
+    """--mode ddp: torch's DistributedDataParallel over the "mpidist" torch.distributed backend
+    (mpidist/distributed/); the rest of the job is --mode data's."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("mpidist")
+    return torch.nn.parallel.DistributedDataParallel(model)
 
 
 class BackgroundCheckpoints:
