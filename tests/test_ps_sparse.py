@@ -80,12 +80,15 @@ def train(comm, optimizer_kind="sgd", tables="sparse", slow_worker=None, slow_se
     else:
         history, versions = None, []
         for step in range(steps_of(comm.rank)):
-            if comm.rank == slow_worker:
-                time.sleep(slow_seconds)  # the others run ahead: its pulls find newer weights
+            # The others run ahead of a slowed worker, before its first pull and between its two:
+            # its pulls find newer weights, the second one after rows already pulled.
+            pause = slow_seconds / 2 if comm.rank == slow_worker else 0
+            time.sleep(pause)
             words, bag, _ = batch(comm.rank, step)
             before = ps.version
             if tables != "dense_path":
                 ps.pull_rows(model.words, words)
+                time.sleep(pause)
                 ps.pull_rows(model.bag, bag)
             versions.append((ps.version, ps.version != before))
             model.zero_grad()
