@@ -22,13 +22,14 @@ STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
 class GracefulStop:
-    """Catches `signals` on this rank from now until close(); should_stop(), called by every rank
-    at every step boundary of `comm` (an mpidist Communicator), is True on every rank at the same
-    boundary once a signal has reached any of them."""
+    """Catches `signals` on this rank from its making until close(); should_stop(comm), called by
+    every rank of `comm` (an mpidist Communicator) at every step boundary, is True on every rank
+    at the same boundary once a signal has reached any of them. Make it as early as possible: a
+    stop signal that comes before it takes the signal's own action (SIGUSR1 ends the process)."""
 
-    def __init__(self, comm, signals=STOP_SIGNALS):
+    def __init__(self, signals=STOP_SIGNALS):
         self.signalled = None  # the name of the first signal this rank received
-        self._mpi = comm.mpi.Dup()  # the agreement's messages never meet the training's
+        self._mpi = None  # the agreement's communicator, duplicated at the first step boundary
         self._mine = np.zeros(1, dtype=np.int64)
         self._agreed = np.zeros(1, dtype=np.int64)
         self._request = None
@@ -41,8 +42,10 @@ class GracefulStop:
             return
         self.signalled = signal.Signals(number).name
 
-    def should_stop(self) -> bool:
-        """Whether every rank stops here (the same answer on every rank)."""
+    def should_stop(self, comm) -> bool:
+        """Whether every rank stops here (the same answer on every rank of `comm`)."""
+        if self._mpi is None:
+            self._mpi = comm.mpi.Dup()  # the agreement's messages never meet the training's
         if self._request is not None:
             wait_for_collective(self._request, self._mpi, "agreement on a graceful stop")
             self._request = None
@@ -53,11 +56,13 @@ class GracefulStop:
         return False
 
     def close(self) -> None:
-        """Finish the agreement in flight, restore the signals' previous handlers and free the
-        agreement's communicator (collective: every rank calls it)."""
+        """Finish the agreement in flight, free its communicator (collective: every rank that
+        called should_stop calls it) and restore the signals' previous handlers."""
         if self._request is not None:
             wait_for_collective(self._request, self._mpi, "agreement on a graceful stop")
             self._request = None
+        if self._mpi is not None:
+            self._mpi.Free()
+            self._mpi = None
         for number, handler in self._previous.items():
             signal.signal(number, handler)
-        self._mpi.Free()

@@ -104,11 +104,13 @@ def check_mode_options(args) -> None:
         raise InvalidArgumentError(f"--compression applies to --mode data; --mode {args.mode} sends full precision")
 
 
-def cmd_train(args) -> int:
+def cmd_train(args, stop: GracefulStop | None = None) -> int:
+    """`stop`: the data-parallel mode's stop on a signal (stopping.py), made by the command before
+    it imported torch; made here when not given."""
     check_mode_options(args)
     comm = md.init()
-    # Caught from the start: a signal that came before the first step would otherwise end the run.
-    stop = GracefulStop(comm) if args.mode == "data" else None
+    if stop is None and args.mode == "data":
+        stop = GracefulStop()
     if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
         raise InvalidArgumentError(f"--checkpoint-dir {args.checkpoint_dir} exists and is not a directory")
     torch.set_num_threads(1)
@@ -165,7 +167,7 @@ def train_data_parallel(args, comm, train_set, test_set, say, stop) -> int:
         for x, y in loader:
             output, batch_loss = train_batch(ddp, optimizer, optimizer.step, x, y)
             step += 1
-            if stop.should_stop():
+            if stop.should_stop(comm):
                 progress.close()
                 # The sampler has handed out exactly the indices of the steps taken (a DataLoader
                 # without workers), so --resume continues with the next batch of this epoch.

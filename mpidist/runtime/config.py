@@ -145,6 +145,9 @@ VARIABLES = (
              "epochs", "slurm"),
     _outside("MPIDIST_TRAIN_ARGS", "empty", "slurm/train.sbatch, slurm/ps.sbatch",
              "more `mpidist train` arguments (`--resume`, `--compression bf16`, `--replicas=2`, ...)", "slurm"),
+    _outside("MPIDIST_TRAIN_REQUEUE", "`1`", "slurm/train.sbatch",
+             "`1`: after `mpidist train` stopped on SLURM's signal before the time limit, requeue the job, which "
+             "continues with `--resume` ([Faults](faults.md#walltime-on-slurm)); `0`: end it there", "slurm"),
     _outside("MPIDIST_PS_MODE", "`async`", "slurm/ps.sbatch",
              "the server's update rule, `sync`, `async` or `softsync`", "slurm"),
     _outside("MPIDIST_PS_SERVERS", "`1`", "slurm/ps.sbatch",
