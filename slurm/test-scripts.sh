@@ -14,7 +14,9 @@
 #   # mpidist-test-expects: $RESULTS_DIR/file           a file each submission must produce
 #   +signal=SIG@SECONDS        send SIG to the job's batch shell SECONDS after the job starts
 #                              running, once (scancel --batch: what `#SBATCH --signal=B:SIG`
-#                              does before the time limit; the job may requeue itself)
+#                              does before the time limit). The job may requeue itself; SLURM
+#                              holds a requeued job for 2 minutes, which this script cuts short
+#                              (scontrol update StartTime=now)
 #   +expects=$RESULTS_DIR/file a file this submission must also produce
 # A submission passes when its job ends COMPLETED with exit code 0:0 and every expected file
 # exists and is not empty; the log of any other job is printed. The cluster is brought up
@@ -57,7 +59,7 @@ mkdir -p "$RUN_DIR" runs   # runs/: the scripts' --output directory
 
 # One entry per submission: job id, label, results directory, script, its own expected files.
 jobs=() labels=() results=() job_scripts=() own_expects=()
-declare -A signal_name signal_after running_since
+declare -A signal_name signal_after running_since signalled
 for script in "${scripts[@]}"; do
     name=$(basename "$script" .sbatch)
     mapfile -t variants < <(sed -n 's/^# *mpidist-test: *//p' "$script")
@@ -110,7 +112,12 @@ while :; do
                 echo "test-scripts: job $job: sending SIG${signal_name[$job]} to its batch shell"
                 scancel --batch --signal="${signal_name[$job]}" "$job" || true
                 unset "signal_name[$job]"
+                signalled[$job]=1
             fi
+        fi
+        if [[ -n ${signalled[$job]:-} && ${state[$job]} == PENDING ]]; then
+            scontrol update JobId="$job" StartTime=now || true
+            unset "signalled[$job]"
         fi
     done
     ((pending)) || break
