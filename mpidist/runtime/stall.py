@@ -78,10 +78,15 @@ class Board:
 
 
 def open_board(mpi) -> None:
-    """Make the board over the world communicator `mpi` (collective; md.init() calls it once)."""
+    """Make the board over the world communicator `mpi` (collective; md.init() calls it once).
+    An MPI library that cannot make the window (no one-sided support) leaves the stall report
+    without names, as it is without md.init()."""
     global _board
     if _board is None and mpi.Get_size() > 1:
-        _board = Board(mpi)
+        try:
+            _board = Board(mpi)
+        except load_mpi().Exception:
+            _board = None
 
 
 def publish(what: str) -> None:
