@@ -15,7 +15,7 @@
 #   +signal=SIG@SECONDS        send SIG to the job's batch shell SECONDS after the job starts
 #                              running, once (scancel --batch: what `#SBATCH --signal=B:SIG`
 #                              does before the time limit). The job may requeue itself; SLURM
-#                              holds a requeued job for 2 minutes, which this script cuts short
+#                              holds a requeued job for 2 minutes, which this script cuts to 10 s
 #                              (scontrol update StartTime=now)
 #   +expects=$RESULTS_DIR/file a file this submission must also produce
 # A submission passes when its job ends COMPLETED with exit code 0:0 and every expected file
@@ -59,7 +59,8 @@ mkdir -p "$RUN_DIR" runs   # runs/: the scripts' --output directory
 
 # One entry per submission: job id, label, results directory, script, its own expected files.
 jobs=() labels=() results=() job_scripts=() own_expects=()
-declare -A signal_name signal_after running_since signalled
+declare -A signal_name signal_after running_since signalled pending_since
+REQUEUE_RELEASE_S=10
 for script in "${scripts[@]}"; do
     name=$(basename "$script" .sbatch)
     mapfile -t variants < <(sed -n 's/^# *mpidist-test: *//p' "$script")
@@ -115,9 +116,14 @@ while :; do
                 signalled[$job]=1
             fi
         fi
+        # Released once it has been pending a while: a requeued job started at once finds its
+        # first run still being cleaned up on the node, and fails ("Job credential revoked").
         if [[ -n ${signalled[$job]:-} && ${state[$job]} == PENDING ]]; then
-            scontrol update JobId="$job" StartTime=now || true
-            unset "signalled[$job]"
+            pending_since[$job]=${pending_since[$job]:-$SECONDS}
+            if ((SECONDS - pending_since[$job] >= REQUEUE_RELEASE_S)); then
+                scontrol update JobId="$job" StartTime=now || true
+                unset "signalled[$job]"
+            fi
         fi
     done
     ((pending)) || break
