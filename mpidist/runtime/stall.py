@@ -113,7 +113,10 @@ def report(mpi, what: str, waited: float, timeout: float) -> None:
               file=sys.stderr, flush=True)
         return
     MPI = load_mpi()
-    on_board = MPI.Group.Translate_ranks(mpi.Get_group(), others, _board.mpi.Get_group())
+    group, board_group = mpi.Get_group(), _board.mpi.Get_group()
+    on_board = MPI.Group.Translate_ranks(group, others, board_group)
+    group.Free()
+    board_group.Free()
     records = _board.read([rank for rank in on_board if rank != MPI.UNDEFINED])
     now = time.time()
     missing, lines = [], []
