@@ -132,7 +132,7 @@ def report(mpi, what: str, waited: float, timeout: float) -> None:
             lines.append(f"{name}: its record could not be read within {READ_SECONDS:.0f} s (it is busy away "
                          "from MPI, or gone)")
         elif state == NO_CALL:
-            lines.append(f"{name}: has not called any collective since md.init()")
+            lines.append(f"{name}: has not waited in any mpidist collective since md.init()")
         elif state == WAITING:
             lines.append(f"{name}: waits in {text} (for {now - since:.0f} s)")
         else:
