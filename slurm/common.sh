@@ -85,13 +85,13 @@ mpidist_run() {
     # launcher, which passes it on to every task (srun and mpirun both do), where `mpidist train`
     # stops at the next step boundary with a checkpoint. The launcher runs in the background so
     # that the shell can take the signal at once (bash runs a trap only between commands).
-    # MPIDIST_SIGNALLED=1 afterwards says that it did (a task that had not yet started to catch
+    # mpidist_signalled=1 afterwards says that it did (a task that had not yet started to catch
     # the signal, early in its start-up, was ended by it).
-    MPIDIST_SIGNALLED=0
+    mpidist_signalled=0
     "${launcher[@]}" "$@" &
     local pid=$! status=0
     # shellcheck disable=SC2064  # the pid is fixed now
-    trap "echo 'mpidist: SIGUSR1: passed on to the tasks' >&2; MPIDIST_SIGNALLED=1; kill -USR1 $pid 2>/dev/null" USR1
+    trap "echo 'mpidist: SIGUSR1: passed on to the tasks' >&2; mpidist_signalled=1; kill -USR1 $pid 2>/dev/null" USR1
     while :; do
         wait "$pid" && status=0 || status=$?
         # wait also returns when a trapped signal came; the launcher (or its zombie) is still there.
