@@ -11,9 +11,11 @@
 #
 # A node is a network namespace (its own interface and address), a UTS namespace (its own
 # hostname) and a mount namespace (its own /dev/shm, so that no shared-memory segment is seen by
-# two nodes, and its own /etc/hosts naming every node), held by one sleeping process. Each node's
-# veth pair joins a bridge; `tc` shapes every node's outgoing traffic to MPIDIST_MN_RATE, plus
-# MPIDIST_MN_DELAY of one-way latency where the kernel has the netem queueing discipline (without
+# two nodes, its own /var/tmp for node-local scratch such as Slurm's TmpFS, and its own
+# /etc/hosts naming every node), held by one sleeping process. Each node's veth pair joins a
+# bridge, which has the address .254 on the nodes' subnet (this machine as the nodes see it:
+# Slurm's controller and client commands run there); `tc` shapes every node's outgoing traffic
+# to MPIDIST_MN_RATE, plus MPIDIST_MN_DELAY of one-way latency where the kernel has the netem queueing discipline (without
 # it the delay is not applied, and `up` says so). Open MPI starts its daemons on the nodes through
 # node-agent.sh (its ssh launcher's agent), which enters the node's namespaces; ranks of one node
 # talk through shared memory, ranks of different nodes through TCP over the veth interfaces only.
@@ -84,6 +86,7 @@ cmd_up() {
     done
     echo "link $BRIDGE" >>"$STATE_DIR/created"
     ip link add "$BRIDGE" type bridge
+    ip addr add "$(address 254)/24" dev "$BRIDGE"
     ip link set "$BRIDGE" up
     for ((i = 1; i <= NODES; i++)); do
         local ns
@@ -96,11 +99,16 @@ cmd_up() {
         ip -n "$ns" addr add "$(address "$i")/24" dev eth0
         ip -n "$ns" link set eth0 up
         ip -n "$ns" link set lo up
+        # This machine's own addresses through the bridge (Slurm's srun listens on them).
+        ip -n "$ns" route add default via "$(address 254)"
         link=$(shape "$ns" eth0)
         # The node's holder: its hostname, /dev/shm and /etc/hosts, until `down` ends it.
         echo "holder $STATE_DIR/node$i.pid" >>"$STATE_DIR/created"
-        ip netns exec "$ns" unshare --uts --mount --propagation private sh -c '
-            hostname "$1" && mount -t tmpfs -o mode=1777 tmpfs /dev/shm && mount --bind "$2" /etc/hosts &&
+        # nsenter rather than `ip netns exec`, which would mount a sysfs of the node's own over
+        # /sys and so hide the cgroup file system that slurmd needs.
+        nsenter --net="/run/netns/$ns" unshare --uts --mount --propagation private sh -c '
+            hostname "$1" && mount -t tmpfs -o mode=1777 tmpfs /dev/shm &&
+            mount -t tmpfs -o mode=1777 tmpfs /var/tmp && mount --bind "$2" /etc/hosts &&
             echo $$ >"$3" && exec sleep infinity' holder "$PREFIX$i" "$hosts" "$STATE_DIR/node$i.pid" \
             </dev/null >/dev/null 2>&1 &
         disown
@@ -154,6 +162,9 @@ export OMPI_MCA_btl_tcp_if_include=$SUBNET.0/24
 export OMPI_MCA_btl=self,sm,tcp
 export MPIDIST_MN_NODES=$NODES
 export MPIDIST_MN_SLOTS=$SLOTS
+export MPIDIST_MN_HOST_ADDR=$(address 254)
+export MPIDIST_MN_NODE_NAMES=$PREFIX[1-$NODES]
+export MPIDIST_MN_NODE_ADDRS=$(seq -s, -f "$SUBNET.%g" 1 "$NODES")
 ENV
 }
 
@@ -172,8 +183,11 @@ cmd_run() {
     trap 'cmd_down' EXIT
     trap 'exit 130' INT TERM
     cmd_up
+    # In the background, so that a signal interrupts `wait` and the trap ends the command at
+    # once (`down` ends every process left in the nodes).
     local status=0
-    (cmd_exec 1 "$@") || status=$?
+    cmd_exec 1 "$@" &
+    wait $! || status=$?
     return "$status"
 }
 
