@@ -101,18 +101,21 @@ def main(argv=None) -> int:
     if os.geteuid() != 0:
         parser.error("needs root, for the emulated nodes (tests/multinode/cluster.sh)")
     results = []
+    load_before = os.getloadavg()
     for nodes, per_node in LAYOUTS:
         rows, link = run_layout(nodes, per_node, args)
         results.append({"nodes": nodes, "ranks_per_node": per_node, "link": link, "rows": rows})
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    # Other work on the machine slows everything alike but MPI's progress and ours unalike.
+    load = f"load average {load_before[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
     with open(args.output + ".json", "w") as out:
-        json.dump({"rate": args.rate, "delay": args.delay, "cpu": cpu, "layouts": results}, out, indent=1)
-    sections = [f"## {r['nodes']} nodes x {r['ranks_per_node']} ranks\n\nLink: {r['link']}.\n\n"
+        json.dump({"rate": args.rate, "delay": args.delay, "load": load, "cpu": cpu, "layouts": results}, out, indent=1)
+    sections = [f"## {r['nodes']} nodes x {r['ranks_per_node']} rank(s) per node\n\nLink: {r['link']}.\n\n"
                 f"busbw in GB/s (nccl-tests' definition), float32:\n\n{table(r['rows'])}\n" for r in results]
     with open(args.output + ".md", "w") as out:
         out.write("# All-reduce across emulated nodes (benchmarks/multinode.py)\n\n"
                   f"Command: `python benchmarks/multinode.py --rate {args.rate} --delay {args.delay} "
-                  f"--sizes {args.sizes}`\n\n" + "\n".join(sections) + f"\nMachine:\n\n```\n{cpu}```\n")
+                  f"--sizes {args.sizes}` ({load})\n\n" + "\n".join(sections) + f"\nMachine:\n\n```\n{cpu}```\n")
     print(f"multinode: wrote {args.output}.json and {args.output}.md")
     return 0
 
