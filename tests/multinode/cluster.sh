@@ -72,9 +72,19 @@ shape() {
     fi
 }
 
+# That no emulated nodes are up: checked before anything is created, or set to be removed.
+check_free() {
+    [[ ! -e $STATE_DIR/up ]] || die "already up ($STATE_DIR/up exists); run: $0 down"
+    # One set of nodes at a time: another one's bridge (of another MPIDIST_MN_DIR, or left by a
+    # killed run) is not ours to take over or remove.
+    if ip link show "$BRIDGE" >/dev/null 2>&1; then
+        die "the bridge $BRIDGE exists: emulated nodes are up already (slurm/local-cluster.sh's, or another MPIDIST_MN_DIR's); take them down first (ip link del $BRIDGE; ip netns del mpidist-mn<i>, if nothing runs them)"
+    fi
+}
+
 cmd_up() {
     check_requirements
-    [[ ! -e $STATE_DIR/up ]] || die "already up ($STATE_DIR/up exists); run: $0 down"
+    check_free
     mkdir -p "$STATE_DIR"
     : >"$STATE_DIR/created"   # what to remove, one "kind name" a line, written before creating it
     local i hosts=$STATE_DIR/hosts link=""
@@ -180,6 +190,7 @@ cmd_exec() {
 cmd_run() {
     (($#)) || die "run: give a command"
     check_requirements
+    check_free   # before the trap: a failure here must not take down nodes that are not ours
     trap 'cmd_down' EXIT
     trap 'exit 130' INT TERM
     cmd_up
