@@ -1,7 +1,7 @@
 """All-reduce bus bandwidth across emulated nodes: every algorithm of mpidist and the MPI library's
 own ("mpi"), at 2 x 1, 2 x 2 and 4 x 1 ranks (nodes x ranks per node) over a shaped link, in one run.
 
-    sudo python benchmarks/multinode.py [--rate 10gbit] [--delay 25us] [--sizes 4K,...,64M]
+    sudo python benchmarks/multinode.py [--rate 10gbit] [--delay 25us] [--sizes 4K,...,64M] [--layouts 2x1,2x2,4x1]
 
 Each layout brings up tests/multinode/cluster.sh (nodes in network, hostname and mount namespaces,
 their veth links shaped by tc), runs `mpidist bench allreduce` under mpirun from node 1, and takes
@@ -22,7 +22,7 @@ from mpidist.bench import parse_size
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 CLUSTER = os.path.join(REPO, "tests", "multinode", "cluster.sh")
-LAYOUTS = ((2, 1), (2, 2), (4, 1))
+LAYOUTS = "2x1,2x2,4x1"  # nodes x ranks per node
 SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
 # Sizes above this run LARGE_ITERS timed iterations (after one warm-up): over a link of a few
 # Gbit/s the defaults (20) would keep a 64 MiB case of 8 algorithms running for minutes.
@@ -93,6 +93,7 @@ def main(argv=None) -> int:
     parser.add_argument("--delay", default="25us", help="every node's one-way delay (netem, where the kernel has it)")
     parser.add_argument("--sizes", default=SIZES)
     parser.add_argument("--algorithms", default=ALGORITHMS)
+    parser.add_argument("--layouts", default=LAYOUTS, help="comma-separated NODESxRANKS_PER_NODE")
     parser.add_argument("--iters", type=int, default=0,
                         help=f"timed iterations per case (default: mpidist bench's up to 1 MiB, {LARGE_ITERS} above)")
     parser.add_argument("--output", default=os.path.join(HERE, "results", "multinode-cpu"),
@@ -102,7 +103,8 @@ def main(argv=None) -> int:
         parser.error("needs root, for the emulated nodes (tests/multinode/cluster.sh)")
     results = []
     load_before = os.getloadavg()
-    for nodes, per_node in LAYOUTS:
+    for layout in args.layouts.split(","):
+        nodes, per_node = (int(n) for n in layout.lower().split("x"))
         rows, link = run_layout(nodes, per_node, args)
         results.append({"nodes": nodes, "ranks_per_node": per_node, "link": link, "rows": rows})
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
@@ -115,7 +117,8 @@ def main(argv=None) -> int:
     with open(args.output + ".md", "w") as out:
         out.write("# All-reduce across emulated nodes (benchmarks/multinode.py)\n\n"
                   f"Command: `python benchmarks/multinode.py --rate {args.rate} --delay {args.delay} "
-                  f"--sizes {args.sizes}` ({load})\n\n" + "\n".join(sections) + f"\nMachine:\n\n```\n{cpu}```\n")
+                  f"--sizes {args.sizes} --layouts {args.layouts} --algorithms {args.algorithms}` ({load})\n\n"
+                  + "\n".join(sections) + f"\nMachine:\n\n```\n{cpu}```\n")
     print(f"multinode: wrote {args.output}.json and {args.output}.md")
     return 0
 
