@@ -141,7 +141,7 @@ write_config() {
     # files of its own (%n: its node name), and slurmctld at the bridge's address.
     local ctld_addr=127.0.0.1 nodes=$node node_addr=127.0.0.1 tmp_fs=/tmp suffix=""
     if ((NODES > 1)); then
-        eval "$("$EMULATED" env | grep -E '^export MPIDIST_MN_(HOST_ADDR|NODE_NAMES|NODE_ADDRS)=')"
+        eval "$("$EMULATED" env | grep -E '^export (MPIDIST_MN_HOST_ADDR|MPIDIST_MN_NODE_NAMES|MPIDIST_MN_NODE_ADDRS)=')"
         ctld_addr=$MPIDIST_MN_HOST_ADDR
         nodes=$MPIDIST_MN_NODE_NAMES
         node_addr=$MPIDIST_MN_NODE_ADDRS
