@@ -24,7 +24,7 @@ export OMPI_MCA_rmaps_base_oversubscribe := 1
 export OMPI_MCA_mpi_yield_when_idle := 1
 MPIRUN := mpirun --oversubscribe --bind-to none -np $(NP)
 
-.PHONY: install run test test-soak lint test-slurm test-system-mpi gpu-check gpu-wheels docs test-wheel clean
+.PHONY: install run test test-soak lint test-slurm test-multinode test-system-mpi gpu-check gpu-wheels docs test-wheel clean
 
 install: $(VENV)/.installed
 
@@ -60,6 +60,12 @@ test-soak: install
 
 test-slurm: install
 	bash slurm/test-scripts.sh
+
+# mpidist across emulated nodes on this machine (docs/multinode.md): network, hostname and mount
+# namespaces joined by a shaped link, Open MPI's daemons started in them; needs root. Everything
+# the cluster creates is removed at the end, also when a test fails.
+test-multinode: install
+	bash tests/multinode/cluster.sh run $(PY) -m pytest tests/multinode $(PYTEST_ARGS)
 
 # The cluster route: mpi4py built against the system's mpicc (Debian's openmpi-bin and
 # libopenmpi-dev here) in its own venv, checked with the multi-rank point-to-point and

@@ -19,10 +19,13 @@
 #                              (scontrol update StartTime=now)
 #   +expects=$RESULTS_DIR/file a file this submission must also produce
 # A submission passes when its job ends COMPLETED with exit code 0:0 and every expected file
-# exists and is not empty; the log of any other job is printed. The cluster is brought up
-# first (slurm/local-cluster.sh) and down at exit; the exit status is non-zero on any failure.
+# exists and is not empty; the log of any other job is printed. The cluster, of
+# MPIDIST_SLURM_NODES nodes emulated on this machine so that submissions with -N 2 run across
+# nodes (tests/multinode/cluster.sh), is brought up first (slurm/local-cluster.sh) and down at
+# exit; the exit status is non-zero on any failure.
 #
 # Environment:
+#   MPIDIST_SLURM_NODES         nodes of the cluster (1: this machine alone)  [2]
 #   MPIDIST_TEST_TIMEOUT        seconds to wait for all jobs together       [600]
 #   MPIDIST_TEST_KEEP_CLUSTER   1: leave the cluster up at exit             [0]
 #   MPIDIST_MPIRUN_ARGS         for MPIDIST_LAUNCHER=mpirun jobs            [--bind-to none]
@@ -34,6 +37,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 TIMEOUT=${MPIDIST_TEST_TIMEOUT:-600}
 export MPIDIST_MPIRUN_ARGS=${MPIDIST_MPIRUN_ARGS---bind-to none}
+export MPIDIST_SLURM_NODES=${MPIDIST_SLURM_NODES:-2}
 
 if (($#)); then
     scripts=("$@")

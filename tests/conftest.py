@@ -19,6 +19,10 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# tests/multinode runs inside the emulated cluster only (tests/multinode/cluster.sh sets
+# MPIDIST_MN_NODES; `make test-multinode`): its tests need the cluster's nodes.
+collect_ignore = [] if os.environ.get("MPIDIST_MN_NODES") else ["multinode"]
+
 # The tests expect algorithm="auto"'s built-in tables, whatever `mpidist tune` wrote on this
 # machine (tests of the tuning file pass their own path).
 os.environ["MPIDIST_TUNING_FILE"] = os.path.join(REPO, "tests", "no-such-dir", "tuning.json")
