@@ -33,8 +33,25 @@ computes on weights that miss its own last gradient. The chief is the first work
 rank that is not the server): every rank starts from its weights, and scripts let it alone log,
 evaluate and save (`is_chief`). When every worker has closed, each gets the final weights.
 
-Messages are typed buffers (runtime/wire.py: an int64 header, then the flat gradient or weights),
-never pickled. Every wait ends after MPIDIST_TIMEOUT seconds with a DeadlineError naming the
+Sparse rows (ps_sparse.py): the weights of nn.Embedding and nn.EmbeddingBag with sparse=True
+(with sparse_embeddings=True, of every embedding) are tables that travel by rows, each table's
+rows split over the servers in row ranges. Before its forward pass a worker pulls the rows its
+batch uses (pull_rows); its step pushes only the rows of its gradient (unique indices and summed
+rows), and the servers give their optimizers the workers' mean as a torch sparse gradient, so
+torch's own sparse rules apply (SGD, Adagrad, SparseAdam). A pull goes through the coordinator's
+order like everything else: every server answers it after the same update, with that update's
+version; when it is newer than the worker's weights, the servers send their dense ranges along
+and the worker pulls again the rows it pulled before in the step, so a worker's rows and dense
+weights always come from one version (in sync mode, without backup workers, the version never
+moves between a worker's reply and its next push).
+
+A worker's bad input (pull_rows on a module that is no table of the model, ids out of range, a
+gradient on rows it did not pull) stops the whole parameter server: the worker tells every
+server, the coordinator tells every other worker in its next reply, and every rank raises the
+same error.
+
+Messages are typed buffers (runtime/wire.py: an int64 header, then the flat gradient, weights,
+row indices or rows), never pickled. Every wait ends after MPIDIST_TIMEOUT seconds with a DeadlineError naming the
 silent side: a server that hears from no worker for that long, or a worker that waits that long
 for its weights.
 """
@@ -50,19 +67,25 @@ from ..comm import init
 from ..errors import InvalidArgumentError, MismatchError
 from ..runtime import wire
 from ..runtime.deadlines import wait_for_collective, wait_until
-from . import ps_shards
+from . import ps_shards, ps_sparse
 from .model_state import broadcast_module_state
 
 MODES = ("sync", "async", "softsync")
 # What a worker's message announces (its first field), the coordinator's commands to the other
-# servers, and the tags of each kind of message (each also uses the next tag, for its payload).
-GRADIENT, DONE = 0, 1
-APPLY, ANSWER, DROP, FINISH = 0, 1, 2, 3
-PUSH, REPLY, COMMAND, SHARE = 1, 3, 5, 7
+# servers, what a server's reply to a worker holds (its second field), and the tags of each kind
+# of message (each also uses the next tag, for its payload).
+GRADIENT, DONE, PULL, FAILED = 0, 1, 2, 3
+APPLY, ANSWER, DROP, FINISH, ANSWER_PULL, FAIL = 0, 1, 2, 3, 4, 5
+SENT_WEIGHTS, SENT_ROWS, SENT_FAILURE = 0, 1, 2
+PUSH, REPLY, COMMAND, SHARE, SPARSE = 1, 3, 5, 7, 9
 UNSPLITTABLE = -1  # the layout of a rank whose model has fewer rows than there are servers
-# The settings every rank must agree on, in the order of the agreement table's columns.
+# The settings every rank must agree on, in the order of the agreement table's columns, then what
+# only the servers report.
 AGREED = ("parameters", "dtype", "server", "servers", "layout", "mode", "backup_workers", "gradients per update",
-          "max_staleness", "staleness_lr", "starting version", "server has an optimizer")
+          "max_staleness", "staleness_lr", "starting version", "sparse tables")
+SERVERS_REPORT = ("server has an optimizer", "sparse table its optimizer cannot apply")
+# The errors a worker's bad input raises on every rank, by their code in its failure message.
+FAILURES = (InvalidArgumentError, MismatchError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,12 +119,17 @@ class ParameterServer:
     Every rank builds the same module and a ParameterServer around it; the server also passes
     the optimizer (over module.parameters()) that applies the updates, workers may pass None.
     The server then calls serve(); each worker runs its own loop of forward, backward and
-    step() (in place of optimizer.step()), then close().
+    step() (in place of optimizer.step()), then close(). `optimizer` may be a list of
+    optimizers (SparseAdam for the tables and Adam for the rest, say).
+
+    Embedding weights with sparse=True (all of them with sparse_embeddings=True) go by rows: a
+    worker calls pull_rows(embedding, ids) before its forward pass for the rows it uses.
+    `bytes_pushed` and `bytes_pulled` count, on a worker, the payload bytes it sent and received.
     """
 
     def __init__(self, module: torch.nn.Module, optimizer=None, comm=None, mode: str = "sync", softsync=None,
                  max_staleness=None, staleness_lr: bool = False, server: int = 0, version: int = 0, servers=1,
-                 backup_workers: int = 0):
+                 backup_workers: int = 0, sparse_embeddings: bool = False):
         self.comm = comm if comm is not None else init()
         if self.comm.size < 2:
             raise InvalidArgumentError("a parameter server needs at least 2 ranks (the server and one worker); "
@@ -130,20 +158,25 @@ class ParameterServer:
                                        f"{self.comm.size - len(self.servers)} workers")
         self.module = module
         self.optimizer = optimizer
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        if not self.params:
+        self.optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else \
+            [] if optimizer is None else [optimizer]
+        trained = [p for p in module.parameters() if p.requires_grad]
+        if not trained:
             raise InvalidArgumentError("the module has no parameters that require a gradient")
-        dtypes = {p.dtype for p in self.params}
-        if len(dtypes) > 1 or not self.params[0].is_floating_point() \
-                or str(self.params[0].dtype).removeprefix("torch.") not in wire.ITEMSIZE:
+        dtypes = {p.dtype for p in trained}
+        if len(dtypes) > 1 or not trained[0].is_floating_point() \
+                or str(trained[0].dtype).removeprefix("torch.") not in wire.ITEMSIZE:
             raise InvalidArgumentError(f"the parameters must share one floating-point dtype, got "
                                        f"{sorted(str(d) for d in dtypes)}")
-        self.dtype = self.params[0].dtype
+        self.dtype = trained[0].dtype
+        self.tables = ps_sparse.find_tables(module, len(self.servers), sparse_embeddings)
+        by_rows = {id(table.weight) for table in self.tables}
+        self.params = [p for p in trained if id(p) not in by_rows]  # the dense path's, end to end
         self.numels = [p.numel() for p in self.params]
         self.numel = sum(self.numels)
         self.shapes = [tuple(p.shape) for p in self.params]
         try:  # each server's part of the flat vector
-            self.ranges, unsplittable = ps_shards.partition(self.shapes, len(self.servers)), None
+            self.ranges, unsplittable = self._partition(), None
         except InvalidArgumentError as error:  # raised after the agreement, so that every rank learns of it
             self.ranges, unsplittable = None, error
         self.server = self.servers[0]  # the coordinator
@@ -158,6 +191,8 @@ class ParameterServer:
         self.dropped = []  # servers: the late gradients dropped (backup workers), as in Update.dropped
         self._sent_weights = None  # server: (version, its range of the weights for replies)
         self.steps = 0  # workers: gradients pushed
+        self.bytes_pushed = self.bytes_pulled = 0  # workers: payload bytes sent and received
+        self._pulled = {}  # workers: table index -> the rows pulled in this step (sorted, unique)
         self.closed = False
         self.mpi = self.comm.mpi.Dup()  # point-to-point traffic of its own, apart from collectives
         self._agree(unsplittable)
@@ -181,28 +216,44 @@ class ParameterServer:
             raise InvalidArgumentError(f"{given} leaves no worker among the {self.comm.size} ranks")
         return ranks
 
+    def _partition(self) -> list:
+        if not self.params:  # a model of tables only: nothing goes the dense path
+            return [(0, 0)] * len(self.servers)
+        return ps_shards.partition(self.shapes, len(self.servers))
+
     def _agree(self, unsplittable) -> None:
         """Every rank's model size and settings, checked on every rank alike, so a mismatch
-        raises the same error everywhere before any gradient moves."""
+        raises the same error everywhere before any gradient moves; then whether each server
+        has an optimizer, and one that can apply the tables' sparse gradients."""
+        tables = [(t.name, tuple(t.weight.shape), tuple(t.bounds)) for t in self.tables]
         layout = UNSPLITTABLE if unsplittable else \
-            ps_shards.fingerprint(self.shapes, [(rank, *span) for rank, span in zip(self.servers, self.ranges)])
+            ps_shards.fingerprint(self.shapes, [(rank, *span) for rank, span in zip(self.servers, self.ranges)] + tables)
+        refusals = [ps_sparse.refusal(self.optimizers, t) for t in self.tables] if self.is_server else []
+        refused = next((index for index, refusal in enumerate(refusals) if refusal), -1)
         mine = np.array([self.numel, wire.code_of(wire.name_of(self.dtype)), self.server, len(self.servers), layout,
                          MODES.index(self.mode), self.backup_workers, self.per_update,
                          -1 if self.max_staleness is None else self.max_staleness, self.staleness_lr, self.version,
-                         self.optimizer is not None], dtype=np.int64)
+                         len(self.tables), bool(self.optimizers), refused], dtype=np.int64)
         table = np.empty((self.comm.size, len(mine)), dtype=np.int64)
         wait_for_collective(self.mpi.Iallgather(mine, table), self.mpi, "parameter server's agreement on its settings")
-        for column, name in enumerate(AGREED[:-1]):
+        for column, name in enumerate(AGREED):
             values = table[:, column]
             if (values != values[0]).any():
                 described = "; ".join(f"rank {r}: {self._describe(name, int(v))}" for r, v in enumerate(values))
                 raise MismatchError(f"the ranks of the parameter server disagree on {name}: {described}")
         if unsplittable:
             raise unsplittable
-        without = [r for r in self.servers if not table[r, -1]]
+        without = [r for r in self.servers if not table[r, -2]]
         if without:
             raise InvalidArgumentError(f"the server (rank {without[0]}) was given no optimizer; pass the optimizer "
                                        "that applies the updates (workers may pass None)")
+        refusing = [r for r in self.servers if table[r, -1] >= 0]
+        if refusing:  # the refusing server's words, on every rank
+            words = torch.tensor(list(refusals[refused].encode()), dtype=torch.uint8) \
+                if self.comm.rank == refusing[0] else None
+            words = wire.broadcast(self.mpi, words, refusing[0], self._who, "the server's refusal",
+                                   f"rank {refusing[0]}")
+            raise InvalidArgumentError(f"the server (rank {refusing[0]}): {bytes(words.tolist()).decode()}")
 
     @staticmethod
     def _describe(name: str, value: int):
@@ -233,6 +284,7 @@ class ParameterServer:
             sends = self._follow(history, on_update)
         for worker in self.workers:
             sends.append(self._send_weights(worker))
+            sends += self._send_table_ranges(worker, REPLY)
         sends += self._share_final_weights()
         for outgoing in sends:
             outgoing.wait(self._who, f"the message sent to rank {outgoing.dest}", f"rank {outgoing.dest}")
@@ -256,8 +308,16 @@ class ParameterServer:
             if kind == DONE:
                 active.discard(worker)
                 del receives[worker]
+            elif kind == FAILED:
+                self._stop(worker, incoming, sends)
+            elif kind == PULL:
+                pull = incoming.receive_payload(self._who, f"the rows worker {worker} pulls", f"worker {worker}")
+                receives[worker] = wire.Incoming(self.mpi, worker, PUSH)
+                sends += self._command(ANSWER_PULL, [worker])
+                sends += self._answer_pull(worker, pull, incoming.fields)
             else:
-                gradient = incoming.receive_payload(self._who, f"the gradient of worker {worker}", f"worker {worker}")
+                dense = incoming.receive_payload(self._who, f"the gradient of worker {worker}", f"worker {worker}")
+                gradient = (dense, self._receive_gradient_rows(worker))
                 pushed[worker] += 1
                 receives[worker] = wire.Incoming(self.mpi, worker, PUSH)
                 if self.backup_workers and version < self.version:  # a straggler's, for an update already applied
@@ -296,6 +356,12 @@ class ParameterServer:
                 return sends
             if kind == ANSWER:
                 sends.append(self._send_weights(workers[0]))
+            elif kind == ANSWER_PULL:
+                pull, fields = wire.receive(self.mpi, workers[0], PUSH, self._who,
+                                            f"the rows worker {workers[0]} pulls", f"worker {workers[0]}")
+                sends += self._answer_pull(workers[0], pull, fields)
+            elif kind == FAIL:
+                self._stop(workers[0], wire.Incoming(self.mpi, workers[0], PUSH), sends)
             elif kind == DROP:
                 _, step, version = self._receive_gradient(workers[0])
                 late.append(self._drop(workers[0], step, version))
@@ -312,9 +378,49 @@ class ParameterServer:
         return [wire.send(self.mpi, payload, follower, COMMAND, fields=(kind,)) for follower in self.servers[1:]]
 
     def _receive_gradient(self, worker: int) -> tuple:
-        gradient, (_, step, version) = wire.receive(self.mpi, worker, PUSH, self._who,
-                                                    f"the gradient of worker {worker}", f"worker {worker}")
-        return gradient, step, version
+        dense, (_, step, version) = wire.receive(self.mpi, worker, PUSH, self._who,
+                                                 f"the gradient of worker {worker}", f"worker {worker}")
+        return (dense, self._receive_gradient_rows(worker)), step, version
+
+    def _receive_gradient_rows(self, worker: int) -> list:
+        """[(indices, rows)] of each table's gradient in this server's row ranges, as sent
+        after the dense range."""
+        parts = []
+        for table in self.tables:
+            what, silent = f"the gradient rows of {table.name} from worker {worker}", f"worker {worker}"
+            indices, _ = wire.receive(self.mpi, worker, SPARSE, self._who, what, silent)
+            rows, _ = wire.receive(self.mpi, worker, SPARSE, self._who, what, silent)
+            parts.append((indices, rows))
+        return parts
+
+    def _answer_pull(self, worker: int, pull: torch.Tensor, fields: tuple) -> list:
+        """Start sending the rows a worker pulls, of the current version, and this server's
+        range of the dense weights too when the worker's are older."""
+        _, index, version = fields
+        rows = self.tables[index].weight.detach()[pull]
+        sends = [wire.send(self.mpi, rows, worker, REPLY, fields=(self.version, SENT_ROWS))]
+        if version != self.version:
+            sends.append(self._send_weights(worker))
+        return sends
+
+    def _stop(self, worker: int, incoming: wire.Incoming, sends: list):
+        """A worker's bad input: the coordinator tells the other servers, and every other
+        worker in its next reply; then this server raises the worker's error."""
+        silent = f"worker {worker}"
+        incoming.wait(self._who, f"the failure of worker {worker}", silent)
+        words = incoming.receive_payload(self._who, f"the failure of worker {worker}", silent)
+        _, code, _ = incoming.fields
+        if self.comm.rank == self.server:
+            sends += self._command(FAIL, [worker])
+            sends += [wire.send(self.mpi, words, other, REPLY, fields=(self.version, SENT_FAILURE, code, worker))
+                      for other in self.workers if other != worker]
+            for outgoing in sends:
+                outgoing.wait(self._who, f"the message sent to rank {outgoing.dest}", f"rank {outgoing.dest}")
+        raise self._failure(words, code, worker)
+
+    def _failure(self, words: torch.Tensor, code: int, worker: int) -> Exception:
+        return FAILURES[code](f"{self._who}: worker {worker} stopped the parameter server: "
+                              f"{bytes(words.tolist()).decode()}")
 
     def _drop(self, worker: int, step: int, version: int) -> tuple:
         self.dropped.append((worker, step, version))
@@ -327,22 +433,26 @@ class ParameterServer:
 
     def _apply(self, arrived: dict, dropped: tuple) -> Update:
         order = sorted(arrived)  # by worker rank: the same sum whatever order they arrived in
-        total = arrived[order[0]][0].clone()
+        total = arrived[order[0]][0][0].clone()
         for worker in order[1:]:
-            total += arrived[worker][0]
+            total += arrived[worker][0][0]
         total /= len(order)
+        for index, table in enumerate(self.tables):
+            table.weight.grad = ps_sparse.mean_gradient(table, [arrived[w][0][1][index] for w in order], len(order))
         staleness = float(np.mean([self.version - arrived[w][2] for w in order]))
         lr_scale = 1.0 / max(1.0, staleness) if self.staleness_lr else 1.0
         self._set_gradients(total)
-        learning_rates = [group["lr"] for group in self.optimizer.param_groups]
-        for group in self.optimizer.param_groups:
+        groups = [group for optimizer in self.optimizers for group in optimizer.param_groups]
+        learning_rates = [group["lr"] for group in groups]
+        for group in groups:
             group["lr"] = group["lr"] * lr_scale
         try:
-            self.optimizer.step()
+            for optimizer in self.optimizers:
+                optimizer.step()
         finally:
-            for group, lr in zip(self.optimizer.param_groups, learning_rates):
+            for group, lr in zip(groups, learning_rates):
                 group["lr"] = lr
-        for param in self.params:
+        for param in self.params + [table.weight for table in self.tables]:
             param.grad = None
         self.version += 1
         return Update(self.version, tuple((w, arrived[w][1], arrived[w][2]) for w in order), staleness, lr_scale,
@@ -373,7 +483,13 @@ class ParameterServer:
             # every worker with the same one): pending sends only read it.
             start, end = self._range
             self._sent_weights = (self.version, self._flat([p.detach() for p in self.params])[start:end])
-        return wire.send(self.mpi, self._sent_weights[1], worker, REPLY, fields=(self.version,))
+        return wire.send(self.mpi, self._sent_weights[1], worker, REPLY, fields=(self.version, SENT_WEIGHTS))
+
+    def _send_table_ranges(self, rank: int, tag: int) -> list:
+        """Start sending this server's row range of every table (the final weights)."""
+        index = self.servers.index(self.comm.rank)
+        return [wire.send(self.mpi, table.weight.detach()[slice(*table.row_range(index))], rank, tag,
+                          fields=(self.version, SENT_ROWS)) for table in self.tables]
 
     def _share_final_weights(self) -> list:
         """Every server sends its range of the final weights to the others and takes theirs, so
@@ -384,10 +500,16 @@ class ParameterServer:
         weights = self._flat([p.detach() for p in self.params])
         others = [s for s in self.servers if s != self.comm.rank]
         sends = [wire.send(self.mpi, weights[start:end], other, SHARE) for other in others]
-        for other, (low, high) in zip(self.servers, self.ranges):
+        for other in others:
+            sends += self._send_table_ranges(other, SHARE)
+        for index, (other, (low, high)) in enumerate(zip(self.servers, self.ranges)):
             if other != self.comm.rank:
-                weights[low:high], _ = wire.receive(self.mpi, other, SHARE, self._who,
-                                                    f"the final weights of server {other}", f"server {other}")
+                what, silent = f"the final weights of server {other}", f"server {other}"
+                weights[low:high], _ = wire.receive(self.mpi, other, SHARE, self._who, what, silent)
+                for table in self.tables:
+                    rows, _ = wire.receive(self.mpi, other, SHARE, self._who, what, silent)
+                    with torch.no_grad():
+                        table.weight[slice(*table.row_range(index))] = rows.to(table.weight.device)
         self._load(weights)
         return sends
 
@@ -409,29 +531,111 @@ class ParameterServer:
 
     # ---- a worker --------------------------------------------------------------------------
 
+    def pull_rows(self, module: torch.nn.Module, ids) -> None:
+        """Fetch the current rows `ids` (an integer tensor of any shape; each row once) of the
+        table of `module` (an embedding of the model that goes by rows) from the servers that
+        hold them, into this worker's table. Call it before the forward pass, for every table
+        and every id the batch uses."""
+        self._check_worker("pull_rows()")
+        index, unique = self._rows_asked(module, ids)
+        pulled = self._pulled.get(index)
+        self._pulled[index] = unique if pulled is None else torch.unique(torch.cat([pulled, unique]))
+        moved = self._pull(index, unique)
+        while moved:  # newer weights came along: the rows pulled before them in this step are stale
+            for again in sorted(self._pulled):
+                moved = self._pull(again, self._pulled[again])
+                if moved:
+                    break
+
+    def _rows_asked(self, module, ids) -> tuple:
+        """(the table's index, the sorted unique ids) of a pull, or the failure of bad input."""
+        index = next((i for i, table in enumerate(self.tables) if table.module is module), None)
+        if index is None:
+            names = [table.module.__class__.__name__ + " " + table.name.removesuffix(".weight") for table in self.tables]
+            self._fail(InvalidArgumentError(
+                f"pull_rows() on a {type(module).__name__} that is no table of this parameter server's model; its "
+                f"tables (embeddings with sparse=True, or every embedding with sparse_embeddings=True): "
+                f"{', '.join(names) if names else 'none'}"))
+        table = self.tables[index]
+        if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            self._fail(InvalidArgumentError(f"pull_rows({table.name}): ids must be an integer tensor, got "
+                                            f"{ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__}"))
+        unique = torch.unique(ids.detach().reshape(-1).cpu()).to(torch.int64)
+        if unique.numel() and (unique[0] < 0 or unique[-1] >= table.rows):
+            wrong = unique[(unique < 0) | (unique >= table.rows)]
+            self._fail(InvalidArgumentError(f"pull_rows({table.name}): ids {wrong[:8].tolist()} out of range: the "
+                                            f"table has rows 0..{table.rows - 1}"))
+        return index, unique
+
+    def _pull(self, index: int, ids: torch.Tensor) -> bool:
+        """Pull rows `ids` (sorted) of table `index`, each server its part, into the table;
+        True when they came with newer weights (loaded too)."""
+        table = self.tables[index]
+        outgoing = []
+        for server, (low, high) in zip(self.servers, table.split(ids)):
+            outgoing.append(wire.send(self.mpi, ids[low:high], server, PUSH, fields=(PULL, index, self.version)))
+            self.bytes_pushed += (high - low) * ids.element_size()
+        parts, version = self._receive_replies(f"the rows of {table.name} from the server")
+        moved = version != self.version
+        if moved:
+            self._receive_weights()
+        with torch.no_grad():
+            table.weight[ids.to(table.weight.device)] = torch.cat(parts).to(table.weight.device)
+        for sent in outgoing:
+            sent.wait(self._who, "the rows asked of the server", f"the server (rank {sent.dest})")
+        return moved
+
     def step(self) -> None:
         """Push this worker's gradients (zeros for parameters without one), each server its
-        range, and wait for the weights of the update that took them, which replace the
-        module's parameters."""
+        range, and the rows of each table's gradient, each server those in its row ranges; then
+        wait for the weights of the update that took them, which replace the module's dense
+        parameters."""
         self._check_worker("step()")
+        try:
+            rows = [ps_sparse.gradient_rows(table, self._pulled.get(i)) for i, table in enumerate(self.tables)]
+        except InvalidArgumentError as error:
+            self._fail(error)
         gradient = self._flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
-        outgoing = [wire.send(self.mpi, gradient[start:end], server, PUSH, fields=(GRADIENT, self.steps, self.version))
-                    for server, (start, end) in zip(self.servers, self.ranges)]
+        outgoing = []
+        for position, (server, (start, end)) in enumerate(zip(self.servers, self.ranges)):
+            parts = [gradient[start:end]]
+            outgoing.append(wire.send(self.mpi, parts[0], server, PUSH, fields=(GRADIENT, self.steps, self.version)))
+            for table, (indices, values) in zip(self.tables, rows):
+                low, high = table.split(indices)[position]
+                parts += [indices[low:high], values[low:high]]
+                outgoing += [wire.send(self.mpi, part, server, SPARSE) for part in parts[-2:]]
+            self.bytes_pushed += sum(part.numel() * part.element_size() for part in parts)
         self._receive_weights()
         for sent in outgoing:
             sent.wait(self._who, "the gradient sent to the server", f"the server (rank {sent.dest})")
         self.steps += 1
+        self._pulled = {}
 
     def close(self) -> None:
-        """Tell the coordinating server this worker is done, and take the final weights (once
-        every worker has closed)."""
+        """Tell the coordinating server this worker is done, and take the final weights, tables
+        whole (once every worker has closed)."""
         self._check_worker("close()")
         nothing = torch.empty(0, dtype=self.dtype)
         outgoing = wire.send(self.mpi, nothing, self.server, PUSH, fields=(DONE, self.steps, self.version))
         self._receive_weights()
+        for table in self.tables:
+            parts, _ = self._receive_replies(f"the final rows of {table.name} from the server")
+            with torch.no_grad():
+                table.weight.copy_(torch.cat(parts).to(table.weight.device))
         outgoing.wait(self._who, "the last message to the server", f"the server (rank {self.server})")
         self.closed = True
         self.mpi.Free()
+
+    def _fail(self, error: Exception):
+        """Stop the parameter server on bad input: tell every server (the coordinator tells
+        the other workers), then raise `error` here."""
+        words = torch.tensor(list(str(error).encode()), dtype=torch.uint8)
+        code = FAILURES.index(type(error))
+        for sent in [wire.send(self.mpi, words, server, PUSH, fields=(FAILED, code, self.version))
+                     for server in self.servers]:
+            sent.wait(self._who, "the failure sent to the server", f"the server (rank {sent.dest})")
+        self.closed = True
+        raise error
 
     def _check_worker(self, call: str) -> None:
         if self.is_server:
@@ -439,28 +643,37 @@ class ParameterServer:
         if self.closed:
             raise InvalidArgumentError(f"{call} after close(): this worker has already left the parameter server")
 
-    def _receive_weights(self) -> None:
-        """Every server's range of the weights, received at once; they must share one version."""
+    def _receive_replies(self, what: str) -> tuple:
+        """([each server's reply], their version): every server's answer to this worker's last
+        message, received at once (the coordinator's first: it alone reports a failure)."""
         incoming = [wire.Incoming(self.mpi, server, REPLY) for server in self.servers]
-        weights = torch.empty(self.numel, dtype=self.dtype)
-        versions = []
-        for reply, (start, end) in zip(incoming, self.ranges):
+        parts, versions = [], []
+        for reply in incoming:
             silent = f"the server (rank {reply.source})"
-            reply.wait(self._who, "the weights from the server", silent)
-            weights[start:end] = reply.receive_payload(self._who, "the weights from the server", silent)
+            reply.wait(self._who, what, silent)
+            parts.append(reply.receive_payload(self._who, what, silent))
+            if reply.fields[1] == SENT_FAILURE:
+                for pending in incoming[1:]:
+                    pending.request.Cancel()
+                self.closed = True
+                raise self._failure(parts[-1], *reply.fields[2:])
             versions.append(reply.fields[0])
+            self.bytes_pulled += parts[-1].numel() * parts[-1].element_size()
         if len(set(versions)) > 1:
             raise MismatchError(f"{self._who}: the servers {self.servers} sent weights of versions {versions}; "
                                 "every server must answer with the same update")
-        self._load(weights)
-        self.version = versions[0]
+        return parts, versions[0]
+
+    def _receive_weights(self) -> None:
+        """Every server's range of the weights; they must share one version."""
+        parts, self.version = self._receive_replies("the weights from the server")
+        self._load(torch.cat(parts))
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    @staticmethod
-    def _flat(tensors) -> torch.Tensor:
+    def _flat(self, tensors) -> torch.Tensor:
         """The tensors end to end in one contiguous CPU tensor (what travels)."""
-        return torch.cat([t.detach().reshape(-1).cpu() for t in tensors])
+        return torch.cat([t.detach().reshape(-1).cpu() for t in tensors]) if tensors else torch.empty(0, dtype=self.dtype)
 
     def _load(self, weights: torch.Tensor) -> None:
         with torch.no_grad():
