@@ -50,20 +50,27 @@ max over tensors of max|a - b| / max|b| <= --tolerance (1e-5). The command exits
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Waiting ranks yield the core, as Open MPI advises for oversubscribed nodes (see training.py).
 os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from training import build_model, layer_sizes, parse_count, sleeping_barrier  # noqa: E402
+from training import (  # noqa: E402
+    build_model,
+    layer_sizes,
+    parse_count,
+    report,
+    sleeping_barrier,
+    start_one_thread_per_rank,
+)
 
 RANKS = 4
 WORKERS = (2, 3)
@@ -312,17 +319,12 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    import mpidist as md
-    from mpidist import kernels
-    torch.set_num_threads(1)
-    kernels.set_num_threads(1)
-    world = md.init()
+    world = start_one_thread_per_rank(check_calls=False)
     if world.size != RANKS:
         if world.rank == 0:
             print(f"benchmarks/ps.py runs on exactly {RANKS} ranks (2 servers, 2 workers), not {world.size}",
                   file=sys.stderr, flush=True)
         return 2
-    world.check_calls = False
     comms = {"workers": subcommunicator(world, WORKERS), 1: subcommunicator(world, (0, *WORKERS)), 2: world}
     rows = []
     for name in args.models:
@@ -332,13 +334,7 @@ def main(argv=None) -> int:
                   f"x {args.steps} steps after {args.warmup} warm-up steps", flush=True)
         rows += measure(world, scenario, comms, args)
     if world.rank == 0:
-        print(markdown_table(rows), flush=True)
-        for line in checks(rows):
-            print(line, flush=True)
-        if args.json:
-            with open(args.json, "w") as handle:
-                json.dump(rows, handle, indent=1)
-                handle.write("\n")
+        report("\n".join([markdown_table(rows), *checks(rows)]), rows, args.json)
     return 0 if all(row["correct"] for row in rows) else 1
 
 
