@@ -3,7 +3,8 @@ embedding-heavy click model, every configuration in one run on the same ranks.
 
     mpirun --oversubscribe --bind-to none -np 4 python benchmarks/ps.py [--params 3M] [--depth 4] \
         [--rows 1M] [--server-bound-rows 256K] [--dim 64] [--bag 8] [--batch 64] [--steps 5] [--warmup 2] \
-        [--rounds 3] [--models mlp,embedding,server-bound] [--configs ...] [--json FILE]
+        [--server-bound-batch 8] [--rounds 3] [--models mlp,embedding,server-bound,server-bound-mlp] \
+        [--configs ...] [--json FILE]
 
 Ranks: exactly 4. Ranks 2 and 3 are the two workers of every configuration (the same ranks,
 the same batches), so samples/s compare; ranks 0 and 1 serve or sleep:
@@ -29,7 +30,11 @@ Models (scenarios):
   server receives and averages the workers' whole gradients, runs an optimizer that makes about
   a dozen passes over every parameter and sends the weights back, while a worker's own work is a
   cheap embedding backward and a few copies of the parameters: the server is the bottleneck
-  (the rows' CPU times show it), the case where a second server should pay.
+  (the rows' CPU times show it), the case where a second server should pay. The table is one
+  tensor: two servers each hold half of its rows.
+- `server-bound-mlp`: the MLP of `mlp` with batches of `--server-bound-batch` samples and Adam
+  (amsgrad=True, lr 0.01): the same server-heavy step on a model of several tensors, which two
+  servers divide between them mostly whole.
 
 Every round runs each configuration in turn (the order rotating from round to round), each
 from fresh weights (the same seed): warm-up steps, then `--steps` timed steps on the workers,
@@ -80,7 +85,7 @@ ROW_KEYS = ("scenario", "config", "servers", "workers", "sparse", "batch_per_wor
             "max_rel_diff", "correct")
 CONFIGS = {  # name: (servers, the table by rows); servers 0: all-reduce
     "allreduce": (0, False), "ps-1": (1, False), "ps-2": (2, False), "sparse-ps": (1, True), "sparse-ps-2": (2, True)}
-MODELS = ("mlp", "embedding", "server-bound")
+MODELS = ("mlp", "embedding", "server-bound", "server-bound-mlp")
 LR = 0.01
 
 
@@ -91,23 +96,24 @@ class Scenario:
         self.name, self.args = name, args
         generator = np.random.default_rng(args.seed * 1000 + rank + 1)
         self.rows = parse_count(args.server_bound_rows if name == "server-bound" else args.rows)
-        if name == "mlp":
+        self.batch = args.server_bound_batch if name == "server-bound-mlp" else args.batch
+        if name in ("mlp", "server-bound-mlp"):
             self.sizes = layer_sizes(parse_count(args.params), args.depth)
-            self.pool = [(torch.from_numpy(generator.standard_normal((args.batch, self.sizes[0]), dtype=np.float32)),
-                          torch.from_numpy(generator.integers(0, self.sizes[-1], args.batch)))
+            self.pool = [(torch.from_numpy(generator.standard_normal((self.batch, self.sizes[0]), dtype=np.float32)),
+                          torch.from_numpy(generator.integers(0, self.sizes[-1], self.batch)))
                          for _ in range(args.batches)]
         else:
             from mpidist.clicks import ZipfSampler
             ids = ZipfSampler(self.rows, seed=args.seed)
-            self.pool = [(torch.from_numpy(ids.draw((args.batch, args.bag), generator)),
-                          torch.from_numpy(generator.integers(0, 2, args.batch))) for _ in range(args.batches)]
+            self.pool = [(torch.from_numpy(ids.draw((self.batch, args.bag), generator)),
+                          torch.from_numpy(generator.integers(0, 2, self.batch))) for _ in range(args.batches)]
         self.configs = [name for name, (_, by_rows) in CONFIGS.items()
                         if name in args.configs and (not by_rows or self.name == "embedding")]
         self.updates = args.warmup + args.steps  # per configuration and round
 
     def build(self, sparse: bool) -> torch.nn.Module:
         torch.manual_seed(self.args.seed)
-        if self.name == "mlp":
+        if self.name in ("mlp", "server-bound-mlp"):
             return build_model(self.sizes)
         from mpidist.clicks import ClickModel
         return ClickModel(self.rows, self.args.dim, hidden=64, sparse=sparse)
@@ -115,7 +121,7 @@ class Scenario:
     def optimizer(self, params):
         if self.name == "mlp":
             return torch.optim.SGD(params, lr=LR)
-        if self.name == "server-bound":
+        if self.name in ("server-bound", "server-bound-mlp"):
             return torch.optim.Adam(params, lr=LR, amsgrad=True)
         return torch.optim.Adagrad(params, lr=LR)
 
@@ -215,7 +221,7 @@ def measure(world, scenario: Scenario, comms: dict, args) -> list[dict]:
     rows = []
     for index, config in enumerate(configs):
         slowest = workers[:, :, index, 0].max(axis=0)
-        rates = [len(WORKERS) * args.batch * args.steps / seconds for seconds in slowest]
+        rates = [len(WORKERS) * scenario.batch * args.steps / seconds for seconds in slowest]
         moved = workers[:, :, index, 1].mean(axis=0)
         worker_cpu = workers[:, :, index, 2].mean(axis=0)
         server_cpu = np.nanmean(servers[:, :, index, 3], axis=0) if CONFIGS[config][0] else None
@@ -224,7 +230,7 @@ def measure(world, scenario: Scenario, comms: dict, args) -> list[dict]:
         world.mpi.Allreduce(np.array([mine]), worst, op=MPI.MAX)
         rows.append({
             "scenario": scenario.name, "config": config, "servers": CONFIGS[config][0], "workers": len(WORKERS),
-            "sparse": CONFIGS[config][1], "batch_per_worker": args.batch, "params": params, "steps": args.steps,
+            "sparse": CONFIGS[config][1], "batch_per_worker": scenario.batch, "params": params, "steps": args.steps,
             "rounds": args.rounds, "samples_per_s": round(statistics.median(rates), 2),
             "samples_per_s_rounds": [round(r, 2) for r in rates],
             "bytes_per_step": int(statistics.median(moved)), "bytes_per_step_rounds": [int(b) for b in moved],
@@ -297,6 +303,7 @@ def parse_args(argv):
     parser.add_argument("--depth", type=int, default=4, help="the MLP: linear layers in all")
     parser.add_argument("--rows", default="1M", help="the embedding table's rows (1M, 1K, ...)")
     parser.add_argument("--server-bound-rows", default="256K", help="the server-bound model's table rows")
+    parser.add_argument("--server-bound-batch", type=int, default=8, help="samples per worker per step of server-bound-mlp")
     parser.add_argument("--dim", type=int, default=64, help="the embedding table's columns")
     parser.add_argument("--bag", type=int, default=8, help="ids per sample")
     parser.add_argument("--batch", type=int, default=64, help="samples per worker per step")
@@ -330,7 +337,7 @@ def main(argv=None) -> int:
     for name in args.models:
         scenario = Scenario(name, args, world.rank)
         if world.rank == 0:
-            print(f"# {name}: {RANKS} ranks, workers {WORKERS}, batch {args.batch} per worker, {args.rounds} rounds "
+            print(f"# {name}: {RANKS} ranks, workers {WORKERS}, batch {scenario.batch} per worker, {args.rounds} rounds "
                   f"x {args.steps} steps after {args.warmup} warm-up steps", flush=True)
         rows += measure(world, scenario, comms, args)
     if world.rank == 0:
