@@ -11,8 +11,10 @@ from conftest import REPO, run_python
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 from ps import ROW_KEYS, Scenario, checks, parse_args  # noqa: E402
 
-QUICK = ["--params", "20K", "--rows", "1K", "--server-bound-rows", "1K", "--dim", "8", "--batch", "8", "--steps", "2",
-         "--rounds", "1", "--warmup", "1"]
+# The embedding model (all five configurations) and the MLP with Adam (server-bound-mlp): the
+# other two models differ from these only in their optimizer or sizes.
+QUICK = ["--models", "embedding,server-bound-mlp", "--params", "20K", "--rows", "1K", "--dim", "8", "--batch", "8",
+         "--server-bound-batch", "4", "--steps", "2", "--rounds", "1", "--warmup", "1"]
 
 
 def test_ps_benchmark_rows_bytes_and_correctness(tmp_path):
@@ -23,10 +25,10 @@ def test_ps_benchmark_rows_bytes_and_correctness(tmp_path):
     result = run_python(code, ranks=4, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = json.loads(out.read_text())
-    assert [(row["scenario"], row["config"]) for row in rows] == [
-        ("mlp", "allreduce"), ("mlp", "ps-1"), ("mlp", "ps-2"),
-        ("embedding", "allreduce"), ("embedding", "ps-1"), ("embedding", "ps-2"), ("embedding", "sparse-ps"),
-        ("embedding", "sparse-ps-2"), ("server-bound", "allreduce"), ("server-bound", "ps-1"), ("server-bound", "ps-2")]
+    assert [(row["scenario"], row["config"], row["batch_per_worker"]) for row in rows] == [
+        ("embedding", "allreduce", 8), ("embedding", "ps-1", 8), ("embedding", "ps-2", 8), ("embedding", "sparse-ps", 8),
+        ("embedding", "sparse-ps-2", 8), ("server-bound-mlp", "allreduce", 4), ("server-bound-mlp", "ps-1", 4),
+        ("server-bound-mlp", "ps-2", 4)]
     args = parse_args(QUICK)
     for row in rows:
         assert set(row) == set(ROW_KEYS)
