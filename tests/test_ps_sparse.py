@@ -2,8 +2,9 @@
 with two servers against plain torch training on the workers' batches (SGD with momentum,
 Adagrad, SparseAdam; tables with sparse=True, dense embeddings sent by rows, and the dense path),
 with each worker's byte counters against the payload sizes its batches imply; the asynchronous
-modes against a replay of the servers' recorded updates, each gradient recomputed on the weights
-of the version its worker had; bad input refused on every rank at once.
+modes and sync mode with a backup worker against a replay of the servers' recorded updates, each
+gradient recomputed on the weights of the version its worker had; bad input refused on every rank
+at once.
 
 The multi-rank tests of one world size run in one launch (mpi_shared_launch.py), in file order;
 the tests whose worker stops the parameter server come last."""
@@ -68,9 +69,11 @@ def make_optimizer(kind, model):
     return [torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)]
 
 
-def train(comm, optimizer_kind="sgd", tables="sparse", slow_worker=None, slow_seconds=0.05, **settings):
-    """Every rank's part of one training on servers 0 and 1; returns (history or None, this
-    worker's versions and whether each pull moved it, the final weights, the ParameterServer)."""
+def train(comm, optimizer_kind="sgd", tables="sparse", slow_worker=None, slow_seconds=0.05, slow_at="pulls",
+          **settings):
+    """Every rank's part of one training on servers 0 and 1, `slow_worker` pausing around its
+    pulls or before its push (slow_at="push"); returns (history or None, this worker's versions
+    and whether each pull moved it, the final weights, the ParameterServer)."""
     model = make_model(seed=comm.rank, sparse=tables == "sparse")  # different on every rank: the chief's must win
     optimizer = make_optimizer(optimizer_kind, model) if comm.rank < SERVERS else None
     ps = md.ParameterServer(model, optimizer, comm=comm, servers=SERVERS,
@@ -80,16 +83,21 @@ def train(comm, optimizer_kind="sgd", tables="sparse", slow_worker=None, slow_se
     else:
         history, versions = None, []
         for step in range(steps_of(comm.rank)):
-            if comm.rank == slow_worker:
-                time.sleep(slow_seconds)  # the others run ahead: its pulls find newer weights
+            # The others run ahead of a slowed worker, before its first pull and between its two:
+            # its pulls find newer weights, the second one after rows already pulled.
+            pause = slow_seconds / 2 if comm.rank == slow_worker and slow_at == "pulls" else 0
+            time.sleep(pause)
             words, bag, _ = batch(comm.rank, step)
             before = ps.version
             if tables != "dense_path":
                 ps.pull_rows(model.words, words)
+                time.sleep(pause)
                 ps.pull_rows(model.bag, bag)
             versions.append((ps.version, ps.version != before))
             model.zero_grad()
             loss_of(model, comm.rank, step).backward()
+            if comm.rank == slow_worker and slow_at == "push":
+                time.sleep(slow_seconds)  # computes on its weights while the others move on
             ps.step()
         ps.close()
     final = flat(model)
@@ -209,6 +217,32 @@ def test_asynchronous_modes_replay(mpi_world, configuration):
         f"the slowed worker's pulls never found newer weights: {gathered}"
     weights = replay(history, workers[0], configuration.get("optimizer_kind", "sgd"),
                      configuration.get("staleness_lr", False))
+    torch.testing.assert_close(final, weights[-1], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.mpi(ranks=[6])
+def test_backup_workers_drop_late_sparse_gradients(mpi_world):
+    """Sync mode with one backup worker among four: each update takes the first three gradients
+    of its step; the gradients the slowed worker computes while the others move on are dropped and
+    counted on every server, and the applied ones replay to the final weights. (A worker slow
+    before its pulls is not late: the pulls bring it the current weights.)"""
+    comm = mpi_world
+    workers = list(range(SERVERS, comm.size))
+    slow = workers[-1]
+    history, _, final, ps = train(comm, "adagrad", mode="sync", backup_workers=1, slow_worker=slow, slow_seconds=0.5,
+                                  slow_at="push")
+    dropped = comm.mpi.gather(ps.dropped if ps.is_server else None, root=0)
+    histories = comm.mpi.gather(history, root=0)
+    if comm.rank != 0:
+        return
+    assert histories[:SERVERS] == [history] * SERVERS and dropped[:SERVERS] == [ps.dropped] * SERVERS
+    assert all(1 <= len(u.gradients) <= len(workers) - 1 and u.staleness == 0 for u in history), history
+    assert any(worker == slow for worker, _, _ in ps.dropped), f"the slowed worker is never late: {history}"
+    for worker in workers:  # every step either applied or dropped, once
+        applied = [step for u in history for w, step, _ in u.gradients if w == worker]
+        late = [step for w, step, _ in ps.dropped if w == worker]
+        assert sorted(applied + late) == list(range(steps_of(worker))), (worker, applied, late)
+    weights = replay(history, workers[0], "adagrad", staleness_lr=False)
     torch.testing.assert_close(final, weights[-1], rtol=1e-12, atol=1e-14)
 
 

@@ -51,9 +51,9 @@ server, the coordinator tells every other worker in its next reply, and every ra
 same error.
 
 Messages are typed buffers (runtime/wire.py: an int64 header, then the flat gradient, weights,
-row indices or rows), never pickled. Every wait ends after MPIDIST_TIMEOUT seconds with a DeadlineError naming the
-silent side: a server that hears from no worker for that long, or a worker that waits that long
-for its weights.
+row indices or rows), never pickled. Every wait ends after MPIDIST_TIMEOUT seconds with a
+DeadlineError naming the silent side: a server that hears from no worker for that long, or a
+worker that waits that long for its weights.
 """
 from __future__ import annotations
 
@@ -79,11 +79,11 @@ APPLY, ANSWER, DROP, FINISH, ANSWER_PULL, FAIL = 0, 1, 2, 3, 4, 5
 SENT_WEIGHTS, SENT_ROWS, SENT_FAILURE = 0, 1, 2
 PUSH, REPLY, COMMAND, SHARE, SPARSE = 1, 3, 5, 7, 9
 UNSPLITTABLE = -1  # the layout of a rank whose model has fewer rows than there are servers
-# The settings every rank must agree on, in the order of the agreement table's columns, then what
-# only the servers report.
+# The settings every rank must agree on, in the order of the agreement table's columns; two more
+# columns follow that only the servers fill: whether each has an optimizer, and the first table
+# its optimizer cannot apply a sparse gradient to (-1: none).
 AGREED = ("parameters", "dtype", "server", "servers", "layout", "mode", "backup_workers", "gradients per update",
           "max_staleness", "staleness_lr", "starting version", "sparse tables")
-SERVERS_REPORT = ("server has an optimizer", "sparse table its optimizer cannot apply")
 # The errors a worker's bad input raises on every rank, by their code in its failure message.
 FAILURES = (InvalidArgumentError, MismatchError)
 
@@ -551,7 +551,7 @@ class ParameterServer:
         """(the table's index, the sorted unique ids) of a pull, or the failure of bad input."""
         index = next((i for i, table in enumerate(self.tables) if table.module is module), None)
         if index is None:
-            names = [table.module.__class__.__name__ + " " + table.name.removesuffix(".weight") for table in self.tables]
+            names = [f"{type(table.module).__name__} {table.name.removesuffix('.weight')}" for table in self.tables]
             self._fail(InvalidArgumentError(
                 f"pull_rows() on a {type(module).__name__} that is no table of this parameter server's model; its "
                 f"tables (embeddings with sparse=True, or every embedding with sparse_embeddings=True): "
