@@ -13,6 +13,7 @@ from .runtime import mpi as _mpi
 _mpi.apply_start_settings()
 
 from . import comm as _comm  # noqa: E402
+from . import distributed as _distributed  # noqa: E402
 from .comm import Communicator, init, is_initialized, world  # noqa: E402,F401
 from .errors import (  # noqa: E402,F401
     DeadlineError,
@@ -35,6 +36,9 @@ def _load_collectives():
 
 
 _comm.provide_collectives(_load_collectives)
+
+# dist.init_process_group("mpidist"): the backend's name reaches torch.distributed once that loads.
+_distributed.register_when_torch_loads()
 
 
 def rank() -> int:
@@ -101,6 +105,9 @@ def __getattr__(name):
     if name in ("ParameterServer", "Update"):
         from .parallel import ps
         return getattr(ps, name)
+    if name == "CentralStorage":
+        from .parallel.central_storage import CentralStorage
+        return CentralStorage
     if name == "ZeroRedundancyOptimizer":
         from .parallel.zero import ZeroRedundancyOptimizer
         return ZeroRedundancyOptimizer

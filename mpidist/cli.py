@@ -88,8 +88,9 @@ def positive_float(text: str) -> float:
 def add_train_command(subparsers) -> None:
     parser = subparsers.add_parser("train", help="training on the embedded digits data or on synthetic clicks "
                                                  "(data parallel, parameter server or pipeline)")
-    parser.add_argument("--mode", choices=["data", "ps", "pipeline"], default="data",
-                        help="data parallel, a parameter server on rank 0, or a pipeline of one stage per rank")
+    parser.add_argument("--mode", choices=["data", "ddp", "ps", "pipeline"], default="data",
+                        help="data parallel, torch's DDP over the mpidist backend, a parameter server on rank 0, "
+                             "or a pipeline of one stage per rank")
     parser.add_argument("--model", choices=["mlp", "embedding"], default="mlp",
                         help="mlp: an MLP on the digits; embedding: a bag-of-embeddings click model on synthetic "
                              "Zipf-distributed ids, its table going by rows under --mode ps (default mlp)")

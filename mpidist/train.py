@@ -17,13 +17,16 @@ writes ps-final.h5 and the final test accuracy. --servers k: ranks 0 .. k-1 serv
 partitioned over them; only the final weights are written (ps-final.h5, without the optimizer's
 state, which is spread over the servers).
 
+torch DDP (--mode ddp): --mode data with torch's DistributedDataParallel over the "mpidist"
+torch.distributed backend in place of mpidist's DataParallel.
+
 Pipeline (--mode pipeline): the network's layers cut into one stage per rank, every batch run
 through the stages in micro-batches (--replicas k: k such pipelines averaging their gradients);
 each rank checkpoints its stage every epoch in pipeline-rank<r>/ (--resume continues from the
 newest epoch every rank has) and writes it to pipeline-final-rank<r>.h5 at the end.
 
---model embedding trains with Adagrad (the MLP with SGD and momentum) in --mode data and ps;
-under --mode data its table's gradient is dense (all-reduced whole), under --mode ps the table
+--model embedding trains with Adagrad (the MLP with SGD and momentum) in --mode data, ddp and
+ps; under --mode data and ddp its table's gradient is dense (all-reduced whole), under --mode ps the table
 has sparse gradients and each worker pulls the rows of its batch before the forward pass.
 """
 from __future__ import annotations
@@ -132,7 +135,7 @@ def check_mode_options(args) -> None:
         raise InvalidArgumentError("--resume goes with one server: with --servers > 1 no server holds the whole "
                                    "model until the end, so none is checkpointed on the way")
     if args.model == "embedding" and args.mode == "pipeline":
-        raise InvalidArgumentError("--model embedding goes with --mode data or --mode ps")
+        raise InvalidArgumentError("--model embedding goes with --mode data, ddp or ps")
     if args.embedding_rows is not None and args.model != "embedding":
         raise InvalidArgumentError("--embedding-rows goes with --model embedding")
     if args.mode != "data" and args.compression != "none":
@@ -155,7 +158,10 @@ def cmd_train(args) -> int:
     sampler, loader = shard_loader(train_set, comm.rank, comm.size, args)
     model = build_network(args)
     compression = None if args.compression == "none" else args.compression
-    ddp = md.DataParallel(model, comm=comm, compression=compression, algorithm=args.algorithm)
+    if args.mode == "ddp":
+        ddp = wrap_with_torch_ddp(model)
+    else:
+        ddp = md.DataParallel(model, comm=comm, compression=compression, algorithm=args.algorithm)
     if args.zero:  # each rank keeps the optimizer state of its share of the parameters
         kind, options = optimizer_kind(args)
         optimizer = md.ZeroRedundancyOptimizer(ddp.parameters(), kind, comm=comm, **options)
@@ -205,6 +211,15 @@ def cmd_train(args) -> int:
     accuracy = evaluate(model, test_set)
     say(f"final test accuracy: {accuracy:.4f} ({len(test_set)} test {items}, {comm.size} ranks)", flush=True)
     return 0
+
+
+def wrap_with_torch_ddp(model):
+    """--mode ddp: torch's DistributedDataParallel over the "mpidist" torch.distributed backend
+    (mpidist/distributed/); the rest of the job is --mode data's."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("mpidist")
+    return torch.nn.parallel.DistributedDataParallel(model)
 
 
 class BackgroundCheckpoints:

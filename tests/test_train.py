@@ -178,6 +178,18 @@ def test_bad_options_are_refused_on_every_rank(tmp_path):
     assert result.stderr.count("is not a directory") == 2, result.stderr
 
 
+def test_ddp_mode_trains_as_data_mode_does(tmp_path):
+    """--mode ddp (torch's DDP over the mpidist backend) averages the same gradients as --mode
+    data: the same epoch losses and accuracies, to float rounding."""
+    def numbers(output):
+        return [float(n) for n in re.findall(r"(?:loss|train accuracy|final test accuracy:) ([0-9.]+)", output)]
+
+    data = train(tmp_path / "data", "--epochs", "1")
+    ddp = train(tmp_path / "ddp", "--mode", "ddp", "--epochs", "1")
+    assert len(numbers(data)) == 3, data
+    assert numbers(ddp) == pytest.approx(numbers(data), abs=2e-4), (data, ddp)
+
+
 def test_embedding_model_trains_alike_with_data_parallel_and_a_sparse_parameter_server(tmp_path):
     """--model embedding: a bag-of-embeddings click model. Data parallel all-reduces the table's
     dense gradient; the synchronous parameter server moves only the rows each batch touches and

@@ -54,6 +54,10 @@ class AsyncEngine(Channel):
     order on a private duplicate of the communicator, so they progress while the caller computes
     (as Horovod's background thread does). Every rank must submit them in the same order."""
 
+    # A collective called on the engine itself (from work running on its thread) runs at once
+    # (in_order): the engine has no engine of its own.
+    _engine = None
+
     def __init__(self, comm):
         self.comm = comm
         # Nonblocking, with the call check's deadline: a rank whose first asynchronous call never

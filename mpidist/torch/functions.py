@@ -43,17 +43,18 @@ def broadcast_optimizer_state(optimizer, root_rank=0):
     if not optimizer.state_dict()["state"]:
         _make_state(optimizer)
     state = optimizer.state_dict()
-    groups = broadcast_object([{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]],
-                              root_rank)
-    layout = broadcast_object({str(index): {name: [list(value.shape), str(value.dtype).removeprefix("torch.")]
-                                            for name, value in entries.items() if isinstance(value, torch.Tensor)}
-                               for index, entries in state["state"].items()}, root_rank)
+    # The hyperparameters, each state tensor's shape and dtype, and the state's other values
+    # (step counts, say): one broadcast_object.
+    groups, layout, scalars = broadcast_object((
+        [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]],
+        {str(index): {name: [list(value.shape), str(value.dtype).removeprefix("torch.")]
+                      for name, value in entries.items() if isinstance(value, torch.Tensor)}
+         for index, entries in state["state"].items()},
+        {str(index): {name: value for name, value in entries.items() if not isinstance(value, torch.Tensor)}
+         for index, entries in state["state"].items()}), root_rank)
     # Every rank reads all of the root's dtype names, so that one the package does not know fails
     # alike everywhere, before any tensor is sent.
     dtypes = {name: wire.torch_dtype(wire.name_of(name)) for tensors in layout.values() for _, name in tensors.values()}
-    scalars = broadcast_object({str(index): {name: value for name, value in entries.items()
-                                             if not isinstance(value, torch.Tensor)}
-                                for index, entries in state["state"].items()}, root_rank)
     new_state = {}
     for index, tensors in layout.items():
         entries = dict(scalars.get(index, {}))

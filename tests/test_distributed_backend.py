@@ -1,0 +1,339 @@
+"""The torch.distributed backend "mpidist" (mpidist/distributed/): every c10d operation against a
+float64 reference computed from every rank's input in one process, async Work, sub-groups and
+their call check, and torch's own DDP, FSDP2, DeviceMesh/DTensor, pipelining and distributed
+checkpoint on it, each against the same training in one process."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import run_python
+
+import mpidist as md
+
+# The multi-rank tests of one world size run in one launch (mpi_shared_launch.py), in file order;
+# the default process group made by the first one stays for the others.
+pytestmark = pytest.mark.mpi_shared_launch
+
+
+def world():
+    """(rank, size) of the default process group over the backend, made once per process."""
+    if not dist.is_initialized():
+        dist.init_process_group("mpidist")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def values(rank, shape, seed=0):
+    """Rank `rank`'s input: any rank can rebuild every other rank's, for the references."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(100 * seed + rank), dtype=torch.float64)
+
+
+def test_importing_mpidist_registers_the_backend():
+    assert "mpidist" in dist.Backend.backend_list
+    assert dist.Backend("mpidist") == "mpidist"
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+@pytest.mark.parametrize("op", ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "PREMUL_SUM"])
+def test_all_reduce(mpi_world, op):
+    rank, size = world()
+    everyone = torch.stack([values(k, (5,)) for k in range(size)])
+    expected = {"SUM": everyone.sum(0), "AVG": everyone.mean(0), "PRODUCT": everyone.prod(0),
+                "MIN": everyone.min(0).values, "MAX": everyone.max(0).values,
+                "PREMUL_SUM": everyone.sum(0) * 0.5}[op]
+    reduce_op = dist._make_nccl_premul_sum(0.5) if op == "PREMUL_SUM" else getattr(dist.ReduceOp, op)
+    tensor = values(rank, (5,))
+    dist.all_reduce(tensor, op=reduce_op)
+    torch.testing.assert_close(tensor, expected)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+@pytest.mark.parametrize("op", ["BAND", "BOR", "BXOR"])
+def test_all_reduce_bitwise(mpi_world, op):
+    rank, size = world()
+    everyone = [torch.tensor([3, 5, 6, 12], dtype=torch.int64) << k for k in range(size)]
+    fold = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}[op]
+    expected = everyone[0]
+    for other in everyone[1:]:
+        expected = fold(expected, other)
+    tensor = everyone[rank].clone()
+    dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op))
+    assert torch.equal(tensor, expected)
+
+
+@pytest.mark.mpi(ranks=[2])
+def test_all_reduce_bitwise_refuses_floats(mpi_world):
+    world()
+    with pytest.raises(md.InvalidArgumentError, match="BAND reduces integer"):
+        dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_all_reduce_half_precision(mpi_world):
+    rank, size = world()
+    for dtype in (torch.float16, torch.bfloat16):
+        tensor = values(rank, (7,)).to(dtype)
+        expected = sum(values(k, (7,)).to(dtype).double() for k in range(size))
+        dist.all_reduce(tensor)
+        torch.testing.assert_close(tensor.double(), expected, atol=0.05, rtol=0.01)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_all_reduce_coalesced(mpi_world):
+    rank, size = world()
+    tensors = [values(rank, (2, 3)), values(rank, (4,), seed=1)]
+    expected = [sum(values(k, (2, 3)) for k in range(size)), sum(values(k, (4,), seed=1) for k in range(size))]
+    dist.all_reduce_coalesced(tensors)
+    for tensor, reference in zip(tensors, expected):
+        torch.testing.assert_close(tensor, reference)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_broadcast_and_reduce(mpi_world):
+    rank, size = world()
+    root = size - 1
+    tensor = values(rank, (3, 2))
+    dist.broadcast(tensor, src=root)
+    torch.testing.assert_close(tensor, values(root, (3, 2)))
+    tensor = values(rank, (4,))
+    dist.reduce(tensor, dst=root, op=dist.ReduceOp.MAX)
+    expected = torch.stack([values(k, (4,)) for k in range(size)]).max(0).values if rank == root else values(rank, (4,))
+    torch.testing.assert_close(tensor, expected)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_all_gather_forms(mpi_world):
+    rank, size = world()
+    outputs = [torch.empty(2, 3, dtype=torch.float64) for _ in range(size)]
+    dist.all_gather(outputs, values(rank, (2, 3)))
+    for k, output in enumerate(outputs):
+        torch.testing.assert_close(output, values(k, (2, 3)))
+    gathered = torch.empty(size * 2, 3, dtype=torch.float64)
+    dist.all_gather_into_tensor(gathered, values(rank, (2, 3)))
+    torch.testing.assert_close(gathered, torch.cat([values(k, (2, 3)) for k in range(size)]))
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_reduce_scatter_forms(mpi_world):
+    rank, size = world()
+    total = sum(values(k, (size, 4)) for k in range(size))
+    output = torch.empty(4, dtype=torch.float64)
+    dist.reduce_scatter(output, list(values(rank, (size, 4)).unbind(0)))
+    torch.testing.assert_close(output, total[rank])
+    output = torch.empty(2, 2, dtype=torch.float64)
+    dist.reduce_scatter_tensor(output, values(rank, (size, 4)).reshape(size * 2, 2), op=dist.ReduceOp.AVG)
+    torch.testing.assert_close(output, (total[rank] / size).reshape(2, 2))
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_all_to_all_forms(mpi_world):
+    rank, size = world()
+    # Rank r sends k + r + 1 rows to rank k.
+    splits = [[k + r + 1 for k in range(size)] for r in range(size)]
+    inputs = [values(r, (sum(splits[r]), 2)) for r in range(size)]
+    expected = torch.cat([inputs[r].split(splits[r])[rank] for r in range(size)])
+    output = torch.empty(expected.shape, dtype=torch.float64)
+    dist.all_to_all_single(output, inputs[rank], output_split_sizes=[splits[r][rank] for r in range(size)],
+                           input_split_sizes=splits[rank])
+    torch.testing.assert_close(output, expected)
+    outputs = [torch.empty(splits[r][rank], 2, dtype=torch.float64) for r in range(size)]
+    dist.all_to_all(outputs, list(inputs[rank].split(splits[rank])))
+    torch.testing.assert_close(torch.cat(outputs), expected)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_gather_and_scatter(mpi_world):
+    rank, size = world()
+    root = size - 1
+    gathered = [torch.empty(3, dtype=torch.float64) for _ in range(size)] if rank == root else None
+    dist.gather(values(rank, (3,)), gathered, dst=root)
+    if rank == root:
+        for k, tensor in enumerate(gathered):
+            torch.testing.assert_close(tensor, values(k, (3,)))
+    output = torch.empty(2, 2, dtype=torch.float64)
+    dist.scatter(output, [values(k, (2, 2), seed=3) for k in range(size)] if rank == 0 else None, src=0)
+    torch.testing.assert_close(output, values(rank, (2, 2), seed=3))
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_send_recv_and_any_source(mpi_world):
+    rank, size = world()
+    if rank == 0:
+        received = {}
+        for _ in range(size - 1):
+            tensor = torch.empty(4, dtype=torch.float64)
+            source = dist.recv(tensor)
+            received[source] = tensor
+        assert sorted(received) == list(range(1, size))
+        for source, tensor in received.items():
+            torch.testing.assert_close(tensor, values(source, (4,)))
+        dist.send(values(0, (2,)), dst=size - 1, tag=7)
+    else:
+        dist.send(values(rank, (4,)), dst=0)
+        if rank == size - 1:
+            tensor = torch.empty(2, dtype=torch.float64)
+            request = dist.irecv(tensor, src=0, tag=7)
+            request.wait()
+            torch.testing.assert_close(tensor, values(0, (2,)))
+    dist.barrier()
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_async_work_completes_in_the_background(mpi_world):
+    rank, size = world()
+    tensors = [values(rank, (50,), seed=s) for s in range(3)]
+    works = [dist.all_reduce(tensor, async_op=True) for tensor in tensors]
+    futures = [work.get_future() for work in works]
+    for seed, (work, future) in enumerate(zip(works, futures)):
+        assert work.wait()
+        assert work.is_completed()
+        expected = sum(values(k, (50,), seed=seed) for k in range(size))
+        torch.testing.assert_close(future.wait()[0], expected)
+    work = dist.broadcast(values(rank, (3,)), src=0, async_op=True)
+    work.wait()
+    assert work.is_completed()
+
+
+@pytest.mark.mpi(ranks=[3])
+def test_new_group_is_a_sub_communicator(mpi_world):
+    rank, size = world()
+    members = [0, size - 1]
+    group = dist.new_group(members, backend="mpidist")
+    if rank in members:
+        tensor = values(rank, (4,))
+        dist.all_reduce(tensor, group=group)
+        torch.testing.assert_close(tensor, sum(values(k, (4,)) for k in members))
+        assert dist.get_group_rank(group, rank) == members.index(rank)
+        with pytest.raises(md.MismatchError, match="count"):  # the group keeps the call check
+            dist.all_reduce(torch.ones(2 + rank), group=group)
+    dist.barrier()
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_ddp_trains_as_one_process(mpi_world):
+    from torch.nn.parallel import DistributedDataParallel
+    rank, size = world()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).double()
+    reference = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.0001)  # several buckets
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        batches = [values(k, (4, 6), seed=step) for k in range(size)]
+        optimizer.zero_grad()
+        ddp(batches[rank]).pow(2).sum().backward()
+        optimizer.step()
+        # DDP averages the ranks' gradients: the mean of the per-rank losses in one process.
+        reference_optimizer.zero_grad()
+        (sum(reference(batch).pow(2).sum() for batch in batches) / size).backward()
+        reference_optimizer.step()
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine, theirs)
+
+
+@pytest.mark.mpi(ranks=[2])
+def test_fsdp2_trains_as_one_process(mpi_world):
+    from torch.distributed.fsdp import fully_shard
+    rank, size = world()
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)).double()
+    reference = copy.deepcopy(model)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    reference_optimizer = torch.optim.Adam(reference.parameters(), lr=0.05)
+    for step in range(3):
+        batches = [values(k, (4, 6), seed=step) for k in range(size)]
+        optimizer.zero_grad()
+        model(batches[rank]).pow(2).sum().backward()
+        optimizer.step()
+        reference_optimizer.zero_grad()
+        (sum(reference(batch).pow(2).sum() for batch in batches) / size).backward()
+        reference_optimizer.step()
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine.full_tensor(), theirs)
+
+
+@pytest.mark.mpi(ranks=[2])
+def test_mismatched_calls_raise_on_every_rank(mpi_world):
+    rank, _ = world()
+    with pytest.raises(md.MismatchError, match="count"):
+        dist.all_reduce(torch.ones(3 + rank))
+
+
+def test_plain_python_is_a_world_of_one_and_a_rank_against_mpi_is_refused():
+    result = run_python("import os, mpidist, torch, torch.distributed as dist\n"
+                        "try:\n"
+                        "    dist.init_process_group('mpidist')\n"
+                        "except mpidist.InvalidArgumentError as error:\n"
+                        "    print('refused:', error)\n"
+                        "del os.environ['RANK'], os.environ['WORLD_SIZE']\n"
+                        "dist.init_process_group('mpidist')\n"
+                        "tensor = torch.arange(3.0)\n"
+                        "dist.all_reduce(tensor, op=dist.ReduceOp.AVG)\n"
+                        "print(dist.get_rank(), dist.get_world_size(), tensor.tolist())\n",
+                        env={"RANK": "1", "WORLD_SIZE": "2"})
+    assert result.returncode == 0, result.stderr
+    refused, world = result.stdout.splitlines()
+    assert "takes rank and size from MPI" in refused and "RANK=1 but MPI says 0" in refused
+    assert world == "0 1 [0.0, 1.0, 2.0]"
+
+
+@pytest.mark.mpi(ranks=[2])
+@pytest.mark.parametrize("schedule", ["ScheduleGPipe", "Schedule1F1B"])
+def test_pipelining_trains_as_one_process(mpi_world, schedule):
+    from torch.distributed import pipelining
+    rank, size = world()
+    torch.manual_seed(2)
+    layers = [torch.nn.Linear(4, 4).double() for _ in range(size)]
+    reference = torch.nn.Sequential(*copy.deepcopy(layers))
+    stage = pipelining.PipelineStage(layers[rank], rank, size, torch.device("cpu"))
+
+    def loss_fn(output, target):
+        return (output - target).pow(2).sum()
+
+    runner = getattr(pipelining, schedule)(stage, n_microbatches=4, loss_fn=loss_fn)
+    batch, target = values(0, (8, 4), seed=5), values(1, (8, 4), seed=5)
+    if rank == 0:
+        runner.step(batch)
+    elif rank == size - 1:
+        runner.step(target=target)
+    else:
+        runner.step()
+    # The schedules average the microbatches' gradients (scale_grads): the loss over 4 in one process.
+    (loss_fn(reference(batch), target) / 4).backward()
+    for mine, theirs in zip(layers[rank].parameters(), reference[rank].parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad)
+
+
+@pytest.mark.mpi(ranks=[2])
+def test_distributed_checkpoint_saves_and_loads(mpi_world, tmp_path_factory):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    rank, size = world()
+    mesh = init_device_mesh("cpu", (size,))
+    full = values(0, (4 * size, 3), seed=6)
+    directory = [str(tmp_path_factory.mktemp("dcp"))] if rank == 0 else [None]
+    dist.broadcast_object_list(directory, src=0)
+    dcp.save({"weight": distribute_tensor(full, mesh, [Shard(0)])}, checkpoint_id=directory[0])
+    loaded = {"weight": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)])}
+    dcp.load(loaded, checkpoint_id=directory[0])
+    torch.testing.assert_close(loaded["weight"].full_tensor(), full)
+
+
+@pytest.mark.mpi(ranks=[4])
+def test_device_mesh_2x2_dtensor_matmul(mpi_world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    world()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    a, b = values(0, (4, 6), seed=7), values(1, (6, 8), seed=7)
+    product = distribute_tensor(a, mesh, [Shard(0), Replicate()]) @ distribute_tensor(b, mesh, [Replicate(), Shard(1)])
+    torch.testing.assert_close(product.full_tensor(), a @ b)
+    row = values(0, (2,), seed=8)
+    dist.all_reduce(row, group=mesh["tp"].get_group())  # a sub-mesh's group: the 2 ranks of a row
+    torch.testing.assert_close(row, 2 * values(0, (2,), seed=8))

@@ -1,0 +1,25 @@
+"""benchmarks/distributed_backend.py, shortened, under a real `mpirun -np 2`: every candidate
+reports, and the trainings and all-reduces it times are checked (no timing assertions)."""
+import json
+import os
+
+from conftest import REPO, run_python
+
+SCRIPT = os.path.join(REPO, "benchmarks", "distributed_backend.py")
+
+
+def test_distributed_backend_benchmark_rows(tmp_path):
+    out = tmp_path / "rows.json"
+    code = (f"import sys, runpy; sys.argv = [{SCRIPT!r}, '--params', '20K', '--batch', '8', '--steps', '2', "
+            f"'--rounds', '2', '--warmup', '1', '--counts', '1,300', '--calls', '5', '--json', {str(out)!r}]; "
+            f"runpy.run_path({SCRIPT!r}, run_name='__main__')")
+    result = run_python(code, ranks=2, env={"MPIDIST_CHECK": "0"}, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = json.loads(out.read_text())
+    training = [row for row in rows if row["question"] == "training"]
+    assert [row["candidate"] for row in training] == ["ddp mpidist", "ddp gloo", "mpidist DataParallel"]
+    assert all(row["correct"] and row["samples_per_s"] > 0 and row["ranks"] == 2 for row in training)
+    allreduces = [row for row in rows if row["question"] == "allreduce"]
+    assert len(allreduces) == 2 * 2 * 3  # two phases, two sizes, three candidates
+    assert all(row["correct"] and row["time_us"] > 0 for row in allreduces)
+    assert {row["phase"] for row in allreduces} == {"before any async_op", "after DDP (async_op)"}
