@@ -26,8 +26,12 @@ def cmd_info(args) -> int:
 
 
 def cmd_train(args) -> int:
+    # SLURM's signal before the time limit (stopping.py) is caught from here, not after the
+    # seconds of torch's import: a signal that came meanwhile would end the process.
+    from .stopping import GracefulStop
+    stop = GracefulStop() if args.mode == "data" else None
     from .train import cmd_train as train
-    return train(args)
+    return train(args, stop)
 
 
 def bench_options(args, collective):

@@ -21,7 +21,8 @@ import numpy as np
 
 from . import buffers
 from .errors import InvalidArgumentError, NotInitializedError
-from .runtime import config
+from .runtime import config, stall
+from .runtime.abort import install_abort_on_exception
 from .runtime.mpi import load_mpi, mpi_library_cuda_aware
 
 
@@ -338,11 +339,17 @@ _init_lock = threading.Lock()
 
 
 def init(mpi_comm=None) -> Communicator:
-    """Initialize MPI (if needed) and mpidist's world communicator. Idempotent."""
+    """Initialize MPI (if needed) and mpidist's world communicator. Idempotent.
+
+    From here on an uncaught exception on any rank aborts the whole job (runtime/abort.py;
+    MPIDIST_ABORT_ON_EXCEPTION=0 keeps Python's own behaviour), and a wait in a collective that
+    runs past MPIDIST_STALL_WARNING reports the ranks that have not arrived (runtime/stall.py)."""
     global _world
     with _init_lock:
         if _world is None:
             _world = Communicator(mpi_comm)
+            stall.open_board(_world.mpi)
+            install_abort_on_exception(load_mpi().COMM_WORLD)
     return _world
 
 

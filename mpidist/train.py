@@ -53,6 +53,11 @@ from .checkpoint import (
 )
 from .data import HDF5Dataset, ShardedSampler, ensure_digits
 from .errors import InvalidArgumentError
+from .stopping import GracefulStop
+
+# The first words of the line `mpidist train` prints when a stop signal ended it early (slurm/train.sbatch
+# looks for them to requeue the job).
+STOPPED_EARLY = "mpidist train: stopped early"
 
 
 def build_model(hidden: int = 128) -> torch.nn.Module:
@@ -142,9 +147,13 @@ def check_mode_options(args) -> None:
         raise InvalidArgumentError(f"--compression applies to --mode data; --mode {args.mode} sends full precision")
 
 
-def cmd_train(args) -> int:
+def cmd_train(args, stop: GracefulStop | None = None) -> int:
+    """`stop`: the data-parallel mode's stop on a signal (stopping.py), made by the command before
+    it imported torch; made here when not given."""
     check_mode_options(args)
     comm = md.init()
+    if stop is None and args.mode == "data":
+        stop = GracefulStop()
     if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
         raise InvalidArgumentError(f"--checkpoint-dir {args.checkpoint_dir} exists and is not a directory")
     torch.set_num_threads(1)
@@ -155,6 +164,21 @@ def cmd_train(args) -> int:
         return train_with_parameter_server(args, comm, train_set, test_set, items, say)
     if args.mode == "pipeline":
         return train_with_pipeline(args, comm, train_set, test_set, say)
+    return train_data_parallel(args, comm, train_set, test_set, items, say, stop)
+
+
+def save_data_parallel(args, comm, model, optimizer, sampler, step: int, epoch: int) -> str:
+    """Checkpoint of the data-parallel run after `step` steps, in epoch `epoch` (complete when
+    the sampler has handed out all its indices)."""
+    if args.zero:  # rank 0 writes the whole state, as a plain optimizer's: either kind resumes from it
+        optimizer.consolidate_state_dict(to=0)
+    return save_checkpoint(checkpoint_path(args.checkpoint_dir, epoch, step), model, optimizer,
+                           step=step, epoch=epoch, sampler=sampler, comm=comm)
+
+
+def train_data_parallel(args, comm, train_set, test_set, items, say, stop) -> int:
+    """--mode data: a checkpoint after each epoch; on a stop signal (stopping.py) a checkpoint at
+    the step every rank stops at, and exit status 0."""
     sampler, loader = shard_loader(train_set, comm.rank, comm.size, args)
     model = build_network(args)
     compression = None if args.compression == "none" else args.compression
@@ -188,6 +212,16 @@ def cmd_train(args) -> int:
         for x, y in loader:
             output, batch_loss = train_batch(ddp, optimizer, optimizer.step, x, y)
             step += 1
+            if stop.should_stop(comm):
+                progress.close()
+                # The sampler has handed out exactly the indices of the steps taken (a DataLoader
+                # without workers), so --resume continues with the next batch of this epoch.
+                path = save_data_parallel(args, comm, model, optimizer, sampler, step, epoch)
+                say(f"{STOPPED_EARLY}: a stop signal ({stop.signalled or 'on another rank'}) came; every rank "
+                    f"stopped after step {step} (epoch {epoch + 1}/{args.epochs}); checkpoint {path}; --resume "
+                    "continues from it", flush=True)
+                stop.close()
+                return 0
             seen += len(y)
             loss_sum += batch_loss * len(y)
             correct += (output.argmax(dim=1) == y).sum().item()
@@ -204,10 +238,8 @@ def cmd_train(args) -> int:
         say(f"epoch {epoch + 1}/{args.epochs}: loss {totals[0] / max(totals[2], 1):.4f}, train accuracy "
             f"{totals[1] / max(totals[2], 1):.4f} ({int(totals[2])} samples on {comm.size} ranks, "
             f"{totals[2] / elapsed:.0f} samples/s)", flush=True)
-        if args.zero:  # rank 0 writes the whole state, as a plain optimizer's: either kind resumes from it
-            optimizer.consolidate_state_dict(to=0)
-        save_checkpoint(checkpoint_path(args.checkpoint_dir, epoch + 1, step), model, optimizer,
-                        step=step, epoch=epoch + 1, sampler=sampler, comm=comm)
+        save_data_parallel(args, comm, model, optimizer, sampler, step, epoch + 1)
+    stop.close()
     accuracy = evaluate(model, test_set)
     say(f"final test accuracy: {accuracy:.4f} ({len(test_set)} test {items}, {comm.size} ranks)", flush=True)
     return 0

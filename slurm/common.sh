@@ -69,17 +69,36 @@ if [[ -z ${MPIDIST_MPIRUN:-} ]]; then
 fi
 
 mpidist_run() {
+    local launcher
     case $MPIDIST_LAUNCHER in
         srun)
-            # shellcheck disable=SC2086  # *_ARGS are word lists on purpose
-            srun --mpi="$MPIDIST_SRUN_MPI" ${MPIDIST_SRUN_ARGS:-} "$@" ;;
+            # shellcheck disable=SC2206  # *_ARGS are word lists on purpose
+            launcher=(srun --mpi="$MPIDIST_SRUN_MPI" ${MPIDIST_SRUN_ARGS:-}) ;;
         mpirun)
-            # shellcheck disable=SC2086
-            "$MPIDIST_MPIRUN" -n "${SLURM_NTASKS:-1}" ${MPIDIST_MPIRUN_ARGS:-} "$@" ;;
+            # shellcheck disable=SC2206
+            launcher=("$MPIDIST_MPIRUN" -n "${SLURM_NTASKS:-1}" ${MPIDIST_MPIRUN_ARGS:-}) ;;
         *)
             echo "mpidist: MPIDIST_LAUNCHER must be srun or mpirun, not '$MPIDIST_LAUNCHER'" >&2
             return 2 ;;
     esac
+    # `#SBATCH --signal=B:USR1@<seconds>` signals this shell alone: pass SIGUSR1 on to the
+    # launcher, which passes it on to every task (srun and mpirun both do), where `mpidist train`
+    # stops at the next step boundary with a checkpoint. The launcher runs in the background so
+    # that the shell can take the signal at once (bash runs a trap only between commands).
+    # mpidist_signalled=1 afterwards says that it did (a task that had not yet started to catch
+    # the signal, early in its start-up, was ended by it).
+    mpidist_signalled=0
+    "${launcher[@]}" "$@" &
+    local pid=$! status=0
+    # shellcheck disable=SC2064  # the pid is fixed now
+    trap "echo 'mpidist: SIGUSR1: passed on to the tasks' >&2; mpidist_signalled=1; kill -USR1 $pid 2>/dev/null" USR1
+    while :; do
+        wait "$pid" && status=0 || status=$?
+        # wait also returns when a trapped signal came; the launcher (or its zombie) is still there.
+        kill -0 "$pid" 2>/dev/null || break
+    done
+    trap - USR1
+    return "$status"
 }
 
 echo "== ${SLURM_JOB_NAME:-job} ${SLURM_JOB_ID:-(no job id)} on ${SLURM_JOB_NODELIST:-$(hostname)}:" \

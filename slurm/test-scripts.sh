@@ -6,10 +6,18 @@
 #
 # Each script says at its top how it is tested, in comment lines:
 #   # mpidist-test: VAR=value ... --sbatch-option ...    one submission per line; words with
-#                                                       a leading "-" go to sbatch, the others
-#                                                       into the job's environment. No line: one
-#                                                       submission with the script's defaults.
+#                                                       a leading "-" go to sbatch, those with a
+#                                                       leading "+" to this script (below), the
+#                                                       others into the job's environment. No
+#                                                       line: one submission with the script's
+#                                                       defaults.
 #   # mpidist-test-expects: $RESULTS_DIR/file           a file each submission must produce
+#   +signal=SIG@SECONDS        send SIG to the job's batch shell SECONDS after the job starts
+#                              running, once (scancel --batch: what `#SBATCH --signal=B:SIG`
+#                              does before the time limit). The job may requeue itself; SLURM
+#                              holds a requeued job for 2 minutes, which this script cuts to 10 s
+#                              (scontrol update StartTime=now)
+#   +expects=$RESULTS_DIR/file a file this submission must also produce
 # A submission passes when its job ends COMPLETED with exit code 0:0 and every expected file
 # exists and is not empty; the log of any other job is printed. The cluster is brought up
 # first (slurm/local-cluster.sh) and down at exit; the exit status is non-zero on any failure.
@@ -49,8 +57,10 @@ eval "$(slurm/local-cluster.sh env)"
 RUN_DIR=$ROOT/runs/test-slurm-$(date +%Y%m%d-%H%M%S)
 mkdir -p "$RUN_DIR" runs   # runs/: the scripts' --output directory
 
-# One entry per submission: job id, label, results directory, script.
-jobs=() labels=() results=() job_scripts=()
+# One entry per submission: job id, label, results directory, script, its own expected files.
+jobs=() labels=() results=() job_scripts=() own_expects=()
+declare -A signal_name signal_after running_since signalled pending_since
+REQUEUE_RELEASE_S=10
 for script in "${scripts[@]}"; do
     name=$(basename "$script" .sbatch)
     mapfile -t variants < <(sed -n 's/^# *mpidist-test: *//p' "$script")
@@ -58,9 +68,13 @@ for script in "${scripts[@]}"; do
     n=0
     for variant in "${variants[@]}"; do
         n=$((n + 1))
-        env_words=() sbatch_words=()
+        env_words=() sbatch_words=() test_words=()
         for word in $variant; do
-            if [[ $word == -* ]]; then sbatch_words+=("$word"); else env_words+=("$word"); fi
+            case $word in
+                -*) sbatch_words+=("$word") ;;
+                +*) test_words+=("${word#+}") ;;
+                *) env_words+=("$word") ;;
+            esac
         done
         result_dir=$RUN_DIR/$name-$n
         # The settings go through sbatch's own environment (--export=ALL), not --export=VAR=...,
@@ -69,6 +83,15 @@ for script in "${scripts[@]}"; do
               sbatch --parsable --export=ALL "${sbatch_words[@]}" "$script")
         job=${job%%;*}
         jobs+=("$job") labels+=("$name #$n${variant:+ ($variant)}") results+=("$result_dir") job_scripts+=("$script")
+        expects=""
+        for word in "${test_words[@]}"; do
+            case $word in
+                signal=*@*) word=${word#signal=}; signal_name[$job]=${word%@*} signal_after[$job]=${word#*@} ;;
+                expects=*) expects+="${word#expects=}"$'\n' ;;
+                *) echo "test-scripts: $script: unknown test word +$word" >&2; exit 2 ;;
+            esac
+        done
+        own_expects+=("$expects")
         echo "test-scripts: submitted $script as job $job${variant:+ with: $variant}"
     done
 done
@@ -84,6 +107,24 @@ while :; do
         [[ ${state[$job]:-} =~ $terminal ]] && continue
         state[$job]=$(job_field "$(scontrol -o show job "$job" 2>/dev/null)" JobState)
         [[ ${state[$job]} =~ $terminal ]] || pending=$((pending + 1))
+        if [[ -n ${signal_name[$job]:-} && ${state[$job]} == RUNNING ]]; then
+            running_since[$job]=${running_since[$job]:-$SECONDS}
+            if ((SECONDS - running_since[$job] >= signal_after[$job])); then
+                echo "test-scripts: job $job: sending SIG${signal_name[$job]} to its batch shell"
+                scancel --batch --signal="${signal_name[$job]}" "$job" || true
+                unset "signal_name[$job]"
+                signalled[$job]=1
+            fi
+        fi
+        # Released once it has been pending a while: a requeued job started at once finds its
+        # first run still being cleaned up on the node, and fails ("Job credential revoked").
+        if [[ -n ${signalled[$job]:-} && ${state[$job]} == PENDING ]]; then
+            pending_since[$job]=${pending_since[$job]:-$SECONDS}
+            if ((SECONDS - pending_since[$job] >= REQUEUE_RELEASE_S)); then
+                scontrol update JobId="$job" StartTime=now || true
+                unset "signalled[$job]"
+            fi
+        fi
     done
     ((pending)) || break
     if ((SECONDS >= deadline)); then
@@ -111,7 +152,7 @@ for i in "${!jobs[@]}"; do
         file=${expected//\$\{RESULTS_DIR\}/${results[$i]}}
         file=${file//\$RESULTS_DIR/${results[$i]}}
         [[ -s $file ]] || problems+=("no $file")
-    done < <(sed -n 's/^# *mpidist-test-expects: *//p' "${job_scripts[$i]}")
+    done < <(sed -n 's/^# *mpidist-test-expects: *//p' "${job_scripts[$i]}"; printf '%s' "${own_expects[$i]}")
     if ((${#problems[@]})); then
         failures=$((failures + 1))
         summary+=("FAIL  job $job  ${labels[$i]}: $(IFS=';'; echo "${problems[*]}")")

@@ -52,6 +52,49 @@ def test_zero_trains_as_plain_sgd_does_and_resumes(tmp_path):
     assert lines(resumed) == lines(plain)[1:] and len(lines(plain)) == 3, (plain, resumed)
 
 
+# As TRAIN, but rank 1 sends itself SIGUSR1 (SLURM's warning before the time limit) in its 3rd step.
+TRAIN_SIGNALLED = """
+import os, signal
+import mpidist, mpidist.train
+steps = 0
+train_batch = mpidist.train.train_batch
+def signalling_train_batch(*args):
+    global steps
+    steps += 1
+    if steps == 3 and mpidist.rank() == 1:
+        os.kill(os.getpid(), signal.SIGUSR1)
+    return train_batch(*args)
+mpidist.train.train_batch = signalling_train_batch
+from mpidist.cli import main; raise SystemExit(main({args!r}))
+"""
+
+
+def test_a_stop_signal_checkpoints_where_every_rank_stops_and_resume_finishes_the_run(tmp_path):
+    import torch
+
+    from mpidist.checkpoint import load_checkpoint
+    from mpidist.train import build_model
+    whole = train(tmp_path, "--epochs", "1", "--checkpoint-dir", str(tmp_path / "whole"))
+    args = ["train", "--no-progress", "--checkpoint-dir", str(tmp_path / "ck"), "--data", str(tmp_path / "d.h5"),
+            "--epochs", "1"]
+    stopped = run_python(TRAIN_SIGNALLED.format(args=args), ranks=2, timeout=300)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    # Rank 1's signal came in step 3; the ranks learn of it at the next step boundary, together.
+    assert "mpidist train: stopped early: a stop signal (on another rank) came; every rank stopped after step 4 " \
+           "(epoch 1/1)" in stopped.stdout, stopped.stdout
+    assert os.listdir(tmp_path / "ck") == ["ckpt-0000-00000004.h5"]
+    resumed = train(tmp_path, "--epochs", "1", "--resume")
+    assert "resumed from" in resumed and "(epoch 0, step 4)" in resumed, resumed
+    final = re.compile(r"final test accuracy: \S+")
+    assert final.findall(resumed) == final.findall(whole) != []
+    # The interrupted run ends with the uninterrupted one's weights, bit for bit.
+    models = [build_model(), build_model()]
+    for model, directory in zip(models, ("whole", "ck")):
+        load_checkpoint(tmp_path / directory / "ckpt-0001-00000024.h5", model, restore_rng=False)
+    for one, other in zip(*(model.state_dict().values() for model in models)):
+        assert torch.equal(one, other)
+
+
 def test_parameter_server_mode_trains_to_90_percent_and_resumes(tmp_path):
     output = train(tmp_path, "--mode", "ps", "--max-staleness", "2", "--staleness-lr", "--epochs", "10", ranks=3)
     assert re.search(r"parameter server \(async, 2 workers\): \d+ updates of \d+ gradients", output), output

@@ -3,6 +3,8 @@
 - mpi.py: loading mpi4py's MPI module, and the settings that must precede MPI's start.
 - config.py: every MPIDIST_* environment variable, read in one place, each with its default and meaning.
 - deadlines.py: the one helper every wait for another rank goes through, and its error.
+- stall.py: the stall report of a collective wait, from the records every rank publishes.
+- abort.py: an uncaught exception on one rank aborts the whole job.
 - wire.py: the dtype table of the whole package, and typed header+payload messages between ranks.
 
 Importing any of these leaves MPI alone (mpi4py.MPI is not imported), so `import mpidist` can

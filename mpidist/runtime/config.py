@@ -72,6 +72,15 @@ VARIABLES = (
              "parameter-server peer that never answers, a gradient bucket, an `hvd.join` announcement, a "
              "checkpoint saved by one rank alone; then the wait becomes a `DeadlineError` naming the silent peer "
              "([Errors](errors.md))"),
+    _package("MPIDIST_ABORT_ON_EXCEPTION", "flag", True, "`1`", "by `md.init()`",
+             "an uncaught exception on one rank prints its traceback, then aborts the whole job (`MPI_Abort`, as "
+             "`python -m mpi4py` does) instead of leaving the other ranks waiting `MPIDIST_TIMEOUT`; `0` keeps "
+             "Python's own behaviour, for programs that handle their ranks' failures themselves "
+             "([Faults](faults.md)). Nothing changes in a world of one rank"),
+    _package("MPIDIST_STALL_WARNING", "number", 60.0, "`60` (seconds)", "at every collective wait",
+             "a rank that has waited this long in a collective prints a stall report: which ranks have not "
+             "arrived and what each last called ([Faults](faults.md#stall-report)); the wait goes on until "
+             "`MPIDIST_TIMEOUT`"),
     _package("MPIDIST_SEGMENT_BYTES", "count", 256 * 1024, "`262144` (256 KiB)", "at import of the collectives",
              "segment size of the pipelined ring and tree all-reduce: the reduction of one segment overlaps the "
              "arrival of the next", minimum=1),
@@ -136,6 +145,9 @@ VARIABLES = (
              "epochs", "slurm"),
     _outside("MPIDIST_TRAIN_ARGS", "empty", "slurm/train.sbatch, slurm/ps.sbatch",
              "more `mpidist train` arguments (`--resume`, `--compression bf16`, `--replicas=2`, ...)", "slurm"),
+    _outside("MPIDIST_TRAIN_REQUEUE", "`1`", "slurm/train.sbatch",
+             "`1`: after `mpidist train` stopped on SLURM's signal before the time limit, requeue the job, which "
+             "continues with `--resume` ([Faults](faults.md#walltime-on-slurm)); `0`: end it there", "slurm"),
     _outside("MPIDIST_PS_MODE", "`async`", "slurm/ps.sbatch",
              "the server's update rule, `sync`, `async` or `softsync`", "slurm"),
     _outside("MPIDIST_PS_SERVERS", "`1`", "slurm/ps.sbatch",

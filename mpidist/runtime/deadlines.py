@@ -2,7 +2,8 @@
 (DeadlineError) that names the rank or ranks that went silent.
 
 A rank that stops, raises, or calls something else leaves its peers waiting; with a deadline
-they raise instead of hanging, and the message says who they were waiting for.
+they raise instead of hanging, and the message says who they were waiting for. Before that, a
+wait in a collective that runs past MPIDIST_STALL_WARNING prints the stall report (stall.py).
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 import time
 
 from ..errors import DeadlineError
-from . import config
+from . import config, stall
 
 # The default cadence of a wait: yield the core for the first 10 ms (an oversubscribed peer gets
 # it without a timer's delay), then nap 0.5 ms between tests (a long wait does not burn the core
@@ -24,18 +25,26 @@ def timeout() -> float:
     return config.value("MPIDIST_TIMEOUT")
 
 
-def poll_until(test, on_timeout, yield_seconds: float = YIELD_SECONDS, nap_seconds: float = NAP_SECONDS) -> None:
+def poll_until(test, on_timeout, yield_seconds: float = YIELD_SECONDS, nap_seconds: float = NAP_SECONDS,
+               on_stall=None) -> None:
     """Call test() until it returns True: yielding the core between calls for the first
     `yield_seconds`, then sleeping `nap_seconds` between calls; after MPIDIST_TIMEOUT seconds
-    on_timeout() is called, which raises. Callers with their own measured cadence pass it."""
+    on_timeout() is called, which raises. Callers with their own measured cadence pass it.
+    on_stall(waited, timeout), when given, is called once after MPIDIST_STALL_WARNING seconds."""
     start = time.monotonic()
+    stall_warning = config.value("MPIDIST_STALL_WARNING") if on_stall is not None else None
     while not test():
         waited = time.monotonic() - start
         if waited < yield_seconds:
             os.sched_yield()
             continue
-        if waited > timeout():
+        limit = timeout()
+        if waited > limit:
             on_timeout()
+        if stall_warning is not None and waited > stall_warning:
+            stall_warning = None
+            if waited < limit:
+                on_stall(waited, limit)
         time.sleep(nap_seconds)
 
 
@@ -48,13 +57,13 @@ def deadline_error(who: str, what: str, silent: str, peers=(), advice: str = "")
 
 
 def wait_until(test, who: str, what: str, silent: str, peers=(), advice: str = "",
-               yield_seconds: float = YIELD_SECONDS, nap_seconds: float = NAP_SECONDS) -> None:
+               yield_seconds: float = YIELD_SECONDS, nap_seconds: float = NAP_SECONDS, on_stall=None) -> None:
     """Poll test() until it returns True; after MPIDIST_TIMEOUT raise DeadlineError naming the
-    silent peer (see deadline_error)."""
+    silent peer (see deadline_error); on_stall as in poll_until."""
     def timed_out():
         raise deadline_error(who, what, silent, peers, advice)
 
-    poll_until(test, timed_out, yield_seconds, nap_seconds)
+    poll_until(test, timed_out, yield_seconds, nap_seconds, on_stall)
 
 
 def wait_for_request(request, who: str, what: str, silent: str, peers=(), advice: str = "") -> None:
@@ -70,9 +79,14 @@ def other_ranks(mpi) -> tuple:
 
 def wait_for_collective(request, mpi, what: str) -> None:
     """Wait for a nonblocking collective `request` on the mpi4py communicator `mpi`. Which rank
-    is missing cannot be known from here, so the error names every other rank."""
+    is missing cannot be known from here, so the error names every other rank; a wait past
+    MPIDIST_STALL_WARNING prints the stall report, which reads it from the other ranks' records."""
     others = other_ranks(mpi)
-    wait_until(request.Test, f"rank {mpi.Get_rank()}", f"the {what}",
+    waiting_in = f"the {what}"
+    stall.publish(waiting_in)
+    wait_until(request.Test, f"rank {mpi.Get_rank()}", waiting_in,
                f"ranks {list(others)} (at least one of them did not enter it)", peers=others,
                advice="Some rank did not enter the same collective (it may have raised an error, or called a "
-                      "different collective). This communicator can no longer be used safely.")
+                      "different collective). This communicator can no longer be used safely.",
+               on_stall=lambda waited, limit: stall.report(mpi, waiting_in, waited, limit))
+    stall.returned()

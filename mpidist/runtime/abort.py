@@ -1,0 +1,47 @@
+"""An uncaught exception on one rank ends the whole job: the rank prints its traceback, then
+calls MPI_Abort, which stops every rank (what `python -m mpi4py script.py` does).
+
+Without it, the failed rank's interpreter waits in MPI_Finalize and the others wait in their next
+collective until MPIDIST_TIMEOUT. md.init() installs the hook (install_abort_on_exception) in a
+world of more than one rank unless MPIDIST_ABORT_ON_EXCEPTION=0; a program that handles its
+ranks' failures itself keeps Python's own behaviour with that setting.
+"""
+from __future__ import annotations
+
+import sys
+
+from . import config
+
+# The exit status of a job aborted by an uncaught exception; a KeyboardInterrupt gives
+# 128 + SIGINT, as a shell reports a process ended by Ctrl-C (mpi4py's choice too).
+EXCEPTION_STATUS = 1
+INTERRUPT_STATUS = 128 + 2
+
+
+def install_abort_on_exception(world_mpi) -> None:
+    """Make an uncaught exception abort the job on the mpi4py communicator `world_mpi` (called by
+    md.init(); once per process). Nothing changes in a world of one rank, or with
+    MPIDIST_ABORT_ON_EXCEPTION=0."""
+    if world_mpi.Get_size() == 1 or not config.value("MPIDIST_ABORT_ON_EXCEPTION"):
+        return
+    if getattr(sys.excepthook, "aborts_job", False):
+        return
+    previous_hook = sys.excepthook
+
+    def abort_on_exception(kind, exception, trace):
+        # The traceback first, printed by whichever hook the program had, and flushed: MPI_Abort
+        # ends the process without Python's own flushing at exit.
+        previous_hook(kind, exception, trace)
+        status = INTERRUPT_STATUS if issubclass(kind, KeyboardInterrupt) else EXCEPTION_STATUS
+        print(f"mpidist: rank {world_mpi.Get_rank()} of {world_mpi.Get_size()} ended with an uncaught "
+              f"{kind.__name__}: aborting the whole job (MPIDIST_ABORT_ON_EXCEPTION=0 leaves the other ranks "
+              "running)", file=sys.stderr)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (AttributeError, OSError, ValueError):  # closed or replaced streams
+                pass
+        world_mpi.Abort(status)
+
+    abort_on_exception.aborts_job = True
+    sys.excepthook = abort_on_exception

@@ -1,0 +1,144 @@
+"""The stall report: a rank that has waited in a collective longer than MPIDIST_STALL_WARNING
+prints which ranks have not arrived and what each of them last called.
+
+Which rank is missing cannot be seen from inside a collective, and a missing rank may be busy
+computing, away from MPI. So every rank publishes what it is waiting in, and when, on a board:
+an MPI window made once by md.init() over the world (open_board), one record per rank in the
+rank's own memory. Publishing is a local write of a few bytes (publish, returned); only a wait
+that runs past the warning reads the other ranks' records (report), with one-sided gets that
+need nothing from the rank read. Without a board (a Communicator made without md.init()) the
+report names every other rank of the communicator, as the deadline error does.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+from .mpi import load_mpi
+
+TEXT_BYTES = 104
+RECORD_BYTES = 24 + TEXT_BYTES  # time (float64), state (int64), text length (int64), text
+NO_CALL, WAITING, RETURNED = 0, 1, 2
+# How long a report may wait for the records of the other ranks: on one node a read is a copy
+# from shared memory; across nodes, with no hardware one-sided support, a read needs the other
+# rank's MPI library to make progress, which a rank busy away from MPI does not.
+READ_SECONDS = 2.0
+
+_board = None
+
+
+class Board:
+    """The window of records over communicator `mpi` (made collectively), readable by any rank
+    at any time: every rank's window is locked shared for the whole run."""
+
+    def __init__(self, mpi):
+        MPI = load_mpi()
+        self.mpi = mpi
+        self.window = MPI.Win.Allocate(RECORD_BYTES, disp_unit=1, comm=mpi)
+        self.window.Lock_all(MPI.MODE_NOCHECK)
+        memory = np.frombuffer(self.window.tomemory(), dtype=np.uint8)
+        self.time = memory[0:8].view(np.float64)
+        self.state = memory[8:16].view(np.int64)
+        self.length = memory[16:24].view(np.int64)
+        self.text = memory[24:RECORD_BYTES]
+        self.state[0] = NO_CALL
+
+    def publish(self, what: str) -> None:
+        data = what.encode()[:TEXT_BYTES]
+        self.text[:len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self.length[0] = len(data)
+        self.time[0] = time.time()
+        self.state[0] = WAITING
+
+    def returned(self) -> None:
+        self.time[0] = time.time()
+        self.state[0] = RETURNED
+
+    def read(self, board_ranks) -> dict:
+        """{board rank: (state, time, text)} of the ranks whose records arrived within
+        READ_SECONDS."""
+        MPI = load_mpi()
+        records = {rank: np.zeros(RECORD_BYTES, dtype=np.uint8) for rank in board_ranks}
+        requests = {rank: self.window.Rget([records[rank], MPI.BYTE], rank) for rank in board_ranks}
+        deadline = time.monotonic() + READ_SECONDS
+        pending = dict(requests)
+        while pending and time.monotonic() < deadline:
+            pending = {rank: request for rank, request in pending.items() if not request.Test()}
+            time.sleep(0.001)
+        read = {}
+        for rank, record in records.items():
+            if rank in pending:
+                continue
+            length = int(record[16:24].view(np.int64)[0])
+            text = record[24:24 + max(0, min(length, TEXT_BYTES))].tobytes().decode(errors="replace")
+            read[rank] = (int(record[8:16].view(np.int64)[0]), float(record[0:8].view(np.float64)[0]), text)
+        return read
+
+
+def open_board(mpi) -> None:
+    """Make the board over the world communicator `mpi` (collective; md.init() calls it once).
+    An MPI library that cannot make the window (no one-sided support) leaves the stall report
+    without names, as it is without md.init()."""
+    global _board
+    if _board is None and mpi.Get_size() > 1:
+        try:
+            _board = Board(mpi)
+        except load_mpi().Exception:
+            _board = None
+
+
+def publish(what: str) -> None:
+    """Say on this rank's record that it now waits in `what`."""
+    if _board is not None:
+        _board.publish(what)
+
+
+def returned() -> None:
+    """Say on this rank's record that its wait is over."""
+    if _board is not None:
+        _board.returned()
+
+
+def report(mpi, what: str, waited: float, timeout: float) -> None:
+    """Print the stall report of this rank, which has waited `waited` seconds in `what` on the
+    mpi4py communicator `mpi`. With a board, only the lowest-ranked rank that sees itself among
+    those arrived prints it, not every waiting rank; without one, each rank prints its own."""
+    me = mpi.Get_rank()
+    others = [rank for rank in range(mpi.Get_size()) if rank != me]
+    if _board is None:
+        print(f"mpidist: rank {me} has waited {waited:.0f} s in {what} (MPIDIST_STALL_WARNING); some of ranks "
+              f"{others} have not arrived; still waiting until MPIDIST_TIMEOUT ({timeout:.0f} s)",
+              file=sys.stderr, flush=True)
+        return
+    MPI = load_mpi()
+    group, board_group = mpi.Get_group(), _board.mpi.Get_group()
+    on_board = MPI.Group.Translate_ranks(group, others, board_group)
+    group.Free()
+    board_group.Free()
+    records = _board.read([rank for rank in on_board if rank != MPI.UNDEFINED])
+    now = time.time()
+    missing, lines = [], []
+    for rank, board_rank in zip(others, on_board):
+        state, since, text = records.get(board_rank, (None, 0.0, ""))
+        if state == WAITING and text == what:
+            if rank < me:
+                return  # a lower rank waits here too: it prints the report
+            continue
+        missing.append(rank)
+        name = f"rank {rank}" + (f" (world rank {board_rank})" if board_rank != rank else "")
+        if state is None:
+            lines.append(f"{name}: its record could not be read within {READ_SECONDS:.0f} s (it is busy away "
+                         "from MPI, or gone)")
+        elif state == NO_CALL:
+            lines.append(f"{name}: has not waited in any mpidist collective since md.init()")
+        elif state == WAITING:
+            lines.append(f"{name}: waits in {text} (for {now - since:.0f} s)")
+        else:
+            lines.append(f"{name}: last called {text}, which returned {now - since:.0f} s ago; no collective since")
+    if not missing:
+        return  # every rank has arrived: the collective is completing
+    print(f"mpidist: stall: rank {me} has waited {waited:.0f} s in {what} (MPIDIST_STALL_WARNING); ranks {missing} "
+          f"have not arrived:\n" + "\n".join(f"  {line}" for line in lines) +
+          f"\n  (still waiting until MPIDIST_TIMEOUT, {timeout:.0f} s)", file=sys.stderr, flush=True)

@@ -1,0 +1,90 @@
+"""What a job does when one of its ranks fails (docs/faults.md): an uncaught exception on any rank
+aborts the whole job at once, with that rank's traceback (runtime/abort.py), unless
+MPIDIST_ABORT_ON_EXCEPTION=0; and a wait in a collective past MPIDIST_STALL_WARNING prints the
+stall report naming the ranks that have not arrived (runtime/stall.py).
+
+Each check launches mpirun itself: the job must end (or stall) as a whole, which a test running
+inside the ranks cannot watch."""
+import re
+import textwrap
+import time
+
+import pytest
+from conftest import run_python
+
+# The last rank fails at step 3 of a loop of barriers (saying when, so that the test measures
+# from there, not from the ranks' start-up); the others wait in the next barrier.
+FAILING_RANK = textwrap.dedent("""
+    import time
+    import mpidist as md
+    md.init()
+    for step in range(100):
+        if step == 3 and md.rank() == md.size() - 1:
+            print(f"raising at {{time.time()}}", flush=True)
+            raise {exception}("bad value at step 3")
+        md.barrier()
+""")
+
+
+def seconds_after_raising(output: str) -> float:
+    return time.time() - float(re.search(r"raising at ([0-9.]+)", output).group(1))
+
+
+def launch(code: str, ranks: int, env: dict, timeout: int = 120):
+    result = run_python(code, ranks=ranks, env=env, timeout=timeout)
+    return result, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("ranks, exception", [(2, "ValueError"), (3, "KeyboardInterrupt"), (5, "ValueError")])
+def test_an_uncaught_exception_on_one_rank_ends_the_job_with_its_traceback(ranks, exception):
+    # A deadline far beyond the 15 s allowed: only the abort can end the job in time.
+    result, output = launch(FAILING_RANK.format(exception=exception), ranks, {"MPIDIST_TIMEOUT": "120"})
+    seconds = seconds_after_raising(output)
+    assert seconds < 15, f"the job took {seconds:.1f} s to end after the exception:\n{output}"
+    assert result.returncode != 0
+    traceback = output.index("Traceback (most recent call last)")
+    assert f"{exception}: bad value at step 3" in output, output
+    announcement = output.index(f"mpidist: rank {ranks - 1} of {ranks} ended with an uncaught {exception}")
+    # The rank's own lines come in its order; mpirun's notice of the abort may overtake them.
+    assert traceback < announcement and "MPI_ABORT was invoked" in output, output
+    assert "DeadlineError" not in output  # no other rank waited out its deadline
+
+
+def test_without_abort_the_other_ranks_wait_out_their_deadline():
+    result, output = launch(FAILING_RANK.format(exception="ValueError"), 2,
+                               {"MPIDIST_ABORT_ON_EXCEPTION": "0", "MPIDIST_TIMEOUT": "3"}, timeout=60)
+    assert result.returncode != 0
+    assert "ValueError: bad value at step 3" in output, output
+    assert "rank 0: the barrier call check did not complete within 3 s" in output, output
+    assert "aborting the whole job" not in output and "MPI_ABORT" not in output
+
+
+def test_a_world_of_one_ends_as_python_does():
+    code = FAILING_RANK.format(exception="ValueError").replace("md.size() - 1", "0")
+    aborting = run_python(code)
+    plain = run_python(code, env={"MPIDIST_ABORT_ON_EXCEPTION": "0"})
+    assert aborting.returncode == plain.returncode == 1
+    assert aborting.stderr == plain.stderr and "ValueError: bad value at step 3" in plain.stderr
+
+
+def test_the_stall_report_names_the_rank_that_has_not_arrived():
+    # Rank 2 arrives at the second all-reduce 3 s late; the report comes after 1 s, once (from
+    # rank 0, the lowest of the ranks waiting), and the all-reduce then completes.
+    code = textwrap.dedent("""
+        import time
+        import numpy as np
+        import mpidist as md
+        md.init()
+        values = np.ones(4)
+        md.allreduce(values)
+        if md.rank() == 2:
+            time.sleep(3)
+        md.allreduce(values)
+        assert (values == md.size() ** 2).all(), values
+    """)
+    result, output = launch(code, 3, {"MPIDIST_STALL_WARNING": "1", "MPIDIST_TIMEOUT": "60"})
+    assert result.returncode == 0, output
+    assert output.count("mpidist: stall:") == 1, output
+    assert "rank 0 has waited 1 s in the allreduce call check (MPIDIST_STALL_WARNING); ranks [2] have not arrived" \
+        in output, output
+    assert "rank 2: last called the allreduce call check, which returned" in output, output
