@@ -152,7 +152,7 @@ def cmd_train(args, stop: GracefulStop | None = None) -> int:
     it imported torch; made here when not given."""
     check_mode_options(args)
     comm = md.init()
-    if stop is None and args.mode == "data":
+    if stop is None and args.mode in ("data", "ddp"):  # both run train_data_parallel
         stop = GracefulStop()
     if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
         raise InvalidArgumentError(f"--checkpoint-dir {args.checkpoint_dir} exists and is not a directory")
