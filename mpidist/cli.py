@@ -29,7 +29,7 @@ def cmd_train(args) -> int:
     # SLURM's signal before the time limit (stopping.py) is caught from here, not after the
     # seconds of torch's import: a signal that came meanwhile would end the process.
     from .stopping import GracefulStop
-    stop = GracefulStop() if args.mode == "data" else None
+    stop = GracefulStop() if args.mode in ("data", "ddp") else None
     from .train import cmd_train as train
     return train(args, stop)
 
@@ -90,11 +90,16 @@ def positive_float(text: str) -> float:
 
 
 def add_train_command(subparsers) -> None:
-    parser = subparsers.add_parser("train", help="training on the embedded digits data (data parallel, "
-                                                 "parameter server or pipeline)")
+    parser = subparsers.add_parser("train", help="training on the embedded digits data or on synthetic clicks "
+                                                 "(data parallel, parameter server or pipeline)")
     parser.add_argument("--mode", choices=["data", "ddp", "ps", "pipeline"], default="data",
                         help="data parallel, torch's DDP over the mpidist backend, a parameter server on rank 0, "
                              "or a pipeline of one stage per rank")
+    parser.add_argument("--model", choices=["mlp", "embedding"], default="mlp",
+                        help="mlp: an MLP on the digits; embedding: a bag-of-embeddings click model on synthetic "
+                             "Zipf-distributed ids, its table going by rows under --mode ps (default mlp)")
+    parser.add_argument("--embedding-rows", type=positive_int, default=None,
+                        help="--model embedding: rows of the embedding table (default 100000)")
     parser.add_argument("--ps-mode", choices=["sync", "async", "softsync"], default=None,
                         help="--mode ps: the server's update rule (default async)")
     parser.add_argument("--softsync", type=positive_int, default=None, help="--ps-mode softsync: n")

@@ -1,7 +1,9 @@
-"""`mpidist train`: training of a small network on the embedded digits data.
+"""`mpidist train`: training of a small network on the embedded digits data, or (--model
+embedding) of a bag-of-embeddings click model on synthetic Zipf-distributed ids (clicks.py).
 
     mpirun -np 2 mpidist train --epochs 12            # data parallel
     mpirun -np 3 mpidist train --mode ps --ps-mode async --max-staleness 2
+    mpirun -np 3 mpidist train --model embedding --mode ps --ps-mode sync
 
 Data parallel (--mode data): rank 0 shows a progress bar (its own loss and accuracy, the job's
 samples/s) and, after each epoch, the loss and accuracy over all ranks; a checkpoint is written
@@ -22,6 +24,10 @@ Pipeline (--mode pipeline): the network's layers cut into one stage per rank, ev
 through the stages in micro-batches (--replicas k: k such pipelines averaging their gradients);
 each rank checkpoints its stage every epoch in pipeline-rank<r>/ (--resume continues from the
 newest epoch every rank has) and writes it to pipeline-final-rank<r>.h5 at the end.
+
+--model embedding trains with Adagrad (the MLP with SGD and momentum) in --mode data, ddp and
+ps; under --mode data and ddp its table's gradient is dense (all-reduced whole), under --mode ps the table
+has sparse gradients and each worker pulls the rows of its batch before the forward pass.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ from tqdm import tqdm
 
 import mpidist as md
 
+from . import clicks
 from .checkpoint import (
     CHECKPOINT_NAME,
     CheckpointError,
@@ -56,6 +63,34 @@ STOPPED_EARLY = "mpidist train: stopped early"
 def build_model(hidden: int = 128) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
                                torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
+
+
+def build_network(args, sparse: bool = False) -> torch.nn.Module:
+    """The network --model names; `sparse`: the embedding table's gradients are sparse rows."""
+    if args.model == "embedding":
+        return clicks.ClickModel(args.embedding_rows or EMBEDDING_ROWS, sparse=sparse)
+    return build_model()
+
+
+def optimizer_kind(args) -> tuple:
+    """(optimizer class, its keyword arguments) for --model: Adagrad, whose sparse form updates
+    only the rows a gradient touches, for the embedding table; SGD with momentum for the MLP."""
+    if args.model == "embedding":
+        return torch.optim.Adagrad, {"lr": args.lr}
+    return torch.optim.SGD, {"lr": args.lr, "momentum": 0.9}
+
+
+def make_optimizer(args, params):
+    kind, options = optimizer_kind(args)
+    return kind(params, **options)
+
+
+def load_datasets(args, comm) -> tuple:
+    """(training set, test set, what a test item is called) for --model."""
+    if args.model == "embedding":
+        return (*clicks.click_datasets(args.embedding_rows or EMBEDDING_ROWS, seed=args.seed), "click bags")
+    path = ensure_digits(args.data, comm=comm)
+    return HDF5Dataset(path, "train"), HDF5Dataset(path, "test"), "images"
 
 
 def shard_loader(train_set, shard: int, shards: int, args):
@@ -87,6 +122,7 @@ def evaluate(model, dataset) -> float:
     return correct / len(y)
 
 
+EMBEDDING_ROWS = 100_000  # --model embedding's table, unless --embedding-rows says otherwise
 # The options of one mode only (argparse attribute names); given in another mode they are refused.
 MODE_OPTIONS = {"ps": ("ps_mode", "softsync", "max_staleness", "staleness_lr", "servers"),
                 "pipeline": ("chunks", "schedule", "replicas"),
@@ -103,6 +139,10 @@ def check_mode_options(args) -> None:
     if args.mode == "ps" and (args.servers or 1) > 1 and args.resume:
         raise InvalidArgumentError("--resume goes with one server: with --servers > 1 no server holds the whole "
                                    "model until the end, so none is checkpointed on the way")
+    if args.model == "embedding" and args.mode == "pipeline":
+        raise InvalidArgumentError("--model embedding goes with --mode data, ddp or ps")
+    if args.embedding_rows is not None and args.model != "embedding":
+        raise InvalidArgumentError("--embedding-rows goes with --model embedding")
     if args.mode != "data" and args.compression != "none":
         raise InvalidArgumentError(f"--compression applies to --mode data; --mode {args.mode} sends full precision")
 
@@ -112,46 +152,45 @@ def cmd_train(args, stop: GracefulStop | None = None) -> int:
     it imported torch; made here when not given."""
     check_mode_options(args)
     comm = md.init()
-    if stop is None and args.mode == "data":
+    if stop is None and args.mode in ("data", "ddp"):  # both run train_data_parallel
         stop = GracefulStop()
     if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
         raise InvalidArgumentError(f"--checkpoint-dir {args.checkpoint_dir} exists and is not a directory")
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
-    path = ensure_digits(args.data, comm=comm)
-    train_set = HDF5Dataset(path, "train")
-    test_set = HDF5Dataset(path, "test")
+    train_set, test_set, items = load_datasets(args, comm)
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     if args.mode == "ps":
-        return train_with_parameter_server(args, comm, train_set, test_set, say)
+        return train_with_parameter_server(args, comm, train_set, test_set, items, say)
     if args.mode == "pipeline":
         return train_with_pipeline(args, comm, train_set, test_set, say)
-    return train_data_parallel(args, comm, train_set, test_set, say, stop)
+    return train_data_parallel(args, comm, train_set, test_set, items, say, stop)
 
 
 def save_data_parallel(args, comm, model, optimizer, sampler, step: int, epoch: int) -> str:
     """Checkpoint of the data-parallel run after `step` steps, in epoch `epoch` (complete when
     the sampler has handed out all its indices)."""
-    if args.zero:  # rank 0 writes the whole state, as a plain SGD's: either kind resumes from it
+    if args.zero:  # rank 0 writes the whole state, as a plain optimizer's: either kind resumes from it
         optimizer.consolidate_state_dict(to=0)
     return save_checkpoint(checkpoint_path(args.checkpoint_dir, epoch, step), model, optimizer,
                            step=step, epoch=epoch, sampler=sampler, comm=comm)
 
 
-def train_data_parallel(args, comm, train_set, test_set, say, stop) -> int:
+def train_data_parallel(args, comm, train_set, test_set, items, say, stop) -> int:
     """--mode data: a checkpoint after each epoch; on a stop signal (stopping.py) a checkpoint at
     the step every rank stops at, and exit status 0."""
     sampler, loader = shard_loader(train_set, comm.rank, comm.size, args)
-    model = build_model()
+    model = build_network(args)
     compression = None if args.compression == "none" else args.compression
     if args.mode == "ddp":
         ddp = wrap_with_torch_ddp(model)
     else:
         ddp = md.DataParallel(model, comm=comm, compression=compression, algorithm=args.algorithm)
-    if args.zero:  # each rank keeps the momentum of its share of the parameters
-        optimizer = md.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, comm=comm, lr=args.lr, momentum=0.9)
+    if args.zero:  # each rank keeps the optimizer state of its share of the parameters
+        kind, options = optimizer_kind(args)
+        optimizer = md.ZeroRedundancyOptimizer(ddp.parameters(), kind, comm=comm, **options)
     else:
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
+        optimizer = make_optimizer(args, ddp.parameters())
     step, start_epoch = 0, 0
     if args.resume:
         # Rank 0 chooses the file for everyone, and a failure to load it on any rank stops all.
@@ -202,7 +241,7 @@ def train_data_parallel(args, comm, train_set, test_set, say, stop) -> int:
         save_data_parallel(args, comm, model, optimizer, sampler, step, epoch + 1)
     stop.close()
     accuracy = evaluate(model, test_set)
-    say(f"final test accuracy: {accuracy:.4f} ({len(test_set)} test images, {comm.size} ranks)", flush=True)
+    say(f"final test accuracy: {accuracy:.4f} ({len(test_set)} test {items}, {comm.size} ranks)", flush=True)
     return 0
 
 
@@ -251,15 +290,16 @@ class _Snapshot:
         return self._state
 
 
-def train_with_parameter_server(args, comm, train_set, test_set, say) -> int:
+def train_with_parameter_server(args, comm, train_set, test_set, items, say) -> int:
     """--mode ps: rank 0 (ranks 0 .. k-1 with --servers k) applies the workers' gradients; each
     worker trains on its share of the data, at its own pace (no collective among workers while
     they train). One server checkpoints the weights every as many updates as a worker has
     batches per epoch, with the number of each worker's gradients they hold, so that --resume
-    restarts every worker at the first batch the weights have not seen."""
+    restarts every worker at the first batch the weights have not seen. The embedding model's
+    table goes by rows: a worker pulls its batch's rows before each forward pass."""
     mode = args.ps_mode or "async"
-    model = build_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    model = build_network(args, sparse=True)
+    optimizer = make_optimizer(args, model.parameters())
     directory = os.path.join(args.checkpoint_dir, "ps")
     servers = args.servers or 1
     if comm.size <= servers:
@@ -322,6 +362,8 @@ def train_with_parameter_server(args, comm, train_set, test_set, say) -> int:
                             disable=not ps.is_chief or args.no_progress, leave=True)
             seen, correct, epoch_started = 0, 0, time.perf_counter()
             for x, y in loader:
+                if args.model == "embedding":
+                    ps.pull_rows(model.embedding, x)
                 output, batch_loss = train_batch(model, optimizer, ps.step, x, y)
                 seen += len(y)
                 correct += (output.argmax(dim=1) == y).sum().item()
@@ -332,7 +374,7 @@ def train_with_parameter_server(args, comm, train_set, test_set, say) -> int:
         ps.close()
     # Every rank now holds the final weights.
     accuracy = evaluate(model, test_set)
-    say(f"final test accuracy: {accuracy:.4f} ({len(test_set)} test images, parameter server and "
+    say(f"final test accuracy: {accuracy:.4f} ({len(test_set)} test {items}, parameter server and "
         f"{len(workers)} workers)", flush=True)
     return 0
 

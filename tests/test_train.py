@@ -209,7 +209,9 @@ def test_bad_options_are_refused_on_every_rank(tmp_path):
                                 (["--mode", "ps", "--zero"], "--zero: these options go with --mode data"),
                                 (["--mode", "ps", "--compression", "bf16"], "--compression applies to --mode data"),
                                 (["--servers", "2"], "--servers: these options go with --mode ps"),
-                                (["--mode", "ps", "--servers", "2", "--resume"], "--resume goes with one server")):
+                                (["--mode", "ps", "--servers", "2", "--resume"], "--resume goes with one server"),
+                                (["--model", "embedding", "--mode", "pipeline"], "--model embedding goes with"),
+                                (["--embedding-rows", "10"], "--embedding-rows goes with --model embedding")):
         with pytest.raises(InvalidArgumentError, match=message):
             check_mode_options(build_parser().parse_args(["train", *wrong_mode]))
     (tmp_path / "file").write_text("")
@@ -229,3 +231,18 @@ def test_ddp_mode_trains_as_data_mode_does(tmp_path):
     ddp = train(tmp_path / "ddp", "--mode", "ddp", "--epochs", "1")
     assert len(numbers(data)) == 3, data
     assert numbers(ddp) == pytest.approx(numbers(data), abs=2e-4), (data, ddp)
+
+
+def test_embedding_model_trains_alike_with_data_parallel_and_a_sparse_parameter_server(tmp_path):
+    """--model embedding: a bag-of-embeddings click model. Data parallel all-reduces the table's
+    dense gradient; the synchronous parameter server moves only the rows each batch touches and
+    applies sparse Adagrad, which leaves untouched rows as dense Adagrad does: the same updates
+    on the same batches, so the same test accuracy (up to float rounding)."""
+    common = ("--model", "embedding", "--embedding-rows", "1000", "--epochs", "1", "--batch-size", "64")
+    data_parallel = train(tmp_path / "data", *common, ranks=2)
+    accuracy = float(re.search(r"final test accuracy: ([0-9.]+) \(2048 test click bags", data_parallel).group(1))
+    assert accuracy >= 0.7, data_parallel  # half the bags are clicks: a constant guess scores 0.5
+    sparse = train(tmp_path / "ps", *common, "--mode", "ps", "--ps-mode", "sync", ranks=3)
+    assert re.search(r"parameter server \(sync, 2 workers\): 128 updates of 256 gradients", sparse), sparse
+    ps_accuracy = float(re.search(r"final test accuracy: ([0-9.]+)", sparse).group(1))
+    assert ps_accuracy == pytest.approx(accuracy, abs=2.01 / 2048), (data_parallel, sparse)
