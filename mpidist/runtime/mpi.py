@@ -78,3 +78,79 @@ def _loaded_mpi_libraries():
     except OSError:
         return []
     return sorted(paths)
+
+
+def fault_tolerance_missing():
+    """Why this run cannot survive a dead rank, or None when it can: the MPI library must have
+    ULFM's calls (MPIX_Comm_revoke, _shrink, _get_failed; mpi4py exposes them as Comm.Revoke,
+    Shrink, Get_failed) and, with Open MPI, the job must be launched with `mpirun --with-ft ulfm`
+    (which sets OMPI_MCA_mpi_ft_enable=1 in the ranks' environment); without it Open MPI ends the
+    whole job when a process dies."""
+    MPI = load_mpi()
+    if not all(hasattr(MPI.Comm, name) for name in ("Revoke", "Shrink", "Get_failed")):
+        return f"mpi4py {_mpi4py_version()} has no Comm.Revoke/Shrink/Get_failed (ULFM needs mpi4py >= 4)"
+    library = MPI.Get_library_version()
+    if library.startswith("Open MPI"):
+        if os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() not in ("1", "true", "yes", "enabled"):
+            return "Open MPI runs without fault tolerance: launch with `mpirun --with-ft ulfm`"
+        return None
+    if "MPICH" in library and not any(_exports(path, "MPIX_Comm_shrink") for path in _loaded_mpi_libraries()):
+        return "this MPICH was built without ULFM (no MPIX_Comm_shrink)"
+    if "MPICH" not in library:
+        return f"{library.splitlines()[0].strip()} is not known to offer ULFM"
+    return None
+
+
+def _mpi4py_version() -> str:
+    import mpi4py
+    return mpi4py.__version__
+
+
+def _exports(path: str, symbol: str) -> bool:
+    try:
+        return hasattr(ctypes.CDLL(path), symbol)
+    except OSError:
+        return False
+
+
+def failed_ranks(mpi_comm) -> tuple:
+    """The ranks of `mpi_comm` this process knows to have died (ULFM's MPIX_Comm_get_failed),
+    after letting MPI take note of failures reported since its last call: a wait that makes no
+    MPI call (a shared-memory poll) learns of a dead peer only this way. () without ULFM. Raises
+    MPI_ERR_REVOKED where another survivor has revoked `mpi_comm` already."""
+    MPI = load_mpi()
+    # Drives MPI's progress engine; on a communicator another survivor has revoked it raises
+    # MPI_ERR_REVOKED, which says as much (is_process_failure).
+    mpi_comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)
+    try:
+        group = mpi_comm.Get_failed()
+    except (NotImplementedError, AttributeError):
+        return ()
+    try:
+        count = group.Get_size()
+        if not count:
+            return ()
+        return tuple(MPI.Group.Translate_ranks(group, list(range(count)), mpi_comm.Get_group()))
+    finally:
+        group.Free()
+
+
+def is_process_failure(error: BaseException) -> bool:
+    """Whether `error`, or an error it was raised from, says that a rank died: ULFM's
+    MPI_ERR_PROC_FAILED (or _PENDING), a communicator revoked after such a death, or
+    PeerFailedError (a shared-memory wait that saw the death)."""
+    from ..errors import PeerFailedError
+    if "mpi4py.MPI" not in sys.modules:
+        return False
+    MPI = sys.modules["mpi4py.MPI"]
+    classes = {getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
+               if hasattr(MPI, name)}
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, PeerFailedError):
+            return True
+        if isinstance(error, MPI.Exception) and error.Get_error_class() in classes:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
