@@ -23,6 +23,7 @@ from .errors import (  # noqa: E402,F401
     NonContiguousError,
     NotInitializedError,
     NotOfferedError,
+    PeerFailedError,
     UnsupportedBufferError,
     UnsupportedDtypeError,
 )

@@ -15,6 +15,9 @@ writes ps-final.h5 and the final test accuracy. --servers k: ranks 0 .. k-1 serv
 partitioned over them; only the final weights are written (ps-final.h5, without the optimizer's
 state, which is spread over the servers).
 
+Elastic (--mode data --elastic, launched with `mpirun --with-ft ulfm`): a rank that dies is
+dropped and the others go on from their last commit in memory (md.elastic); no checkpoints.
+
 Pipeline (--mode pipeline): the network's layers cut into one stage per rank, every batch run
 through the stages in micro-batches (--replicas k: k such pipelines averaging their gradients);
 each rank checkpoints its stage every epoch in pipeline-rank<r>/ (--resume continues from the
@@ -95,6 +98,12 @@ def check_mode_options(args) -> None:
     if args.mode == "ps" and (args.servers or 1) > 1 and args.resume:
         raise InvalidArgumentError("--resume goes with one server: with --servers > 1 no server holds the whole "
                                    "model until the end, so none is checkpointed on the way")
+    if args.elastic and args.mode != "data":
+        raise InvalidArgumentError(f"--elastic with --mode {args.mode} is not offered yet: elastic training is data "
+                                   "parallel (--mode data) only")
+    if args.elastic and (args.zero or args.resume):
+        raise InvalidArgumentError("--elastic goes without --zero (a dead rank would take its share of the optimizer "
+                                   "state with it) and without --resume (its commits are in memory, not on disk)")
     if args.mode != "data" and args.compression != "none":
         raise InvalidArgumentError(f"--compression applies to --mode data; --mode {args.mode} sends full precision")
 
@@ -114,6 +123,8 @@ def cmd_train(args) -> int:
         return train_with_parameter_server(args, comm, train_set, test_set, say)
     if args.mode == "pipeline":
         return train_with_pipeline(args, comm, train_set, test_set, say)
+    if args.elastic:
+        return train_elastic(args, comm, train_set, test_set)
     sampler, loader = shard_loader(train_set, comm.rank, comm.size, args)
     model = build_model()
     compression = None if args.compression == "none" else args.compression
@@ -165,6 +176,48 @@ def cmd_train(args) -> int:
                         step=step, epoch=epoch + 1, sampler=sampler, comm=comm)
     accuracy = evaluate(model, test_set)
     say(f"final test accuracy: {accuracy:.4f} ({len(test_set)} test images, {comm.size} ranks)", flush=True)
+    return 0
+
+
+ELASTIC_COMMIT_STEPS = 10  # --elastic: steps between commits (in memory; a death redoes at most these)
+
+
+def train_elastic(args, comm, train_set, test_set) -> int:
+    """--mode data --elastic: data parallel training that goes on on the surviving ranks when one
+    dies (md.elastic; launched with `mpirun --with-ft ulfm`). The state is committed in memory
+    every ELASTIC_COMMIT_STEPS steps and at the end of each epoch; nothing is written to disk."""
+    def say(*args, **kwargs):
+        if md.rank() == 0:  # rank 0 of the world of the moment: the old one may have died
+            print(*args, **kwargs)
+
+    sampler = md.elastic.ElasticSampler(train_set, shuffle=True, seed=args.seed)
+    model = build_model()
+    compression = None if args.compression == "none" else args.compression
+    ddp = md.DataParallel(model, comm=comm, compression=compression, algorithm=args.algorithm)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
+    state = md.elastic.State(model=ddp, optimizer=optimizer, sampler=sampler, epoch=0)
+
+    def train(state):
+        while state.epoch < args.epochs:
+            loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+            progress = tqdm(total=len(loader), desc=f"epoch {state.epoch + 1}/{args.epochs} (rank 0)",
+                            disable=md.rank() != 0 or args.no_progress, leave=True)
+            for batch, (x, y) in enumerate(loader):
+                _, batch_loss = train_batch(ddp, optimizer, optimizer.step, x, y)
+                sampler.record_batch(batch, args.batch_size)
+                progress.set_postfix(loss=f"{batch_loss:.3f}", ranks=md.size())
+                progress.update()
+                if (batch + 1) % ELASTIC_COMMIT_STEPS == 0:
+                    state.commit()
+            progress.close()
+            state.epoch += 1
+            sampler.set_epoch(state.epoch)
+            state.commit()
+            say(f"epoch {state.epoch}/{args.epochs} done on {md.size()} of {comm.size} ranks", flush=True)
+
+    md.elastic.run(train, state)
+    accuracy = evaluate(model, test_set)
+    say(f"final test accuracy: {accuracy:.4f} ({len(test_set)} test images, {md.size()} ranks at the end)", flush=True)
     return 0
 
 

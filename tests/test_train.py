@@ -166,7 +166,10 @@ def test_bad_options_are_refused_on_every_rank(tmp_path):
                                 (["--mode", "ps", "--zero"], "--zero: these options go with --mode data"),
                                 (["--mode", "ps", "--compression", "bf16"], "--compression applies to --mode data"),
                                 (["--servers", "2"], "--servers: these options go with --mode ps"),
-                                (["--mode", "ps", "--servers", "2", "--resume"], "--resume goes with one server")):
+                                (["--mode", "ps", "--servers", "2", "--resume"], "--resume goes with one server"),
+                                (["--mode", "ps", "--elastic"], "--elastic with --mode ps is not offered yet"),
+                                (["--elastic", "--zero"], "--elastic goes without --zero"),
+                                (["--elastic", "--resume"], "without --resume")):
         with pytest.raises(InvalidArgumentError, match=message):
             check_mode_options(build_parser().parse_args(["train", *wrong_mode]))
     (tmp_path / "file").write_text("")

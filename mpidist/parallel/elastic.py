@@ -246,39 +246,38 @@ def run_elastic(train_fn, state: State, args=(), kwargs=None, on_shrink=None):
         except Exception as exc:
             if missing is not None or not is_process_failure(exc):
                 raise
-            lost = describe_failure(exc)
         # Out of the except block: the traceback, which holds the old communicator's buckets and
         # handles, is gone.
         old_size = world().size
-        shrink_world()
+        dead = shrink_world()
         if world().rank == 0:
-            print(f"mpidist elastic: {lost}; going on with {world().size} of {old_size} ranks from the last commit",
-                  file=sys.stderr, flush=True)
+            print(f"mpidist elastic: rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} of {old_size} died; "
+                  f"going on with {world().size} ranks from the last commit", file=sys.stderr, flush=True)
         state.restore()
         if on_shrink is not None:
             on_shrink()
         state.on_reset()
 
 
-def describe_failure(error) -> str:
-    ranks = getattr(error, "ranks", None)
-    if ranks:
-        return f"ranks {list(ranks)} died"
-    return f"a rank died ({error})"
-
-
-def shrink_world() -> Communicator:
+def shrink_world() -> list:
     """Replace mpidist's world by its surviving ranks (collective over the survivors): revoke
-    the old one, shrink it, and make the shrunk communicator the world. Returns it."""
+    the old one, shrink it, and make the shrunk communicator the world. Returns the ranks of the
+    old world that died."""
     old = world()
     old.abandon()
     survivors = old.mpi.Shrink()
     _return_errors_on(survivors)
+    MPI = load_mpi()
+    old_group, new_group = old.mpi.Get_group(), survivors.Get_group()
+    lost = MPI.Group.Difference(old_group, new_group)
+    dead = MPI.Group.Translate_ranks(lost, list(range(lost.Get_size())), old_group)
+    for group in (old_group, new_group, lost):
+        group.Free()
     new = Communicator(survivors)
     survivors.Free()
     _return_errors(new)
     replace_world(new)
-    return new
+    return sorted(dead)
 
 
 def _return_errors(comm: Communicator) -> None:
