@@ -23,7 +23,6 @@ from .errors import (  # noqa: E402,F401
     NonContiguousError,
     NotInitializedError,
     NotOfferedError,
-    PeerFailedError,
     UnsupportedBufferError,
     UnsupportedDtypeError,
 )

@@ -50,12 +50,3 @@ class DeadlineError(MismatchError):
 class NotOfferedError(MpidistError):
     """A feature of a peer (Horovod, PyTorch) that mpidist does not offer."""
 
-
-class PeerFailedError(MpidistError):
-    """A rank this one waited for has died (seen through ULFM, the MPI library's fault
-    tolerance). `ranks`: the dead ranks, on the communicator of the wait. md.elastic.run recovers
-    from it; elsewhere it ends the program with the names of the dead."""
-
-    def __init__(self, message: str, ranks=()):
-        super().__init__(message)
-        self.ranks = tuple(ranks)

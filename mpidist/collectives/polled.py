@@ -53,18 +53,15 @@ import numpy as np
 
 from .. import _C
 from ..buffers import ITEMSIZE, describe
-from ..errors import InvalidArgumentError, PeerFailedError
+from ..errors import InvalidArgumentError
 from ..runtime.deadlines import deadline_error, poll_until
-from ..runtime.mpi import failed_ranks, fault_tolerance_missing, load_mpi
+from ..runtime.mpi import load_mpi
 from .common import kernel_op, reduce_and_publish, split_counts
 
 COUNTER_BYTES = 64  # one cache line per counter: ranks never write the same line
 YIELD_SECONDS = 100e-6  # how long wait() polls without sleeping, with more ranks than cores
 OWN_CORE_YIELD_SECONDS = 1e-3  # the same where every rank can have a core of its own
 NAP_SECONDS = 50e-6  # then the sleep between polls
-# With fault tolerance (ULFM), how often a waiting rank asks MPI whether a peer died: the
-# counters alone never tell (a dead rank's counter just stops), and each question costs ~1 us.
-FAILURE_CHECK_SECONDS = 0.01
 
 
 def yield_seconds(affinities, local_size: int) -> float:
@@ -122,7 +119,7 @@ def free_released_windows(node_comm) -> None:
 
 def forget_released_windows(node_comm) -> None:
     """Forget `node_comm`'s released windows without freeing them: it lost a rank, so no
-    collective can run on it (Communicator.abandon); MPI_Finalize frees them."""
+    collective can run on it (Communicator.abandon)."""
     _released.pop(id(node_comm), None)
 
 
@@ -175,7 +172,6 @@ class NodeSlots:
         self.sizes = sizes
         self.calls = [0] * len(sizes)
         self.yield_seconds = yield_seconds(node_comm.allgather(os.sched_getaffinity(0)), self.local_size)
-        self.watch_failures = fault_tolerance_missing() is None
 
     def start(self, index: int, arrays, op: str) -> "PolledAllreduce":
         """Start the all-reduce of bucket `index`: `arrays` (contiguous CPU arrays of one dtype,
@@ -299,27 +295,7 @@ class PolledAllreduce:
                                  f"local ranks {behind} of this node", peers=behind,
                                  advice="They stopped before reaching it (different numbers of backward passes?)")
 
-        poll_until(self._progress_or_failure() if self.slots.watch_failures else self.progress, timed_out,
-                   self.slots.yield_seconds, NAP_SECONDS)
-
-    def _progress_or_failure(self):
-        """progress(), and every FAILURE_CHECK_SECONDS a question to MPI whether a local rank died
-        (PeerFailedError then, which md.elastic.run recovers from)."""
-        next_check = [time.perf_counter() + FAILURE_CHECK_SECONDS]
-
-        def test():
-            if self.progress():
-                return True
-            now = time.perf_counter()
-            if now >= next_check[0]:
-                next_check[0] = now + FAILURE_CHECK_SECONDS
-                dead = failed_ranks(self.slots.node_comm)
-                if dead:
-                    raise PeerFailedError(f"local rank {self.slots.local_rank}: local ranks {list(dead)} died during "
-                                          f"the all-reduce of gradient bucket {self.index}", ranks=dead)
-            return False
-
-        return test
+        poll_until(self.progress, timed_out, self.slots.yield_seconds, NAP_SECONDS)
 
     def result_slot(self, owner: int) -> int:
         """Without results_in_slots, the slot that receives the reduced slice of local rank `owner`

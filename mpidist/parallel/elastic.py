@@ -251,8 +251,10 @@ def run_elastic(train_fn, state: State, args=(), kwargs=None, on_shrink=None):
         old_size = world().size
         dead = shrink_world()
         if world().rank == 0:
-            print(f"mpidist elastic: rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} of {old_size} died; "
-                  f"going on with {world().size} ranks from the last commit", file=sys.stderr, flush=True)
+            lost = (f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} of {old_size} died" if dead else
+                    "a communicator was revoked, but no rank died")
+            print(f"mpidist elastic: {lost}; going on with {world().size} ranks from the last commit",
+                  file=sys.stderr, flush=True)
         state.restore()
         if on_shrink is not None:
             on_shrink()

@@ -8,6 +8,7 @@ starts MPI with them too. A value the user set in the environment is always kept
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 
@@ -80,6 +81,14 @@ def _loaded_mpi_libraries():
     return sorted(paths)
 
 
+def fault_tolerant() -> bool:
+    """Whether this run survives a dead rank (fault_tolerance_missing() is None). Then mpidist
+    makes no shared-memory windows: one whose node lost a rank can never be freed (freeing is
+    collective), and Open MPI's MPI_Finalize waits forever on it."""
+    return fault_tolerance_missing() is None
+
+
+@functools.lru_cache(maxsize=None)  # the library and the launch do not change during a run
 def fault_tolerance_missing():
     """Why this run cannot survive a dead rank, or None when it can: the MPI library must have
     ULFM's calls (MPIX_Comm_revoke, _shrink, _get_failed; mpi4py exposes them as Comm.Revoke,
@@ -113,33 +122,9 @@ def _exports(path: str, symbol: str) -> bool:
         return False
 
 
-def failed_ranks(mpi_comm) -> tuple:
-    """The ranks of `mpi_comm` this process knows to have died (ULFM's MPIX_Comm_get_failed),
-    after letting MPI take note of failures reported since its last call: a wait that makes no
-    MPI call (a shared-memory poll) learns of a dead peer only this way. () without ULFM. Raises
-    MPI_ERR_REVOKED where another survivor has revoked `mpi_comm` already."""
-    MPI = load_mpi()
-    # Drives MPI's progress engine; on a communicator another survivor has revoked it raises
-    # MPI_ERR_REVOKED, which says as much (is_process_failure).
-    mpi_comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)
-    try:
-        group = mpi_comm.Get_failed()
-    except (NotImplementedError, AttributeError):
-        return ()
-    try:
-        count = group.Get_size()
-        if not count:
-            return ()
-        return tuple(MPI.Group.Translate_ranks(group, list(range(count)), mpi_comm.Get_group()))
-    finally:
-        group.Free()
-
-
 def is_process_failure(error: BaseException) -> bool:
     """Whether `error`, or an error it was raised from, says that a rank died: ULFM's
-    MPI_ERR_PROC_FAILED (or _PENDING), a communicator revoked after such a death, or
-    PeerFailedError (a shared-memory wait that saw the death)."""
-    from ..errors import PeerFailedError
+    MPI_ERR_PROC_FAILED (or _PENDING), or a communicator revoked after such a death."""
     if "mpi4py.MPI" not in sys.modules:
         return False
     MPI = sys.modules["mpi4py.MPI"]
@@ -148,8 +133,6 @@ def is_process_failure(error: BaseException) -> bool:
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, PeerFailedError):
-            return True
         if isinstance(error, MPI.Exception) and error.Get_error_class() in classes:
             return True
         error = error.__cause__ or error.__context__

@@ -68,13 +68,15 @@ class _DistributedOptimizer:
     def _connect(self, comm):
         self._buckets = self._new_buckets(comm)
         self._skip_sync = self._synchronized = False
-        register_gradient_hooks(self._buckets, "gradient_ready", self._trainable, "DistributedOptimizer")
+        self._remove_hooks = register_gradient_hooks(self._buckets, "gradient_ready", self._trainable,
+                                                     "DistributedOptimizer")
         register_optimizer(self._buckets)
 
     def reconnect(self, comm):
         """Go on on `comm`, the survivors' communicator after a rank died (hvd.elastic.run does
         this): new gradient buckets and hooks on it; the old ones are dropped (their hooks go
-        with them). Collective over `comm`."""
+        at once, not when the collector finds them). Collective over `comm`."""
+        self._remove_hooks()
         self._buckets = None
         self._connect(comm)
 
