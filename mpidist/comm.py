@@ -285,6 +285,14 @@ class Communicator(Channel):
                 comm.Free()
         self.leader_comm = None
 
+    def communicators(self) -> list:
+        """Every MPI communicator this one uses: its own, its node and leader communicators, and
+        its asynchronous engine's."""
+        communicators = [self.mpi, self.node_comm, self.leader_comm]
+        if self._engine is not None:
+            communicators += [self._engine.mpi, *(self._engine._node_comms or ())]
+        return [comm for comm in communicators if comm is not None]
+
     def abandon(self) -> None:
         """Give up a communicator that lost a rank (md.elastic.run, after ULFM reported the death):
         revoke its MPI communicators and its engine's, so every survivor still waiting on one of
@@ -294,13 +302,9 @@ class Communicator(Channel):
         if self._freed:
             return
         self._freed = True
+        for comm in self.communicators():
+            comm.Revoke()
         engine, self._engine = self._engine, None
-        communicators = [self.mpi, self.node_comm, self.leader_comm]
-        if engine is not None:
-            communicators += [engine.mpi, *(engine._node_comms or ())]
-        for comm in communicators:
-            if comm is not None:
-                comm.Revoke()
         if engine is not None:
             engine.stop(free=False)
         api().forget_released_windows(self.node_comm)

@@ -244,7 +244,7 @@ def run_elastic(train_fn, state: State, args=(), kwargs=None, on_shrink=None):
         try:
             return train_fn(state, *args, **(kwargs or {}))
         except Exception as exc:
-            if missing is not None or not is_process_failure(exc):
+            if missing is not None or not is_process_failure(exc, world().communicators()):
                 raise
         # Out of the except block: the traceback, which holds the old communicator's buckets and
         # handles, is gone.

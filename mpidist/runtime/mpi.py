@@ -122,9 +122,11 @@ def _exports(path: str, symbol: str) -> bool:
         return False
 
 
-def is_process_failure(error: BaseException) -> bool:
+def is_process_failure(error: BaseException, comms=()) -> bool:
     """Whether `error`, or an error it was raised from, says that a rank died: ULFM's
-    MPI_ERR_PROC_FAILED (or _PENDING), or a communicator revoked after such a death."""
+    MPI_ERR_PROC_FAILED (or _PENDING), a communicator revoked after such a death, or
+    MPI_ERR_IN_STATUS (a wait on several requests, whose statuses are gone) while a process of
+    the job is known dead or one of `comms` (mpi4py communicators) is revoked."""
     if "mpi4py.MPI" not in sys.modules:
         return False
     MPI = sys.modules["mpi4py.MPI"]
@@ -133,7 +135,23 @@ def is_process_failure(error: BaseException) -> bool:
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, MPI.Exception) and error.Get_error_class() in classes:
-            return True
+        if isinstance(error, MPI.Exception):
+            if error.Get_error_class() in classes:
+                return True
+            if error.Get_error_class() == MPI.ERR_IN_STATUS and _death_known(MPI, comms):
+                return True
         error = error.__cause__ or error.__context__
     return False
+
+
+def _death_known(MPI, comms) -> bool:
+    if not hasattr(MPI.Comm, "Is_revoked"):
+        return False
+    if any(comm.Is_revoked() for comm in comms):
+        return True
+    MPI.COMM_WORLD.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)  # lets MPI take note of deaths reported
+    failed = MPI.COMM_WORLD.Get_failed()
+    try:
+        return failed.Get_size() > 0
+    finally:
+        failed.Free()
