@@ -49,4 +49,3 @@ class DeadlineError(MismatchError):
 
 class NotOfferedError(MpidistError):
     """A feature of a peer (Horovod, PyTorch) that mpidist does not offer."""
-
