@@ -111,6 +111,9 @@ def __getattr__(name):
     if name == "ZeroRedundancyOptimizer":
         from .parallel.zero import ZeroRedundancyOptimizer
         return ZeroRedundancyOptimizer
+    if name == "elastic":
+        from .parallel import elastic
+        return elastic
     if name == "SyncBatchNorm":
         from .parallel.sync_batchnorm import SyncBatchNorm
         return SyncBatchNorm

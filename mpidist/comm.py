@@ -77,6 +77,7 @@ class Collectives(typing.Protocol):
     def barrier(self, comm) -> None: ...
     def alltoall(self, comm, array, splits): ...
     def free_released_windows(self, node_comm) -> None: ...
+    def forget_released_windows(self, node_comm) -> None: ...
 
 
 class Communicator(Channel):
@@ -285,6 +286,31 @@ class Communicator(Channel):
                 comm.Free()
         self.leader_comm = None
 
+    def communicators(self) -> list:
+        """Every MPI communicator this one uses: its own, its node and leader communicators, and
+        its asynchronous engine's."""
+        communicators = [self.mpi, self.node_comm, self.leader_comm]
+        if self._engine is not None:
+            communicators += [self._engine.mpi, *(self._engine._node_comms or ())]
+        return [comm for comm in communicators if comm is not None]
+
+    def abandon(self) -> None:
+        """Give up a communicator that lost a rank (md.elastic.run, after ULFM reported the death):
+        revoke its MPI communicators and its engine's, so every survivor still waiting on one of
+        them gets an error instead of waiting for the dead, and stop the engine's thread. Nothing is
+        freed: freeing is collective and the dead rank cannot join; the memory goes at
+        MPI_Finalize. Local; the communicator must not be used afterwards."""
+        if self._freed:
+            return
+        self._freed = True
+        for comm in self.communicators():
+            comm.Revoke()
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.stop(free=False)
+        api().forget_released_windows(self.node_comm)
+        self.node_window = None
+
     def __enter__(self):
         return self
 
@@ -351,6 +377,14 @@ def init(mpi_comm=None) -> Communicator:
             stall.open_board(_world.mpi)
             install_abort_on_exception(load_mpi().COMM_WORLD)
     return _world
+
+
+def replace_world(communicator: Communicator) -> None:
+    """Make `communicator` the world of md.rank(), md.allreduce(), hvd.size() ...: the survivors'
+    communicator after a rank died (md.elastic.run)."""
+    global _world
+    with _init_lock:
+        _world = communicator
 
 
 def world() -> Communicator:

@@ -19,6 +19,8 @@ state, which is spread over the servers).
 
 torch DDP (--mode ddp): --mode data with torch's DistributedDataParallel over the "mpidist"
 torch.distributed backend in place of mpidist's DataParallel.
+Elastic (--mode data --elastic, launched with `mpirun --with-ft ulfm`): a rank that dies is
+dropped and the others go on from their last commit in memory (md.elastic); no checkpoints.
 
 Pipeline (--mode pipeline): the network's layers cut into one stage per rank, every batch run
 through the stages in micro-batches (--replicas k: k such pipelines averaging their gradients);
@@ -143,6 +145,12 @@ def check_mode_options(args) -> None:
         raise InvalidArgumentError("--model embedding goes with --mode data, ddp or ps")
     if args.embedding_rows is not None and args.model != "embedding":
         raise InvalidArgumentError("--embedding-rows goes with --model embedding")
+    if args.elastic and args.mode != "data":
+        raise InvalidArgumentError(f"--elastic with --mode {args.mode} is not offered yet: elastic training is data "
+                                   "parallel (--mode data) only")
+    if args.elastic and (args.zero or args.resume):
+        raise InvalidArgumentError("--elastic goes without --zero (a dead rank would take its share of the optimizer "
+                                   "state with it) and without --resume (its commits are in memory, not on disk)")
     if args.mode != "data" and args.compression != "none":
         raise InvalidArgumentError(f"--compression applies to --mode data; --mode {args.mode} sends full precision")
 
@@ -164,6 +172,8 @@ def cmd_train(args, stop: GracefulStop | None = None) -> int:
         return train_with_parameter_server(args, comm, train_set, test_set, items, say)
     if args.mode == "pipeline":
         return train_with_pipeline(args, comm, train_set, test_set, say)
+    if args.elastic:
+        return train_elastic(args, comm, train_set, test_set)
     return train_data_parallel(args, comm, train_set, test_set, items, say, stop)
 
 
@@ -252,6 +262,48 @@ def wrap_with_torch_ddp(model):
     if not dist.is_initialized():
         dist.init_process_group("mpidist")
     return torch.nn.parallel.DistributedDataParallel(model)
+
+
+ELASTIC_COMMIT_STEPS = 10  # --elastic: steps between commits (in memory; a death redoes at most these)
+
+
+def train_elastic(args, comm, train_set, test_set) -> int:
+    """--mode data --elastic: data parallel training that goes on on the surviving ranks when one
+    dies (md.elastic; launched with `mpirun --with-ft ulfm`). The state is committed in memory
+    every ELASTIC_COMMIT_STEPS steps and at the end of each epoch; nothing is written to disk."""
+    def say(*args, **kwargs):
+        if md.rank() == 0:  # rank 0 of the world of the moment: the old one may have died
+            print(*args, **kwargs)
+
+    sampler = md.elastic.ElasticSampler(train_set, shuffle=True, seed=args.seed)
+    model = build_network(args)
+    compression = None if args.compression == "none" else args.compression
+    ddp = md.DataParallel(model, comm=comm, compression=compression, algorithm=args.algorithm)
+    optimizer = make_optimizer(args, ddp.parameters())
+    state = md.elastic.State(model=ddp, optimizer=optimizer, sampler=sampler, epoch=0)
+
+    def train(state):
+        while state.epoch < args.epochs:
+            loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+            progress = tqdm(total=len(loader), desc=f"epoch {state.epoch + 1}/{args.epochs} (rank 0)",
+                            disable=md.rank() != 0 or args.no_progress, leave=True)
+            for batch, (x, y) in enumerate(loader):
+                _, batch_loss = train_batch(ddp, optimizer, optimizer.step, x, y)
+                sampler.record_batch(batch, args.batch_size)
+                progress.set_postfix(loss=f"{batch_loss:.3f}", ranks=md.size())
+                progress.update()
+                if (batch + 1) % ELASTIC_COMMIT_STEPS == 0:
+                    state.commit()
+            progress.close()
+            state.epoch += 1
+            sampler.set_epoch(state.epoch)
+            state.commit()
+            say(f"epoch {state.epoch}/{args.epochs} done on {md.size()} of {comm.size} ranks", flush=True)
+
+    md.elastic.run(train, state)
+    accuracy = evaluate(model, test_set)
+    say(f"final test accuracy: {accuracy:.4f} ({len(test_set)} test images, {md.size()} ranks at the end)", flush=True)
+    return 0
 
 
 class BackgroundCheckpoints:

@@ -75,11 +75,12 @@ def pytest_sessionstart(session):
 UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24, "float64": 2.0 ** -53}
 
 
-def run_python(code: str, *, ranks: int = 0, env=None, timeout: int = 120):
-    """Run `code` in a fresh interpreter, under `mpirun -np ranks` when ranks > 0."""
-    cmd = [sys.executable, "-c", code]
+def run_python(code: str, *, ranks: int = 0, env=None, timeout: int = 120, args=(), mpirun_options=()):
+    """Run `code` in a fresh interpreter with `args`, under `mpirun -np ranks` (and
+    `mpirun_options`) when ranks > 0."""
+    cmd = [sys.executable, "-c", code, *args]
     if ranks:
-        cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(ranks)] + cmd
+        cmd = ["mpirun", *mpirun_options, "--oversubscribe", "--bind-to", "none", "-np", str(ranks)] + cmd
     full_env = dict(os.environ)
     for hint in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PYTEST_ISOLATE_MPI_IS_FORKED"):
         full_env.pop(hint, None)

@@ -211,7 +211,10 @@ def test_bad_options_are_refused_on_every_rank(tmp_path):
                                 (["--servers", "2"], "--servers: these options go with --mode ps"),
                                 (["--mode", "ps", "--servers", "2", "--resume"], "--resume goes with one server"),
                                 (["--model", "embedding", "--mode", "pipeline"], "--model embedding goes with"),
-                                (["--embedding-rows", "10"], "--embedding-rows goes with --model embedding")):
+                                (["--embedding-rows", "10"], "--embedding-rows goes with --model embedding"),
+                                (["--mode", "ps", "--elastic"], "--elastic with --mode ps is not offered yet"),
+                                (["--elastic", "--zero"], "--elastic goes without --zero"),
+                                (["--elastic", "--resume"], "without --resume")):
         with pytest.raises(InvalidArgumentError, match=message):
             check_mode_options(build_parser().parse_args(["train", *wrong_mode]))
     (tmp_path / "file").write_text("")

@@ -120,9 +120,14 @@ class AsyncEngine(Channel):
             except BaseException as exc:  # handed to the waiting caller
                 handle._complete(error=exc)
 
-    def stop(self):
+    def stop(self, free: bool = True):
+        """End the thread once the queued work is done; with `free`, free the communicators
+        and the window (collective). Without it (a communicator that lost a rank, already
+        revoked, so the queued work ends in errors) they are left to MPI_Finalize."""
         self._queue.put(None)
         self._thread.join()
+        if not free:
+            return
         if self.node_window is not None:
             self.node_window.free()
         for comm in self._node_comms or ():

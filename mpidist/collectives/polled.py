@@ -117,6 +117,12 @@ def free_released_windows(node_comm) -> None:
         registry.free_common()
 
 
+def forget_released_windows(node_comm) -> None:
+    """Forget `node_comm`'s released windows without freeing them: it lost a rank, so no
+    collective can run on it (Communicator.abandon)."""
+    _released.pop(id(node_comm), None)
+
+
 def released_windows(node_comm) -> ReleasedWindows:
     registry = _released.get(id(node_comm))
     if registry is None or registry.node_comm is not node_comm:

@@ -30,6 +30,7 @@ import warnings
 import numpy as np
 
 from ..runtime import config
+from ..runtime.mpi import fault_tolerant
 from ..runtime.wire import HALF_DTYPES
 from .registry import ALLREDUCE
 
@@ -60,6 +61,9 @@ def auto_choice(mpi) -> tuple:
     what algorithm="auto" decides with (collective over `mpi`: rank 0 reads the table)."""
     table = load_tuning_table(mpi)
     forced = forced_algorithm()
+    if fault_tolerant():  # no shared-memory windows (runtime/mpi.py): point-to-point rings instead
+        table = tuple((bound, "ring" if algorithm == "hierarchical" else algorithm)
+                      for bound, algorithm in table_for(mpi.Get_size(), table))
     return table, forced, mpi_bounds(mpi.Get_size(), table, forced)
 
 

@@ -85,11 +85,13 @@ class DataParallel(torch.nn.Module, Joinable):
         params = trainable_parameters(module)
         check_not_synchronized(params, "DataParallel")
         broadcast_module_state(module, self.comm)
-        # register_comm_hook may make the buckets again, with another compression.
-        self._new_buckets = functools.partial(GradientBuckets, params, self.comm, bucket_mb, algorithm=algorithm,
-                                              gradient_as_bucket_view=gradient_as_bucket_view)
+        # register_comm_hook and reconnect make the buckets again (another compression, another
+        # communicator).
+        self._bucket_options = functools.partial(GradientBuckets, params, bucket_mb=bucket_mb, algorithm=algorithm,
+                                                 gradient_as_bucket_view=gradient_as_bucket_view)
         self._compression = compression
         self._comm_hook = None
+        self._hook_wire = None
         self.buckets = self._new_buckets(compression=compression)
         register_gradient_hooks(self, "_gradient_ready", params, "DataParallel")
 
@@ -119,9 +121,24 @@ class DataParallel(torch.nn.Module, Joinable):
             raise InvalidArgumentError(f"register_comm_hook({name}) with compression={self._compression!r}: "
                                        "choose one")
         self._comm_hook = name
-        if wire[hook] is not None:  # the default average needs no new buckets
+        self._hook_wire = wire[hook]
+        if self._hook_wire is not None:  # the default average needs no new buckets
             self.buckets = None  # the old buckets' shared memory can be given back first
-            self.buckets = self._new_buckets(compression=wire[hook], predivide=self.comm.size)
+            self.buckets = self._new_buckets()
+
+    def _new_buckets(self, compression=None):
+        if self._hook_wire is not None:  # a compress hook: each rank divides by the rank count first
+            return self._bucket_options(self.comm, compression=self._hook_wire, predivide=self.comm.size)
+        return self._bucket_options(self.comm, compression=compression)
+
+    def reconnect(self, comm) -> None:
+        """Go on on `comm`, the survivors' communicator after a rank died (md.elastic.run does
+        this): new gradient buckets on it; the old ones, on a communicator that lost a rank, are
+        dropped unfreed. Collective over `comm`; the parameters are left as they are (the elastic
+        state restores and synchronizes them)."""
+        self.buckets = None
+        self.comm = comm
+        self.buckets = self._new_buckets(compression=self._compression)
 
     def forward(self, *args, **kwargs):
         if self.training and self._sync_enabled:

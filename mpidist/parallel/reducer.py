@@ -13,6 +13,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import kernels
 from ..errors import InvalidArgumentError, MpidistError
 from ..memory import keep_freed_memory
+from ..runtime.mpi import fault_tolerant
 from .flat import pack_tensors, shaped_like, tensor_at, tensors_by_kind, unpack_tensors
 
 FIRST_BUCKET_BYTES = 1024 * 1024
@@ -124,7 +125,8 @@ def register_gradient_hooks(owner, method: str, params, what: str) -> None:
     as PyTorch DDP removes its hooks when it is destroyed: a DataParallel or DistributedOptimizer
     that the program drops stops all-reducing the gradients (wrapping the model again does not
     exchange them twice) and its shared memory is given back. `what` names the owner in
-    check_not_synchronized's error."""
+    check_not_synchronized's error. Returns the finalizer, which removes the hooks at once when
+    called."""
     reference = weakref.ref(owner)
 
     def hook(param):
@@ -133,9 +135,9 @@ def register_gradient_hooks(owner, method: str, params, what: str) -> None:
             getattr(alive, method)(param)
 
     handles = [param.register_post_accumulate_grad_hook(hook) for param in params]
-    weakref.finalize(owner, remove_hooks, handles)
     for param in params:
         _SYNCHRONIZED_BY[param] = (what, reference)
+    return weakref.finalize(owner, remove_hooks, handles)
 
 
 def remove_hooks(handles) -> None:
@@ -241,6 +243,7 @@ class GradientBuckets:
         """Whether the buckets are all-reduced through shared slots polled from the hooks."""
         comm = self.comm
         return (comm.size > 1 and comm.local_size == comm.size and self.algorithm in ("auto", "hierarchical")
+                and not fault_tolerant()  # no shared-memory windows then (runtime/mpi.py)
                 and comm.forced_algorithm in (None, "hierarchical")
                 and all(p.device.type == "cpu" for p in params))
 

@@ -8,6 +8,7 @@ starts MPI with them too. A value the user set in the environment is always kept
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 
@@ -78,3 +79,79 @@ def _loaded_mpi_libraries():
     except OSError:
         return []
     return sorted(paths)
+
+
+def fault_tolerant() -> bool:
+    """Whether this run survives a dead rank (fault_tolerance_missing() is None). Then mpidist
+    makes no shared-memory windows: one whose node lost a rank can never be freed (freeing is
+    collective), and Open MPI's MPI_Finalize waits forever on it."""
+    return fault_tolerance_missing() is None
+
+
+@functools.lru_cache(maxsize=None)  # the library and the launch do not change during a run
+def fault_tolerance_missing():
+    """Why this run cannot survive a dead rank, or None when it can: the MPI library must have
+    ULFM's calls (MPIX_Comm_revoke, _shrink, _get_failed; mpi4py exposes them as Comm.Revoke,
+    Shrink, Get_failed) and, with Open MPI, the job must be launched with `mpirun --with-ft ulfm`
+    (which sets OMPI_MCA_mpi_ft_enable=1 in the ranks' environment); without it Open MPI ends the
+    whole job when a process dies."""
+    MPI = load_mpi()
+    if not all(hasattr(MPI.Comm, name) for name in ("Revoke", "Shrink", "Get_failed")):
+        return f"mpi4py {_mpi4py_version()} has no Comm.Revoke/Shrink/Get_failed (ULFM needs mpi4py >= 4)"
+    library = MPI.Get_library_version()
+    if library.startswith("Open MPI"):
+        if os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() not in ("1", "true", "yes", "enabled"):
+            return "Open MPI runs without fault tolerance: launch with `mpirun --with-ft ulfm`"
+        return None
+    if "MPICH" in library and not any(_exports(path, "MPIX_Comm_shrink") for path in _loaded_mpi_libraries()):
+        return "this MPICH was built without ULFM (no MPIX_Comm_shrink)"
+    if "MPICH" not in library:
+        return f"{library.splitlines()[0].strip()} is not known to offer ULFM"
+    return None
+
+
+def _mpi4py_version() -> str:
+    import mpi4py
+    return mpi4py.__version__
+
+
+def _exports(path: str, symbol: str) -> bool:
+    try:
+        return hasattr(ctypes.CDLL(path), symbol)
+    except OSError:
+        return False
+
+
+def is_process_failure(error: BaseException, comms=()) -> bool:
+    """Whether `error`, or an error it was raised from, says that a rank died: ULFM's
+    MPI_ERR_PROC_FAILED (or _PENDING), a communicator revoked after such a death, or
+    MPI_ERR_IN_STATUS (a wait on several requests, whose statuses are gone) while a process of
+    the job is known dead or one of `comms` (mpi4py communicators) is revoked."""
+    if "mpi4py.MPI" not in sys.modules:
+        return False
+    MPI = sys.modules["mpi4py.MPI"]
+    classes = {getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
+               if hasattr(MPI, name)}
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, MPI.Exception):
+            if error.Get_error_class() in classes:
+                return True
+            if error.Get_error_class() == MPI.ERR_IN_STATUS and _death_known(MPI, comms):
+                return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _death_known(MPI, comms) -> bool:
+    if not hasattr(MPI.Comm, "Is_revoked"):
+        return False
+    if any(comm.Is_revoked() for comm in comms):
+        return True
+    MPI.COMM_WORLD.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)  # lets MPI take note of deaths reported
+    failed = MPI.COMM_WORLD.Get_failed()
+    try:
+        return failed.Get_size() > 0
+    finally:
+        failed.Free()

@@ -7,11 +7,13 @@ parameters, optimizer state and objects), optimizer (DistributedOptimizer), join
 timeline. This module only re-exports their public names.
 
 Differences from Horovod are listed in README.md ("Horovod compatibility"); features that are
-not offered (elastic training) raise NotOfferedError instead of misbehaving. Horovod's exception
+not offered raise NotOfferedError instead of misbehaving. elastic is Horovod's elastic API on
+md.elastic (elastic.py). Horovod's exception
 names map onto mpidist's errors (basics.py; docs/horovod.md).
 """
 from ..errors import InvalidArgumentError, MismatchError, MpidistError, NotOfferedError
 from ..parallel.sync_batchnorm import SyncBatchNorm
+from . import elastic
 from .basics import (
                      Adasum,
                      Average,
@@ -27,7 +29,6 @@ from .basics import (
                      cross_size,
                      cuda_built,
                      ddl_built,
-                     elastic,
                      gloo_built,
                      gloo_enabled,
                      init,

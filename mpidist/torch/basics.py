@@ -1,8 +1,7 @@
 """What Horovod's common layer gives every framework: init() and the process information
 (rank, size, local and cross ranks, homogeneity), which backends are built, the reduction ops
-(Average, Sum, ..., Adasum) with Horovod's rule for the deprecated `average=`, the names of its
-exceptions (horovod.common.exceptions) on mpidist's errors, and hvd.elastic, which mpidist does
-not offer.
+(Average, Sum, ..., Adasum) with Horovod's rule for the deprecated `average=`, and the names of its
+exceptions (horovod.common.exceptions) on mpidist's errors.
 """
 from __future__ import annotations
 
@@ -150,8 +149,9 @@ HorovodInternalError = MismatchError
 
 
 class HostsUpdatedInterrupt(RuntimeError):
-    """Horovod elastic's interrupt when the job's hosts change. The ranks of an MPI job are
-    fixed, so mpidist never raises it; scripts that catch it run unchanged."""
+    """Horovod elastic's interrupt when hosts are added to the job. An MPI job's ranks never
+    grow (a dead rank is seen as an error, hvd.elastic.run recovers from it), so mpidist never
+    raises it; scripts that catch it run unchanged."""
 
     def __init__(self, skip_sync=False):
         super().__init__("the hosts of the job changed")
@@ -165,13 +165,3 @@ class HorovodVersionMismatchError(ImportError):
     def __init__(self, name, version, installed_version):
         super().__init__(f"{name} {version} differs from {installed_version}, the version it was built with")
         self.name, self.version, self.installed_version = name, version, installed_version
-
-
-# ---- what mpidist does not offer -----------------------------------------------------------------
-
-class _Elastic:
-    def __getattr__(self, name):
-        raise NotOfferedError("Horovod elastic training is not offered by mpidist")
-
-
-elastic = _Elastic()

@@ -7,6 +7,7 @@ Adasum in step(); on a rank outside its process_set, it steps on the rank's own 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import warnings
 
@@ -53,17 +54,31 @@ class _DistributedOptimizer:
             raise InvalidArgumentError("gradient_predivide_factor needs op=hvd.Average")
         trainable = trainable_parameters(params)
         check_not_synchronized(trainable, "DistributedOptimizer")
-        self._buckets = GradientBuckets(trainable, comm, bucket_mb=_fusion_bucket_mb(),
-                                        compression=getattr(compression, "wire", None), op=op,
-                                        predivide=gradient_predivide_factor,
-                                        passes_per_step=backward_passes_per_step,
-                                        groups=_explicit_groups(groups, params, trainable))
-        self._skip_sync = self._synchronized = False
-        register_gradient_hooks(self._buckets, "gradient_ready", trainable, "DistributedOptimizer")
-        register_optimizer(self._buckets)
+        self._trainable = trainable
+        self._new_buckets = functools.partial(GradientBuckets, trainable, bucket_mb=_fusion_bucket_mb(),
+                                              compression=getattr(compression, "wire", None), op=op,
+                                              predivide=gradient_predivide_factor,
+                                              passes_per_step=backward_passes_per_step,
+                                              groups=_explicit_groups(groups, params, trainable))
+        self._connect(comm)
         # The timeline's row of each bucket: "allreduce.<its parameters' names>".
         self._bucket_rows = ["allreduce." + "+".join(labels[id(p)] for p in bucket.params)
                              for bucket in self._buckets.buckets]
+
+    def _connect(self, comm):
+        self._buckets = self._new_buckets(comm)
+        self._skip_sync = self._synchronized = False
+        self._remove_hooks = register_gradient_hooks(self._buckets, "gradient_ready", self._trainable,
+                                                     "DistributedOptimizer")
+        register_optimizer(self._buckets)
+
+    def reconnect(self, comm):
+        """Go on on `comm`, the survivors' communicator after a rank died (hvd.elastic.run does
+        this): new gradient buckets and hooks on it; the old ones are dropped (their hooks go
+        at once, not when the collector finds them). Collective over `comm`."""
+        self._remove_hooks()
+        self._buckets = None
+        self._connect(comm)
 
     def synchronize(self):
         """Wait for the gradients' all-reduces (call before clipping gradients, then step()

@@ -159,3 +159,13 @@ def remove_process_set(process_set) -> bool:
         process_set._comm.free()  # its own duplicate; a user's communicator stays the user's
     process_set.process_set_id, process_set._comm = None, None
     return True
+
+
+def drop_process_sets() -> None:
+    """Forget every process set but the global one, without freeing their communicators (a rank
+    of the old world died, so no collective runs on them; hvd.elastic.run calls this)."""
+    for process_set_id in [key for key in _process_sets if key != 0]:
+        process_set = _process_sets.pop(process_set_id)
+        if process_set._comm is not None:
+            process_set._comm.abandon()
+        process_set.process_set_id, process_set._comm = None, None

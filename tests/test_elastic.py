@@ -1,0 +1,151 @@
+"""md.elastic and hvd.elastic: training on 3 ranks under `mpirun --with-ft ulfm`, one rank killed
+with SIGKILL mid-epoch; the 2 survivors must finish with the parameters of an independent
+single-process float64 replay from the commit they restored, on the samples the elastic sampler
+had not yet processed, dealt out over 2 ranks."""
+import os
+import re
+
+import pytest
+import torch
+from conftest import run_python
+
+SAMPLES, FEATURES, BATCH, EPOCHS, LR, MOMENTUM = 24, 3, 2, 3, 0.1, 0.9
+VICTIM, KILL_AFTER_STEPS, COMMIT_EVERY = 1, 7, 2  # killed in epoch 1, one step after the commit at step 6
+
+WORKER = f"""
+import os, signal, sys
+import torch
+import mpidist as md
+import mpidist.torch as hvd
+
+out, api = sys.argv[1], sys.argv[2]
+torch.set_num_threads(1)
+comm = md.init()
+generator = torch.Generator().manual_seed(1)
+x = torch.randn({SAMPLES}, {FEATURES}, dtype=torch.float64, generator=generator)
+y = torch.randn({SAMPLES}, 1, dtype=torch.float64, generator=generator)
+dataset = torch.utils.data.TensorDataset(x, y)
+torch.manual_seed(comm.rank)  # different starts: the first sync must give every rank rank 0's
+model = torch.nn.Linear({FEATURES}, 1, dtype=torch.float64)
+if api == "md":
+    model = md.DataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr={LR}, momentum={MOMENTUM})
+    sampler = md.elastic.ElasticSampler(dataset, shuffle=False)
+    state = md.elastic.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0, steps=0)
+else:
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr={LR}, momentum={MOMENTUM}),
+                                         named_parameters=model.named_parameters())
+    sampler = hvd.elastic.ElasticSampler(dataset, shuffle=False)
+    state = hvd.elastic.TorchState(model, optimizer, train_sampler=sampler, epoch=0, steps=0)
+resets = []
+
+def on_reset():
+    resets.append(md.size())
+    if md.rank() == 0:
+        torch.save({{"steps": state.steps, "epoch": state.epoch, "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(), "processed": sorted(sampler.processed_indices)}},
+                   os.path.join(out, "restored.pt"))
+
+state.register_reset_callbacks([on_reset])
+
+def train(state):
+    while state.epoch < {EPOCHS}:
+        loader = torch.utils.data.DataLoader(dataset, batch_size={BATCH}, sampler=sampler)
+        for batch, (inputs, targets) in enumerate(loader):
+            if md.size() == 3 and md.rank() == {VICTIM} and state.steps == {KILL_AFTER_STEPS}:
+                os.kill(os.getpid(), signal.SIGKILL)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(inputs), targets).backward()
+            optimizer.step()
+            sampler.record_batch(batch, {BATCH})
+            state.steps += 1
+            if state.steps % {COMMIT_EVERY} == 0:
+                state.commit()
+                if md.rank() == 0:
+                    torch.save(model.state_dict(), os.path.join(out, f"commit-{{state.steps}}.pt"))
+        state.epoch += 1
+        sampler.set_epoch(state.epoch)
+        state.commit()
+    return state.steps
+
+if api == "md":
+    steps = md.elastic.run(train, state)
+else:
+    steps = hvd.elastic.run(train)(state)
+torch.save({{"model": model.state_dict(), "steps": steps, "size": md.size(), "resets": resets}},
+           os.path.join(out, f"final-{{md.rank()}}.pt"))
+"""
+
+
+def replay(restored, size=2):
+    """The survivors' training from the restored commit, in one process: SGD with momentum on
+    the average over `size` ranks of each rank's mean-squared-error gradient, rank r taking every
+    size-th sample not yet processed in the epoch (sampler without shuffling), then whole epochs."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(SAMPLES, FEATURES, dtype=torch.float64, generator=generator)
+    y = torch.randn(SAMPLES, 1, dtype=torch.float64, generator=generator)
+    model = {name.removeprefix("module."): value for name, value in restored["model"].items()}  # DataParallel's
+    weight, bias = model["weight"].clone(), model["bias"].clone()
+    momentum = [restored["optimizer"]["state"][k]["momentum_buffer"].clone() for k in (0, 1)]
+    processed = set(restored["processed"])
+    steps = restored["steps"]
+    for epoch in range(restored["epoch"], EPOCHS):
+        remaining = [i for i in range(SAMPLES) if i not in processed]
+        assert len(remaining) % (size * BATCH) == 0  # no padding in this layout
+        shards = [remaining[r::size] for r in range(size)]
+        for start in range(0, len(shards[0]), BATCH):
+            grads = [torch.zeros_like(weight), torch.zeros_like(bias)]
+            for shard in shards:
+                rows = shard[start:start + BATCH]
+                error = x[rows] @ weight.T + bias - y[rows]  # d(mean((xw+b-y)^2)) = 2 e x / n
+                grads[0] += (2 * error.T @ x[rows] / len(rows)) / size
+                grads[1] += (2 * error.sum(0) / len(rows)) / size
+            for k, (param, grad) in enumerate(zip((weight, bias), grads)):
+                momentum[k] = MOMENTUM * momentum[k] + grad
+                param -= LR * momentum[k]
+            steps += 1
+        processed = set()
+    return weight, bias, steps
+
+
+@pytest.mark.parametrize("api", ["md", "hvd"])
+def test_elastic_run_survives_a_killed_rank_and_matches_the_replay(api, tmp_path):
+    result = run_python(WORKER, ranks=3, args=(str(tmp_path), api), mpirun_options=("--with-ft", "ulfm"),
+                        env={"MPIDIST_TIMEOUT": "60"}, timeout=150)
+    output = result.stdout + result.stderr
+    assert f"rank {VICTIM} of 3 died; going on with 2 ranks" in output, output
+    finals = [torch.load(tmp_path / f"final-{rank}.pt") for rank in range(2)]
+    assert not os.path.exists(tmp_path / "final-2.pt"), output
+    restored = torch.load(tmp_path / "restored.pt")
+    # The survivors went back to the last commit before the death (step 6), as rank 0 saved it.
+    assert restored["steps"] == KILL_AFTER_STEPS - 1 and restored["epoch"] == 1
+    committed = torch.load(tmp_path / f"commit-{restored['steps']}.pt")
+    assert all(torch.equal(committed[name], restored["model"][name]) for name in committed)
+    assert len(restored["processed"]) == (KILL_AFTER_STEPS - 1 - SAMPLES // (3 * BATCH)) * 3 * BATCH
+    weight, bias, steps = replay(restored)
+    for final in finals:
+        assert final["size"] == 2 and final["resets"] == [2] and final["steps"] == steps
+        model = final["model"]
+        prefix = "module." if api == "md" else ""
+        torch.testing.assert_close(model[prefix + "weight"], weight, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(model[prefix + "bias"], bias, rtol=1e-12, atol=1e-12)
+
+
+def test_without_fault_tolerance_elastic_run_says_what_is_lost(tmp_path):
+    code = """
+import warnings
+import torch
+import mpidist as md
+md.init()
+state = md.elastic.State(value=1)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    print("returned", md.elastic.run(lambda state: state.value + md.size(), state))
+if md.rank() == 0:
+    print("warned:", caught[0].message)
+"""
+    result = run_python(code, ranks=2, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("returned 3") == 2
+    warning = re.search("warned: (.*)", result.stdout).group(1)
+    assert "mpirun --with-ft ulfm" in warning and "ends the whole job" in warning
