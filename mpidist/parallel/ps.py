@@ -7,7 +7,10 @@ With several servers (servers=k), each owns one contiguous range of the flattene
 range of the weights, all at once. The first server, the coordinator, decides every update
 (which workers' gradients it averages) and every reply, and tells the other servers in order:
 they apply the same sequence of updates to their ranges and answer the same workers after the
-same updates, so a worker's ranges always come from one version (it checks).
+same updates, so a worker's ranges always come from one version (it checks). Each of several
+servers holds its range apart, in tensors of its own stepped by optimizers over them alone
+(ps_shards.OwnedRange), and copies it into its module when the module is looked at (on_update,
+the end).
 
 Update rules (Zhang et al., "Staleness-Aware Async-SGD for Distributed Deep Learning", IJCAI
 2016; Ho et al., "More Effective Distributed ML via a Stale Synchronous Parallel Parameter
@@ -197,6 +200,10 @@ class ParameterServer:
         self.mpi = self.comm.mpi.Dup()  # point-to-point traffic of its own, apart from collectives
         self._agree(unsplittable)
         broadcast_module_state(module, self.comm, root=self.chief)
+        # A server of several steps its own rows alone; one server steps the user's optimizer,
+        # whose state is then the whole model's (what checkpoints save).
+        self._owned = ps_shards.OwnedRange(self.params, self._range, self.optimizers) \
+            if self.is_server and len(self.servers) > 1 else None
 
     def _server_ranks(self, servers, server: int) -> list:
         if isinstance(servers, int) and not isinstance(servers, bool):
@@ -330,9 +337,7 @@ class ParameterServer:
             # already waiting (then nobody could bring more).
             if arrived and (len(arrived) >= self.per_update or active <= set(arrived) | owed):
                 sends += self._command(APPLY, sorted(arrived))
-                history.append(self._apply(arrived, tuple(late)))
-                if on_update is not None:
-                    on_update(history[-1])
+                history.append(self._apply(arrived, tuple(late), on_update))
                 owed |= set(arrived)
                 arrived, late = {}, []
             for waiting in sorted(owed):
@@ -366,9 +371,7 @@ class ParameterServer:
                 _, step, version = self._receive_gradient(workers[0])
                 late.append(self._drop(workers[0], step, version))
             else:
-                history.append(self._apply({w: self._receive_gradient(w) for w in workers}, tuple(late)))
-                if on_update is not None:
-                    on_update(history[-1])
+                history.append(self._apply({w: self._receive_gradient(w) for w in workers}, tuple(late), on_update))
                 late = []
             sends = [outgoing for outgoing in sends if not outgoing.test()]
 
@@ -431,7 +434,7 @@ class ParameterServer:
         steps ahead of the slowest worker still training."""
         return self.max_staleness is None or pushed[worker] - min(pushed[w] for w in active) <= self.max_staleness
 
-    def _apply(self, arrived: dict, dropped: tuple) -> Update:
+    def _apply(self, arrived: dict, dropped: tuple, on_update) -> Update:
         order = sorted(arrived)  # by worker rank: the same sum whatever order they arrived in
         total = arrived[order[0]][0][0].clone()
         for worker in order[1:]:
@@ -441,7 +444,27 @@ class ParameterServer:
             table.weight.grad = ps_sparse.mean_gradient(table, [arrived[w][0][1][index] for w in order], len(order))
         staleness = float(np.mean([self.version - arrived[w][2] for w in order]))
         lr_scale = 1.0 / max(1.0, staleness) if self.staleness_lr else 1.0
-        self._set_gradients(total)
+        if self._owned is not None:
+            self._owned.set_gradients(total)
+            self._owned.step(lr_scale)
+        else:
+            self._step_whole(total, lr_scale)
+        for table in self.tables:
+            table.weight.grad = None
+        self.version += 1
+        update = Update(self.version, tuple((w, arrived[w][1], arrived[w][2]) for w in order), staleness, lr_scale,
+                        dropped)
+        if on_update is not None:
+            if self._owned is not None:
+                self._owned.to_module()
+            on_update(update)
+        return update
+
+    def _step_whole(self, gradient: torch.Tensor, lr_scale: float) -> None:
+        """The one server's update: the mean gradient as the parameters' gradients, the user's
+        optimizers stepped with the learning rate times lr_scale for this update alone."""
+        for param, part in zip(self.params, gradient.split(self.numels)):
+            param.grad = part.view_as(param).to(param.device)
         groups = [group for optimizer in self.optimizers for group in optimizer.param_groups]
         learning_rates = [group["lr"] for group in groups]
         for group in groups:
@@ -452,37 +475,16 @@ class ParameterServer:
         finally:
             for group, lr in zip(groups, learning_rates):
                 group["lr"] = lr
-        for param in self.params + [table.weight for table in self.tables]:
+        for param in self.params:
             param.grad = None
-        self.version += 1
-        return Update(self.version, tuple((w, arrived[w][1], arrived[w][2]) for w in order), staleness, lr_scale,
-                      dropped)
-
-    def _set_gradients(self, part: torch.Tensor) -> None:
-        """This server's range of the mean gradient as the parameters' gradients: none for a
-        parameter outside the range (the optimizer skips it), zeros outside the range's rows
-        for one the range cuts (an elementwise optimizer leaves the owned rows exact)."""
-        start, end = self._range
-        offset = 0
-        for param, numel in zip(self.params, self.numels):
-            low, high = max(start, offset), min(end, offset + numel)
-            if low >= high:
-                param.grad = None
-            elif high - low == numel:
-                param.grad = part[low - start:high - start].view_as(param).to(param.device)
-            else:
-                grad = torch.zeros(numel, dtype=part.dtype)
-                grad[low - offset:high - offset] = part[low - start:high - start]
-                param.grad = grad.view_as(param).to(param.device)
-            offset += numel
 
     def _send_weights(self, worker: int) -> wire.Outgoing:
         """Start sending this server's range of the current weights and their version."""
         if self._sent_weights is None or self._sent_weights[0] != self.version:
             # One copy per version, shared by every reply of that version (sync mode answers
             # every worker with the same one): pending sends only read it.
-            start, end = self._range
-            self._sent_weights = (self.version, self._flat([p.detach() for p in self.params])[start:end])
+            weights = self._owned.weights() if self._owned is not None else self._flat(self.params)
+            self._sent_weights = (self.version, weights)
         return wire.send(self.mpi, self._sent_weights[1], worker, REPLY, fields=(self.version, SENT_WEIGHTS))
 
     def _send_table_ranges(self, rank: int, tag: int) -> list:
@@ -497,7 +499,8 @@ class ParameterServer:
         if len(self.servers) == 1:
             return []
         start, end = self._range
-        weights = self._flat([p.detach() for p in self.params])
+        weights = torch.empty(self.numel, dtype=self.dtype)
+        weights[start:end] = self._owned.weights()
         others = [s for s in self.servers if s != self.comm.rank]
         sends = [wire.send(self.mpi, weights[start:end], other, SHARE) for other in others]
         for other in others:

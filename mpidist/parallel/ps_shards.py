@@ -1,12 +1,16 @@
 """How a parameter server's model is partitioned over several server ranks: the parameters laid
 end to end in one flat vector, cut into one contiguous range per server, balanced by size. A cut
 falls on a row boundary, so a large tensor is split into row ranges (as TensorFlow's variable
-partitioners and ps-lite's key ranges split theirs) and a small one stays whole.
+partitioners and ps-lite's key ranges split theirs) and a small one stays whole. A server of
+several keeps its own range in tensors of its own, stepped by optimizers over them alone
+(OwnedRange), so that its work per update is its share of the model.
 """
 from __future__ import annotations
 
 import bisect
 import zlib
+
+import torch
 
 from ..errors import InvalidArgumentError
 
@@ -51,3 +55,91 @@ def partition(shapes, servers: int) -> list:
 def fingerprint(shapes, ranges) -> int:
     """A number that differs (almost surely) between two layouts: what ranks compare to agree."""
     return zlib.crc32(repr((tuple(tuple(s) for s in shapes), tuple(ranges))).encode()) & 0x7FFFFFFF
+
+
+def optimizer_like(optimizer, groups) -> torch.optim.Optimizer:
+    """An optimizer of `optimizer`'s class over other parameters: `groups` is [(one of its
+    param_groups, the parameters in its place)], each new group with that group's settings."""
+    return type(optimizer)([dict(group, params=params) for group, params in groups])
+
+
+class OwnedRange:
+    """A server's range [start, end) of the flat dense parameters `params`, held apart from the
+    module: one flat buffer, and for each parameter the range covers, its rows there as a leaf
+    tensor viewing the buffer (the buffer is thus always the range's current weights, what
+    replies copy). `optimizers` are the user's optimizers remade over these rows (the
+    parameters they hold that are not dense, the sparse tables, stay as they are), with each
+    group's settings and state restricted to the rows; a user's optimizer that holds none of
+    this server's parameters is left out. Elementwise optimizers then give the owned rows
+    exactly what they would give the whole tensors."""
+
+    def __init__(self, params: list, span: tuple, optimizers: list):
+        start, end = span
+        device = params[0].device if params else torch.device("cpu")
+        dtype = params[0].dtype if params else torch.get_default_dtype()
+        self.flat = torch.empty(end - start, dtype=dtype, device=device)
+        self.pieces = []  # (the module's parameter, its rows here, their flat span within the parameter)
+        offset = 0
+        for param in params:
+            low, high = max(start, offset), min(end, offset + param.numel())
+            if low < high:
+                rows = self.flat[low - start:high - start]
+                rows.copy_(param.detach().reshape(-1)[low - offset:high - offset])
+                shape = param.shape if high - low == param.numel() else (-1, *param.shape[1:])
+                self.pieces.append((param, rows.view(shape).requires_grad_(True), (low - offset, high - offset)))
+            offset += param.numel()
+        self._pairs = []  # (user's group, remade group), for the settings a scheduler may change
+        self.optimizers = [remade for remade in (self._remake(optimizer, params) for optimizer in optimizers)
+                           if remade is not None]
+
+    def _remake(self, optimizer, params: list):
+        dense = {id(param) for param in params}
+        owned = {id(param): (rows, span) for param, rows, span in self.pieces}
+        groups = []
+        for group in optimizer.param_groups:
+            mine = [owned[id(p)][0] if id(p) in owned else p for p in group["params"]
+                    if id(p) in owned or id(p) not in dense]
+            if mine:
+                groups.append((group, mine))
+        if not groups:
+            return None
+        remade = optimizer_like(optimizer, groups)
+        self._pairs += list(zip((group for group, _ in groups), remade.param_groups))
+        for param, state in optimizer.state.items():  # a resumed optimizer's state, cut to the rows
+            if id(param) in owned:
+                rows, (low, high) = owned[id(param)]
+                remade.state[rows] = {key: value.reshape(-1)[low:high].view_as(rows).clone()
+                                      if torch.is_tensor(value) and value.shape == param.shape else value
+                                      for key, value in state.items()}
+            elif id(param) not in dense:
+                remade.state[param] = state
+        return remade
+
+    def set_gradients(self, gradient: torch.Tensor) -> None:
+        """The range's mean gradient (flat, the range's length) as the rows' gradients."""
+        gradient = gradient.to(self.flat.device)
+        at = 0
+        for _, rows, (low, high) in self.pieces:
+            rows.grad = gradient[at:at + high - low].view_as(rows)
+            at += high - low
+
+    def step(self, lr_scale: float) -> None:
+        """One update of the rows: the user's current settings (a scheduler may have changed
+        them), the learning rate times lr_scale for this update alone."""
+        for user, remade in self._pairs:
+            remade.update({key: value for key, value in user.items() if key != "params"})
+            remade["lr"] = user["lr"] * lr_scale
+        for optimizer in self.optimizers:
+            optimizer.step()
+        for _, rows, _ in self.pieces:
+            rows.grad = None
+
+    def weights(self) -> torch.Tensor:
+        """A CPU copy of the range's current weights (pending sends read it while the rows move on)."""
+        return self.flat.detach().to("cpu", copy=True)
+
+    def to_module(self) -> None:
+        """Copy the rows into the module's parameters."""
+        with torch.no_grad():
+            for param, rows, (low, high) in self.pieces:
+                param.view(-1)[low:high] = rows.reshape(-1)

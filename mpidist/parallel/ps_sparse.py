@@ -10,6 +10,7 @@ import dataclasses
 import torch
 
 from ..errors import InvalidArgumentError
+from .ps_shards import optimizer_like
 
 EMBEDDINGS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 
@@ -96,7 +97,7 @@ def refusal(optimizers: list, table: Table):
                 named = f"the optimizer {type(optimizer).__name__}"
                 probe = torch.zeros((2, 1), dtype=table.weight.dtype, requires_grad=True)
                 try:
-                    trial = type(optimizer)([dict(group, params=[probe])])
+                    trial = optimizer_like(optimizer, [(group, [probe])])
                     probe.grad = torch.sparse_coo_tensor([[0]], torch.ones((1, 1), dtype=probe.dtype), (2, 1),
                                                          check_invariants=False)
                     trial.step()
