@@ -47,5 +47,11 @@ class DeadlineError(MismatchError):
         self.peers = tuple(peers)
 
 
+class PeerExitedError(DeadlineError):
+    """A rank's program ended (it returned, or called sys.exit) while this rank waits for it in a
+    collective it never entered: the wait can never complete, so it ends at once instead of at
+    MPIDIST_TIMEOUT. `peers`: the ranks that ended, on the communicator of the wait."""
+
+
 class NotOfferedError(MpidistError):
     """A feature of a peer (Horovod, PyTorch) that mpidist does not offer."""

@@ -1,7 +1,9 @@
 """What a job does when one of its ranks fails (docs/faults.md): an uncaught exception on any rank
 aborts the whole job at once, with that rank's traceback (runtime/abort.py), unless
-MPIDIST_ABORT_ON_EXCEPTION=0; and a wait in a collective past MPIDIST_STALL_WARNING prints the
-stall report naming the ranks that have not arrived (runtime/stall.py).
+MPIDIST_ABORT_ON_EXCEPTION=0; a rank whose program ends (sys.exit) before a collective the others
+wait in makes them raise PeerExitedError within seconds (runtime/stall.py's ExitWatch); and a
+wait in a collective past MPIDIST_STALL_WARNING prints the stall report naming the ranks that have
+not arrived (runtime/stall.py).
 
 Each check launches mpirun itself: the job must end (or stall) as a whole, which a test running
 inside the ranks cannot watch."""
@@ -57,6 +59,55 @@ def test_without_abort_the_other_ranks_wait_out_their_deadline():
     assert "ValueError: bad value at step 3" in output, output
     assert "rank 0: the barrier call check did not complete within 3 s" in output, output
     assert "aborting the whole job" not in output and "MPI_ABORT" not in output
+
+
+EXITING_RANK = textwrap.dedent("""
+    import sys
+    import time
+    import numpy as np
+    import mpidist as md
+    md.init()
+    values = np.ones(4)
+    md.allreduce(values)
+    if md.rank() == md.size() - 1:
+        print(f"raising at {time.time()}", flush=True)  # the moment of the exit, for seconds_after_raising
+        sys.exit(3)
+    md.allreduce(values)
+""")
+
+
+def test_a_rank_that_exits_without_entering_a_collective_ends_the_job_quickly():
+    ranks = 3
+    result, output = launch(EXITING_RANK, ranks, {"MPIDIST_TIMEOUT": "120"})
+    seconds = seconds_after_raising(output)
+    assert seconds < 15, f"the job took {seconds:.1f} s to end after the exit:\n{output}"
+    assert result.returncode != 0
+    assert (f"PeerExitedError: rank 0: the allreduce call check cannot complete: the program of rank(s) [{ranks - 1}] "
+            "ended") in output, output
+    assert "MPI_ABORT was invoked" in output or "calling\n\"abort\"" in output, output
+
+
+def test_ranks_that_exit_at_different_times_after_the_same_calls_end_normally():
+    # The last rank leaves first; rank 0 computes for longer than the grace the others give an
+    # exited rank, then makes a collective over a communicator without the exited rank.
+    code = textwrap.dedent("""
+        import time
+        import numpy as np
+        import mpidist as md
+        from mpi4py import MPI
+        md.init()
+        values = np.ones(4)
+        last = md.rank() == md.size() - 1
+        rest = md.world().mpi.Split(MPI.UNDEFINED if last else 0)
+        md.allreduce(values)
+        if not last:
+            time.sleep(4)
+            md.Communicator(rest).allreduce(values)
+            assert (values == md.size() * (md.size() - 1)).all(), values
+    """)
+    result, output = launch(code, 3, {"MPIDIST_TIMEOUT": "60"})
+    assert result.returncode == 0, output
+    assert "PeerExitedError" not in output
 
 
 def test_a_world_of_one_ends_as_python_does():

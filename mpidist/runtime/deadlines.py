@@ -80,11 +80,20 @@ def other_ranks(mpi) -> tuple:
 def wait_for_collective(request, mpi, what: str) -> None:
     """Wait for a nonblocking collective `request` on the mpi4py communicator `mpi`. Which rank
     is missing cannot be known from here, so the error names every other rank; a wait past
-    MPIDIST_STALL_WARNING prints the stall report, which reads it from the other ranks' records."""
+    MPIDIST_STALL_WARNING prints the stall report, which reads it from the other ranks' records,
+    and a rank whose program ended without entering ends the wait at once (PeerExitedError)."""
     others = other_ranks(mpi)
     waiting_in = f"the {what}"
     stall.publish(waiting_in)
-    wait_until(request.Test, f"rank {mpi.Get_rank()}", waiting_in,
+    exits = stall.ExitWatch(mpi, waiting_in)
+
+    def arrived():
+        if request.Test():
+            return True
+        exits.check()  # raises once a rank that never entered has ended its program
+        return False
+
+    wait_until(arrived, f"rank {mpi.Get_rank()}", waiting_in,
                f"ranks {list(others)} (at least one of them did not enter it)", peers=others,
                advice="Some rank did not enter the same collective (it may have raised an error, or called a "
                       "different collective). This communicator can no longer be used safely.",

@@ -8,23 +8,36 @@ rank's own memory. Publishing is a local write of a few bytes (publish, returned
 that runs past the warning reads the other ranks' records (report), with one-sided gets that
 need nothing from the rank read. Without a board (a Communicator made without md.init()) the
 report names every other rank of the communicator, as the deadline error does.
+
+The same records tell a waiting rank that a peer's program has ended (ExitWatch): md.init()
+has every rank mark its record at exit, and a rank still waiting for that peer in a collective
+raises PeerExitedError a few seconds later instead of waiting out MPIDIST_TIMEOUT.
 """
 from __future__ import annotations
 
+import atexit
 import sys
 import time
 
 import numpy as np
 
+from ..errors import PeerExitedError
 from .mpi import load_mpi
 
 TEXT_BYTES = 104
 RECORD_BYTES = 24 + TEXT_BYTES  # time (float64), state (int64), text length (int64), text
-NO_CALL, WAITING, RETURNED = 0, 1, 2
+NO_CALL, WAITING, RETURNED, EXITED = 0, 1, 2, 3
 # How long a report may wait for the records of the other ranks: on one node a read is a copy
 # from shared memory; across nodes, with no hardware one-sided support, a read needs the other
 # rank's MPI library to make progress, which a rank busy away from MPI does not.
 READ_SECONDS = 2.0
+# How often a waiting rank looks for peers whose program has ended (after waiting this long), and
+# how long such a peer must have been gone before the wait is declared hopeless. A rank exits only
+# after its last call returned; a call it did enter completes at the others within moments (its
+# messages are on their way, or delivered), so a wait still open seconds after is for a call the
+# peer never entered.
+EXIT_CHECK_SECONDS = 1.0
+EXIT_GRACE_SECONDS = 2.0
 
 _board = None
 
@@ -55,6 +68,10 @@ class Board:
     def returned(self) -> None:
         self.time[0] = time.time()
         self.state[0] = RETURNED
+
+    def exited(self) -> None:
+        self.time[0] = time.time()
+        self.state[0] = EXITED
 
     def read(self, board_ranks) -> dict:
         """{board rank: (state, time, text)} of the ranks whose records arrived within
@@ -87,6 +104,9 @@ def open_board(mpi) -> None:
             _board = Board(mpi)
         except load_mpi().Exception:
             _board = None
+        else:
+            # Registered after mpi4py's import, so it runs before MPI_Finalize.
+            atexit.register(_board.exited)
 
 
 def publish(what: str) -> None:
@@ -101,6 +121,48 @@ def returned() -> None:
         _board.returned()
 
 
+def board_ranks(mpi, ranks) -> list:
+    """The board's ranks of `ranks` of communicator `mpi` (None for a rank not on the board)."""
+    MPI = load_mpi()
+    group, board_group = mpi.Get_group(), _board.mpi.Get_group()
+    translated = MPI.Group.Translate_ranks(group, list(ranks), board_group)
+    group.Free()
+    board_group.Free()
+    return [None if rank == MPI.UNDEFINED else rank for rank in translated]
+
+
+class ExitWatch:
+    """Watches, during one wait in `what` on communicator `mpi`, for the ranks of `mpi` whose
+    program has ended: check() raises PeerExitedError once one has been gone for
+    EXIT_GRACE_SECONDS (see there why that is safe). It reads the records only after
+    EXIT_CHECK_SECONDS of waiting, and then once per EXIT_CHECK_SECONDS; without a board it does
+    nothing."""
+
+    def __init__(self, mpi, what: str):
+        self.mpi, self.what = mpi, what
+        self.next_check = time.monotonic() + EXIT_CHECK_SECONDS
+        self.gone_since = None
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if _board is None or now < self.next_check:
+            return
+        self.next_check = now + EXIT_CHECK_SECONDS
+        me = self.mpi.Get_rank()
+        others = [rank for rank in range(self.mpi.Get_size()) if rank != me]
+        on_board = board_ranks(self.mpi, others)
+        records = _board.read([rank for rank in on_board if rank is not None])
+        gone = [rank for rank, board_rank in zip(others, on_board) if records.get(board_rank, (None,))[0] == EXITED]
+        if not gone:
+            return
+        if self.gone_since is None:
+            self.gone_since = now
+        if now - self.gone_since >= EXIT_GRACE_SECONDS:
+            raise PeerExitedError(f"rank {me}: {self.what} cannot complete: the program of rank(s) {gone} ended (it "
+                                  "returned or called sys.exit) without entering it. Every rank must make the same "
+                                  "collective calls before it exits", peers=gone)
+
+
 def report(mpi, what: str, waited: float, timeout: float) -> None:
     """Print the stall report of this rank, which has waited `waited` seconds in `what` on the
     mpi4py communicator `mpi`. With a board, only the lowest-ranked rank that sees itself among
@@ -112,12 +174,8 @@ def report(mpi, what: str, waited: float, timeout: float) -> None:
               f"{others} have not arrived; still waiting until MPIDIST_TIMEOUT ({timeout:.0f} s)",
               file=sys.stderr, flush=True)
         return
-    MPI = load_mpi()
-    group, board_group = mpi.Get_group(), _board.mpi.Get_group()
-    on_board = MPI.Group.Translate_ranks(group, others, board_group)
-    group.Free()
-    board_group.Free()
-    records = _board.read([rank for rank in on_board if rank != MPI.UNDEFINED])
+    on_board = board_ranks(mpi, others)
+    records = _board.read([rank for rank in on_board if rank is not None])
     now = time.time()
     missing, lines = [], []
     for rank, board_rank in zip(others, on_board):
@@ -135,6 +193,8 @@ def report(mpi, what: str, waited: float, timeout: float) -> None:
             lines.append(f"{name}: has not waited in any mpidist collective since md.init()")
         elif state == WAITING:
             lines.append(f"{name}: waits in {text} (for {now - since:.0f} s)")
+        elif state == EXITED:
+            lines.append(f"{name}: its program ended {now - since:.0f} s ago")
         else:
             lines.append(f"{name}: last called {text}, which returned {now - since:.0f} s ago; no collective since")
     if not missing:
