@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from ..errors import PeerExitedError
-from .mpi import load_mpi
+from .mpi import fault_tolerant, load_mpi
 
 TEXT_BYTES = 104
 RECORD_BYTES = 24 + TEXT_BYTES  # time (float64), state (int64), text length (int64), text
@@ -135,17 +135,19 @@ class ExitWatch:
     """Watches, during one wait in `what` on communicator `mpi`, for the ranks of `mpi` whose
     program has ended: check() raises PeerExitedError once one has been gone for
     EXIT_GRACE_SECONDS (see there why that is safe). It reads the records only after
-    EXIT_CHECK_SECONDS of waiting, and then once per EXIT_CHECK_SECONDS; without a board it does
-    nothing."""
+    EXIT_CHECK_SECONDS of waiting, and then once per EXIT_CHECK_SECONDS. It does nothing without a
+    board, nor in a fault-tolerant run (ULFM), where a dead rank is the MPI library's to report
+    and reading its record could fail."""
 
     def __init__(self, mpi, what: str):
         self.mpi, self.what = mpi, what
+        self.active = _board is not None and not fault_tolerant()
         self.next_check = time.monotonic() + EXIT_CHECK_SECONDS
         self.gone_since = None
 
     def check(self) -> None:
         now = time.monotonic()
-        if _board is None or now < self.next_check:
+        if not self.active or now < self.next_check:
             return
         self.next_check = now + EXIT_CHECK_SECONDS
         me = self.mpi.Get_rank()
