@@ -16,6 +16,7 @@ raises PeerExitedError a few seconds later instead of waiting out MPIDIST_TIMEOU
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import time
 
@@ -57,6 +58,7 @@ class Board:
         self.length = memory[16:24].view(np.int64)
         self.text = memory[24:RECORD_BYTES]
         self.state[0] = NO_CALL
+        self.pid = os.getpid()
 
     def publish(self, what: str) -> None:
         data = what.encode()[:TEXT_BYTES]
@@ -70,6 +72,8 @@ class Board:
         self.state[0] = RETURNED
 
     def exited(self) -> None:
+        if os.getpid() != self.pid:
+            return  # a forked child (a data loader's worker) ending: its memory may be the rank's
         self.time[0] = time.time()
         self.state[0] = EXITED
 
