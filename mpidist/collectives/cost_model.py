@@ -1,0 +1,258 @@
+"""The all-reduce cost model: each algorithm's time as latency, bandwidth and reduction terms per
+step, in the alpha-beta-gamma model of Thakur, Rabenseifner and Gropp (2005), and the fitting of
+its parameters to measured times.
+
+Parameters (seconds per message, per byte, per barrier round):
+  call                   one all-reduce call through mpidist, whatever it moves (argument check,
+                         dispatch; the intercept)
+  alpha_shm, beta_shm    one of our point-to-point messages between two ranks of one node
+  alpha_net, beta_net    the same between ranks of different nodes
+  gamma                  reducing one byte of one operand into another (the fused kernels)
+  copy                   copying one byte in memory (the hierarchical algorithm's shared window)
+  sync                   one round of a node barrier (the hierarchical algorithm's)
+  mpi_alpha_shm, mpi_beta_shm, mpi_alpha_net, mpi_beta_net
+                         the MPI library's own all-reduce, a black box: per step and per byte
+                         (its own reduction included), inside one node and across nodes
+
+Layout: p ranks, L ranks per node, placed by block (node k holds ranks kL .. kL+L-1), N = p/L
+nodes; two ranks talk over shared memory when they are on one node, else over the node's link.
+A step's time is that of its slowest pair, so a step with any pair across nodes costs the link's
+terms; when c ranks of a node send across at once they share its link (c times beta_net).
+
+Every message of ours costs one alpha per segment (MPIDIST_SEGMENT_BYTES) where the algorithm
+posts segments: over TCP each segment is its own rendezvous, which is why the segmented
+algorithms fall behind with one rank per node (benchmarks/results/multinode-cpu.md).
+
+A time is a sum of coefficient x parameter, so terms() gives the coefficients, predict() their
+sum with the parameters, and fit() finds the parameters by least squares on relative error.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+
+PARAMETERS = ("call", "alpha_shm", "beta_shm", "alpha_net", "beta_net", "gamma", "copy", "sync",
+              "mpi_alpha_shm", "mpi_beta_shm", "mpi_alpha_net", "mpi_beta_net")
+MODELLED = ("ring", "tree", "recursive_halving", "recursive_doubling", "reduce_bcast", "hierarchical", "mpi")
+
+# Mirrors of the algorithms' own constants (collectives/reduce_bcast.py, hierarchical.py); the
+# model takes them as arguments only where a user can change them (the segment size).
+REDUCE_BCAST_BLOCK = 4 * 1024 * 1024
+RING_ACROSS_NODES_BYTES = 1024 * 1024
+
+
+class Layout:
+    """p ranks, `per_node` of them on each node, by block."""
+
+    def __init__(self, ranks: int, per_node: int):
+        if ranks < 1 or per_node < 1:
+            raise ValueError(f"a layout needs at least one rank and one rank per node, got {ranks} x {per_node}")
+        self.ranks = ranks
+        self.per_node = min(per_node, ranks)
+        self.nodes = math.ceil(ranks / self.per_node)
+
+    def link(self, distance: int) -> str:
+        """The link between ranks `distance` apart in the partner patterns of the tree and the
+        recursive algorithms (partners at distances below the node size share a node)."""
+        return "shm" if self.nodes == 1 or distance < self.per_node else "net"
+
+    def sharing(self, link: str) -> int:
+        """How many ranks of a node send over its link at once when all pair across nodes."""
+        return self.per_node if link == "net" else 1
+
+
+class Terms(Counter):
+    """Coefficients of the parameters: a time once multiplied by them."""
+
+    def message(self, link: str, nbytes: float, messages: int = 1, sharing: int = 1) -> None:
+        if nbytes > 0:
+            self[f"alpha_{link}"] += messages
+            self[f"beta_{link}"] += nbytes * sharing
+
+    def segmented(self, link: str, nbytes: float, segment: int, sharing: int = 1) -> None:
+        self.message(link, nbytes, max(1, math.ceil(nbytes / segment)), sharing)
+
+
+def terms(algorithm: str, nbytes: int, layout: Layout, segment: int) -> Terms:
+    """The coefficients of one all-reduce of `nbytes` with `algorithm` on `layout`."""
+    if algorithm not in MODELLED:
+        raise ValueError(f"no cost model for algorithm {algorithm!r}; modelled: {', '.join(MODELLED)}")
+    total = Terms(call=1)
+    if layout.ranks > 1 and nbytes > 0:
+        total.update(STEPS[algorithm](nbytes, layout, segment))
+    return total
+
+
+def ring_steps(n, layout: Layout, segment: int) -> Terms:
+    """2(p-1) steps of n/p bytes; the reduce-scatter's half also reduces them. With several
+    nodes one pair of each step crosses each node boundary."""
+    p = layout.ranks
+    link = "net" if layout.nodes > 1 else "shm"
+    chunk = n / p
+    steps = Terms()
+    for _ in range(2 * (p - 1)):
+        steps.segmented(link, chunk, segment)
+    steps["gamma"] += (p - 1) * chunk
+    return steps
+
+
+def tree_steps(n, layout: Layout, segment: int) -> Terms:
+    """Binomial reduce to rank 0 and broadcast back, pipelined by segment: rank 0 takes every
+    segment from each of its ceil(log2 p) children in turn (and sends each to each), after the
+    pipeline fills through the subtree of its largest child."""
+    segments = max(1, math.ceil(n / segment))
+    piece = n / segments
+    masks = [1 << level for level in range(math.ceil(math.log2(layout.ranks)))]
+    steps = Terms()
+    for mask in masks:
+        link = layout.link(mask)
+        rounds = 2 * (segments + (1 if mask != masks[-1] else 0))  # reduce and broadcast
+        steps.message(link, piece * rounds, rounds)
+        steps["gamma"] += piece * rounds / 2
+    return steps
+
+
+def fold_steps(n, layout: Layout) -> tuple[Terms, int]:
+    """Rabenseifner's fold to the power of two p2 below p: whole-buffer messages in and out."""
+    p2 = 1 << (layout.ranks.bit_length() - 1)
+    steps = Terms()
+    if p2 < layout.ranks:
+        link = layout.link(1)
+        steps.message(link, 2 * n, 2)
+        steps["gamma"] += n
+    return steps, p2
+
+
+def recursive_doubling_steps(n, layout: Layout, segment: int) -> Terms:
+    """log2(p2) exchanges of the whole buffer, each one message (not segmented)."""
+    steps, p2 = fold_steps(n, layout)
+    distance = 1
+    while distance < p2:
+        link = layout.link(distance)
+        steps.message(link, n, 1, layout.sharing(link))
+        steps["gamma"] += n
+        distance <<= 1
+    return steps
+
+
+def recursive_halving_steps(n, layout: Layout, segment: int) -> Terms:
+    """log2(p2) halving exchanges (segmented, reduced) at distances p2/2 .. 1, then the same
+    exchanges back as single messages (the allgather by recursive doubling)."""
+    steps, p2 = fold_steps(n, layout)
+    distance, part = p2 // 2, n / 2
+    while distance >= 1:
+        link = layout.link(distance)
+        steps.segmented(link, part, segment, layout.sharing(link))
+        steps.message(link, part, 1, layout.sharing(link))
+        steps["gamma"] += part
+        distance, part = distance // 2, part / 2
+    return steps
+
+
+def reduce_bcast_steps(n, layout: Layout, segment: int) -> Terms:
+    """Rank 0 takes every other rank's buffer (blocks of REDUCE_BCAST_BLOCK, one message each;
+    those from other nodes through its node's link), reduces them in one k-way pass, and
+    broadcasts the result down the binomial tree."""
+    p, local = layout.ranks, layout.per_node
+    blocks = max(1, math.ceil(n / REDUCE_BCAST_BLOCK))
+    steps = Terms()
+    steps.message("shm", (local - 1) * n, (local - 1) * blocks)
+    steps.message("net", (p - local) * n, (p - local) * blocks)
+    steps["gamma"] += (p - 1) * n
+    broadcast = tree_steps(n, layout, segment)
+    steps.update({name: value / 2 for name, value in broadcast.items() if name != "gamma"})
+    return steps
+
+
+def barrier_rounds(ranks: int) -> int:
+    return max(1, math.ceil(math.log2(ranks))) if ranks > 1 else 0
+
+
+def hierarchical_steps(n, layout: Layout, segment: int) -> Terms:
+    """Through the node's shared window, then between node leaders (hierarchical.py's two paths)."""
+    local, nodes = layout.per_node, layout.nodes
+    leaders = Layout(nodes, 1)
+    across = (ring_steps if nodes & (nodes - 1) and n >= RING_ACROSS_NODES_BYTES else recursive_halving_steps)
+    if local == 1:
+        return across(n, leaders, segment)
+    steps = Terms()
+    steps["gamma"] += (local - 1) * n / local
+    if nodes == 1:
+        # copy in the others' slices, reduce one's own and publish it, copy the others' results out
+        steps["copy"] += 2 * (local - 1) * n / local + n / local
+        steps["sync"] += 2 * barrier_rounds(local)
+        return steps
+    steps["copy"] += 2 * n  # the whole buffer in, the whole result out
+    steps["sync"] += 3 * barrier_rounds(local)
+    steps.update(across(n, leaders, segment))
+    return steps
+
+
+def mpi_steps(n, layout: Layout, segment: int) -> Terms:
+    """The MPI library's own all-reduce as a black box with the shape of a tuned one: ceil(log2 p)
+    steps and 2(p-1)/p n bytes per rank."""
+    link = "net" if layout.nodes > 1 else "shm"
+    return Terms({f"mpi_alpha_{link}": math.ceil(math.log2(layout.ranks)),
+                  f"mpi_beta_{link}": 2 * (layout.ranks - 1) / layout.ranks * n})
+
+
+STEPS = {"ring": ring_steps, "tree": tree_steps, "recursive_halving": recursive_halving_steps,
+         "recursive_doubling": recursive_doubling_steps, "reduce_bcast": reduce_bcast_steps,
+         "hierarchical": hierarchical_steps, "mpi": mpi_steps}
+
+
+def predict(parameters: dict, algorithm: str, nbytes: int, layout: Layout, segment: int) -> float | None:
+    """Seconds, or None when a parameter it needs was never fitted (e.g. the link's, from
+    measurements on one node only)."""
+    total = 0.0
+    for name, coefficient in terms(algorithm, nbytes, layout, segment).items():
+        if coefficient:
+            value = parameters.get(name)
+            if value is None:
+                return None
+            total += coefficient * value
+    return total
+
+
+def fastest(parameters: dict, nbytes: int, layout: Layout, segment: int, algorithms=MODELLED) -> str | None:
+    """The algorithm with the smallest predicted time (None when none can be predicted)."""
+    times = {a: predict(parameters, a, nbytes, layout, segment) for a in algorithms}
+    known = {a: t for a, t in times.items() if t is not None}
+    return min(known, key=known.get) if known else None
+
+
+def fit(measurements, segment: int) -> dict:
+    """Parameters from measured times: rows {"algorithm", "bytes", "ranks", "ranks_per_node",
+    "time_us"} (mpidist bench's rows plus the layout). Least squares on relative error (each row
+    divided by its time, so 8-byte and 16-MiB rows weigh alike), with every parameter kept
+    non-negative by dropping the most negative one and solving again. Parameters no row
+    depends on (the link's, from one node) are left out of the result."""
+    rows = [row for row in measurements if row["algorithm"] in MODELLED and row["time_us"] > 0]
+    if not rows:
+        raise ValueError("no measurements of modelled algorithms to fit")
+    matrix = np.array([[terms(row["algorithm"], row["bytes"], Layout(row["ranks"], row["ranks_per_node"]),
+                              segment).get(name, 0.0) for name in PARAMETERS] for row in rows])
+    seconds = np.array([row["time_us"] * 1e-6 for row in rows])
+    weighted = matrix / seconds[:, None]
+    identifiable = [index for index in range(len(PARAMETERS)) if weighted[:, index].any()]
+    active = list(identifiable)
+    while True:
+        columns = weighted[:, active]
+        scale = np.linalg.norm(columns, axis=0)  # conditioning: bytes and messages differ by 1e9
+        solution = np.linalg.lstsq(columns / scale, np.ones(len(rows)), rcond=None)[0] / scale
+        if solution.min() >= 0:
+            break
+        del active[int(np.argmin(solution * scale))]
+    fitted = dict(zip(active, solution))
+    return {PARAMETERS[index]: float(fitted.get(index, 0.0)) for index in identifiable}
+
+
+def with_network(parameters: dict, alpha_s: float, gbit_per_s: float) -> dict:
+    """`parameters` (fitted on one node) on a stated link between nodes: each message across
+    costs the link's latency `alpha_s` plus the software cost of a message measured on the node
+    (alpha_shm for ours, mpi_alpha_shm for MPI's own), and `gbit_per_s` bounds the bytes."""
+    beta = 8 / (gbit_per_s * 1e9)
+    return dict(parameters, alpha_net=alpha_s + parameters["alpha_shm"], beta_net=beta,
+                mpi_alpha_net=alpha_s + parameters["mpi_alpha_shm"], mpi_beta_net=beta)
