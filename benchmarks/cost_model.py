@@ -66,9 +66,10 @@ def measure(args) -> dict:
     return {"rate": args.rate, "load_start": os.getloadavg()[0], "configurations": configurations}
 
 
-def rows_of(configuration) -> list[dict]:
-    return [dict(row, ranks_per_node=configuration["ranks_per_node"]) for row in configuration["rows"]
-            if not row["wrong"] and row["algorithm"] in cost_model.MODELLED]
+def rows_of(configuration, cores: int) -> list[dict]:
+    """The rows with their layout; every rank, emulated node or not, shares this machine's cores."""
+    return [dict(row, ranks_per_node=configuration["ranks_per_node"], ranks_per_core=row["ranks"] / cores)
+            for row in configuration["rows"] if not row["wrong"] and row["algorithm"] in cost_model.MODELLED]
 
 
 def name(configuration) -> str:
@@ -79,7 +80,7 @@ def name(configuration) -> str:
 
 def errors(parameters, rows) -> list[float]:
     """predicted / measured - 1 for every row."""
-    return [cost_model.predict(parameters, row["algorithm"], row["bytes"], Layout(row["ranks"], row["ranks_per_node"]),
+    return [cost_model.predict(parameters, row["algorithm"], row["bytes"], cost_model.row_layout(row),
                                SEGMENT_BYTES) / (row["time_us"] * 1e-6) - 1 for row in rows]
 
 
@@ -90,20 +91,22 @@ def choice_cost(parameters, rows) -> list[tuple]:
     for nbytes in sorted({row["bytes"] for row in rows}):
         times = {row["algorithm"]: row["time_us"] for row in rows if row["bytes"] == nbytes}
         best = min(times, key=times.get)
-        layout = Layout(rows[0]["ranks"], rows[0]["ranks_per_node"])
+        layout = cost_model.row_layout(rows[0])
         chosen = cost_model.fastest(parameters, nbytes, layout, SEGMENT_BYTES, tuple(times))
         result.append((nbytes, best, chosen, times[chosen] / times[best]))
     return result
 
 
 def summary(values) -> str:
-    magnitudes = sorted(abs(v) for v in values)
-    return (f"median {statistics.median(magnitudes):.0%}, 90th percentile "
-            f"{magnitudes[int(0.9 * (len(magnitudes) - 1))]:.0%}, range {min(values):+.0%} .. {max(values):+.0%}")
+    """Of predicted/measured - 1 per row: the median factor apart, the range, the share within 2x."""
+    ratios = [1 + v for v in values]
+    factors = sorted(max(r, 1 / r) for r in ratios)
+    within = sum(f <= 2 for f in factors) / len(factors)
+    return (f"median {statistics.median(factors):.2f}x apart, predicted/measured {min(ratios):.2f} .. {max(ratios):.2f}, "
+            f"{within:.0%} of rows within 2x")
 
 
-def configuration_section(configuration, fitted, held_out) -> str:
-    rows = rows_of(configuration)
+def configuration_section(configuration, rows, fitted, held_out) -> str:
     algorithms = [a for a in cost_model.MODELLED if any(r["algorithm"] == a for r in rows)]
     lines = [f"### {name(configuration)} ({configuration['link']})", "",
              "Measured us / predicted us (fit to every configuration):", "",
@@ -111,7 +114,7 @@ def configuration_section(configuration, fitted, held_out) -> str:
              "(its measured time / the fastest's) |",
              "|---:|" + "---:|" * len(algorithms) + "---|---|"]
     measured = {(r["algorithm"], r["bytes"]): r for r in rows}
-    layout = Layout(rows[0]["ranks"], configuration["ranks_per_node"])
+    layout = cost_model.row_layout(rows[0])
     choices = {nbytes: (best, chosen, ratio) for nbytes, best, chosen, ratio in choice_cost(held_out, rows)}
     for nbytes in sorted({r["bytes"] for r in rows}):
         cells = []
@@ -147,23 +150,29 @@ def predicted_section(on_node: dict) -> str:
     return "\n".join(lines)
 
 
+def cores_of(measured: dict) -> int:
+    """The measuring machine's CPUs, from its lscpu."""
+    return next(int(line.split(":")[1]) for line in measured["cpu"].splitlines() if line.startswith("CPU(s):"))
+
+
 def report(measured: dict) -> str:
     configurations = measured["configurations"]
-    everything = [row for c in configurations for row in rows_of(c)]
+    cores = cores_of(measured)
+    everything = [row for c in configurations for row in rows_of(c, cores)]
     fitted = cost_model.fit(everything, SEGMENT_BYTES)
     sections, held_out_errors, fitted_errors, regrets = [], [], [], []
     for configuration in configurations:
-        others = [row for c in configurations if c is not configuration for row in rows_of(c)]
+        others = [row for c in configurations if c is not configuration for row in rows_of(c, cores)]
         held_out = cost_model.fit(others, SEGMENT_BYTES)
-        rows = rows_of(configuration)
-        if cost_model.predict(held_out, "mpi", 8, Layout(rows[0]["ranks"], configuration["ranks_per_node"]),
-                              SEGMENT_BYTES) is None:
+        rows = rows_of(configuration, cores)
+        if cost_model.predict(held_out, "mpi", 8, cost_model.row_layout(rows[0]), SEGMENT_BYTES) is None:
             held_out = fitted  # the only configuration of its link: nothing else to predict it from
-        sections.append(configuration_section(configuration, fitted, held_out))
+        sections.append(configuration_section(configuration, rows, fitted, held_out))
         fitted_errors += errors(fitted, rows)
         held_out_errors += errors(held_out, rows)
         regrets += [ratio for *_, ratio in choice_cost(held_out, rows)]
-    on_node = cost_model.fit([row for c in configurations if c["nodes"] == 1 for row in rows_of(c)], SEGMENT_BYTES)
+    on_node = cost_model.fit([row for c in configurations if c["nodes"] == 1 for row in rows_of(c, cores)],
+                             SEGMENT_BYTES)
     chosen_well = sum(r <= 1.1 for r in regrets)
     return "\n".join([
         "# All-reduce cost model: predicted against measured (benchmarks/cost_model.py)", "",

@@ -7,9 +7,15 @@ Parameters (seconds per message, per byte, per barrier round):
                          dispatch; the intercept)
   alpha_shm, beta_shm    one of our point-to-point messages between two ranks of one node
   alpha_net, beta_net    the same between ranks of different nodes
+  rendezvous_shm, rendezvous_net
+                         the extra cost of a message above the MPI library's eager limit
+                         (EAGER_BYTES): the receiver must answer before the data moves, which
+                         needs both ranks' progress loops
   gamma                  reducing one byte of one operand into another (the fused kernels)
   copy                   copying one byte in memory (the hierarchical algorithm's shared window)
   sync                   one round of a node barrier (the hierarchical algorithm's)
+  crowd                  what every message, barrier round and MPI step costs more for each rank
+                         beyond one per core (time-slicing, when ranks outnumber cores)
   mpi_alpha_shm, mpi_beta_shm, mpi_alpha_net, mpi_beta_net
                          the MPI library's own all-reduce, a black box: per step and per byte
                          (its own reduction included), inside one node and across nodes
@@ -33,25 +39,31 @@ from collections import Counter
 
 import numpy as np
 
-PARAMETERS = ("call", "alpha_shm", "beta_shm", "alpha_net", "beta_net", "gamma", "copy", "sync",
-              "mpi_alpha_shm", "mpi_beta_shm", "mpi_alpha_net", "mpi_beta_net")
+PARAMETERS = ("call", "alpha_shm", "beta_shm", "alpha_net", "beta_net", "rendezvous_shm", "rendezvous_net", "gamma",
+              "copy", "sync", "crowd", "mpi_alpha_shm", "mpi_beta_shm", "mpi_alpha_net", "mpi_beta_net")
+# Coefficients that count messages, rounds or steps: each waits once for the scheduler when crowded.
+PER_MESSAGE = ("alpha_shm", "alpha_net", "rendezvous_shm", "rendezvous_net", "sync", "mpi_alpha_shm", "mpi_alpha_net")
 MODELLED = ("ring", "tree", "recursive_halving", "recursive_doubling", "reduce_bcast", "hierarchical", "mpi")
 
 # Mirrors of the algorithms' own constants (collectives/reduce_bcast.py, hierarchical.py); the
 # model takes them as arguments only where a user can change them (the segment size).
 REDUCE_BCAST_BLOCK = 4 * 1024 * 1024
 RING_ACROSS_NODES_BYTES = 1024 * 1024
+# Open MPI's defaults (btl_sm_eager_limit, btl_tcp_eager_limit): larger messages go by rendezvous.
+EAGER_BYTES = {"shm": 4 * 1024, "net": 64 * 1024}
 
 
 class Layout:
-    """p ranks, `per_node` of them on each node, by block."""
+    """p ranks, `per_node` of them on each node, by block; `ranks_per_core` of them share each core
+    (more than 1 on an oversubscribed machine)."""
 
-    def __init__(self, ranks: int, per_node: int):
+    def __init__(self, ranks: int, per_node: int, ranks_per_core: float = 1.0):
         if ranks < 1 or per_node < 1:
             raise ValueError(f"a layout needs at least one rank and one rank per node, got {ranks} x {per_node}")
         self.ranks = ranks
         self.per_node = min(per_node, ranks)
         self.nodes = math.ceil(ranks / self.per_node)
+        self.ranks_per_core = ranks_per_core
 
     def link(self, distance: int) -> str:
         """The link between ranks `distance` apart in the partner patterns of the tree and the
@@ -67,9 +79,12 @@ class Terms(Counter):
     """Coefficients of the parameters: a time once multiplied by them."""
 
     def message(self, link: str, nbytes: float, messages: int = 1, sharing: int = 1) -> None:
+        """`messages` messages of `nbytes` bytes in all."""
         if nbytes > 0:
             self[f"alpha_{link}"] += messages
             self[f"beta_{link}"] += nbytes * sharing
+            if nbytes / messages > EAGER_BYTES[link]:
+                self[f"rendezvous_{link}"] += messages
 
     def segmented(self, link: str, nbytes: float, segment: int, sharing: int = 1) -> None:
         self.message(link, nbytes, max(1, math.ceil(nbytes / segment)), sharing)
@@ -82,6 +97,8 @@ def terms(algorithm: str, nbytes: int, layout: Layout, segment: int) -> Terms:
     total = Terms(call=1)
     if layout.ranks > 1 and nbytes > 0:
         total.update(STEPS[algorithm](nbytes, layout, segment))
+        if layout.ranks_per_core > 1:
+            total["crowd"] = (layout.ranks_per_core - 1) * sum(total[name] for name in PER_MESSAGE)
     return total
 
 
@@ -223,36 +240,60 @@ def fastest(parameters: dict, nbytes: int, layout: Layout, segment: int, algorit
     return min(known, key=known.get) if known else None
 
 
+def row_layout(row) -> Layout:
+    return Layout(row["ranks"], row["ranks_per_node"], row.get("ranks_per_core", 1.0))
+
+
 def fit(measurements, segment: int) -> dict:
     """Parameters from measured times: rows {"algorithm", "bytes", "ranks", "ranks_per_node",
-    "time_us"} (mpidist bench's rows plus the layout). Least squares on relative error (each row
-    divided by its time, so 8-byte and 16-MiB rows weigh alike), with every parameter kept
-    non-negative by dropping the most negative one and solving again. Parameters no row
-    depends on (the link's, from one node) are left out of the result."""
+    "time_us"} (mpidist bench's rows plus the layout; "ranks_per_core" where it exceeds 1).
+
+    The error minimized is the relative one, so that 8-byte and 16-MiB rows weigh alike: each
+    row is divided by a scale of its time, first the measured time, then (FIT_ROUNDS times) the
+    geometric mean of measured and predicted, which approaches the error of log(predicted /
+    measured) and so stops favouring predictions that are too small. Every parameter is kept
+    non-negative by dropping the most negative one and solving again. Parameters no row depends
+    on (the link's, from one node) are left out of the result."""
     rows = [row for row in measurements if row["algorithm"] in MODELLED and row["time_us"] > 0]
     if not rows:
         raise ValueError("no measurements of modelled algorithms to fit")
-    matrix = np.array([[terms(row["algorithm"], row["bytes"], Layout(row["ranks"], row["ranks_per_node"]),
-                              segment).get(name, 0.0) for name in PARAMETERS] for row in rows])
+    matrix = np.array([[terms(row["algorithm"], row["bytes"], row_layout(row), segment).get(name, 0.0)
+                        for name in PARAMETERS] for row in rows])
     seconds = np.array([row["time_us"] * 1e-6 for row in rows])
-    weighted = matrix / seconds[:, None]
-    identifiable = [index for index in range(len(PARAMETERS)) if weighted[:, index].any()]
-    active = list(identifiable)
-    while True:
-        columns = weighted[:, active]
+    identifiable = [index for index in range(len(PARAMETERS)) if matrix[:, index].any()]
+    row_scale = seconds
+    for _ in range(FIT_ROUNDS + 1):
+        solution = nonnegative_least_squares(matrix[:, identifiable] / row_scale[:, None], seconds / row_scale)
+        predicted = matrix[:, identifiable] @ solution
+        row_scale = np.sqrt(seconds * np.maximum(predicted, seconds / 100))
+    return {PARAMETERS[index]: float(value) for index, value in zip(identifiable, solution)}
+
+
+FIT_ROUNDS = 10
+
+
+def nonnegative_least_squares(matrix, target):
+    """x >= 0 minimizing |matrix x - target|: least squares, the most negative unknown set to
+    zero and the rest solved again until none is negative."""
+    active = list(range(matrix.shape[1]))
+    solution = np.zeros(matrix.shape[1])
+    while active:
+        columns = matrix[:, active]
         scale = np.linalg.norm(columns, axis=0)  # conditioning: bytes and messages differ by 1e9
-        solution = np.linalg.lstsq(columns / scale, np.ones(len(rows)), rcond=None)[0] / scale
-        if solution.min() >= 0:
+        values = np.linalg.lstsq(columns / scale, target, rcond=None)[0]
+        if values.min() >= 0:
+            solution[active] = values / scale
             break
-        del active[int(np.argmin(solution * scale))]
-    fitted = dict(zip(active, solution))
-    return {PARAMETERS[index]: float(fitted.get(index, 0.0)) for index in identifiable}
+        del active[int(np.argmin(values))]
+    return solution
 
 
 def with_network(parameters: dict, alpha_s: float, gbit_per_s: float) -> dict:
-    """`parameters` (fitted on one node) on a stated link between nodes: each message across
-    costs the link's latency `alpha_s` plus the software cost of a message measured on the node
-    (alpha_shm for ours, mpi_alpha_shm for MPI's own), and `gbit_per_s` bounds the bytes."""
+    """`parameters` (fitted on one node) on a stated link between nodes: a message across costs
+    what one inside the node costs (the software and memory side, measured) plus the link's
+    latency `alpha_s` and its time per byte at `gbit_per_s`; the same for MPI's own, whose
+    per-byte cost inside the node includes its reduction."""
     beta = 8 / (gbit_per_s * 1e9)
-    return dict(parameters, alpha_net=alpha_s + parameters["alpha_shm"], beta_net=beta,
-                mpi_alpha_net=alpha_s + parameters["mpi_alpha_shm"], mpi_beta_net=beta)
+    return dict(parameters, alpha_net=alpha_s + parameters["alpha_shm"], beta_net=beta + parameters["beta_shm"],
+                rendezvous_net=alpha_s + parameters.get("rendezvous_shm", 0.0),
+                mpi_alpha_net=alpha_s + parameters["mpi_alpha_shm"], mpi_beta_net=beta + parameters["mpi_beta_shm"])
