@@ -16,8 +16,8 @@ pytestmark = pytest.mark.mpi_shared_launch
 
 SEGMENT = 1000  # bytes: small, so that segment counts are easy to count by hand
 KNOWN = {"call": 20e-6, "alpha_shm": 8e-6, "beta_shm": 0.4e-9, "alpha_net": 60e-6, "beta_net": 2e-9,
-         "gamma": 0.25e-9, "copy": 0.15e-9, "sync": 3e-6, "mpi_alpha_shm": 2e-6, "mpi_beta_shm": 0.5e-9,
-         "mpi_alpha_net": 30e-6, "mpi_beta_net": 1.2e-9}
+         "rendezvous_shm": 5e-6, "rendezvous_net": 150e-6, "gamma": 0.25e-9, "copy": 0.15e-9, "sync": 3e-6,
+         "crowd": 4e-6, "mpi_alpha_shm": 2e-6, "mpi_beta_shm": 0.5e-9, "mpi_alpha_net": 30e-6, "mpi_beta_net": 1.2e-9}
 
 
 def coefficients(algorithm, nbytes, ranks, per_node):
@@ -82,6 +82,19 @@ def test_mpi_is_a_black_box_of_log_p_steps_and_2_p_minus_1_over_p_bytes():
     assert coefficients("mpi", 4000, 5, 1) == {"call": 1, "mpi_alpha_net": 3, "mpi_beta_net": 6400}
 
 
+def test_large_messages_pay_a_rendezvous_and_crowded_ranks_wait_per_message():
+    # p = 2 on one node, n = 10000: one exchange of 5000 bytes (5 segments of 1000, under the
+    # 4 KiB eager limit); the tree's 1000-byte segments too. Recursive doubling's whole buffer is above it.
+    assert "rendezvous_shm" not in coefficients("ring", 10000, 2, 2)
+    assert coefficients("recursive_doubling", 10000, 2, 2)["rendezvous_shm"] == 1
+    # Over the link the limit is 64 KiB: a 100000-byte buffer exchanged whole goes by rendezvous.
+    assert coefficients("recursive_doubling", 100000, 2, 1)["rendezvous_net"] == 1
+    # 2 ranks a core: every message, barrier round and MPI step waits once more.
+    crowded = terms("hierarchical", 4000, Layout(4, 4, ranks_per_core=2.0), SEGMENT)
+    assert crowded["crowd"] == crowded["sync"] == 4
+    assert terms("mpi", 4000, Layout(4, 4, ranks_per_core=1.5), SEGMENT)["crowd"] == 0.5 * 2
+
+
 def test_predict_sums_the_terms_and_needs_every_parameter_it_uses():
     expected = 20e-6 + 4 * 8e-6 + 4000 * 0.4e-9 + 2000 * 0.25e-9
     assert predict(KNOWN, "ring", 3000, Layout(3, 3), SEGMENT) == pytest.approx(expected)
@@ -95,16 +108,19 @@ def test_predict_sums_the_terms_and_needs_every_parameter_it_uses():
 def synthetic_measurements(parameters, layouts, noise=0.0, seed=0):
     rng = np.random.default_rng(seed)
     rows = []
-    for ranks, per_node in layouts:
+    for ranks, per_node, *crowded in layouts:
+        ranks_per_core = crowded[0] if crowded else 1.0
         for nbytes in (8, 512, 4096, 32768, 262144, 1 << 20, 4 << 20):
             for algorithm in cost_model.MODELLED:
-                seconds = predict(parameters, algorithm, nbytes, Layout(ranks, per_node), SEGMENT)
+                seconds = predict(parameters, algorithm, nbytes, Layout(ranks, per_node, ranks_per_core), SEGMENT)
                 rows.append({"algorithm": algorithm, "bytes": nbytes, "ranks": ranks, "ranks_per_node": per_node,
+                             "ranks_per_core": ranks_per_core,
                              "time_us": seconds * 1e6 * (1 + noise * rng.standard_normal())})
     return rows
 
 
-LAYOUTS = [(2, 2), (3, 3), (4, 4), (5, 5), (2, 1), (4, 2), (4, 1)]
+# (ranks, ranks per node[, ranks per core]): one node, several, and more ranks than cores.
+LAYOUTS = [(2, 2), (3, 3), (4, 4), (5, 5, 2.5), (2, 1), (4, 2, 2.0), (4, 1)]
 
 
 def test_fit_recovers_known_parameters_from_their_times():
@@ -113,7 +129,7 @@ def test_fit_recovers_known_parameters_from_their_times():
 
 
 def test_fit_of_noisy_times_predicts_within_the_noise_and_leaves_out_the_unmeasured_link():
-    one_node = [(2, 2), (3, 3), (4, 4), (5, 5)]
+    one_node = [(2, 2), (3, 3, 1.5), (4, 4), (5, 5)]
     fitted = fit(synthetic_measurements(KNOWN, one_node, noise=0.05), SEGMENT)
     assert "alpha_net" not in fitted and "mpi_beta_net" not in fitted
     assert all(value >= 0 for value in fitted.values())
