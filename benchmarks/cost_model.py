@@ -25,6 +25,7 @@ import tempfile
 from mpidist.collectives import cost_model
 from mpidist.collectives.common import SEGMENT_BYTES
 from mpidist.collectives.cost_model import Layout
+from mpidist.collectives.select import choose_allreduce
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -85,15 +86,16 @@ def errors(parameters, rows) -> list[float]:
 
 
 def choice_cost(parameters, rows) -> list[tuple]:
-    """Per size: (bytes, measured fastest, predicted fastest, measured time of the predicted
-    fastest over the measured fastest)."""
+    """Per size: (bytes, measured fastest, predicted fastest, its measured time over the fastest's,
+    the built-in table's choice, its measured time over the fastest's)."""
     result = []
     for nbytes in sorted({row["bytes"] for row in rows}):
         times = {row["algorithm"]: row["time_us"] for row in rows if row["bytes"] == nbytes}
         best = min(times, key=times.get)
         layout = cost_model.row_layout(rows[0])
         chosen = cost_model.fastest(parameters, nbytes, layout, SEGMENT_BYTES, tuple(times))
-        result.append((nbytes, best, chosen, times[chosen] / times[best]))
+        builtin = choose_allreduce(nbytes, layout.ranks)
+        result.append((nbytes, best, chosen, times[chosen] / times[best], builtin, times[builtin] / times[best]))
     return result
 
 
@@ -111,19 +113,20 @@ def configuration_section(configuration, rows, fitted, held_out) -> str:
     lines = [f"### {name(configuration)} ({configuration['link']})", "",
              "Measured us / predicted us (fit to every configuration):", "",
              "| bytes | " + " | ".join(algorithms) + " | fastest measured | chosen by the model left out of it "
-             "(its measured time / the fastest's) |",
-             "|---:|" + "---:|" * len(algorithms) + "---|---|"]
+             "(its measured time / the fastest's) | built-in table's choice (same) |",
+             "|---:|" + "---:|" * len(algorithms) + "---|---|---|"]
     measured = {(r["algorithm"], r["bytes"]): r for r in rows}
     layout = cost_model.row_layout(rows[0])
-    choices = {nbytes: (best, chosen, ratio) for nbytes, best, chosen, ratio in choice_cost(held_out, rows)}
+    choices = {nbytes: rest for nbytes, *rest in choice_cost(held_out, rows)}
     for nbytes in sorted({r["bytes"] for r in rows}):
         cells = []
         for algorithm in algorithms:
             row = measured.get((algorithm, nbytes))
             predicted = cost_model.predict(fitted, algorithm, nbytes, layout, SEGMENT_BYTES)
             cells.append(f"{row['time_us']:.0f} / {predicted * 1e6:.0f}" if row else "-")
-        best, chosen, ratio = choices[nbytes]
-        lines.append(f"| {nbytes} | " + " | ".join(cells) + f" | {best} | {chosen} ({ratio:.2f}) |")
+        best, chosen, ratio, builtin, builtin_ratio = choices[nbytes]
+        lines.append(f"| {nbytes} | " + " | ".join(cells) + f" | {best} | {chosen} ({ratio:.2f}) | "
+                     f"{builtin} ({builtin_ratio:.2f}) |")
     lines += ["", f"Error of the fit to everything: {summary(errors(fitted, rows))}.",
               f"Error predicted from the other configurations alone: {summary(errors(held_out, rows))}.", ""]
     return "\n".join(lines)
@@ -160,7 +163,7 @@ def report(measured: dict) -> str:
     cores = cores_of(measured)
     everything = [row for c in configurations for row in rows_of(c, cores)]
     fitted = cost_model.fit(everything, SEGMENT_BYTES)
-    sections, held_out_errors, fitted_errors, regrets = [], [], [], []
+    sections, held_out_errors, fitted_errors, regrets, builtin_regrets = [], [], [], [], []
     for configuration in configurations:
         others = [row for c in configurations if c is not configuration for row in rows_of(c, cores)]
         held_out = cost_model.fit(others, SEGMENT_BYTES)
@@ -170,7 +173,9 @@ def report(measured: dict) -> str:
         sections.append(configuration_section(configuration, rows, fitted, held_out))
         fitted_errors += errors(fitted, rows)
         held_out_errors += errors(held_out, rows)
-        regrets += [ratio for *_, ratio in choice_cost(held_out, rows)]
+        costs = choice_cost(held_out, rows)
+        regrets += [cost[3] for cost in costs]
+        builtin_regrets += [cost[5] for cost in costs]
     on_node = cost_model.fit([row for c in configurations if c["nodes"] == 1 for row in rows_of(c, cores)],
                              SEGMENT_BYTES)
     chosen_well = sum(r <= 1.1 for r in regrets)
@@ -184,7 +189,9 @@ def report(measured: dict) -> str:
         f"each configuration predicted from the others {summary(held_out_errors)}.", "",
         f"Algorithm chosen by the model fitted without the configuration: within 10% of the measured "
         f"fastest at {chosen_well} of {len(regrets)} sizes; its measured time over the fastest's: median "
-        f"{statistics.median(regrets):.2f}, worst {max(regrets):.2f}.", "",
+        f"{statistics.median(regrets):.2f}, worst {max(regrets):.2f}. The built-in table's choice: within 10% at "
+        f"{sum(r <= 1.1 for r in builtin_regrets)} of {len(builtin_regrets)} sizes; median "
+        f"{statistics.median(builtin_regrets):.2f}, worst {max(builtin_regrets):.2f}.", "",
         "## Predicted against measured", "", *sections,
         "## Predicted for larger machines", "", predicted_section(on_node),
         "Machine:", "", "```", measured.get("cpu", ""), "```", ""])
