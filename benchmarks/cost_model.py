@@ -64,7 +64,7 @@ def measure(args) -> dict:
         nodes, per_node = (int(n) for n in layout.lower().split("x"))
         rows, link = multinode.run_layout(nodes, per_node, args)
         configurations.append({"nodes": nodes, "ranks_per_node": per_node, "link": link, "rows": rows})
-    return {"rate": args.rate, "load_start": os.getloadavg()[0], "configurations": configurations}
+    return {"rate": args.rate, "configurations": configurations}
 
 
 def rows_of(configuration, cores: int) -> list[dict]:
