@@ -140,6 +140,7 @@ def table_from_rows(rows) -> tuple:
 
 
 def read_tuning_file(path: str | None = None) -> dict:
+    """The tuning file's tables by rank count (and its "model"), {} when there is no file."""
     path = tuning_path(path)
     if not os.path.exists(path):
         return {}
@@ -148,14 +149,6 @@ def read_tuning_file(path: str | None = None) -> dict:
     if not isinstance(tables, dict):
         raise ValueError("not a JSON object of tables")
     return tables
-
-
-def read_tuning_rows(ranks: int, path: str | None = None):
-    """This rank count's rows from the tuning file, or None when there is no file or no entry."""
-    rows = read_tuning_file(path).get(str(ranks))
-    if rows is not None:
-        table_from_rows(rows)  # refuse a malformed entry here, on the reading rank
-    return rows
 
 
 # The model's decisions cover sizes up to 2**(MODEL_SIZES_LOG2 - 1) bytes; the last holds beyond.
