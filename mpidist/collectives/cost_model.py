@@ -25,9 +25,10 @@ nodes; two ranks talk over shared memory when they are on one node, else over th
 A step's time is that of its slowest pair, so a step with any pair across nodes costs the link's
 terms; when c ranks of a node send across at once they share its link (c times beta_net).
 
-Every message of ours costs one alpha per segment (MPIDIST_SEGMENT_BYTES) where the algorithm
-posts segments: over TCP each segment is its own rendezvous, which is why the segmented
-algorithms fall behind with one rank per node (benchmarks/results/multinode-cpu.md).
+Every message of ours costs one alpha per segment (MPIDIST_SEGMENT_BYTES, an argument here)
+where the algorithm posts segments, and one rendezvous more when a segment is above the eager
+limit: over TCP that is what makes the segmented algorithms fall behind with one rank per node
+(benchmarks/results/multinode-cpu.md).
 
 A time is a sum of coefficient x parameter, so terms() gives the coefficients, predict() their
 sum with the parameters, and fit() finds the parameters by least squares on relative error.
@@ -39,16 +40,15 @@ from collections import Counter
 
 import numpy as np
 
+from .hierarchical import RING_ACROSS_NODES_BYTES
+from .reduce_bcast import BLOCK_BYTES as REDUCE_BCAST_BLOCK
+
 PARAMETERS = ("call", "alpha_shm", "beta_shm", "alpha_net", "beta_net", "rendezvous_shm", "rendezvous_net", "gamma",
               "copy", "sync", "crowd", "mpi_alpha_shm", "mpi_beta_shm", "mpi_alpha_net", "mpi_beta_net")
 # Coefficients that count messages, rounds or steps: each waits once for the scheduler when crowded.
 PER_MESSAGE = ("alpha_shm", "alpha_net", "rendezvous_shm", "rendezvous_net", "sync", "mpi_alpha_shm", "mpi_alpha_net")
 MODELLED = ("ring", "tree", "recursive_halving", "recursive_doubling", "reduce_bcast", "hierarchical", "mpi")
 
-# Mirrors of the algorithms' own constants (collectives/reduce_bcast.py, hierarchical.py); the
-# model takes them as arguments only where a user can change them (the segment size).
-REDUCE_BCAST_BLOCK = 4 * 1024 * 1024
-RING_ACROSS_NODES_BYTES = 1024 * 1024
 # Open MPI's defaults (btl_sm_eager_limit, btl_tcp_eager_limit): larger messages go by rendezvous.
 EAGER_BYTES = {"shm": 4 * 1024, "net": 64 * 1024}
 
