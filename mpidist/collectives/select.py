@@ -151,6 +151,12 @@ def read_tuning_file(path: str | None = None) -> dict:
     return tables
 
 
+def ranks_per_core(per_node: int) -> float:
+    """Ranks per core of a node with `per_node` ranks, this machine's cores taken for every
+    node's: the model's time-slicing term counts from it."""
+    return max(1.0, per_node / (os.cpu_count() or 1))
+
+
 # The model's decisions cover sizes up to 2**(MODEL_SIZES_LOG2 - 1) bytes; the last holds beyond.
 MODEL_SIZES_LOG2 = 41
 
@@ -164,7 +170,8 @@ def auto_rows(tables: dict, ranks: int, nodes: int):
         table_from_rows(rows)  # refuse a malformed entry here, on the reading rank
     model = tables.get("model") or {}
     measured = model.get("measured", {}).get(str(ranks))
-    layout = cost_model.Layout(ranks, -(-ranks // nodes))
+    per_node = -(-ranks // nodes)
+    layout = cost_model.Layout(ranks, per_node, ranks_per_core(per_node))
     parameters = model.get("parameters") or {}
     segment = int(model.get("segment_bytes", SEGMENT_BYTES))
     if rows is not None and measured is None:
@@ -242,7 +249,8 @@ def refit(model: dict, measurements, ranks: int, ranks_per_node: int) -> dict:
     layout, and the parameters fitted again to all of them."""
     kept = [m for m in model.get("measurements", []) if (m["ranks"], m["ranks_per_node"]) != (ranks, ranks_per_node)]
     new = [{"algorithm": row["algorithm"], "bytes": row["bytes"], "ranks": ranks, "ranks_per_node": ranks_per_node,
-            "time_us": row["time_us"]} for row in measurements if not row["wrong"]]
+            "ranks_per_core": ranks_per_core(ranks_per_node), "time_us": row["time_us"]}
+           for row in measurements if not row["wrong"]]
     sizes = [row["bytes"] for row in new]
     measured = dict(model.get("measured", {}))
     if sizes:
