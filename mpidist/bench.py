@@ -433,14 +433,15 @@ TUNE_SIZES = "8,64,512,4K,16K,64K,256K,1M,4M,16M"
 TUNED_ALGORITHMS = tuple(name for name in OUR_ALLREDUCE if name != "auto") + ("mpi",)
 
 
-def tune(comm, options: Options) -> list[dict]:
-    """Run the all-reduce benchmark for our algorithms and return the rows of a decision table:
+def tune(comm, options: Options) -> tuple[list[dict], list[dict]]:
+    """Run the all-reduce benchmark for our algorithms; returns the rows of a decision table,
     [{"max_bytes": b, "algorithm": a}, ...], the fastest algorithm per size range (the bound
-    between two measured sizes is their geometric mean; the last row has max_bytes None)."""
+    between two measured sizes is their geometric mean; the last row has max_bytes None), and
+    the measured rows the table (and the cost model) come from."""
     options = dataclasses.replace(options, collective="allreduce",
                                   algorithms=list(options.algorithms or TUNED_ALGORITHMS))
     rows = run(comm, options)
-    return decision_table(rows)
+    return decision_table(rows), rows
 
 
 def decision_table(rows) -> list[dict]:

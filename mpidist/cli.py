@@ -56,10 +56,14 @@ def cmd_tune(args) -> int:
     from .collectives import select
 
     comm = init()
-    table = bench.tune(comm, bench_options(args, "allreduce"))
+    table, measurements = bench.tune(comm, bench_options(args, "allreduce"))
     if comm.rank == 0:
-        path = select.save_tuning_table(table, comm.size, args.output)
+        # The cost model is fitted to these times with the layout they were taken on.
+        path = select.save_tuning_table(table, comm.size, args.output, measurements,
+                                        ranks_per_node=-(-comm.size // comm.num_nodes))
         print(f"# wrote the {comm.size}-rank table to {path}: {json.dumps(table)}", flush=True)
+        parameters = select.read_tuning_file(path)["model"]["parameters"]
+        print(f"# cost model parameters (seconds per call, message, byte): {json.dumps(parameters)}", flush=True)
     return 0
 
 

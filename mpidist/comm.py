@@ -63,7 +63,7 @@ class Collectives(typing.Protocol):
 
     AsyncEngine: type
 
-    def auto_choice(self, mpi) -> tuple: ...
+    def auto_choice(self, mpi, nodes: int) -> tuple: ...
     def small_cpu_allreduce(self, comm, array, op, algorithm) -> bool: ...
     def allreduce(self, comm, array, op, algorithm, out, shape): ...
     def allreduce_async(self, comm, array, op, algorithm, out, shape): ...
@@ -115,7 +115,7 @@ class Communicator(Channel):
         # algorithm="auto"'s decision table from `mpidist tune` (None: the built-in one), the
         # algorithm MPIDIST_ALLREDUCE_ALGORITHM forces, and the sizes below which `auto` hands
         # all-reduces to MPI (the small-message fast path's limit).
-        self.tuning_table, self.forced_algorithm, self.fast_path_bounds = api().auto_choice(self.mpi)
+        self.tuning_table, self.forced_algorithm, self.fast_path_bounds = api().auto_choice(self.mpi, self.num_nodes)
         self.node_window = None
         self._lock = threading.Lock()
         self._engine = None

@@ -3,7 +3,8 @@
 api.py holds the public calls; callcheck.py the argument checks and the cross-rank call check;
 engine.py the asynchronous engine and its handles; fastpath.py small all-reduces straight to MPI;
 staging.py GPU buffers through host memory; registry.py the algorithms by name; select.py
-algorithm="auto"'s choice. This package's namespace is what a Communicator's collective methods
+algorithm="auto"'s choice; cost_model.py the algorithms' predicted times, which it uses where
+nothing was measured. This package's namespace is what a Communicator's collective methods
 call (comm.Collectives); importing it initializes MPI.
 """
 from ..runtime.mpi import load_mpi

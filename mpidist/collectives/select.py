@@ -20,6 +20,16 @@ writes a decision table per rank count (JSON: {"<ranks>": [{"max_bytes": b, "alg
 Each Communicator's rank 0 reads the file once and broadcasts the entry, so every rank
 chooses alike even when the ranks' home directories differ. Without an entry for the rank count
 the built-in table applies.
+
+`mpidist tune` also keeps its measured times in the file (under "model", with the layout they
+were taken on) and fits the cost model's parameters to all of them (cost_model.py). A
+communicator then uses the measured table for the sizes it covers, when it was measured at this
+rank count and ranks per node, and the model everywhere else: at sizes outside the measured
+range, at rank counts never measured, and on another layout (a table from one node says nothing
+about the same rank count across nodes). A measurement beats a prediction where there is one:
+the model's few parameters average over every configuration and miss effects it has no term for.
+The model's decisions are turned into a table when the communicator is made, because evaluating
+it on every call would cost more than the smallest all-reduces take.
 """
 from __future__ import annotations
 
@@ -32,6 +42,8 @@ import numpy as np
 from ..runtime import config
 from ..runtime.mpi import fault_tolerant
 from ..runtime.wire import HALF_DTYPES
+from . import cost_model
+from .common import SEGMENT_BYTES
 from .registry import ALLREDUCE
 
 # (upper bound in bytes, algorithm); the first row whose bound exceeds the message size wins.
@@ -56,10 +68,11 @@ def forced_algorithm() -> str | None:
     return config.value("MPIDIST_ALLREDUCE_ALGORITHM")
 
 
-def auto_choice(mpi) -> tuple:
-    """(tuning table or None, forced algorithm or None, mpi_bounds) of a new communicator:
-    what algorithm="auto" decides with (collective over `mpi`: rank 0 reads the table)."""
-    table = load_tuning_table(mpi)
+def auto_choice(mpi, nodes: int) -> tuple:
+    """(tuning table or None, forced algorithm or None, mpi_bounds) of a new communicator over
+    `nodes` nodes: what algorithm="auto" decides with (collective over `mpi`: rank 0 reads the
+    table)."""
+    table = load_tuning_table(mpi, nodes)
     forced = forced_algorithm()
     if fault_tolerant():  # no shared-memory windows (runtime/mpi.py): point-to-point rings instead
         table = tuple((bound, "ring" if algorithm == "hierarchical" else algorithm)
@@ -126,27 +139,77 @@ def table_from_rows(rows) -> tuple:
     return tuple(table)
 
 
-def read_tuning_rows(ranks: int, path: str | None = None):
-    """This rank count's rows from the tuning file, or None when there is no file or no entry."""
+def read_tuning_file(path: str | None = None) -> dict:
+    """The tuning file's tables by rank count (and its "model"), {} when there is no file."""
     path = tuning_path(path)
     if not os.path.exists(path):
-        return None
+        return {}
     with open(path) as handle:
         tables = json.load(handle)
+    if not isinstance(tables, dict):
+        raise ValueError("not a JSON object of tables")
+    return tables
+
+
+def ranks_per_core(per_node: int) -> float:
+    """Ranks per core of a node with `per_node` ranks, this machine's cores taken for every
+    node's: the model's time-slicing term counts from it."""
+    return max(1.0, per_node / (os.cpu_count() or 1))
+
+
+# The model's decisions cover sizes up to 2**(MODEL_SIZES_LOG2 - 1) bytes; the last holds beyond.
+MODEL_SIZES_LOG2 = 41
+
+
+def auto_rows(tables: dict, ranks: int, nodes: int):
+    """The rows algorithm="auto" uses for `ranks` ranks on `nodes` nodes, from the tuning file's
+    contents: the measured table where it applies and the cost model elsewhere (the module's
+    docstring says why); None for the built-in table."""
     rows = tables.get(str(ranks))
     if rows is not None:
         table_from_rows(rows)  # refuse a malformed entry here, on the reading rank
-    return rows
+    model = tables.get("model") or {}
+    measured = model.get("measured", {}).get(str(ranks))
+    per_node = -(-ranks // nodes)
+    layout = cost_model.Layout(ranks, per_node, ranks_per_core(per_node))
+    parameters = model.get("parameters") or {}
+    segment = int(model.get("segment_bytes", SEGMENT_BYTES))
+    if rows is not None and measured is None:
+        return rows  # written before the model, with no record of its range: it covers every size
+    if not parameters or cost_model.fastest(parameters, 1 << 20, layout, segment) is None:
+        return rows  # no model for this layout (its link was never measured): the table, if any
+    starts = {1 << k for k in range(MODEL_SIZES_LOG2)}  # the model decides per power of two
+    measured_table = None
+    if rows is not None and measured["ranks_per_node"] == layout.per_node:
+        measured_table = table_from_rows(rows)
+        smallest, largest = measured["smallest"], measured["largest"]
+        # The measured table keeps its own bounds exactly.
+        starts |= {smallest, largest + 1} | {bound for bound, _ in measured_table[:-1]}
+
+    def choice(nbytes: int) -> str:
+        if measured_table is not None and smallest <= nbytes <= largest:
+            return _lookup(measured_table, nbytes)
+        return cost_model.fastest(parameters, nbytes, layout, segment)
+
+    starts = sorted(starts)
+    merged = []
+    for start, following in zip(starts, starts[1:] + [None]):
+        algorithm = choice(start)
+        if merged and merged[-1]["algorithm"] == algorithm:
+            merged[-1]["max_bytes"] = None if following is None else following - 1
+        else:
+            merged.append({"max_bytes": None if following is None else following - 1, "algorithm": algorithm})
+    return merged
 
 
-def load_tuning_table(mpi):
-    """The tuned table for this communicator's rank count, identical on every rank (rank 0 reads
-    the file and broadcasts it as bytes), or None for the built-in table. A malformed file is
-    reported once and ignored."""
+def load_tuning_table(mpi, nodes: int):
+    """The table for this communicator's rank count and node count, identical on every rank
+    (rank 0 reads the file, makes the rows and broadcasts them as bytes), or None for the
+    built-in table. A malformed file is reported once and ignored."""
     payload = b""
     if mpi.Get_rank() == 0:
         try:
-            rows = read_tuning_rows(mpi.Get_size())
+            rows = auto_rows(read_tuning_file(), mpi.Get_size(), nodes)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             warnings.warn(f"mpidist: ignoring the tuning file {tuning_path()}: {exc}", stacklevel=2)
             rows = None
@@ -161,19 +224,37 @@ def load_tuning_table(mpi):
     return None
 
 
-def save_tuning_table(rows, ranks: int, path: str | None = None) -> str:
-    """Write `rows` as the table for `ranks`, keeping the other rank counts already in the file."""
+def save_tuning_table(rows, ranks: int, path: str | None = None, measurements=None,
+                      ranks_per_node: int | None = None) -> str:
+    """Write `rows` as the table for `ranks`, keeping the other rank counts already in the file.
+    With `measurements` (mpidist bench's rows, taken at `ranks_per_node`), also keep them in
+    place of earlier ones of the same layout and fit the cost model to every layout's."""
     path = tuning_path(path)
-    tables = {}
-    if os.path.exists(path):
-        try:
-            with open(path) as handle:
-                tables = json.load(handle)
-        except (OSError, ValueError):
-            tables = {}
+    try:
+        tables = read_tuning_file(path)
+    except (OSError, ValueError):
+        tables = {}
     tables[str(ranks)] = rows
+    if measurements is not None:
+        tables["model"] = refit(tables.get("model") or {}, measurements, ranks, ranks_per_node)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as handle:
         json.dump(tables, handle, indent=1, sort_keys=True)
         handle.write("\n")
     return path
+
+
+def refit(model: dict, measurements, ranks: int, ranks_per_node: int) -> dict:
+    """The model section with this layout's measurements in place of earlier ones of the same
+    layout, and the parameters fitted again to all of them."""
+    kept = [m for m in model.get("measurements", []) if (m["ranks"], m["ranks_per_node"]) != (ranks, ranks_per_node)]
+    new = [{"algorithm": row["algorithm"], "bytes": row["bytes"], "ranks": ranks, "ranks_per_node": ranks_per_node,
+            "ranks_per_core": ranks_per_core(ranks_per_node), "time_us": row["time_us"]}
+           for row in measurements if not row["wrong"]]
+    sizes = [row["bytes"] for row in new]
+    measured = dict(model.get("measured", {}))
+    if sizes:
+        measured[str(ranks)] = {"ranks_per_node": ranks_per_node, "smallest": min(sizes), "largest": max(sizes)}
+    everything = kept + new
+    return {"segment_bytes": SEGMENT_BYTES, "parameters": cost_model.fit(everything, SEGMENT_BYTES),
+            "measured": measured, "measurements": everything}

@@ -62,8 +62,8 @@ VARIABLES = (
              "still wins"),
     _package("MPIDIST_TUNING_FILE", "path", os.path.join("~", ".cache", "mpidist", "tuning.json"),
              "`~/.cache/mpidist/tuning.json`", "when a Communicator is made, and by `mpidist tune`",
-             "the decision table `mpidist tune` writes and `auto` reads (rank 0 reads it and broadcasts it; the "
-             "built-in table when the file does not exist)"),
+             "the decision tables and the fitted [cost model](cost-model.md) `mpidist tune` writes and `auto` "
+             "reads (rank 0 reads it and broadcasts it; the built-in table when the file does not exist)"),
     _package("MPIDIST_CHECK", "flag", True, "`1`", "when a Communicator is made",
              "`0` skips the per-call [cross-rank signature check](collectives.md#the-cross-rank-call-check) (one "
              "small allgather per call) and enables the small-message fast path; a refused rank then leaves the "
