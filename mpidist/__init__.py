@@ -24,6 +24,7 @@ from .errors import (  # noqa: E402,F401
     NonContiguousError,
     NotInitializedError,
     NotOfferedError,
+    RankDiedError,
     UnsupportedBufferError,
     UnsupportedDtypeError,
 )
