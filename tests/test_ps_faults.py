@@ -1,13 +1,13 @@
-"""ParameterServer when a rank dies (parallel/ps_survival.py): one job of 7 ranks under
+"""ParameterServer when a rank dies (parallel/ps_survival.py): one job of 6 ranks under
 `mpirun --with-ft ulfm` runs six parameter servers one after another, each on its own
 communicator of ranks still alive, and in five of them a rank kills itself with SIGKILL:
 
   async          servers 0, 1; workers 2, 3, 4; nobody killed (the reference)
   async-killed   the same; worker 4 killed at its step KILL_STEP
-  softsync       server 0; workers 2, 3, 5, 6 (2-softsync: 2 gradients per update); 6 killed
-  backup         server 0; workers 2, 3, 5 (sync, 1 backup worker); 5 killed
-  sync           server 0; workers 1, 2, 3 (plain sync); 3 killed
-  server-killed  server 0, killed after KILL_UPDATE updates; workers 1, 2
+  softsync       server 0; workers 1, 2, 3, 5 (2-softsync: 2 gradients per update); 5 killed
+  backup         server 0; workers 1, 2, 3 (sync, 1 backup worker); 3 killed
+  sync           server 0; workers 1, 2 (plain sync); 2 killed
+  server-killed  server 0, killed after KILL_UPDATE updates; worker 1
 
 The first four go on without the dead worker; the last two end with a RankDiedError naming the
 dead rank on every survivor. One launch for all of them: each start of a rank costs seconds of
@@ -27,16 +27,16 @@ import time
 import pytest
 from conftest import REPO
 
-RANKS, FEATURES, CLASSES, SAMPLES, TESTS, BATCH, EPOCHS, LR = 7, 8, 3, 384, 600, 16, 3, 0.5
+RANKS, FEATURES, CLASSES, SAMPLES, TESTS, BATCH, EPOCHS, LR = 6, 8, 3, 384, 600, 16, 3, 0.5
 KILL_STEP, KILL_UPDATE = 9, 12
 # name: (the phase's world ranks, its servers, its options, the world rank killed)
 PHASES = {
     "async": ([0, 1, 2, 3, 4], 2, {"mode": "async"}, None),
     "async-killed": ([0, 1, 2, 3, 4], 2, {"mode": "async"}, 4),
-    "softsync": ([0, 2, 3, 5, 6], 1, {"mode": "softsync", "softsync": 2}, 6),
-    "backup": ([0, 2, 3, 5], 1, {"mode": "sync", "backup_workers": 1}, 5),
-    "sync": ([0, 1, 2, 3], 1, {"mode": "sync"}, 3),
-    "server-killed": ([0, 1, 2], 1, {"mode": "async"}, 0),
+    "softsync": ([0, 1, 2, 3, 5], 1, {"mode": "softsync", "softsync": 2}, 5),
+    "backup": ([0, 1, 2, 3], 1, {"mode": "sync", "backup_workers": 1}, 3),
+    "sync": ([0, 1, 2], 1, {"mode": "sync"}, 2),
+    "server-killed": ([0, 1], 1, {"mode": "async"}, 0),
 }
 RUN_SECONDS, EXIT_SECONDS = 150, 20
 
@@ -190,7 +190,7 @@ def test_softsync_and_backup_workers_go_on_without_a_killed_worker(job, name, vi
     assert len({record["accuracy"] for record in phase.values()}) == 1, phase
 
 
-@pytest.mark.parametrize("name, dead, named", [("sync", 3, "worker 3"), ("server-killed", 0, "the server (rank 0)")])
+@pytest.mark.parametrize("name, dead, named", [("sync", 2, "worker 2"), ("server-killed", 0, "the server (rank 0)")])
 def test_plain_sync_and_a_killed_server_end_with_an_error_naming_the_dead_rank_on_every_survivor(job, name, dead,
                                                                                               named):
     output, _, records, _ = job
@@ -213,3 +213,19 @@ def test_the_job_ends(job):
                      f"{EXIT_SECONDS} s (a known problem after a death: docs/elastic.md)")
     assert status == 0, output
     print(f"the job took {seconds:.1f} s")
+
+
+@pytest.mark.parametrize("missing, mode, said", [
+    ("Open MPI runs without fault tolerance: launch with `mpirun --with-ft ulfm`", "async",
+     "launch with `mpirun --with-ft ulfm`. A rank that dies ends the whole job, and what the servers applied since "
+     "the newest checkpoint is lost (--resume continues from the newest checkpoint in ps/)"),
+    (None, "async", "a worker that dies is dropped and the others go on; a server that dies ends the job"),
+    (None, "sync", "plain sync mode waits for every worker: a worker that dies ends the job"),
+])
+def test_train_elastic_in_ps_mode_says_at_the_start_what_a_death_does(monkeypatch, missing, mode, said):
+    from mpidist.runtime import mpi
+    from mpidist.train import say_what_survives
+    monkeypatch.setattr(mpi, "fault_tolerance_missing", lambda: missing)
+    lines = []
+    say_what_survives(mode, 1, lambda line, **_: lines.append(line))
+    assert len(lines) == 1 and said in lines[0], lines
