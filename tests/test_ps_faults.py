@@ -39,6 +39,7 @@ PHASES = {
     "server-killed": ([0, 1], 1, {"mode": "async"}, 0),
 }
 RUN_SECONDS, EXIT_SECONDS = 150, 20
+DETECTION_SECONDS = 10  # from a kill to the end of the waits it ends (seen: under 1 s, on a loaded host)
 
 JOB = f"""
 import json, os, signal, sys, time
@@ -61,6 +62,12 @@ for name, (members, _, _, _) in phases.items():
     comms[name] = md.Communicator(sub) if world.rank in members else None
 
 
+def kill(name):
+    with open(os.path.join(out, f"killed-{{name}}"), "w") as file:
+        file.write(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def accuracy(model):
     with torch.no_grad():
         return (model(x[{SAMPLES}:]).argmax(1) == y[{SAMPLES}:]).float().mean().item()
@@ -79,17 +86,18 @@ for name, (members, servers, options, victim) in phases.items():
         if ps.is_server:
             def on_update(update):
                 if world.rank == victim and update.version == {KILL_UPDATE}:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    kill(name)
             updates = ps.serve(on_update=on_update)
             record["updates"] = [[worker for worker, _, _ in update.gradients] for update in updates]
             record["lost"] = [[lost.worker, lost.steps] for lost in ps.lost]
+            record["seen"] = [lost.time for lost in ps.lost]
         else:
             index, steps = ps.workers.index(comm.rank), 0
             own = torch.arange(index, {SAMPLES}, len(ps.workers))
             for epoch in range({EPOCHS}):
                 for start in range(0, len(own), {BATCH}):
                     if world.rank == victim and steps == {KILL_STEP}:
-                        os.kill(os.getpid(), signal.SIGKILL)
+                        kill(name)
                     rows = own[start:start + {BATCH}]
                     model.zero_grad()
                     torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
@@ -115,7 +123,7 @@ def survivors():
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """(the job's output, its exit status or None when it was stopped, the records by phase and
-    world rank, the seconds the job took)."""
+    world rank, when each phase's victim killed itself (time.time()), the seconds the job took)."""
     out = tmp_path_factory.mktemp("ps-faults")
     env = {k: v for k, v in os.environ.items() if k not in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK",
                                                            "PYTEST_ISOLATE_MPI_IS_FORKED")}
@@ -142,7 +150,8 @@ def job(tmp_path_factory):
     records = {name: {rank: json.loads((out / f"{name}-{rank}.json").read_text())
                       for rank in members if (out / f"{name}-{rank}.json").exists()}
                for name, (members, *_) in PHASES.items()}
-    return text, status, records, time.monotonic() - started
+    kills = {name: float((out / f"killed-{name}").read_text()) for name in PHASES if (out / f"killed-{name}").exists()}
+    return text, status, records, kills, time.monotonic() - started
 
 
 def living(name):
@@ -151,7 +160,7 @@ def living(name):
 
 
 def test_async_servers_drop_a_killed_worker_and_reach_the_undisturbed_accuracy(job):
-    output, _, records, _ = job
+    output, _, records, kills, _ = job
     undisturbed, killed = records["async"], records["async-killed"]
     assert sorted(undisturbed) == PHASES["async"][0], output
     assert sorted(killed) == living("async-killed"), output
@@ -160,6 +169,9 @@ def test_async_servers_drop_a_killed_worker_and_reach_the_undisturbed_accuracy(j
     assert "worker 4 died (seen at " in output and f"after {KILL_STEP} steps, its last step {KILL_STEP - 1}); " \
         "dropped, going on with workers [2, 3] (async)" in output, output
     assert killed[0]["updates"] == killed[1]["updates"]
+    seen = killed[0]["seen"][0] - kills["async-killed"]
+    print(f"async: the death was seen {seen:.2f} s after the kill")
+    assert 0 < seen < DETECTION_SECONDS
     assert sum(update == [4] for update in killed[0]["updates"]) == KILL_STEP
     for worker in (2, 3):
         assert killed[worker]["steps"] == undisturbed[worker]["steps"] == EPOCHS * SAMPLES // 3 // BATCH
@@ -173,12 +185,13 @@ def test_async_servers_drop_a_killed_worker_and_reach_the_undisturbed_accuracy(j
 
 @pytest.mark.parametrize("name, victim, per_update", [("softsync", 4, 2), ("backup", 3, 2)])
 def test_softsync_and_backup_workers_go_on_without_a_killed_worker(job, name, victim, per_update):
-    output, _, records, _ = job
+    output, _, records, kills, _ = job
     members = PHASES[name][0]
     phase = records[name]
     assert sorted(phase) == living(name), output
     server = phase[0]
     assert server["lost"] == [[victim, KILL_STEP]], output  # the phase's own rank of the killed one
+    assert 0 < server["seen"][0] - kills[name] < DETECTION_SECONDS
     assert f"dropped, going on with workers {[members.index(r) for r in living(name)[1:]]} " \
         f"({PHASES[name][2]['mode']})" in output, output
     applied = [worker for update in server["updates"] for worker in update]
@@ -193,20 +206,20 @@ def test_softsync_and_backup_workers_go_on_without_a_killed_worker(job, name, vi
 @pytest.mark.parametrize("name, dead, named", [("sync", 2, "worker 2"), ("server-killed", 0, "the server (rank 0)")])
 def test_plain_sync_and_a_killed_server_end_with_an_error_naming_the_dead_rank_on_every_survivor(job, name, dead,
                                                                                               named):
-    output, _, records, _ = job
+    output, _, records, kills, _ = job
     phase = records[name]
     assert sorted(phase) == living(name), output
     for rank, record in phase.items():
         assert record["ranks"] == [dead], record
         assert f"{named} died, and the parameter server cannot go on without it" in record["error"], record
         assert "--resume" in record["error"]
-    # Every survivor knew within seconds of the first.
-    ended = [record["ended"] for record in phase.values()]
-    assert max(ended) - min(ended) < 10, phase
+    ended = max(record["ended"] for record in phase.values()) - kills[name]
+    print(f"{name}: every survivor raised within {ended:.2f} s of the kill")
+    assert ended < DETECTION_SECONDS, phase
 
 
 def test_the_job_ends(job):
-    output, status, records, seconds = job
+    output, status, records, _, seconds = job
     assert all(records[name] for name in PHASES), output
     if status is None:
         pytest.xfail(f"every phase ran as checked, then the survivors did not leave MPI_Finalize within "
