@@ -56,7 +56,9 @@ same error.
 Messages are typed buffers (runtime/wire.py: an int64 header, then the flat gradient, weights,
 row indices or rows), never pickled. Every wait ends after MPIDIST_TIMEOUT seconds with a
 DeadlineError naming the silent side: a server that hears from no worker for that long, or a
-worker that waits that long for its weights.
+worker that waits that long for its weights. A rank that dies is another matter, under ULFM
+(ps_survival.py): the servers drop a dead worker and go on, or every survivor raises the same
+RankDiedError.
 """
 from __future__ import annotations
 
@@ -358,7 +360,7 @@ class ParameterServer:
                     owed.discard(waiting)
                     sends += self._command(ANSWER, [waiting])
                     sends.append(self._send_weights(waiting))
-            sends = [outgoing for outgoing in sends if not outgoing.test()]
+            sends = ps_survival.pending(self, sends)
         return sends + self._command(FINISH, [])
 
     def _follow(self, history: list, on_update) -> list:
@@ -388,7 +390,7 @@ class ParameterServer:
             else:
                 history.append(self._apply({w: self._receive_gradient(w) for w in workers}, tuple(late), on_update))
                 late = []
-            sends = [outgoing for outgoing in sends if not outgoing.test()]
+            sends = ps_survival.pending(self, sends)
 
     def _command(self, kind: int, workers: list) -> list:
         """Start sending a command (the workers it concerns) to every other server."""

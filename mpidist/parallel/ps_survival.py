@@ -61,6 +61,19 @@ def dead_workers(ps, error: BaseException, waited_for) -> list:
     return dropped
 
 
+def pending(ps, sends: list) -> list:
+    """The sends (wire.Outgoing) still going. One to a worker that died is dropped when the
+    parameter server goes on without it (the coordinator sees the death at its next wait)."""
+    going = []
+    for outgoing in sends:
+        try:
+            if not outgoing.test():
+                going.append(outgoing)
+        except Exception as error:
+            dead_workers(ps, error, [outgoing.dest])
+    return going
+
+
 def report(ps, worker: int, steps: int, started: float) -> Lost:
     """Remember that `worker` was dropped after pushing `steps` gradients; the coordinator says so
     on standard error (when, how far into serve() it was)."""
