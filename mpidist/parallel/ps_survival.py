@@ -51,12 +51,13 @@ def dead_workers(ps, error: BaseException, waited_for) -> list:
     """The workers among `waited_for` whose death `error` reports, when the parameter server goes
     on without them; otherwise `error` is raised again (called in the except block of the wait
     that met it)."""
-    if not (fault_tolerant() and is_process_failure(error, [ps.mpi])) or ps.mpi.Is_revoked():
+    if not (fault_tolerant() and is_process_failure(error, [ps.mpi])) or ps.mpi.Is_revoked() \
+            or (ps.mode == "sync" and not ps.backup_workers):
         raise error
     known = {lost.worker for lost in ps.lost}
     dead = [rank for rank in failed_ranks(ps.mpi, wait=NAMING_SECONDS) if rank not in known]
     dropped = [rank for rank in dead if rank in waited_for]
-    if not dropped or any(rank in ps.servers for rank in dead) or (ps.mode == "sync" and not ps.backup_workers):
+    if not dropped or any(rank in ps.servers for rank in dead):
         raise error
     return dropped
 
