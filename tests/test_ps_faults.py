@@ -29,7 +29,7 @@ import time
 import pytest
 from conftest import REPO
 
-RANKS, FEATURES, CLASSES, SAMPLES, TESTS, BATCH, EPOCHS, LR = 6, 8, 3, 384, 600, 16, 3, 0.5
+RANKS, FEATURES, CLASSES, SAMPLES, TESTS, BATCH, EPOCHS, LR = 6, 8, 3, 1536, 2000, 64, 3, 0.5
 KILL_STEP, KILL_UPDATE = 9, 12
 KILLED_BY_THE_SERVER = "backup"
 # name: (the phase's world ranks, its servers, its options, the world rank killed)
