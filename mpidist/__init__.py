@@ -25,6 +25,7 @@ from .errors import (  # noqa: E402,F401
     NotInitializedError,
     NotOfferedError,
     PeerExitedError,
+    RankDiedError,
     UnsupportedBufferError,
     UnsupportedDtypeError,
 )

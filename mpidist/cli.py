@@ -128,7 +128,7 @@ def add_train_command(subparsers) -> None:
     parser.add_argument("--checkpoint-dir", default="checkpoints")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     parser.add_argument("--elastic", action="store_true",
-                        help="--mode data: go on on the surviving ranks when one dies (launch with "
+                        help="--mode data and ps: go on on the surviving ranks when one dies (launch with "
                              "`mpirun --with-ft ulfm`; see docs/elastic.md)")
     parser.add_argument("--data", default=None, help="digits HDF5 file (made if missing)")
     parser.add_argument("--seed", type=int, default=0)

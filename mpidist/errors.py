@@ -53,5 +53,14 @@ class PeerExitedError(DeadlineError):
     MPIDIST_TIMEOUT. `peers`: the ranks that ended, on the communicator of the wait."""
 
 
+class RankDiedError(MpidistError):
+    """A rank died (the MPI library's fault tolerance, ULFM, reported it) and the work cannot go
+    on without it. `ranks`: the dead ranks, on the communicator of the work."""
+
+    def __init__(self, message: str, ranks=()):
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+
+
 class NotOfferedError(MpidistError):
     """A feature of a peer (Horovod, PyTorch) that mpidist does not offer."""

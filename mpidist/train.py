@@ -19,8 +19,10 @@ state, which is spread over the servers).
 
 torch DDP (--mode ddp): --mode data with torch's DistributedDataParallel over the "mpidist"
 torch.distributed backend in place of mpidist's DataParallel.
-Elastic (--mode data --elastic, launched with `mpirun --with-ft ulfm`): a rank that dies is
-dropped and the others go on from their last commit in memory (md.elastic); no checkpoints.
+Elastic (--elastic, launched with `mpirun --with-ft ulfm`): under --mode data a rank that dies is
+dropped and the others go on from their last commit in memory (md.elastic; no checkpoints);
+under --mode ps the servers drop a worker that dies and go on (a server's death ends the job, and
+--resume continues from the newest checkpoint). Without ULFM it says at the start what is lost.
 
 Pipeline (--mode pipeline): the network's layers cut into one stage per rank, every batch run
 through the stages in micro-batches (--replicas k: k such pipelines averaging their gradients);
@@ -145,10 +147,10 @@ def check_mode_options(args) -> None:
         raise InvalidArgumentError("--model embedding goes with --mode data, ddp or ps")
     if args.embedding_rows is not None and args.model != "embedding":
         raise InvalidArgumentError("--embedding-rows goes with --model embedding")
-    if args.elastic and args.mode != "data":
+    if args.elastic and args.mode not in ("data", "ps"):
         raise InvalidArgumentError(f"--elastic with --mode {args.mode} is not offered yet: elastic training is data "
-                                   "parallel (--mode data) only")
-    if args.elastic and (args.zero or args.resume):
+                                   "parallel (--mode data) or with a parameter server (--mode ps)")
+    if args.elastic and args.mode == "data" and (args.zero or args.resume):
         raise InvalidArgumentError("--elastic goes without --zero (a dead rank would take its share of the optimizer "
                                    "state with it) and without --resume (its commits are in memory, not on disk)")
     if args.mode != "data" and args.compression != "none":
@@ -350,6 +352,8 @@ def train_with_parameter_server(args, comm, train_set, test_set, items, say) -> 
     restarts every worker at the first batch the weights have not seen. The embedding model's
     table goes by rows: a worker pulls its batch's rows before each forward pass."""
     mode = args.ps_mode or "async"
+    if args.elastic:
+        say_what_survives(mode, args.servers or 1, say)
     model = build_network(args, sparse=True)
     optimizer = make_optimizer(args, model.parameters())
     directory = os.path.join(args.checkpoint_dir, "ps")
@@ -426,9 +430,28 @@ def train_with_parameter_server(args, comm, train_set, test_set, items, say) -> 
         ps.close()
     # Every rank now holds the final weights.
     accuracy = evaluate(model, test_set)
+    died = f", {len(ps.lost)} of them dropped when they died" if ps.lost else ""
     say(f"final test accuracy: {accuracy:.4f} ({len(test_set)} test {items}, parameter server and "
-        f"{len(workers)} workers)", flush=True)
+        f"{len(workers)} workers{died})", flush=True)
     return 0
+
+
+def say_what_survives(mode: str, servers: int, say) -> None:
+    """--elastic --mode ps: what a death does to this run, said at the start (with ULFM, whether
+    the mode survives a dead worker; without it, what a death loses)."""
+    from .runtime.mpi import fault_tolerance_missing
+    missing = fault_tolerance_missing()
+    newest = "--resume continues from the newest checkpoint in ps/" if servers == 1 else \
+        "with --servers > 1 there is no checkpoint on the way to resume from"
+    if missing is not None:
+        say(f"mpidist train --elastic: {missing}. A rank that dies ends the whole job, and what the servers applied "
+            f"since the newest checkpoint is lost ({newest})", flush=True)
+    elif mode == "sync":
+        say("mpidist train --elastic: plain sync mode waits for every worker: a worker that dies ends the job, as a "
+            f"server that dies does ({newest}); --ps-mode async or softsync go on without a dead worker", flush=True)
+    else:
+        say(f"mpidist train --elastic: a worker that dies is dropped and the others go on; a server that dies ends "
+            f"the job ({newest})", flush=True)
 
 
 def common_checkpoint(directory, comm):

@@ -212,7 +212,7 @@ def test_bad_options_are_refused_on_every_rank(tmp_path):
                                 (["--mode", "ps", "--servers", "2", "--resume"], "--resume goes with one server"),
                                 (["--model", "embedding", "--mode", "pipeline"], "--model embedding goes with"),
                                 (["--embedding-rows", "10"], "--embedding-rows goes with --model embedding"),
-                                (["--mode", "ps", "--elastic"], "--elastic with --mode ps is not offered yet"),
+                                (["--mode", "pipeline", "--elastic"], "--elastic with --mode pipeline is not offered"),
                                 (["--elastic", "--zero"], "--elastic goes without --zero"),
                                 (["--elastic", "--resume"], "without --resume")):
         with pytest.raises(InvalidArgumentError, match=message):

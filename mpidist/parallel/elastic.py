@@ -31,7 +31,7 @@ import torch
 
 from ..comm import Communicator, broadcast_json, init, replace_world, world
 from ..errors import InvalidArgumentError
-from ..runtime.mpi import fault_tolerance_missing, is_process_failure, load_mpi
+from ..runtime.mpi import fault_tolerance_missing, is_process_failure, load_mpi, return_errors
 from ..runtime.wire import byte_view
 
 
@@ -268,7 +268,7 @@ def shrink_world() -> list:
     old = world()
     old.abandon()
     survivors = old.mpi.Shrink()
-    _return_errors_on(survivors)
+    return_errors(survivors)
     MPI = load_mpi()
     old_group, new_group = old.mpi.Get_group(), survivors.Get_group()
     lost = MPI.Group.Difference(old_group, new_group)
@@ -287,8 +287,4 @@ def _return_errors(comm: Communicator) -> None:
     the job), so a death surfaces in the collective that meets it."""
     for mpi_comm in (comm.mpi, comm.node_comm, comm.leader_comm):
         if mpi_comm is not None:
-            _return_errors_on(mpi_comm)
-
-
-def _return_errors_on(mpi_comm) -> None:
-    mpi_comm.Set_errhandler(load_mpi().ERRORS_RETURN)
+            return_errors(mpi_comm)

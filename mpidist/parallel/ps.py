@@ -56,11 +56,14 @@ same error.
 Messages are typed buffers (runtime/wire.py: an int64 header, then the flat gradient, weights,
 row indices or rows), never pickled. Every wait ends after MPIDIST_TIMEOUT seconds with a
 DeadlineError naming the silent side: a server that hears from no worker for that long, or a
-worker that waits that long for its weights.
+worker that waits that long for its weights. A rank that dies is another matter, under ULFM
+(ps_survival.py): the servers drop a dead worker and go on, or every survivor raises the same
+RankDiedError.
 """
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import torch
@@ -70,15 +73,17 @@ from ..comm import init
 from ..errors import InvalidArgumentError, MismatchError
 from ..runtime import wire
 from ..runtime.deadlines import wait_for_collective, wait_until
-from . import ps_shards, ps_sparse
+from ..runtime.mpi import fault_tolerant, return_errors
+from . import ps_shards, ps_sparse, ps_survival
 from .model_state import broadcast_module_state
 
 MODES = ("sync", "async", "softsync")
 # What a worker's message announces (its first field), the coordinator's commands to the other
 # servers, what a server's reply to a worker holds (its second field), and the tags of each kind
-# of message (each also uses the next tag, for its payload).
-GRADIENT, DONE, PULL, FAILED = 0, 1, 2, 3
-APPLY, ANSWER, DROP, FINISH, ANSWER_PULL, FAIL = 0, 1, 2, 3, 4, 5
+# of message (each also uses the next tag, for its payload). DIED is no message: it stands for a
+# worker that died (ps_survival.py), and LOST tells the other servers to drop it.
+GRADIENT, DONE, PULL, FAILED, DIED = 0, 1, 2, 3, 4
+APPLY, ANSWER, DROP, FINISH, ANSWER_PULL, FAIL, LOST = 0, 1, 2, 3, 4, 5, 6
 SENT_WEIGHTS, SENT_ROWS, SENT_FAILURE = 0, 1, 2
 PUSH, REPLY, COMMAND, SHARE, SPARSE = 1, 3, 5, 7, 9
 UNSPLITTABLE = -1  # the layout of a rank whose model has fewer rows than there are servers
@@ -192,12 +197,15 @@ class ParameterServer:
         self.per_update = gradients_per_update(mode, len(self.workers), softsync, backup_workers)
         self.version = version  # the number of updates applied to the weights held
         self.dropped = []  # servers: the late gradients dropped (backup workers), as in Update.dropped
+        self.lost = []  # servers: the workers dropped when they died, as ps_survival.Lost
         self._sent_weights = None  # server: (version, its range of the weights for replies)
         self.steps = 0  # workers: gradients pushed
         self.bytes_pushed = self.bytes_pulled = 0  # workers: payload bytes sent and received
         self._pulled = {}  # workers: table index -> the rows pulled in this step (sorted, unique)
         self.closed = False
         self.mpi = self.comm.mpi.Dup()  # point-to-point traffic of its own, apart from collectives
+        if fault_tolerant():  # a death comes back as an error (ps_survival.py)
+            return_errors(self.mpi)
         self._agree(unsplittable)
         broadcast_module_state(module, self.comm, root=self.chief)
         # A server of several steps its own rows alone; one server steps the user's optimizer,
@@ -276,6 +284,7 @@ class ParameterServer:
 
     # ---- the servers -----------------------------------------------------------------------
 
+    @ps_survival.ends_on_death
     def serve(self, on_update=None) -> list:
         """Apply the workers' gradients until every worker has closed, then give each the final
         weights. Returns the list of Update applied, in order (the same on every server).
@@ -289,7 +298,7 @@ class ParameterServer:
             sends = self._coordinate(history, on_update)
         else:
             sends = self._follow(history, on_update)
-        for worker in self.workers:
+        for worker in [w for w in self.workers if w not in {lost.worker for lost in self.lost}]:
             sends.append(self._send_weights(worker))
             sends += self._send_table_ranges(worker, REPLY)
         sends += self._share_final_weights()
@@ -308,13 +317,19 @@ class ParameterServer:
         pushed = dict.fromkeys(self.workers, 0)
         active = set(self.workers)
         sends = []
+        started = time.time()
         while active:
             worker = self._next_message(receives)
             incoming = receives[worker]
             kind, step, version = incoming.fields
-            if kind == DONE:
+            if kind in (DONE, DIED):
                 active.discard(worker)
                 del receives[worker]
+                if kind == DIED:  # dropped: its gradient not yet applied goes with it
+                    arrived.pop(worker, None)
+                    owed.discard(worker)
+                    sends += self._command(LOST, [worker, pushed[worker]])
+                    ps_survival.report(self, worker, pushed[worker], started)
             elif kind == FAILED:
                 self._stop(worker, incoming, sends)
             elif kind == PULL:
@@ -345,7 +360,7 @@ class ParameterServer:
                     owed.discard(waiting)
                     sends += self._command(ANSWER, [waiting])
                     sends.append(self._send_weights(waiting))
-            sends = [outgoing for outgoing in sends if not outgoing.test()]
+            sends = ps_survival.pending(self, sends)
         return sends + self._command(FINISH, [])
 
     def _follow(self, history: list, on_update) -> list:
@@ -367,13 +382,15 @@ class ParameterServer:
                 sends += self._answer_pull(workers[0], pull, fields)
             elif kind == FAIL:
                 self._stop(workers[0], wire.Incoming(self.mpi, workers[0], PUSH), sends)
+            elif kind == LOST:
+                ps_survival.report(self, *workers, started=0.0)
             elif kind == DROP:
                 _, step, version = self._receive_gradient(workers[0])
                 late.append(self._drop(workers[0], step, version))
             else:
                 history.append(self._apply({w: self._receive_gradient(w) for w in workers}, tuple(late), on_update))
                 late = []
-            sends = [outgoing for outgoing in sends if not outgoing.test()]
+            sends = ps_survival.pending(self, sends)
 
     def _command(self, kind: int, workers: list) -> list:
         """Start sending a command (the workers it concerns) to every other server."""
@@ -517,7 +534,11 @@ class ParameterServer:
         return sends
 
     def _next_message(self, receives: dict) -> int:
-        """The worker whose header arrived first among the pending receives."""
+        """The worker whose header arrived first among the pending receives, or one that died
+        (its receive replaced by a ps_survival.Death) when the parameter server goes on without it."""
+        died = [w for w, incoming in receives.items() if isinstance(incoming, ps_survival.Death)]
+        if died:
+            return died[0]
         workers = list(receives)
         requests = [receives[w].request for w in workers]
         found = []
@@ -528,12 +549,19 @@ class ParameterServer:
                 found.append(workers[index])
             return flag
 
-        wait_until(arrived, self._who, "the wait for a message from the workers", f"workers {workers}",
-                   peers=workers, advice="A worker that stops training must call close()")
+        try:
+            wait_until(arrived, self._who, "the wait for a message from the workers", f"workers {workers}",
+                       peers=workers, advice="A worker that stops training must call close()")
+        except Exception as error:
+            died = ps_survival.dead_workers(self, error, receives)
+            for worker in died:
+                receives[worker] = ps_survival.Death(DIED)
+            return died[0]
         return found[0]
 
     # ---- a worker --------------------------------------------------------------------------
 
+    @ps_survival.ends_on_death
     def pull_rows(self, module: torch.nn.Module, ids) -> None:
         """Fetch the current rows `ids` (an integer tensor of any shape; each row once) of the
         table of `module` (an embedding of the model that goes by rows) from the servers that
@@ -588,6 +616,7 @@ class ParameterServer:
             sent.wait(self._who, "the rows asked of the server", f"the server (rank {sent.dest})")
         return moved
 
+    @ps_survival.ends_on_death
     def step(self) -> None:
         """Push this worker's gradients (zeros for parameters without one), each server its
         range, and the rows of each table's gradient, each server those in its row ranges; then
@@ -614,6 +643,7 @@ class ParameterServer:
         self.steps += 1
         self._pulled = {}
 
+    @ps_survival.ends_on_death
     def close(self) -> None:
         """Tell the coordinating server this worker is done, and take the final weights, tables
         whole (once every worker has closed)."""

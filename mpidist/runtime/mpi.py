@@ -11,6 +11,7 @@ import ctypes
 import functools
 import os
 import sys
+import time
 
 from ..errors import MPIUnavailableError
 from . import config
@@ -149,9 +150,34 @@ def _death_known(MPI, comms) -> bool:
         return False
     if any(comm.Is_revoked() for comm in comms):
         return True
-    MPI.COMM_WORLD.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)  # lets MPI take note of deaths reported
-    failed = MPI.COMM_WORLD.Get_failed()
-    try:
-        return failed.Get_size() > 0
-    finally:
-        failed.Free()
+    return bool(failed_ranks(MPI.COMM_WORLD))
+
+
+def failed_ranks(mpi_comm, wait: float = 0.0) -> list:
+    """The ranks of the mpi4py communicator `mpi_comm` this process knows dead (ULFM's
+    MPIX_Comm_get_failed), waiting up to `wait` seconds for one to be known: a rank that learnt of
+    a death only from a revoked communicator hears of the death itself a moment later, once MPI
+    takes note of the deaths reported (a receive from any source on the world makes it)."""
+    MPI = load_mpi()
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            MPI.COMM_WORLD.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)
+        except MPI.Exception:  # MPI_ERR_PROC_FAILED: what was asked for
+            pass
+        failed = mpi_comm.Get_failed()
+        group = mpi_comm.Get_group()
+        try:
+            ranks = MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())), group)
+        finally:
+            failed.Free()
+            group.Free()
+        if ranks or time.monotonic() >= deadline:
+            return sorted(ranks)
+        time.sleep(0.01)
+
+
+def return_errors(mpi_comm) -> None:
+    """Errors on the mpi4py communicator `mpi_comm` come back as exceptions (MPI's default would
+    end the job), so a death surfaces in the call that meets it."""
+    mpi_comm.Set_errhandler(load_mpi().ERRORS_RETURN)

@@ -1,0 +1,128 @@
+"""What a parameter server (ps.py) does when one of its ranks dies, under the MPI library's fault
+tolerance (ULFM: `mpirun --with-ft ulfm`; runtime/mpi.py says whether it is on).
+
+A worker's death reaches the coordinating server as MPI_ERR_PROC_FAILED on the receive it keeps
+posted for that worker. In async and n-softsync mode, and in sync mode with backup workers, the
+coordinator drops the worker (dead_workers): it stops waiting for it, forgets its gradient not
+yet applied, tells the other servers in its order of commands (so every server drops it after
+the same update), prints the report (report: rank, the gradients it pushed, when) and goes on
+with the workers left; an update then takes its share of gradients, or every living worker's
+when fewer are left. Every server keeps the same list of Lost workers (ParameterServer.lost).
+
+Any other death ends the parameter server (ends_on_death): a server's (it holds its range of
+the weights and its optimizer's state alone), a worker's in plain sync mode (each update needs
+every worker's gradient), or a worker's that met a server in the middle of a message. The rank
+that meets it revokes the parameter server's communicator, so every survivor's next call on it
+fails too, and each raises the same RankDiedError naming the dead ranks. Without ULFM a death
+ends the job as it always did: the MPI library ends every rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import time
+
+from ..errors import RankDiedError
+from ..runtime.mpi import failed_ranks, fault_tolerant, is_process_failure
+
+# How long a rank whose call failed on a revoked communicator waits to hear which rank died.
+NAMING_SECONDS = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Lost:
+    """A worker the servers dropped: its rank, the gradients it had pushed (its last step is
+    steps - 1; -1 when not known to this server) and when its death was seen (time.time())."""
+    worker: int
+    steps: int
+    time: float
+
+
+class Death:
+    """Stands in the coordinator's pending receives for a worker that died; its fields, as a
+    message's, say so (kind, step, version)."""
+
+    def __init__(self, kind: int):
+        self.fields = (kind, -1, -1)
+
+
+def dead_workers(ps, error: BaseException, waited_for) -> list:
+    """The workers among `waited_for` whose death `error` reports, when the parameter server goes
+    on without them; otherwise `error` is raised again (called in the except block of the wait
+    that met it)."""
+    if not (fault_tolerant() and is_process_failure(error, [ps.mpi])) or ps.mpi.Is_revoked() \
+            or (ps.mode == "sync" and not ps.backup_workers):
+        raise error
+    known = {lost.worker for lost in ps.lost}
+    dead = [rank for rank in failed_ranks(ps.mpi, wait=NAMING_SECONDS) if rank not in known]
+    dropped = [rank for rank in dead if rank in waited_for]
+    if not dropped or any(rank in ps.servers for rank in dead):
+        raise error
+    return dropped
+
+
+def pending(ps, sends: list) -> list:
+    """The sends (wire.Outgoing) still going. One to a worker that died is dropped when the
+    parameter server goes on without it (the coordinator sees the death at its next wait)."""
+    going = []
+    for outgoing in sends:
+        try:
+            if not outgoing.test():
+                going.append(outgoing)
+        except Exception as error:
+            dead_workers(ps, error, [outgoing.dest])
+    return going
+
+
+def report(ps, worker: int, steps: int, started: float) -> Lost:
+    """Remember that `worker` was dropped after pushing `steps` gradients; the coordinator says so
+    on standard error (when, how far into serve() it was)."""
+    lost = Lost(worker, steps, time.time())
+    ps.lost.append(lost)
+    if ps.comm.rank == ps.server:
+        living = [w for w in ps.workers if w not in {gone.worker for gone in ps.lost}]
+        when = time.strftime("%H:%M:%S", time.gmtime(lost.time))
+        print(f"mpidist parameter server: worker {worker} died (seen at {when} UTC, {lost.time - started:.1f} s into "
+              f"serve(), after {steps} steps, its last step {steps - 1}); dropped, going on with workers {living} "
+              f"({ps.mode})", file=sys.stderr, flush=True)
+    return lost
+
+
+def ends_on_death(method):
+    """Decorate a ParameterServer call: a death it meets and the parameter server does not survive
+    revokes the parameter server's communicator and raises RankDiedError naming the dead."""
+    @functools.wraps(method)
+    def call(ps, *args, **kwargs):
+        try:
+            return method(ps, *args, **kwargs)
+        except Exception as error:
+            if not (fault_tolerant() and is_process_failure(error, [ps.mpi])):
+                raise
+            raise ending(ps) from error
+
+    return call
+
+
+def ending(ps) -> RankDiedError:
+    """The error that ends the parameter server after a death, the same on every survivor; its
+    communicator is revoked first, so that every other survivor meets it too."""
+    if not ps.mpi.Is_revoked():
+        ps.mpi.Revoke()
+    ps.closed = True
+    dead = failed_ranks(ps.mpi, wait=NAMING_SECONDS)
+    servers = [rank for rank in dead if rank in ps.servers]
+    if servers:
+        named = f"the server{'s' if len(servers) > 1 else ''} (rank{'s' if len(servers) > 1 else ''} " \
+                f"{', '.join(map(str, servers))})"
+        why = "a server alone holds its range of the weights and its optimizer's state"
+    elif dead:
+        named = f"worker{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))}"
+        why = "each update of sync mode without backup workers waits for every worker's gradient" \
+            if ps.mode == "sync" and not ps.backup_workers else \
+            "it died in the middle of a message to a server, so the servers could not drop it together"
+    else:
+        named, why = "a rank (which one could not be learnt)", "the parameter server's communicator was revoked"
+    return RankDiedError(f"{ps._who}: {named} died, and the parameter server cannot go on without "
+                         f"{'them' if len(servers or dead) > 1 else 'it'}: {why}. It ends here; `mpidist train "
+                         "--resume` continues from the newest checkpoint", ranks=dead)

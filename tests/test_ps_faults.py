@@ -1,0 +1,252 @@
+"""ParameterServer when a rank dies (parallel/ps_survival.py): one job of 6 ranks under
+`mpirun --with-ft ulfm` runs six parameter servers one after another, each on its own
+communicator of ranks still alive, and in five of them a rank kills itself with SIGKILL:
+
+  async          servers 0, 1; workers 2, 3, 4; nobody killed (the reference)
+  async-killed   the same; worker 4 killed at its step KILL_STEP
+  softsync       server 0; workers 1, 2, 3, 5 (2-softsync: 2 gradients per update); 5 killed
+  backup         server 0; workers 1, 2, 3 (sync, 1 backup worker); 3 killed by the server, after
+                 KILL_UPDATE updates: wherever it is (computing, or waiting with its gradient
+                 taken or not)
+  sync           server 0; workers 1, 2 (plain sync); 2 killed
+  server-killed  server 0, killed after KILL_UPDATE updates; worker 1
+
+The first four go on without the dead worker; the last two end with a RankDiedError naming the
+dead rank on every survivor. One launch for all of them: each start of a rank costs seconds of
+CPU (torch's import), more than the training.
+
+Each rank writes what it saw in each phase to a JSON file; the checks read them. The job itself
+is stopped (its whole process group) when it has not ended RUN_SECONDS after its start, or
+EXIT_SECONDS after every survivor wrote its last file: Open MPI's MPI_Finalize may hang at exit
+after a death (docs/elastic.md), which the last check reports as an expected failure."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO
+
+RANKS, FEATURES, CLASSES, SAMPLES, TESTS, BATCH, EPOCHS, LR = 6, 8, 3, 1536, 2000, 64, 3, 0.5
+KILL_STEP, KILL_UPDATE = 9, 12
+KILLED_BY_THE_SERVER = "backup"
+# name: (the phase's world ranks, its servers, its options, the world rank killed)
+PHASES = {
+    "async": ([0, 1, 2, 3, 4], 2, {"mode": "async"}, None),
+    "async-killed": ([0, 1, 2, 3, 4], 2, {"mode": "async"}, 4),
+    "softsync": ([0, 1, 2, 3, 5], 1, {"mode": "softsync", "softsync": 2}, 5),
+    "backup": ([0, 1, 2, 3], 1, {"mode": "sync", "backup_workers": 1}, 3),
+    "sync": ([0, 1, 2], 1, {"mode": "sync"}, 2),
+    "server-killed": ([0, 1], 1, {"mode": "async"}, 0),
+}
+RUN_SECONDS, EXIT_SECONDS = 150, 10
+DETECTION_SECONDS = 10  # from a kill to the end of the waits it ends (seen: under 1 s, on a loaded host)
+
+JOB = f"""
+import json, os, signal, sys, time
+import torch
+import mpidist as md
+from mpi4py import MPI
+
+out = sys.argv[1]
+phases = json.loads(sys.argv[2])
+torch.set_num_threads(1)
+world = md.init()
+generator = torch.Generator().manual_seed(7)
+teacher = torch.randn({FEATURES}, {CLASSES}, generator=generator)
+x = torch.randn({SAMPLES} + {TESTS}, {FEATURES}, generator=generator)
+y = (x @ teacher + 0.3 * torch.randn(len(x), {CLASSES}, generator=generator)).argmax(1)
+# Every phase's communicator is made now, while every rank lives.
+comms = {{}}
+for name, (members, _, _, _) in phases.items():
+    sub = world.mpi.Split(0 if world.rank in members else MPI.UNDEFINED, world.rank)
+    comms[name] = md.Communicator(sub) if world.rank in members else None
+
+
+pids = world.mpi.allgather(os.getpid())
+
+
+def kill(name, rank):
+    with open(os.path.join(out, f"killed-{{name}}"), "w") as file:
+        file.write(repr(time.time()))
+    os.kill(pids[rank], signal.SIGKILL)
+
+
+def accuracy(model):
+    with torch.no_grad():
+        return (model(x[{SAMPLES}:]).argmax(1) == y[{SAMPLES}:]).float().mean().item()
+
+
+for name, (members, servers, options, victim) in phases.items():
+    comm = comms[name]
+    if comm is None:
+        continue
+    torch.manual_seed(0)
+    model = torch.nn.Linear({FEATURES}, {CLASSES})
+    optimizer = torch.optim.SGD(model.parameters(), lr={LR}) if comm.rank < servers else None
+    record = {{"started": time.time()}}
+    try:
+        ps = md.ParameterServer(model, optimizer, comm=comm, servers=servers, **options)
+        if ps.is_server:
+            def on_update(update):
+                if update.version == {KILL_UPDATE} and (world.rank == victim or name == "{KILLED_BY_THE_SERVER}"):
+                    kill(name, victim)
+            updates = ps.serve(on_update=on_update)
+            record["updates"] = [[worker for worker, _, _ in update.gradients] for update in updates]
+            record["lost"] = [[lost.worker, lost.steps] for lost in ps.lost]
+            record["seen"] = [lost.time for lost in ps.lost]
+        else:
+            index, steps = ps.workers.index(comm.rank), 0
+            own = torch.arange(index, {SAMPLES}, len(ps.workers))
+            for epoch in range({EPOCHS}):
+                for start in range(0, len(own), {BATCH}):
+                    if world.rank == victim and steps == {KILL_STEP} and name != "{KILLED_BY_THE_SERVER}":
+                        kill(name, victim)
+                    rows = own[start:start + {BATCH}]
+                    model.zero_grad()
+                    torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
+                    ps.step()
+                    steps += 1
+            ps.close()
+            record["steps"] = steps
+        record["accuracy"] = accuracy(model)
+    except md.RankDiedError as error:
+        record["error"], record["ranks"] = str(error), list(error.ranks)
+    record["ended"] = time.time()
+    with open(os.path.join(out, f"{{name}}-{{world.rank}}.json"), "w") as file:
+        json.dump(record, file)
+with open(os.path.join(out, f"done-{{world.rank}}"), "w") as file:
+    file.write("done")
+"""
+
+
+def survivors():
+    return [rank for rank in range(RANKS) if rank not in {victim for *_, victim in PHASES.values()}]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """(the job's output, its exit status or None when it was stopped, the records by phase and
+    world rank, when each phase's victim killed itself (time.time()), the seconds the job took)."""
+    out = tmp_path_factory.mktemp("ps-faults")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK",
+                                                           "PYTEST_ISOLATE_MPI_IS_FORKED")}
+    env.update(MPIDIST_TIMEOUT="60", MPIDIST_STALL_WARNING="120")
+    cmd = ["mpirun", "--with-ft", "ulfm", "--oversubscribe", "--bind-to", "none", "-np", str(RANKS), sys.executable,
+           "-c", JOB, str(out), json.dumps(PHASES)]
+    started = time.monotonic()
+    with open(out / "output.txt", "w+") as output:
+        process = subprocess.Popen(cmd, stdout=output, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+                                   start_new_session=True)
+        done_since = None
+        while process.poll() is None:
+            if done_since is None and all((out / f"done-{rank}").exists() for rank in survivors()):
+                done_since = time.monotonic()
+            if time.monotonic() - started > RUN_SECONDS or \
+                    done_since is not None and time.monotonic() - done_since > EXIT_SECONDS:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                break
+            time.sleep(0.2)
+        status = None if process.returncode < 0 else process.returncode
+        output.seek(0)
+        text = output.read()
+    records = {name: {rank: json.loads((out / f"{name}-{rank}.json").read_text())
+                      for rank in members if (out / f"{name}-{rank}.json").exists()}
+               for name, (members, *_) in PHASES.items()}
+    kills = {name: float((out / f"killed-{name}").read_text()) for name in PHASES if (out / f"killed-{name}").exists()}
+    return text, status, records, kills, time.monotonic() - started
+
+
+def living(name):
+    members, _, _, victim = PHASES[name]
+    return [rank for rank in members if rank != victim]
+
+
+def test_async_servers_drop_a_killed_worker_and_reach_the_undisturbed_accuracy(job):
+    output, _, records, kills, _ = job
+    undisturbed, killed = records["async"], records["async-killed"]
+    assert sorted(undisturbed) == PHASES["async"][0], output
+    assert sorted(killed) == living("async-killed"), output
+    # Both servers dropped worker 4 after the same KILL_STEP gradients, and said so.
+    assert killed[0]["lost"] == killed[1]["lost"] == [[4, KILL_STEP]], output
+    assert "worker 4 died (seen at " in output and f"after {KILL_STEP} steps, its last step {KILL_STEP - 1}); " \
+        "dropped, going on with workers [2, 3] (async)" in output, output
+    assert killed[0]["updates"] == killed[1]["updates"]
+    seen = killed[0]["seen"][0] - kills["async-killed"]
+    print(f"async: the death was seen {seen:.2f} s after the kill")
+    assert 0 < seen < DETECTION_SECONDS
+    assert sum(update == [4] for update in killed[0]["updates"]) == KILL_STEP
+    for worker in (2, 3):
+        assert killed[worker]["steps"] == undisturbed[worker]["steps"] == EPOCHS * SAMPLES // 3 // BATCH
+    # Every rank left holds the final weights, and they are as good as the undisturbed run's.
+    accuracies = {record["accuracy"] for record in killed.values()}
+    assert len(accuracies) == 1, killed
+    reference = undisturbed[0]["accuracy"]
+    assert reference > 0.85, undisturbed
+    assert abs(accuracies.pop() - reference) <= 0.02, (killed, reference)
+
+
+@pytest.mark.parametrize("name, victim, per_update", [("softsync", 4, 2), ("backup", 3, 2)])
+def test_softsync_and_backup_workers_go_on_without_a_killed_worker(job, name, victim, per_update):
+    output, _, records, kills, _ = job
+    members = PHASES[name][0]
+    phase = records[name]
+    assert sorted(phase) == living(name), output
+    server = phase[0]
+    (lost, steps), = server["lost"]
+    assert lost == victim, output  # the phase's own rank of the killed one
+    assert steps == KILL_STEP or name == KILLED_BY_THE_SERVER
+    assert 0 < server["seen"][0] - kills[name] < DETECTION_SECONDS
+    assert f"dropped, going on with workers {[members.index(r) for r in living(name)[1:]]} " \
+        f"({PHASES[name][2]['mode']})" in output, output
+    applied = [worker for update in server["updates"] for worker in update]
+    assert all(len(update) <= per_update for update in server["updates"])
+    assert applied.count(victim) <= steps
+    per_worker = EPOCHS * -(-(SAMPLES // (len(members) - 1)) // BATCH)
+    for rank in living(name)[1:]:
+        assert phase[rank]["steps"] == per_worker
+    assert len({record["accuracy"] for record in phase.values()}) == 1, phase
+
+
+@pytest.mark.parametrize("name, dead, named", [("sync", 2, "worker 2"), ("server-killed", 0, "the server (rank 0)")])
+def test_plain_sync_and_a_killed_server_end_with_an_error_naming_the_dead_rank_on_every_survivor(job, name, dead,
+                                                                                              named):
+    output, _, records, kills, _ = job
+    phase = records[name]
+    assert sorted(phase) == living(name), output
+    for rank, record in phase.items():
+        assert record["ranks"] == [dead], record
+        assert f"{named} died, and the parameter server cannot go on without it" in record["error"], record
+        assert "--resume" in record["error"]
+    ended = max(record["ended"] for record in phase.values()) - kills[name]
+    print(f"{name}: every survivor raised within {ended:.2f} s of the kill")
+    assert ended < DETECTION_SECONDS, phase
+
+
+def test_the_job_ends(job):
+    output, status, records, _, seconds = job
+    assert all(records[name] for name in PHASES), output
+    if status is None:
+        pytest.xfail(f"every phase ran as checked, then the survivors did not leave MPI_Finalize within "
+                     f"{EXIT_SECONDS} s (a known problem after a death: docs/elastic.md)")
+    assert status == 0, output
+    print(f"the job took {seconds:.1f} s")
+
+
+@pytest.mark.parametrize("missing, mode, said", [
+    ("Open MPI runs without fault tolerance: launch with `mpirun --with-ft ulfm`", "async",
+     "launch with `mpirun --with-ft ulfm`. A rank that dies ends the whole job, and what the servers applied since "
+     "the newest checkpoint is lost (--resume continues from the newest checkpoint in ps/)"),
+    (None, "async", "a worker that dies is dropped and the others go on; a server that dies ends the job"),
+    (None, "sync", "plain sync mode waits for every worker: a worker that dies ends the job"),
+])
+def test_train_elastic_in_ps_mode_says_at_the_start_what_a_death_does(monkeypatch, missing, mode, said):
+    from mpidist.runtime import mpi
+    from mpidist.train import say_what_survives
+    monkeypatch.setattr(mpi, "fault_tolerance_missing", lambda: missing)
+    lines = []
+    say_what_survives(mode, 1, lambda line, **_: lines.append(line))
+    assert len(lines) == 1 and said in lines[0], lines
