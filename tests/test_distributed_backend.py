@@ -194,6 +194,20 @@ def test_async_work_completes_in_the_background(mpi_world):
     assert work.is_completed()
 
 
+@pytest.mark.mpi(ranks=[2])
+def test_a_future_callback_may_call_a_blocking_collective(mpi_world):
+    rank, size = world()
+    first, second = values(rank, (4,)), values(rank, (4,), seed=1)
+    # The callback runs on the group's engine thread as the first all-reduce completes there; its
+    # blocking call runs at once on that thread, ahead of the call queued after it.
+    chained = dist.all_reduce(first, async_op=True).get_future().then(lambda future: dist.all_reduce(second))
+    third = values(rank, (4,), seed=2)
+    dist.all_reduce(third)
+    chained.wait()
+    for seed, tensor in enumerate((first, second, third)):
+        torch.testing.assert_close(tensor, sum(values(k, (4,), seed=seed) for k in range(size)))
+
+
 @pytest.mark.mpi(ranks=[3])
 def test_new_group_is_a_sub_communicator(mpi_world):
     rank, size = world()

@@ -199,12 +199,12 @@ class ProcessGroupMpidist(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         tensor = _one(tensors, "all_reduce")
         opts = _option(opts, dist.AllreduceOptions)
-        kind, factor = reduce_op = _reduce_op(opts.reduceOp, tensor.dtype, "all_reduce")
+        reduce_op = _reduce_op(opts.reduceOp, tensor.dtype, "all_reduce")
         # dist.all_reduce's usual call, a blocking native reduction of a small CPU tensor on a
         # group with no engine, straight to the small-message path: each layer of Python skipped
         # is a microsecond per call (the general route below does the same, and its refusals).
-        if not opts.asyncOp and kind in NATIVE_OPS and self.comm._engine is None \
-                and collectives.small_cpu_allreduce(self.comm, tensor, NATIVE_OPS[kind], "auto"):
+        if not opts.asyncOp and reduce_op[0] in NATIVE_OPS \
+                and collectives.small_cpu_allreduce(self.comm, tensor, NATIVE_OPS[reduce_op[0]], "auto"):
             return MpidistWork([tensor])
         return self._run("all_reduce", lambda channel: self._allreduce(channel, tensor, reduce_op), [tensor], opts)
 
