@@ -3,6 +3,7 @@ float64 reference computed from every rank's input in one process, async Work, s
 their call check, and torch's own DDP, FSDP2, DeviceMesh/DTensor, pipelining and distributed
 checkpoint on it, each against the same training in one process."""
 import copy
+import time
 
 import pytest
 import torch
@@ -198,8 +199,11 @@ def test_async_work_completes_in_the_background(mpi_world):
 def test_a_future_callback_may_call_a_blocking_collective(mpi_world):
     rank, size = world()
     first, second = values(rank, (4,)), values(rank, (4,), seed=1)
-    # The callback runs on the group's engine thread as the first all-reduce completes there; its
-    # blocking call runs at once on that thread, ahead of the call queued after it.
+    # The callback runs on the group's engine thread as the first all-reduce completes there (on
+    # rank 0 surely: rank 1 joins that all-reduce late); its blocking call runs at once on that
+    # thread, ahead of the call queued after it.
+    if rank == 1:
+        time.sleep(0.2)
     chained = dist.all_reduce(first, async_op=True).get_future().then(lambda future: dist.all_reduce(second))
     third = values(rank, (4,), seed=2)
     dist.all_reduce(third)
