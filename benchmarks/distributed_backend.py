@@ -20,7 +20,9 @@ the noise of a shared machine falls on all alike:
    (bytes / time x 2(p-1)/p), and the backend's overhead over our API (the difference of their
    times per call, in microseconds). Each candidate then sums ones once, checked. After DDP's
    asynchronous all-reduces the group has its background engine, and a blocking call then
-   runs on the engine's thread (behind any queued ones): the second pass measures that cost.
+   runs on the engine's communicator (on the caller's thread when nothing is queued): the
+   second pass measures that path. benchmarks/distributed_backend_layers.py splits the cost
+   per call into its layers.
 
 One thread per rank (torch, mpidist's kernels). MPIDIST_CHECK=0 turns mpidist's cross-rank call
 check off for all mpidist candidates alike (gloo has none).

@@ -3,6 +3,7 @@ float64 reference computed from every rank's input in one process, async Work, s
 their call check, and torch's own DDP, FSDP2, DeviceMesh/DTensor, pipelining and distributed
 checkpoint on it, each against the same training in one process."""
 import copy
+import time
 
 import pytest
 import torch
@@ -194,6 +195,23 @@ def test_async_work_completes_in_the_background(mpi_world):
     assert work.is_completed()
 
 
+@pytest.mark.mpi(ranks=[2])
+def test_a_future_callback_may_call_a_blocking_collective(mpi_world):
+    rank, size = world()
+    first, second = values(rank, (4,)), values(rank, (4,), seed=1)
+    # The callback runs on the group's engine thread as the first all-reduce completes there (on
+    # rank 0 surely: rank 1 joins that all-reduce late); its blocking call runs at once on that
+    # thread, ahead of the call queued after it.
+    if rank == 1:
+        time.sleep(0.2)
+    chained = dist.all_reduce(first, async_op=True).get_future().then(lambda future: dist.all_reduce(second))
+    third = values(rank, (4,), seed=2)
+    dist.all_reduce(third)
+    chained.wait()
+    for seed, tensor in enumerate((first, second, third)):
+        torch.testing.assert_close(tensor, sum(values(k, (4,), seed=seed) for k in range(size)))
+
+
 @pytest.mark.mpi(ranks=[3])
 def test_new_group_is_a_sub_communicator(mpi_world):
     rank, size = world()
@@ -210,26 +228,32 @@ def test_new_group_is_a_sub_communicator(mpi_world):
 
 
 @pytest.mark.mpi(ranks=[2, 3])
-def test_ddp_trains_as_one_process(mpi_world):
+def test_ddp_trains_as_one_process_and_as_over_gloo(mpi_world):
     from torch.nn.parallel import DistributedDataParallel
     rank, size = world()
+    gloo = dist.new_group(backend="gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).double()
-    reference = copy.deepcopy(model)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=0.0001)  # several buckets
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    reference, over_gloo = copy.deepcopy(model), copy.deepcopy(model)
+    ddps = [DistributedDataParallel(model, bucket_cap_mb=0.0001),  # several buckets
+            DistributedDataParallel(over_gloo, bucket_cap_mb=0.0001, process_group=gloo)]
+    optimizers = [torch.optim.SGD(ddp.parameters(), lr=0.1) for ddp in ddps]
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(3):
         batches = [values(k, (4, 6), seed=step) for k in range(size)]
-        optimizer.zero_grad()
-        ddp(batches[rank]).pow(2).sum().backward()
-        optimizer.step()
+        for ddp, optimizer in zip(ddps, optimizers):
+            optimizer.zero_grad()
+            ddp(batches[rank]).pow(2).sum().backward()
+            optimizer.step()
         # DDP averages the ranks' gradients: the mean of the per-rank losses in one process.
         reference_optimizer.zero_grad()
         (sum(reference(batch).pow(2).sum() for batch in batches) / size).backward()
         reference_optimizer.step()
-    for mine, theirs in zip(model.parameters(), reference.parameters()):
+    dist.destroy_process_group(gloo)
+    for mine, theirs, glooed in zip(model.parameters(), reference.parameters(), over_gloo.parameters()):
         torch.testing.assert_close(mine, theirs)
+        # The same sums as gloo's, up to the order of their additions (float64 rounding).
+        torch.testing.assert_close(mine, glooed, rtol=1e-13, atol=1e-15)
 
 
 @pytest.mark.mpi(ranks=[2])
@@ -323,6 +347,24 @@ def test_distributed_checkpoint_saves_and_loads(mpi_world, tmp_path_factory):
     loaded = {"weight": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)])}
     dcp.load(loaded, checkpoint_id=directory[0])
     torch.testing.assert_close(loaded["weight"].full_tensor(), full)
+
+
+@pytest.mark.mpi(ranks=[2])
+def test_destroy_frees_the_communicators_and_a_new_init_works(mpi_world):
+    from mpi4py import MPI
+    world()
+    pair = dist.new_group([0, 1], backend="mpidist")
+    groups = [dist.group.WORLD, pair]
+    for group in groups:  # each with its engine's communicator too
+        dist.all_reduce(torch.ones(2), group=group, async_op=True).wait()
+    communicators = [mpi for group in groups for mpi in group.comm.communicators() + [group._p2p]]
+    dist.destroy_process_group()
+    assert all(mpi == MPI.COMM_NULL for mpi in communicators)  # what MPI_Comm_free leaves
+    rank, size = world()
+    tensor = values(rank, (3,))
+    dist.all_reduce(tensor, async_op=True).wait()
+    dist.all_reduce(tensor)
+    torch.testing.assert_close(tensor, size * sum(values(k, (3,)) for k in range(size)))
 
 
 @pytest.mark.mpi(ranks=[4])

@@ -5,7 +5,12 @@ The engine is a Channel (comm.py) of its own: the collectives run on it exactly 
 Communicator. It has its own MPI communicator, scratch and staging buffers (its thread must not
 share them with the caller's), and its own node communicators for the hierarchical all-reduce,
 split from its duplicate on first use; the settings (call check, tuning table, forced algorithm,
-CUDA-awareness) are its Communicator's.
+small-message bounds, CUDA-awareness) are its Communicator's.
+
+A blocking collective of a communicator that has an engine runs on the engine's channel too (so
+that every rank runs it on the same MPI communicator, whatever its engine's queue holds), in
+submission order: on the caller's thread when nothing is queued or running there (no hop to the
+engine's thread and back), else queued behind the rest and waited for (in_order).
 """
 from __future__ import annotations
 
@@ -70,7 +75,13 @@ class AsyncEngine(Channel):
         self.staging = buffers.HostStaging()
         self.node_window = None
         self._node_comms = None  # (node, leaders), split from self.mpi on first use
+        self.fast_path_scratch = None  # the small-message path's float32 room (comm.py), the engine's own
         self._queue = queue.Queue()
+        # Held while a collective runs on this engine, on whichever thread: the engine's memory
+        # and communicators serve one collective at a time.
+        self._running = threading.Lock()
+        self._counting = threading.Lock()
+        self._unfinished = 0  # submitted and not yet run to the end, under _counting
         self._thread = threading.Thread(target=self._serve, name="mpidist-async", daemon=True)
         self._thread.start()
 
@@ -87,6 +98,10 @@ class AsyncEngine(Channel):
     @property
     def forced_algorithm(self):
         return self.comm.forced_algorithm
+
+    @property
+    def fast_path_bounds(self):
+        return self.comm.fast_path_bounds
 
     def is_cuda_aware(self) -> bool:
         return self.comm.is_cuda_aware()
@@ -105,8 +120,25 @@ class AsyncEngine(Channel):
 
     def submit(self, description: str, work) -> Handle:
         handle = Handle(description)
+        with self._counting:
+            self._unfinished += 1
         self._queue.put((handle, work))
         return handle
+
+    def run_in_order(self, work):
+        """work(self) behind the submitted collectives, on the caller's thread when none is
+        queued or running (or when the caller is the engine's thread itself, running one: a
+        future's callback), else on the engine's thread, waited for. Returns its result."""
+        with self._counting:
+            idle = self._unfinished == 0 and self._running.acquire(blocking=False)
+        if not idle:
+            if threading.get_ident() == self._thread.ident:
+                return work(self)
+            return self.submit("collective", work).wait()
+        try:
+            return work(self)
+        finally:
+            self._running.release()
 
     def _serve(self):
         while True:
@@ -114,11 +146,18 @@ class AsyncEngine(Channel):
             if item is None:
                 return
             handle, work = item
-            handle.started = time.perf_counter()
-            try:
-                handle._complete(result=work(self))
-            except BaseException as exc:  # handed to the waiting caller
-                handle._complete(error=exc)
+            result = error = None
+            with self._running:
+                handle.started = time.perf_counter()
+                try:
+                    result = work(self)
+                except BaseException as exc:  # handed to the waiting caller
+                    error = exc
+                with self._counting:
+                    self._unfinished -= 1
+            # Completed once the engine is free: the woken caller's next blocking collective
+            # then finds it idle and runs on its own thread.
+            handle._complete(result, error)
 
     def stop(self, free: bool = True):
         """End the thread once the queued work is done; with `free`, free the communicators
@@ -137,11 +176,12 @@ class AsyncEngine(Channel):
 
 
 def in_order(comm, work):
-    """Run a blocking collective. Once the communicator has an asynchronous engine, the work
-    runs on the engine's thread behind the operations already queued there: the collectives of
-    one communicator then never run concurrently (MPI libraries do not all allow creating
-    shared-memory windows from two threads at once) and always in program order."""
+    """Run a blocking collective, work(channel). Once the communicator has an asynchronous
+    engine, the work runs on the engine's channel behind the operations already submitted there
+    (AsyncEngine.run_in_order): the collectives of one communicator then never run concurrently
+    (MPI libraries do not all allow creating shared-memory windows from two threads at once) and
+    always in program order."""
     engine = comm._engine
     if engine is None:
         return work(comm)
-    return engine.submit("collective", work).wait()
+    return engine.run_in_order(work)

@@ -1,4 +1,5 @@
-"""The small-message fast path of all-reduce (Communicator.allreduce tries it first).
+"""The small-message fast path of all-reduce (Communicator.allreduce and the torch.distributed
+backend try it first).
 
 A small MPI_Allreduce takes about a microsecond, so every microsecond of Python in front of it
 shows. Small CPU messages that the general path would hand to the MPI library anyway skip it
@@ -41,7 +42,8 @@ def fill_fast_torch_types(torch) -> None:
 def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
     """All-reduce a small contiguous CPU array with one MPI_Allreduce when that is where the
     general path would end up too. Returns False, having done nothing, otherwise (the general
-    path then also gives the error messages)."""
+    path then also gives the error messages). `comm` is the channel the call runs on: a
+    Communicator without an asynchronous engine, or an engine (in order, engine.in_order)."""
     if comm.check_calls or comm._engine is not None or (algorithm != "auto" and algorithm != "mpi"):
         return False
     mpi_op = FAST_OPS.get(op)

@@ -29,7 +29,7 @@ from ..errors import InvalidArgumentError, NotOfferedError
 from ..runtime.deadlines import wait_for_request
 from .rendezvous import check_agrees_with_mpi
 
-# c10d's reduce ops by their numbers (an enum's hash costs microseconds on every call).
+# c10d's reduce ops by their numbers (an enum as a dictionary key costs microseconds on every call).
 RedOpType = dist.ReduceOp.RedOpType
 NATIVE_OPS = {RedOpType.SUM.value: "sum", RedOpType.AVG.value: "avg", RedOpType.PRODUCT.value: "prod",
               RedOpType.MIN.value: "min", RedOpType.MAX.value: "max"}
@@ -43,11 +43,16 @@ class MpidistWork(dist.Work):
     """A collective's Work: wait() raises the collective's error, get_future() completes with
     the output tensors (as gloo's)."""
 
+    # Class defaults, so that the Work of a collective that already ran (a blocking call's, on
+    # every call) costs only the base Work and one attribute.
+    _future = None  # made at once for a queued collective; on demand for one already run
+    _handle = None  # None: the collective already ran
+
     def __init__(self, outputs, future: Future | None = None, handle=None):
         super().__init__()
         self._outputs = outputs
-        self._future = future  # made at once for a queued collective; on demand for one already run
-        self._handle = handle  # None: the collective already ran on the caller's thread
+        if handle is not None:
+            self._future, self._handle = future, handle
 
     def wait(self, timeout=None):
         if self._handle is not None:
@@ -160,6 +165,15 @@ class ProcessGroupMpidist(dist.ProcessGroup):
     def __repr__(self):
         return f"ProcessGroupMpidist(rank={self.rank()}, size={self.size()}, name={self._group_name!r})"
 
+    def shutdown(self):
+        """destroy_process_group's call, on every rank of the group: free the group's MPI
+        communicators and its engine (collective over the group, as destroy_process_group is),
+        rather than leave them to MPI_Finalize. The group cannot be used afterwards."""
+        self.comm.free()
+        if self._p2p is not None:
+            self._p2p.Free()
+            self._p2p = None
+
     # ---- running a collective ---------------------------------------------------------------
 
     def _run(self, description: str, run, outputs, opts) -> MpidistWork:
@@ -184,7 +198,14 @@ class ProcessGroupMpidist(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         tensor = _one(tensors, "all_reduce")
-        reduce_op = _reduce_op(_option(opts, dist.AllreduceOptions).reduceOp, tensor.dtype, "all_reduce")
+        opts = _option(opts, dist.AllreduceOptions)
+        reduce_op = _reduce_op(opts.reduceOp, tensor.dtype, "all_reduce")
+        # dist.all_reduce's usual call, a blocking native reduction of a small CPU tensor on a
+        # group with no engine, straight to the small-message path: each layer of Python skipped
+        # is a microsecond per call (the general route below does the same, and its refusals).
+        if not opts.asyncOp and reduce_op[0] in NATIVE_OPS \
+                and collectives.small_cpu_allreduce(self.comm, tensor, NATIVE_OPS[reduce_op[0]], "auto"):
+            return MpidistWork([tensor])
         return self._run("all_reduce", lambda channel: self._allreduce(channel, tensor, reduce_op), [tensor], opts)
 
     def _allreduce(self, channel, tensor, reduce_op) -> None:
@@ -199,10 +220,10 @@ class ProcessGroupMpidist(dist.ProcessGroup):
             return
         if kind == PREMUL_SUM:
             tensor.mul_(factor)
-        if channel is self.comm:  # on the caller's thread: the Communicator's call, with its small-message path
-            channel.allreduce(tensor, op=NATIVE_OPS.get(kind, "sum"))
-        else:
-            collectives.allreduce(channel, tensor, op=NATIVE_OPS.get(kind, "sum"))
+        op = NATIVE_OPS.get(kind, "sum")
+        # The small-message path on either channel, the Communicator or its engine (engine.py)
+        if not collectives.small_cpu_allreduce(channel, tensor, op, "auto"):
+            collectives.allreduce(channel, tensor, op=op)
 
     def allreduce_coalesced(self, tensors, opts=None):
         if not tensors:
@@ -456,15 +477,19 @@ def _option(opts, kind):
 def _reduce_op(reduce_op, dtype, what: str) -> tuple:
     """(kind, factor): the c10d ReduceOp's number and PREMUL_SUM's factor (else None), checked
     against the dtype as gloo checks it."""
-    op_type = reduce_op.op if isinstance(reduce_op, dist.ReduceOp) else reduce_op
-    kind = op_type.value
+    # A ReduceOp hashes to its RedOpType's number, as the enum does: reading .op.value instead
+    # costs microseconds (two pybind11 objects made) on every call.
+    kind = hash(reduce_op)
+    if kind in NATIVE_OPS:
+        return kind, None
+    op_name = RedOpType(kind).name
     if kind in BITWISE_OPS and dtype not in BITWISE_DTYPES:
-        raise InvalidArgumentError(f"{what}: {op_type.name} reduces integer or bool tensors, got {dtype}")
+        raise InvalidArgumentError(f"{what}: {op_name} reduces integer or bool tensors, got {dtype}")
     if kind == PREMUL_SUM:
         factor = reduce_op.factor
         return kind, factor.item() if isinstance(factor, torch.Tensor) else factor
-    if kind not in BITWISE_OPS and kind not in NATIVE_OPS:
-        raise NotOfferedError(f"{what}: reduce op {op_type.name} is not offered by the mpidist backend")
+    if kind not in BITWISE_OPS:
+        raise NotOfferedError(f"{what}: reduce op {op_name} is not offered by the mpidist backend")
     return kind, None
 
 
