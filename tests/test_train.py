@@ -2,6 +2,8 @@
 import json
 import os
 import re
+import shutil
+from typing import NamedTuple
 
 import pytest
 from conftest import run_python
@@ -17,19 +19,36 @@ def train(tmp_path, *extra, ranks=2):
     return result.stdout
 
 
-def test_train_reaches_95_percent_and_resumes(tmp_path):
-    output = train(tmp_path, "--epochs", "12")
+class PlainRun(NamedTuple):
+    output: str
+    checkpoints: object  # its checkpoint directory (a pathlib.Path)
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory) -> PlainRun:
+    """A plain data-parallel run of 2 epochs on 2 ranks, the default seed: the reference that the
+    other modes must train as, and a run that the resuming tests continue (from a copy of its
+    checkpoints). One launch for the module: each launch costs seconds of start-up."""
+    directory = tmp_path_factory.mktemp("plain")
+    output = train(directory, "--epochs", "2")
+    assert sorted(name[:9] for name in os.listdir(directory / "ck")) == ["ckpt-0001", "ckpt-0002"]
+    return PlainRun(output, directory / "ck")
+
+
+def test_train_reaches_95_percent_and_resumes(tmp_path, plain_run):
+    # The plain run, resumed from its last checkpoint and trained on to 12 epochs.
+    shutil.copytree(plain_run.checkpoints, tmp_path / "ck")
+    output = train(tmp_path, "--epochs", "12", "--resume")
+    assert re.search(r"resumed from \S+ckpt-0002-\d+\.h5 \(epoch 2,", output), output
+    assert "epoch 2/12" not in output and "epoch 12/12: loss" in output, output
     accuracy = float(re.search(r"final test accuracy: ([0-9.]+)", output).group(1))
     assert accuracy >= 0.95, output
-    assert len(os.listdir(tmp_path / "ck")) == 12
-    resumed = train(tmp_path, "--epochs", "13", "--resume")
-    assert "resumed from" in resumed and "ckpt-0012-" in resumed
-    assert any(name.startswith("ckpt-0013-") for name in os.listdir(tmp_path / "ck"))
+    assert sorted(name[:9] for name in os.listdir(tmp_path / "ck")) == [f"ckpt-{epoch:04d}" for epoch in range(1, 13)]
 
 
 def test_resume_continues_the_newest_run_and_says_what_it_does(tmp_path):
-    assert "no checkpoint in" in train(tmp_path, "--epochs", "1", "--resume")
-    train(tmp_path, "--epochs", "3")
+    # The earlier run: resuming with no checkpoint to resume from starts from scratch.
+    assert "no checkpoint in" in train(tmp_path, "--epochs", "3", "--resume")
     # A fresh run into the same directory: resuming must continue it, not the longer old run.
     fresh = train(tmp_path, "--epochs", "1", "--seed", "1")
     assert "holds checkpoints of an earlier run" in fresh
@@ -39,13 +58,13 @@ def test_resume_continues_the_newest_run_and_says_what_it_does(tmp_path):
     assert "epoch 2/2: loss" in resumed and "(1500 samples on 2 ranks" in resumed
 
 
-def test_zero_trains_as_plain_sgd_does_and_resumes(tmp_path):
+def test_zero_trains_as_plain_sgd_does_and_resumes(tmp_path, plain_run):
     """--zero shards SGD's momentum over the ranks: the same epoch lines and test accuracy as
     plain SGD, and its checkpoints (a plain SGD's state, consolidated on rank 0) resume it."""
     def lines(output):
         return re.findall(r"epoch \d+/2: loss .*? \(1500 samples|final test accuracy: \S+", output)
 
-    plain = train(tmp_path, "--epochs", "2", "--checkpoint-dir", str(tmp_path / "plain"))
+    plain = plain_run.output
     train(tmp_path, "--epochs", "1", "--zero")
     resumed = train(tmp_path, "--epochs", "2", "--zero", "--resume")
     assert "resumed from" in resumed
@@ -69,30 +88,30 @@ from mpidist.cli import main; raise SystemExit(main({args!r}))
 """
 
 
-def test_a_stop_signal_checkpoints_where_every_rank_stops_and_resume_finishes_the_run(tmp_path):
+def test_a_stop_signal_checkpoints_where_every_rank_stops_and_resume_finishes_the_run(tmp_path, plain_run):
     import torch
 
     from mpidist.checkpoint import load_checkpoint
     from mpidist.train import build_model
-    whole = train(tmp_path, "--epochs", "1", "--checkpoint-dir", str(tmp_path / "whole"))
     args = ["train", "--no-progress", "--checkpoint-dir", str(tmp_path / "ck"), "--data", str(tmp_path / "d.h5"),
-            "--epochs", "1"]
+            "--epochs", "2"]
     stopped = run_python(TRAIN_SIGNALLED.format(args=args), ranks=2, timeout=300)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     # Rank 1's signal came in step 3; the ranks learn of it at the next step boundary, together.
     assert "mpidist train: stopped early: a stop signal (on another rank) came; every rank stopped after step 4 " \
-           "(epoch 1/1)" in stopped.stdout, stopped.stdout
+           "(epoch 1/2)" in stopped.stdout, stopped.stdout
     assert os.listdir(tmp_path / "ck") == ["ckpt-0000-00000004.h5"]
-    resumed = train(tmp_path, "--epochs", "1", "--resume")
+    resumed = train(tmp_path, "--epochs", "2", "--resume")
     assert "resumed from" in resumed and "(epoch 0, step 4)" in resumed, resumed
     final = re.compile(r"final test accuracy: \S+")
-    assert final.findall(resumed) == final.findall(whole) != []
-    # The interrupted run ends with the uninterrupted one's weights, bit for bit.
-    models = [build_model(), build_model()]
-    for model, directory in zip(models, ("whole", "ck")):
-        load_checkpoint(tmp_path / directory / "ckpt-0001-00000024.h5", model, restore_rng=False)
-    for one, other in zip(*(model.state_dict().values() for model in models)):
-        assert torch.equal(one, other)
+    assert final.findall(resumed) == final.findall(plain_run.output) != []
+    # The interrupted run has the uninterrupted one's weights after each epoch, bit for bit.
+    for name in ("ckpt-0001-00000024.h5", "ckpt-0002-00000048.h5"):
+        models = [build_model(), build_model()]
+        for model, directory in zip(models, (plain_run.checkpoints, tmp_path / "ck")):
+            load_checkpoint(directory / name, model, restore_rng=False)
+        for one, other in zip(*(model.state_dict().values() for model in models)):
+            assert torch.equal(one, other), name
 
 
 def test_parameter_server_mode_trains_to_90_percent_and_resumes(tmp_path):
@@ -175,14 +194,14 @@ def test_pipeline_mode_trains_as_one_process_does(tmp_path):
     assert losses_and_accuracy(resumed) == (losses[1:], accuracy), (pipeline, resumed)
 
 
-def test_pipelines_with_replicas_train_as_data_parallelism_does(tmp_path):
+def test_pipelines_with_replicas_train_as_data_parallelism_does(tmp_path, plain_run):
     """Two pipelines of two stages, each on its share of the data, averaging their gradients:
     the same batches and updates as data parallelism on two ranks."""
     def losses_and_accuracy(output):
         losses = [float(v) for v in re.findall(r"epoch \d+/2: loss ([0-9.]+)", output)]
         return losses, float(re.search(r"final test accuracy: ([0-9.]+)", output).group(1))
 
-    data_parallel = train(tmp_path / "data", "--epochs", "2", ranks=2)
+    data_parallel = plain_run.output
     pipelines = train(tmp_path / "pipe", "--mode", "pipeline", "--replicas", "2", "--epochs", "2", ranks=4)
     assert "2 pipelines of 2 stages" in pipelines and "(1500 samples through 2 x 2 stages" in pipelines, pipelines
     (expected_losses, expected_accuracy), (losses, accuracy) = map(losses_and_accuracy, (data_parallel, pipelines))
@@ -224,15 +243,15 @@ def test_bad_options_are_refused_on_every_rank(tmp_path):
     assert result.stderr.count("is not a directory") == 2, result.stderr
 
 
-def test_ddp_mode_trains_as_data_mode_does(tmp_path):
+def test_ddp_mode_trains_as_data_mode_does(tmp_path, plain_run):
     """--mode ddp (torch's DDP over the mpidist backend) averages the same gradients as --mode
     data: the same epoch losses and accuracies, to float rounding."""
     def numbers(output):
         return [float(n) for n in re.findall(r"(?:loss|train accuracy|final test accuracy:) ([0-9.]+)", output)]
 
-    data = train(tmp_path / "data", "--epochs", "1")
-    ddp = train(tmp_path / "ddp", "--mode", "ddp", "--epochs", "1")
-    assert len(numbers(data)) == 3, data
+    data = plain_run.output
+    ddp = train(tmp_path, "--mode", "ddp", "--epochs", "2")
+    assert len(numbers(data)) == 5, data
     assert numbers(ddp) == pytest.approx(numbers(data), abs=2e-4), (data, ddp)
 
 
