@@ -43,7 +43,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from training import LR, build_model, layer_sizes, make_pool, parse_count  # noqa: E402
+from training import LR, build_model, layer_sizes, make_pool, parse_count, throughput  # noqa: E402
 
 import mpidist as md  # noqa: E402
 from mpidist import kernels  # noqa: E402
@@ -92,14 +92,14 @@ def training(args, gloo, rank, size) -> list[dict]:
     for trainer in trainers:
         trainer.steps(pool, step, args.warmup)
     step += args.warmup
-    rates = {trainer.name: [] for trainer in trainers}
+    seconds = {trainer.name: [] for trainer in trainers}
     for round_index in range(args.rounds):
         order = trainers[round_index % len(trainers):] + trainers[:round_index % len(trainers)]
         for trainer in order:
             md.barrier()
             start = time.perf_counter()
             trainer.steps(pool, step, args.steps)
-            rates[trainer.name].append(size * args.batch * args.steps / slowest(time.perf_counter() - start))
+            seconds[trainer.name].append(slowest(time.perf_counter() - start))
         step += args.steps
     reference = trainers[1].model
     rows = []
@@ -107,8 +107,8 @@ def training(args, gloo, rank, size) -> list[dict]:
         diff = max_rel_diff(trainer.model, reference)
         rows.append({"question": "training", "candidate": trainer.name, "ranks": size, "batch_per_rank": args.batch,
                      "params": sum(p.numel() for p in trainer.model.parameters()), "steps": args.steps,
-                     "rounds": args.rounds, "samples_per_s": statistics.median(rates[trainer.name]),
-                     "samples_per_s_rounds": rates[trainer.name], "max_rel_diff_vs_ddp_gloo": diff,
+                     "rounds": args.rounds, **throughput(size * args.batch * args.steps, seconds[trainer.name]),
+                     "max_rel_diff_vs_ddp_gloo": diff,
                      "correct": diff <= TOLERANCE})
     gloo_rate = rows[1]["samples_per_s"]
     for row in rows:

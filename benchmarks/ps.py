@@ -73,8 +73,10 @@ from training import (  # noqa: E402
     layer_sizes,
     parse_count,
     report,
+    rounds_range,
     sleeping_barrier,
     start_one_thread_per_rank,
+    throughput,
 )
 
 RANKS = 4
@@ -221,7 +223,6 @@ def measure(world, scenario: Scenario, comms: dict, args) -> list[dict]:
     rows = []
     for index, config in enumerate(configs):
         slowest = workers[:, :, index, 0].max(axis=0)
-        rates = [len(WORKERS) * scenario.batch * args.steps / seconds for seconds in slowest]
         moved = workers[:, :, index, 1].mean(axis=0)
         worker_cpu = workers[:, :, index, 2].mean(axis=0)
         server_cpu = np.nanmean(servers[:, :, index, 3], axis=0) if CONFIGS[config][0] else None
@@ -231,8 +232,7 @@ def measure(world, scenario: Scenario, comms: dict, args) -> list[dict]:
         rows.append({
             "scenario": scenario.name, "config": config, "servers": CONFIGS[config][0], "workers": len(WORKERS),
             "sparse": CONFIGS[config][1], "batch_per_worker": scenario.batch, "params": params, "steps": args.steps,
-            "rounds": args.rounds, "samples_per_s": round(statistics.median(rates), 2),
-            "samples_per_s_rounds": [round(r, 2) for r in rates],
+            "rounds": args.rounds, **throughput(len(WORKERS) * scenario.batch * args.steps, slowest),
             "bytes_per_step": int(statistics.median(moved)), "bytes_per_step_rounds": [int(b) for b in moved],
             "worker_cpu_ms": round(float(statistics.median(worker_cpu)), 2),
             "server_cpu_ms": None if server_cpu is None else round(float(statistics.median(server_cpu)), 2),
@@ -285,7 +285,7 @@ def markdown_table(rows) -> str:
         base = next(r for r in rows if r["scenario"] == row["scenario"] and r["config"] == "allreduce")
         lines.append(
             f"| {row['scenario']} | {row['config']} | {row['servers']} | {row['samples_per_s']:.1f} | "
-            f"{min(row['samples_per_s_rounds']):.1f}-{max(row['samples_per_s_rounds']):.1f} | "
+            f"{rounds_range(row, 1)} | "
             f"{row['samples_per_s'] / base['samples_per_s']:.2f} | {row['bytes_per_step']:,} | "
             f"{row['bytes_per_step'] / base['bytes_per_step']:.4f} | "
             f"{row['worker_cpu_ms']:.1f} | {'-' if row['server_cpu_ms'] is None else format(row['server_cpu_ms'], '.1f')} | "

@@ -325,7 +325,6 @@ def measure(comm, args) -> list[dict]:
         rows = []
         for index, candidate in enumerate(candidates):
             ranks = 1 if candidate is single else comm.size
-            rates = [ranks * args.batch * args.steps / seconds for seconds in slowest[:, index]]
             phases = np.array(candidate.phases if candidate.phases else [[np.nan] * 6])
             medians = np.median(phases, axis=0) * 1e3
             summed = np.empty_like(medians)
@@ -339,8 +338,7 @@ def measure(comm, args) -> list[dict]:
                 "candidate": candidate.name, "bucket_mb": candidate.bucket_mb,
                 "gradient_as_bucket_view": candidate.views, "ranks": ranks,
                 "batch_per_rank": args.batch, "params": params, "layers": sizes, "steps": args.steps,
-                "rounds": args.rounds, "samples_per_s": round(statistics.median(rates), 2),
-                "samples_per_s_rounds": [round(r, 2) for r in rates],
+                "rounds": args.rounds, **throughput(ranks * args.batch * args.steps, slowest[:, index]),
                 "step_ms": round(float(step_sum[0]) / (1 if candidate is single else comm.size), 3),
                 "forward_ms": round(float(mean[0]), 3), "backward_ms": round(float(mean[1]), 3),
                 "exposed_wait_ms": round(float(mean[2]), 3) if is_mpidist or candidate.name == "lockstep" else None,
@@ -396,8 +394,7 @@ def markdown_table(rows) -> str:
     for row in rows:
         lines.append(
             f"| {label(row)} | {row['buckets'] if row['buckets'] is not None else '-'} | "
-            f"{row['samples_per_s']:.0f} | {min(row['samples_per_s_rounds']):.0f}-"
-            f"{max(row['samples_per_s_rounds']):.0f} | {row['vs_ddp']:.2f} | {row['vs_single']:.2f} | "
+            f"{row['samples_per_s']:.0f} | {rounds_range(row)} | {row['vs_ddp']:.2f} | {row['vs_single']:.2f} | "
             f"{row['vs_local']:.2f} | "
             f"{fmt(row['step_ms'])} | {fmt(row['forward_ms'])} | {fmt(row['backward_ms'])} | "
             f"{fmt(row['exposed_wait_ms'])} | {fmt(row['optimizer_ms'])} | {fmt(row['comm_ms'])} | "
@@ -481,6 +478,19 @@ def start_one_thread_per_rank(check_calls: bool):
     comm = md.init()
     comm.check_calls = check_calls
     return comm
+
+
+def throughput(samples: int, seconds) -> dict:
+    """A row's samples/s over rounds, from each round's `seconds` for `samples` samples (the
+    slowest rank's time): the median and every round's."""
+    rates = [samples / float(round_seconds) for round_seconds in seconds]
+    return {"samples_per_s": round(statistics.median(rates), 2), "samples_per_s_rounds": [round(r, 2) for r in rates]}
+
+
+def rounds_range(row, digits: int = 0) -> str:
+    """A row's lowest and highest samples/s over rounds, "min-max", for the tables."""
+    rates = row["samples_per_s_rounds"]
+    return f"{min(rates):.{digits}f}-{max(rates):.{digits}f}"
 
 
 def report(table: str, rows, json_path) -> None:

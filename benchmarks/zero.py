@@ -30,7 +30,16 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from training import build_model, layer_sizes, make_pool, parse_count, report, start_one_thread_per_rank  # noqa: E402
+from training import (  # noqa: E402
+    build_model,
+    layer_sizes,
+    make_pool,
+    parse_count,
+    report,
+    rounds_range,
+    start_one_thread_per_rank,
+    throughput,
+)
 
 LR = 1e-3
 
@@ -92,11 +101,10 @@ def measure(comm, args) -> list[dict]:
     agree = all(ranks_hold_the_same(comm, c) for c in candidates)
     rows = []
     for index, candidate in enumerate(candidates):
-        rates = samples / rounds[:, index]
         rows.append({
             "candidate": candidate.name, "ranks": comm.size, "params": sum(p.numel() for p in candidate.model.parameters()),
             "batch_per_rank": args.batch, "steps": args.steps, "rounds": args.rounds,
-            "samples_per_s": float(statistics.median(rates)), "samples_per_s_rounds": rates.tolist(),
+            **throughput(samples, rounds[:, index]),
             "step_ms": mean_over_ranks(comm, statistics.median(candidate.step_s) * 1e3),
             "optimizer_ms": mean_over_ranks(comm, statistics.median(candidate.optimizer_s) * 1e3),
             "state_bytes_per_rank": int(comm.mpi.allreduce(candidate.state_bytes(), op=max_op())),
@@ -136,8 +144,7 @@ def markdown_table(rows) -> str:
              "state MB per rank | state vs adam | max rel diff vs adam | correct |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        rates = row["samples_per_s_rounds"]
-        lines.append(f"| {row['candidate']} | {row['samples_per_s']:.0f} | {min(rates):.0f}-{max(rates):.0f} | "
+        lines.append(f"| {row['candidate']} | {row['samples_per_s']:.0f} | {rounds_range(row)} | "
                      f"{row['vs_adam']:.2f} | {row['step_ms']:.2f} | {row['optimizer_ms']:.2f} | "
                      f"{row['state_bytes_per_rank'] / 1e6:.1f} | {row['state_vs_adam']:.2f} | "
                      f"{row['max_rel_diff_vs_adam']:.1e} | {'yes' if row['correct'] else 'NO'} |")

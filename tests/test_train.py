@@ -2,6 +2,8 @@
 import json
 import os
 import re
+import shutil
+from typing import NamedTuple
 
 import pytest
 from conftest import run_python
@@ -9,45 +11,74 @@ from conftest import run_python
 TRAIN = "from mpidist.cli import main; raise SystemExit(main({args!r}))"
 
 
-def train(tmp_path, *extra, ranks=2):
-    args = ["train", "--no-progress", "--checkpoint-dir", str(tmp_path / "ck"), "--data", str(tmp_path / "d.h5"),
-            *extra]
+def train(directory, *extra, data, ranks=2):
+    """`mpidist train` on `ranks` ranks (0: one process, no mpirun), checkpoints in directory/ck,
+    digits from `data`; returns its output."""
+    args = ["train", "--no-progress", "--checkpoint-dir", str(directory / "ck"), "--data", str(data), *extra]
     result = run_python(TRAIN.format(args=args), ranks=ranks, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
 
-def test_train_reaches_95_percent_and_resumes(tmp_path):
-    output = train(tmp_path, "--epochs", "12")
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    """The digits file of the module's runs, made once: making it imports scikit-learn, seconds of
+    a launch's start-up. (The plain run has `mpidist train` make its own.)"""
+    from mpidist.data import prepare_digits
+    return prepare_digits(tmp_path_factory.mktemp("digits") / "digits.h5")
+
+
+class PlainRun(NamedTuple):
+    output: str
+    checkpoints: object  # its checkpoint directory (a pathlib.Path)
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory) -> PlainRun:
+    """A plain data-parallel run of 2 epochs on 2 ranks, the default seed: the reference that the
+    other modes must train as, and a run that the resuming tests continue (from a copy of its
+    checkpoints). One launch for the module: each launch costs seconds of start-up. It is started
+    with --resume into an empty directory, which must start from scratch: the other modes'
+    fresh runs match it only if it does."""
+    directory = tmp_path_factory.mktemp("plain")
+    output = train(directory, "--epochs", "2", "--resume", data=directory / "d.h5")
+    assert sorted(name[:9] for name in os.listdir(directory / "ck")) == ["ckpt-0001", "ckpt-0002"]
+    return PlainRun(output, directory / "ck")
+
+
+def test_train_reaches_95_percent_and_resumes(tmp_path, plain_run, digits):
+    # The plain run, resumed from its last checkpoint and trained on to 12 epochs.
+    shutil.copytree(plain_run.checkpoints, tmp_path / "ck")
+    output = train(tmp_path, "--epochs", "12", "--resume", data=digits)
+    assert re.search(r"resumed from \S+ckpt-0002-\d+\.h5 \(epoch 2,", output), output
+    assert "epoch 2/12" not in output and "epoch 12/12: loss" in output, output
     accuracy = float(re.search(r"final test accuracy: ([0-9.]+)", output).group(1))
     assert accuracy >= 0.95, output
-    assert len(os.listdir(tmp_path / "ck")) == 12
-    resumed = train(tmp_path, "--epochs", "13", "--resume")
-    assert "resumed from" in resumed and "ckpt-0012-" in resumed
-    assert any(name.startswith("ckpt-0013-") for name in os.listdir(tmp_path / "ck"))
+    assert sorted(name[:9] for name in os.listdir(tmp_path / "ck")) == [f"ckpt-{epoch:04d}" for epoch in range(1, 13)]
 
 
-def test_resume_continues_the_newest_run_and_says_what_it_does(tmp_path):
-    assert "no checkpoint in" in train(tmp_path, "--epochs", "1", "--resume")
-    train(tmp_path, "--epochs", "3")
-    # A fresh run into the same directory: resuming must continue it, not the longer old run.
-    fresh = train(tmp_path, "--epochs", "1", "--seed", "1")
+def test_resume_continues_the_newest_run_and_says_what_it_does(tmp_path, plain_run, digits):
+    assert "no checkpoint in" in plain_run.output  # resumed with nothing to resume from
+    # A fresh run into a directory that holds the plain run's checkpoints: resuming must continue
+    # it, not the longer old run.
+    shutil.copytree(plain_run.checkpoints, tmp_path / "ck")
+    fresh = train(tmp_path, "--epochs", "1", "--seed", "1", data=digits)
     assert "holds checkpoints of an earlier run" in fresh
-    resumed = train(tmp_path, "--epochs", "2", "--seed", "1", "--resume")
+    resumed = train(tmp_path, "--epochs", "2", "--seed", "1", "--resume", data=digits)
     assert re.search(r"resumed from \S+ckpt-0001-\d+\.h5 \(epoch 1,", resumed), resumed
     # The epoch line counts every rank's samples.
     assert "epoch 2/2: loss" in resumed and "(1500 samples on 2 ranks" in resumed
 
 
-def test_zero_trains_as_plain_sgd_does_and_resumes(tmp_path):
+def test_zero_trains_as_plain_sgd_does_and_resumes(tmp_path, plain_run, digits):
     """--zero shards SGD's momentum over the ranks: the same epoch lines and test accuracy as
     plain SGD, and its checkpoints (a plain SGD's state, consolidated on rank 0) resume it."""
     def lines(output):
         return re.findall(r"epoch \d+/2: loss .*? \(1500 samples|final test accuracy: \S+", output)
 
-    plain = train(tmp_path, "--epochs", "2", "--checkpoint-dir", str(tmp_path / "plain"))
-    train(tmp_path, "--epochs", "1", "--zero")
-    resumed = train(tmp_path, "--epochs", "2", "--zero", "--resume")
+    plain = plain_run.output
+    train(tmp_path, "--epochs", "1", "--zero", data=digits)
+    resumed = train(tmp_path, "--epochs", "2", "--zero", "--resume", data=digits)
     assert "resumed from" in resumed
     assert lines(resumed) == lines(plain)[1:] and len(lines(plain)) == 3, (plain, resumed)
 
@@ -69,34 +100,33 @@ from mpidist.cli import main; raise SystemExit(main({args!r}))
 """
 
 
-def test_a_stop_signal_checkpoints_where_every_rank_stops_and_resume_finishes_the_run(tmp_path):
+def test_a_stop_signal_checkpoints_where_every_rank_stops_and_resume_finishes_the_run(tmp_path, plain_run, digits):
     import torch
 
     from mpidist.checkpoint import load_checkpoint
     from mpidist.train import build_model
-    whole = train(tmp_path, "--epochs", "1", "--checkpoint-dir", str(tmp_path / "whole"))
-    args = ["train", "--no-progress", "--checkpoint-dir", str(tmp_path / "ck"), "--data", str(tmp_path / "d.h5"),
-            "--epochs", "1"]
+    args = ["train", "--no-progress", "--checkpoint-dir", str(tmp_path / "ck"), "--data", str(digits), "--epochs", "2"]
     stopped = run_python(TRAIN_SIGNALLED.format(args=args), ranks=2, timeout=300)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     # Rank 1's signal came in step 3; the ranks learn of it at the next step boundary, together.
     assert "mpidist train: stopped early: a stop signal (on another rank) came; every rank stopped after step 4 " \
-           "(epoch 1/1)" in stopped.stdout, stopped.stdout
+           "(epoch 1/2)" in stopped.stdout, stopped.stdout
     assert os.listdir(tmp_path / "ck") == ["ckpt-0000-00000004.h5"]
-    resumed = train(tmp_path, "--epochs", "1", "--resume")
+    resumed = train(tmp_path, "--epochs", "2", "--resume", data=digits)
     assert "resumed from" in resumed and "(epoch 0, step 4)" in resumed, resumed
     final = re.compile(r"final test accuracy: \S+")
-    assert final.findall(resumed) == final.findall(whole) != []
-    # The interrupted run ends with the uninterrupted one's weights, bit for bit.
-    models = [build_model(), build_model()]
-    for model, directory in zip(models, ("whole", "ck")):
-        load_checkpoint(tmp_path / directory / "ckpt-0001-00000024.h5", model, restore_rng=False)
-    for one, other in zip(*(model.state_dict().values() for model in models)):
-        assert torch.equal(one, other)
+    assert final.findall(resumed) == final.findall(plain_run.output) != []
+    # The interrupted run has the uninterrupted one's weights after each epoch, bit for bit.
+    for name in ("ckpt-0001-00000024.h5", "ckpt-0002-00000048.h5"):
+        models = [build_model(), build_model()]
+        for model, directory in zip(models, (plain_run.checkpoints, tmp_path / "ck")):
+            load_checkpoint(directory / name, model, restore_rng=False)
+        for one, other in zip(*(model.state_dict().values() for model in models)):
+            assert torch.equal(one, other), name
 
 
-def test_parameter_server_mode_trains_to_90_percent_and_resumes(tmp_path):
-    output = train(tmp_path, "--mode", "ps", "--max-staleness", "2", "--staleness-lr", "--epochs", "10", ranks=3)
+def test_parameter_server_mode_trains_to_90_percent_and_resumes(tmp_path, digits):
+    output = train(tmp_path, "--mode", "ps", "--max-staleness", "2", "--staleness-lr", "--epochs", "10", data=digits, ranks=3)
     assert re.search(r"parameter server \(async, 2 workers\): \d+ updates of \d+ gradients", output), output
     # Asynchronous updates land in whatever order the workers run: 0.94-0.98 after 6 epochs, 0.976-0.987 after 10 in three runs.
     accuracy = float(re.search(r"final test accuracy: ([0-9.]+)", output).group(1))
@@ -124,16 +154,16 @@ def test_parameter_server_mode_trains_to_90_percent_and_resumes(tmp_path):
         saved = json.loads(f.attrs["extra"])
     assert saved["version"] == 18 * batches == sum(saved["applied"].values()), saved
     resumed = train(tmp_path, "--mode", "ps", "--max-staleness", "2", "--staleness-lr", "--epochs", "10", "--resume",
-                    ranks=3)
+                    data=digits, ranks=3)
     assert f"resumed from {tmp_path / 'ck' / 'ps' / names[-3]} (update {18 * batches}," in resumed, resumed
     rest = int(re.search(r"updates of (\d+) gradients", resumed).group(1))
     assert rest == 2 * batches, resumed
 
 
-def test_parameter_server_mode_with_two_servers(tmp_path):
+def test_parameter_server_mode_with_two_servers(tmp_path, digits):
     """Synchronous updates over two servers, each holding half of the network: training goes as
     with one server, and the final weights (every server's range) are written."""
-    output = train(tmp_path, "--mode", "ps", "--servers", "2", "--ps-mode", "sync", "--epochs", "3", ranks=4)
+    output = train(tmp_path, "--mode", "ps", "--servers", "2", "--ps-mode", "sync", "--epochs", "3", data=digits, ranks=4)
     assert re.search(r"parameter server \(sync, 2 servers, 2 workers\): \d+ updates", output), output
     accuracy = float(re.search(r"final test accuracy: ([0-9.]+)", output).group(1))
     assert accuracy >= 0.85, output
@@ -141,49 +171,49 @@ def test_parameter_server_mode_with_two_servers(tmp_path):
     from mpidist.train import HDF5Dataset, build_model, evaluate
     model = build_model()
     load_checkpoint(str(tmp_path / "ck" / "ps-final.h5"), model)
-    assert abs(evaluate(model, HDF5Dataset(str(tmp_path / "d.h5"), "test")) - accuracy) < 1e-4
+    assert abs(evaluate(model, HDF5Dataset(digits, "test")) - accuracy) < 1e-4
 
 
-def test_pipeline_mode_trains_as_one_process_does(tmp_path):
+def test_pipeline_mode_trains_as_one_process_does(tmp_path, digits):
     """Three stages, five uneven micro-batches per batch: the same epoch losses and test accuracy
     as the same network trained by one process on the same batches (4 printed decimals)."""
     def losses_and_accuracy(output):
-        losses = [float(v) for v in re.findall(r"epoch \d+/3: loss ([0-9.]+)", output)]
+        losses = [float(v) for v in re.findall(r"epoch \d+/2: loss ([0-9.]+)", output)]
         return losses, float(re.search(r"final test accuracy: ([0-9.]+)", output).group(1))
 
-    one_process = train(tmp_path / "one", "--epochs", "3", ranks=0)
-    pipeline = train(tmp_path / "pipe", "--mode", "pipeline", "--chunks", "5", "--epochs", "3", ranks=3)
+    one_process = train(tmp_path / "one", "--epochs", "2", data=digits, ranks=0)
+    pipeline = train(tmp_path / "pipe", "--mode", "pipeline", "--chunks", "5", "--epochs", "2", data=digits, ranks=3)
     assert "a pipeline of 3 stages" in pipeline, pipeline
     (expected_losses, expected_accuracy), (losses, accuracy) = map(losses_and_accuracy, (one_process, pipeline))
-    assert len(losses) == 3 and losses == pytest.approx(expected_losses, abs=1.5e-4), pipeline
+    assert len(losses) == 2 and losses == pytest.approx(expected_losses, abs=1.5e-4), pipeline
     assert accuracy == expected_accuracy, (one_process, pipeline)
     checkpoints = tmp_path / "pipe" / "ck"
     assert sorted(os.listdir(checkpoints)) == sorted([f"pipeline-final-rank{r}.h5" for r in range(3)] +
                                                      [f"pipeline-rank{r}" for r in range(3)])
     # Every rank checkpoints its stage each epoch. A job stopped after epoch 1 on rank 1 but
-    # after epoch 2 on the others resumes from epoch 1 on every rank and trains on as the
-    # uninterrupted run did.
+    # after epoch 2 (the last) on the others resumes from epoch 1 on every rank and trains on as
+    # the uninterrupted run did.
     for rank in range(3):
         epochs = sorted(os.listdir(checkpoints / f"pipeline-rank{rank}"))
-        assert [name[:9] for name in epochs] == ["ckpt-0001", "ckpt-0002", "ckpt-0003"], epochs
-        for name in epochs[2:] if rank != 1 else epochs[1:]:
-            os.remove(checkpoints / f"pipeline-rank{rank}" / name)
-    resumed = train(tmp_path / "pipe", "--mode", "pipeline", "--chunks", "5", "--epochs", "3", "--resume", ranks=3)
+        assert [name[:9] for name in epochs] == ["ckpt-0001", "ckpt-0002"], epochs
+        if rank == 1:
+            os.remove(checkpoints / f"pipeline-rank{rank}" / epochs[1])
+    resumed = train(tmp_path / "pipe", "--mode", "pipeline", "--chunks", "5", "--epochs", "2", "--resume", data=digits, ranks=3)
     assert re.search(r"resumed from \S+pipeline-rank0/ckpt-0001-\d+\.h5 and the other ranks' of epoch 1", resumed), \
         resumed
-    assert "epoch 1/3" not in resumed
+    assert "epoch 1/2" not in resumed
     assert losses_and_accuracy(resumed) == (losses[1:], accuracy), (pipeline, resumed)
 
 
-def test_pipelines_with_replicas_train_as_data_parallelism_does(tmp_path):
+def test_pipelines_with_replicas_train_as_data_parallelism_does(tmp_path, plain_run, digits):
     """Two pipelines of two stages, each on its share of the data, averaging their gradients:
     the same batches and updates as data parallelism on two ranks."""
     def losses_and_accuracy(output):
         losses = [float(v) for v in re.findall(r"epoch \d+/2: loss ([0-9.]+)", output)]
         return losses, float(re.search(r"final test accuracy: ([0-9.]+)", output).group(1))
 
-    data_parallel = train(tmp_path / "data", "--epochs", "2", ranks=2)
-    pipelines = train(tmp_path / "pipe", "--mode", "pipeline", "--replicas", "2", "--epochs", "2", ranks=4)
+    data_parallel = plain_run.output
+    pipelines = train(tmp_path / "pipe", "--mode", "pipeline", "--replicas", "2", "--epochs", "2", data=digits, ranks=4)
     assert "2 pipelines of 2 stages" in pipelines and "(1500 samples through 2 x 2 stages" in pipelines, pipelines
     (expected_losses, expected_accuracy), (losses, accuracy) = map(losses_and_accuracy, (data_parallel, pipelines))
     assert len(losses) == 2 and losses == pytest.approx(expected_losses, abs=1.5e-4), pipelines
@@ -224,28 +254,28 @@ def test_bad_options_are_refused_on_every_rank(tmp_path):
     assert result.stderr.count("is not a directory") == 2, result.stderr
 
 
-def test_ddp_mode_trains_as_data_mode_does(tmp_path):
+def test_ddp_mode_trains_as_data_mode_does(tmp_path, plain_run, digits):
     """--mode ddp (torch's DDP over the mpidist backend) averages the same gradients as --mode
     data: the same epoch losses and accuracies, to float rounding."""
     def numbers(output):
         return [float(n) for n in re.findall(r"(?:loss|train accuracy|final test accuracy:) ([0-9.]+)", output)]
 
-    data = train(tmp_path / "data", "--epochs", "1")
-    ddp = train(tmp_path / "ddp", "--mode", "ddp", "--epochs", "1")
-    assert len(numbers(data)) == 3, data
+    data = plain_run.output
+    ddp = train(tmp_path, "--mode", "ddp", "--epochs", "2", data=digits)
+    assert len(numbers(data)) == 5, data
     assert numbers(ddp) == pytest.approx(numbers(data), abs=2e-4), (data, ddp)
 
 
-def test_embedding_model_trains_alike_with_data_parallel_and_a_sparse_parameter_server(tmp_path):
+def test_embedding_model_trains_alike_with_data_parallel_and_a_sparse_parameter_server(tmp_path, digits):
     """--model embedding: a bag-of-embeddings click model. Data parallel all-reduces the table's
     dense gradient; the synchronous parameter server moves only the rows each batch touches and
     applies sparse Adagrad, which leaves untouched rows as dense Adagrad does: the same updates
     on the same batches, so the same test accuracy (up to float rounding)."""
     common = ("--model", "embedding", "--embedding-rows", "1000", "--epochs", "1", "--batch-size", "64")
-    data_parallel = train(tmp_path / "data", *common, ranks=2)
+    data_parallel = train(tmp_path / "data", *common, data=digits, ranks=2)
     accuracy = float(re.search(r"final test accuracy: ([0-9.]+) \(2048 test click bags", data_parallel).group(1))
     assert accuracy >= 0.7, data_parallel  # half the bags are clicks: a constant guess scores 0.5
-    sparse = train(tmp_path / "ps", *common, "--mode", "ps", "--ps-mode", "sync", ranks=3)
+    sparse = train(tmp_path / "ps", *common, "--mode", "ps", "--ps-mode", "sync", data=digits, ranks=3)
     assert re.search(r"parameter server \(sync, 2 workers\): 128 updates of 256 gradients", sparse), sparse
     ps_accuracy = float(re.search(r"final test accuracy: ([0-9.]+)", sparse).group(1))
     assert ps_accuracy == pytest.approx(accuracy, abs=2.01 / 2048), (data_parallel, sparse)
