@@ -82,9 +82,10 @@ APPLY, ANSWER, DROP, FINISH, ANSWER_PULL, FAIL = 0, 1, 2, 3, 4, 5
 SENT_WEIGHTS, SENT_ROWS, SENT_FAILURE = 0, 1, 2
 PUSH, REPLY, COMMAND, SHARE, SPARSE = 1, 3, 5, 7, 9
 UNSPLITTABLE = -1  # the layout of a rank whose model has fewer rows than there are servers
-# The settings every rank must agree on, in the order of the agreement table's columns; two more
-# columns follow that only the servers fill: whether each has an optimizer, and the first table
-# its optimizer cannot apply a sparse gradient to (-1: none).
+# The settings every rank must agree on, in the order of the agreement table's columns; three more
+# columns follow: two that only the servers fill, whether each has an optimizer and the first table
+# its optimizer cannot apply a sparse gradient to (-1: none), then 1 on a rank whose arguments were
+# refused (its other columns 0).
 AGREED = ("parameters", "dtype", "server", "servers", "layout", "mode", "backup_workers", "gradients per update",
           "max_staleness", "staleness_lr", "starting version", "sparse tables")
 # The errors a worker's bad input raises on every rank, by their code in its failure message.
@@ -137,6 +138,24 @@ class ParameterServer:
         if self.comm.size < 2:
             raise InvalidArgumentError("a parameter server needs at least 2 ranks (the server and one worker); "
                                        f"this communicator has {self.comm.size}")
+        self.mpi = self.comm.mpi.Dup()  # point-to-point traffic of its own, apart from collectives
+        try:  # a refusal on some ranks only joins the agreement, so that no rank waits for the others
+            unsplittable, declined = self._take_settings(module, optimizer, mode, softsync, max_staleness,
+                                                         staleness_lr, server, version, servers, backup_workers,
+                                                         sparse_embeddings), None
+        except InvalidArgumentError as error:
+            unsplittable, declined = None, error
+        self._agree(unsplittable, declined)
+        broadcast_module_state(module, self.comm, root=self.chief)
+        # A server of several steps its own rows alone; one server steps the user's optimizer,
+        # whose state is then the whole model's (what checkpoints save).
+        self._owned = ps_shards.OwnedRange(self.params, self._range, self.optimizers) \
+            if self.is_server and len(self.servers) > 1 else None
+
+    def _take_settings(self, module, optimizer, mode, softsync, max_staleness, staleness_lr, server, version,
+                       servers, backup_workers, sparse_embeddings):
+        """Check and take the arguments of this rank; returns the error of a model too small to
+        split over the servers (raised after the agreement, so that every rank learns of it)."""
         if not isinstance(server, int) or not 0 <= server < self.comm.size:
             raise InvalidArgumentError(f"server={server!r} is not a rank of this communicator "
                                        f"(0..{self.comm.size - 1})")
@@ -180,7 +199,7 @@ class ParameterServer:
         self.shapes = [tuple(p.shape) for p in self.params]
         try:  # each server's part of the flat vector
             self.ranges, unsplittable = self._partition(), None
-        except InvalidArgumentError as error:  # raised after the agreement, so that every rank learns of it
+        except InvalidArgumentError as error:
             self.ranges, unsplittable = None, error
         self.server = self.servers[0]  # the coordinator
         self.workers = [r for r in range(self.comm.size) if r not in self.servers]
@@ -197,13 +216,7 @@ class ParameterServer:
         self.bytes_pushed = self.bytes_pulled = 0  # workers: payload bytes sent and received
         self._pulled = {}  # workers: table index -> the rows pulled in this step (sorted, unique)
         self.closed = False
-        self.mpi = self.comm.mpi.Dup()  # point-to-point traffic of its own, apart from collectives
-        self._agree(unsplittable)
-        broadcast_module_state(module, self.comm, root=self.chief)
-        # A server of several steps its own rows alone; one server steps the user's optimizer,
-        # whose state is then the whole model's (what checkpoints save).
-        self._owned = ps_shards.OwnedRange(self.params, self._range, self.optimizers) \
-            if self.is_server and len(self.servers) > 1 else None
+        return unsplittable
 
     def _server_ranks(self, servers, server: int) -> list:
         if isinstance(servers, int) and not isinstance(servers, bool):
@@ -228,21 +241,27 @@ class ParameterServer:
             return [(0, 0)] * len(self.servers)
         return ps_shards.partition(self.shapes, len(self.servers))
 
-    def _agree(self, unsplittable) -> None:
+    def _agree(self, unsplittable, declined) -> None:
         """Every rank's model size and settings, checked on every rank alike, so a mismatch
         raises the same error everywhere before any gradient moves; then whether each server
-        has an optimizer, and one that can apply the tables' sparse gradients."""
-        tables = [(t.name, tuple(t.weight.shape), tuple(t.bounds)) for t in self.tables]
-        layout = UNSPLITTABLE if unsplittable else \
-            ps_shards.fingerprint(self.shapes, [(rank, *span) for rank, span in zip(self.servers, self.ranges)] + tables)
-        refusals = [ps_sparse.refusal(self.optimizers, t) for t in self.tables] if self.is_server else []
-        refused = next((index for index, refusal in enumerate(refusals) if refusal), -1)
-        mine = np.array([self.numel, wire.code_of(wire.name_of(self.dtype)), self.server, len(self.servers), layout,
-                         MODES.index(self.mode), self.backup_workers, self.per_update,
-                         -1 if self.max_staleness is None else self.max_staleness, self.staleness_lr, self.version,
-                         len(self.tables), bool(self.optimizers), refused], dtype=np.int64)
+        has an optimizer, and one that can apply the tables' sparse gradients. `declined`: the
+        error of this rank's arguments (the others raise it too, naming this rank)."""
+        if declined is None:
+            tables = [(t.name, tuple(t.weight.shape), tuple(t.bounds)) for t in self.tables]
+            layout = UNSPLITTABLE if unsplittable else ps_shards.fingerprint(
+                self.shapes, [(rank, *span) for rank, span in zip(self.servers, self.ranges)] + tables)
+            refusals = [ps_sparse.refusal(self.optimizers, t) for t in self.tables] if self.is_server else []
+            refused = next((index for index, refusal in enumerate(refusals) if refusal), -1)
+            mine = np.array([self.numel, wire.code_of(wire.name_of(self.dtype)), self.server, len(self.servers),
+                             layout, MODES.index(self.mode), self.backup_workers, self.per_update,
+                             -1 if self.max_staleness is None else self.max_staleness, self.staleness_lr,
+                             self.version, len(self.tables), bool(self.optimizers), refused, 0], dtype=np.int64)
+        else:
+            mine = np.zeros(len(AGREED) + 3, dtype=np.int64)
+            mine[-1] = 1
         table = np.empty((self.comm.size, len(mine)), dtype=np.int64)
         wait_for_collective(self.mpi.Iallgather(mine, table), self.mpi, "parameter server's agreement on its settings")
+        self._raise_declined(table[:, -1].nonzero()[0].tolist(), declined)
         for column, name in enumerate(AGREED):
             values = table[:, column]
             if (values != values[0]).any():
@@ -250,17 +269,32 @@ class ParameterServer:
                 raise MismatchError(f"the ranks of the parameter server disagree on {name}: {described}")
         if unsplittable:
             raise unsplittable
-        without = [r for r in self.servers if not table[r, -2]]
+        without = [r for r in self.servers if not table[r, -3]]
         if without:
             raise InvalidArgumentError(f"the server (rank {without[0]}) was given no optimizer; pass the optimizer "
                                        "that applies the updates (workers may pass None)")
-        refusing = [r for r in self.servers if table[r, -1] >= 0]
+        refusing = [r for r in self.servers if table[r, -2] >= 0]
         if refusing:  # the refusing server's words, on every rank
             words = torch.tensor(list(refusals[refused].encode()), dtype=torch.uint8) \
                 if self.comm.rank == refusing[0] else None
             words = wire.broadcast(self.mpi, words, refusing[0], self._who, "the server's refusal",
                                    f"rank {refusing[0]}")
             raise InvalidArgumentError(f"the server (rank {refusing[0]}): {bytes(words.tolist()).decode()}")
+
+    def _raise_declined(self, declining: list, declined) -> None:
+        """Every rank raises when any rank's arguments were refused (`declining`, in rank order):
+        such a rank its own error, the others that of the first of them, naming it."""
+        if not declining:
+            return
+        words = torch.tensor(list(str(declined).encode()), dtype=torch.uint8) \
+            if self.comm.rank == declining[0] else None
+        words = wire.broadcast(self.mpi, words, declining[0], f"rank {self.comm.rank}", "the refusal of its arguments",
+                               f"rank {declining[0]}")
+        self.mpi.Free()
+        if declined is not None:
+            raise declined
+        raise InvalidArgumentError(f"rank {declining[0]} refused its arguments to the parameter server: "
+                                   f"{bytes(words.tolist()).decode()}")
 
     @staticmethod
     def _describe(name: str, value: int):
