@@ -138,9 +138,6 @@ def check_mode_options(args) -> None:
         if given and args.mode != mode:
             options = ", ".join("--" + name.replace("_", "-") for name in given)
             raise InvalidArgumentError(f"{options}: these options go with --mode {mode}")
-    if args.mode == "ps" and (args.servers or 1) > 1 and args.resume:
-        raise InvalidArgumentError("--resume goes with one server: with --servers > 1 no server holds the whole "
-                                   "model until the end, so none is checkpointed on the way")
     if args.model == "embedding" and args.mode == "pipeline":
         raise InvalidArgumentError("--model embedding goes with --mode data, ddp or ps")
     if args.embedding_rows is not None and args.model != "embedding":
@@ -364,9 +361,9 @@ def train_with_parameter_server(args, comm, train_set, test_set, items, say) -> 
         if latest is None:
             say(f"no checkpoint in {directory}: starting from scratch", flush=True)
         else:
-            # Every rank loads the weights (the chief's are everyone's start); the server also
-            # the optimizer.
-            state = load_checkpoint(latest, model, optimizer if comm.rank == 0 else None, restore_rng=False,
+            # Every rank loads the weights (the chief's are everyone's start); the servers also
+            # the optimizer, each keeping the state of its own range.
+            state = load_checkpoint(latest, model, optimizer if comm.rank < servers else None, restore_rng=False,
                                     comm=comm)
             version = state["extra"]["version"]
             applied = {w: state["extra"]["applied"][str(w)] for w in workers}
@@ -384,13 +381,14 @@ def train_with_parameter_server(args, comm, train_set, test_set, items, say) -> 
             for worker, _step, _version in update.gradients:
                 applied[worker] += 1
             if update.version % len(loader) == 0:
-                extra = {"version": update.version, "applied": {str(w): n for w, n in applied.items()}}
-                checkpoints.save(checkpoint_path(directory, update.version // len(loader), update.version), model,
-                                 optimizer, step=update.version, epoch=update.version // len(loader), extra=extra)
+                ps.gather_state()  # with several servers, onto rank 0, the coordinator
+                if comm.rank == 0:
+                    checkpoints.save(checkpoint_path(directory, update.version // len(loader), update.version),
+                                     model, optimizer, step=update.version, epoch=update.version // len(loader),
+                                     extra={"version": update.version, "applied": {str(w): n for w, n in applied.items()}})
 
         try:
-            # With several servers each holds only its range of the weights until serve() ends.
-            updates = ps.serve(on_update=checkpoint if servers == 1 else None)
+            updates = ps.serve(on_update=checkpoint)
         finally:
             checkpoints.close()
         gradients = sum(len(u.gradients) for u in updates)
@@ -400,8 +398,8 @@ def train_with_parameter_server(args, comm, train_set, test_set, items, say) -> 
             f"{gradients} gradients in {time.perf_counter() - started:.1f} s; staleness mean "
             f"{np.mean(staleness):.2f}, max {max(staleness)}", flush=True)
         if comm.rank == 0:
-            save_checkpoint(os.path.join(args.checkpoint_dir, "ps-final.h5"), model,
-                            optimizer if servers == 1 else None, step=ps.version, epoch=args.epochs)
+            save_checkpoint(os.path.join(args.checkpoint_dir, "ps-final.h5"), model, optimizer, step=ps.version,
+                            epoch=args.epochs)
     else:
         # The sampler continues after the batches the weights already hold (it resumes mid-epoch).
         start_epoch, skip = divmod(applied[comm.rank], len(loader))

@@ -3,15 +3,85 @@ ranks only, and an error in a server's update, raise on every rank at once.
 
 The multi-rank tests of one world size run in one launch (mpi_shared_launch.py), in file order;
 those that stop the parameter server with an error come last."""
+import dataclasses
+import os
+
 import pytest
+import test_ps
 import torch
-from test_ps import make_model
+from test_ps_sparse import SERVERS, batch, flat, loss_of, make_model, make_optimizer, replay, steps_of
 
 import mpidist as md
+from mpidist.checkpoint import load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.mpi_shared_launch
 
 LR = 0.1
+
+
+def train(comm, mode, path, checkpoint_at=None):
+    """Every rank's part of one training on servers 0 and 1 (test_ps_sparse.py's model, tables
+    and a Linear, with Adagrad), from the checkpoint at `path` when `checkpoint_at` is None,
+    else from scratch with a checkpoint written there after update `checkpoint_at`: each worker
+    runs its steps that the starting weights do not hold. Returns (the servers' updates, the
+    final weights), the updates' steps counted from each worker's first."""
+    model = make_model(seed=comm.rank)  # different on every rank: the chief's, or the checkpoint's, win
+    optimizer = make_optimizer("adagrad", model)[0] if comm.rank < SERVERS else None
+    workers = list(range(SERVERS, comm.size))
+    version, applied = 0, dict.fromkeys(workers, 0)  # worker -> its gradients the weights hold
+    if checkpoint_at is None:
+        state = load_checkpoint(path, model, optimizer, restore_rng=False)
+        version, applied = state["step"], {int(w): n for w, n in state["extra"].items()}
+    first = dict(applied)
+    ps = md.ParameterServer(model, optimizer, comm=comm, servers=SERVERS, mode=mode, version=version)
+
+    def checkpoint(update):
+        for worker, _, _ in update.gradients:
+            applied[worker] += 1
+        if update.version == checkpoint_at:
+            ps.gather_state()
+            if comm.rank == ps.server:
+                save_checkpoint(path, model, optimizer, step=update.version, extra=applied)
+
+    history = None
+    if ps.is_server:
+        history = ps.serve(on_update=checkpoint)
+    else:
+        for step in range(applied[comm.rank], steps_of(comm.rank)):
+            words, bag, _ = batch(comm.rank, step)
+            ps.pull_rows(model.words, words)
+            ps.pull_rows(model.bag, bag)
+            model.zero_grad()
+            loss_of(model, comm.rank, step).backward()
+            ps.step()
+        ps.close()
+    comm.barrier()  # the checkpoint is written
+    if history is not None:  # a resumed worker's ps.steps counted from 0
+        history = [dataclasses.replace(update, gradients=tuple((w, step + first[w], v) for w, step, v in update.gradients))
+                   for update in history]
+    return history, flat(model)
+
+
+@pytest.mark.mpi(ranks=[4])
+@pytest.mark.parametrize("mode, checkpoint_at", [("sync", 2), ("async", 4)])
+def test_two_servers_checkpoint_and_resume_exactly(mpi_world, tmp_path, mode, checkpoint_at):
+    """A run checkpointed after some updates (every server's part of the weights and of the
+    optimizer's state gathered on the coordinator), resumed from there, ends as the run that
+    went on: in sync mode bit for bit, in async mode (whose updates land in the order the
+    workers run) as a replay of the updates before the checkpoint and those after it."""
+    comm = mpi_world
+    path = os.path.join(comm.mpi.bcast(str(tmp_path), root=0), f"ps-{mode}.h5")
+    whole_history, whole = train(comm, mode, path, checkpoint_at)
+    history, resumed = train(comm, mode, path)
+    if comm.rank != 0:
+        return
+    if mode == "sync":
+        assert history == whole_history[checkpoint_at:]
+        assert torch.equal(resumed, whole)
+    else:
+        history = whole_history[:checkpoint_at] + history
+        test_ps.check_every_step_once_in_order(history, list(range(SERVERS, comm.size)))
+        torch.testing.assert_close(resumed, replay(history, SERVERS, "adagrad", False)[-1], rtol=1e-12, atol=1e-14)
 
 
 # Each is given only to the last rank; the others are given valid arguments.

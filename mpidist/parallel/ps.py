@@ -61,6 +61,7 @@ worker that waits that long for its weights.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import torch
@@ -80,7 +81,7 @@ MODES = ("sync", "async", "softsync")
 GRADIENT, DONE, PULL, FAILED = 0, 1, 2, 3
 APPLY, ANSWER, DROP, FINISH, ANSWER_PULL, FAIL = 0, 1, 2, 3, 4, 5
 SENT_WEIGHTS, SENT_ROWS, SENT_FAILURE = 0, 1, 2
-PUSH, REPLY, COMMAND, SHARE, SPARSE = 1, 3, 5, 7, 9
+PUSH, REPLY, COMMAND, SHARE, SPARSE, STATE = 1, 3, 5, 7, 9, 11
 UNSPLITTABLE = -1  # the layout of a rank whose model has fewer rows than there are servers
 # The settings every rank must agree on, in the order of the agreement table's columns; three more
 # columns follow: two that only the servers fill, whether each has an optimizer and the first table
@@ -212,6 +213,8 @@ class ParameterServer:
         self.version = version  # the number of updates applied to the weights held
         self.dropped = []  # servers: the late gradients dropped (backup workers), as in Update.dropped
         self._sent_weights = None  # server: (version, its range of the weights for replies)
+        self._serving = False  # server: within serve()
+        self._state_sends = []  # a server of several: its parts of gather_state() still being sent
         self.steps = 0  # workers: gradients pushed
         self.bytes_pushed = self.bytes_pulled = 0  # workers: payload bytes sent and received
         self._pulled = {}  # workers: table index -> the rows pulled in this step (sorted, unique)
@@ -318,7 +321,7 @@ class ParameterServer:
         if not self.is_server:
             raise InvalidArgumentError(f"serve() runs on {self._server_name}; rank {self.comm.rank} is a worker: "
                                        "call step() after each backward, and close() at the end")
-        history = []
+        history, self._serving = [], True
         if self.comm.rank == self.server:
             sends = self._coordinate(history, on_update)
         else:
@@ -327,10 +330,68 @@ class ParameterServer:
             sends.append(self._send_weights(worker))
             sends += self._send_table_ranges(worker, REPLY)
         sends += self._share_final_weights()
+        sends += self._gather(weights=False) + self._state_sends
         for outgoing in sends:
             outgoing.wait(self._who, f"the message sent to rank {outgoing.dest}", f"rank {outgoing.dest}")
+        self._serving = False
         self.mpi.Free()
         return history
+
+    def gather_state(self) -> None:
+        """Gather the whole model and optimizer state on the coordinating server, for a
+        checkpoint. Every server calls it at the same update (in serve()'s on_update); the
+        coordinator's module then holds the update's whole weights, tables too, and its
+        optimizers (the user's) the whole state, as those of one server do; the other servers
+        send their parts and go on at once. With one server there is nothing to gather."""
+        if not self.is_server or not self._serving:
+            raise InvalidArgumentError("gather_state() runs on the servers during serve(), in on_update")
+        if len(self.servers) > 1:
+            self._state_sends = [outgoing for outgoing in self._state_sends if not outgoing.test()]
+            self._state_sends += self._gather(weights=True)
+
+    def _gather(self, weights: bool) -> list:
+        """The optimizers' state (and, with `weights`, the weights) of every server on the
+        coordinator: another server starts sending its part and returns the sends."""
+        if len(self.servers) == 1:
+            return []
+        index = self.servers.index(self.comm.rank)
+        row_spans = {id(table.weight): table.row_range(index) for table in self.tables}
+        pieces = self._owned.state_pieces(row_spans)
+        if self.comm.rank != self.server:
+            parts = [self._owned.weights()] + [table.weight.detach()[slice(*table.row_range(index))].clone()
+                                               for table in self.tables] if weights else []
+            contents, tensors = [], []
+            for optimizer, position, span, state in pieces:
+                named = {}
+                for name, (spread, value) in state.items():
+                    named[name] = [spread, len(tensors)] if torch.is_tensor(value) else [None, value]
+                    if torch.is_tensor(value):
+                        tensors.append(value)
+                contents.append([optimizer, position, list(span), named])
+            words = torch.tensor(list(json.dumps(contents).encode()), dtype=torch.uint8)
+            return [wire.send(self.mpi, part, self.server, STATE) for part in [*parts, words, *tensors]]
+        flat = torch.empty(self.numel, dtype=self.dtype)
+        flat[slice(*self._range)] = self._owned.weights()
+        for other, (low, high) in zip(self.servers[1:], self.ranges[1:]):
+            what, silent = f"the state of server {other}", f"server {other}"
+            if weights:
+                flat[low:high], _ = wire.receive(self.mpi, other, STATE, self._who, what, silent)
+                for table in self.tables:
+                    rows, _ = wire.receive(self.mpi, other, STATE, self._who, what, silent)
+                    with torch.no_grad():
+                        table.weight[slice(*table.row_range(self.servers.index(other)))] = rows.to(table.weight.device)
+            words, _ = wire.receive(self.mpi, other, STATE, self._who, what, silent)
+            contents = json.loads(bytes(words.tolist()).decode())
+            count = sum(spread is not None for *_, named in contents for spread, _ in named.values())
+            tensors = [wire.receive(self.mpi, other, STATE, self._who, what, silent)[0] for _ in range(count)]
+            pieces += [(optimizer, position, tuple(span),
+                        {name: (bool(spread), value if spread is None else tensors[value])
+                         for name, (spread, value) in named.items()})
+                       for optimizer, position, span, named in contents]
+        if weights:
+            self._load(flat)
+        ps_shards.assemble_state(self.optimizers, pieces)
+        return []
 
     def _coordinate(self, history: list, on_update) -> list:
         """The coordinator's loop: take the workers' messages, decide each update and each

@@ -63,6 +63,29 @@ def optimizer_like(optimizer, groups) -> torch.optim.Optimizer:
     return type(optimizer)([dict(group, params=params) for group, params in groups])
 
 
+def assemble_state(optimizers: list, pieces: list) -> None:
+    """Load into `optimizers` (the user's) each parameter's state made from the `pieces` of it
+    every server sent (OwnedRange.state_pieces): the flat spans pasted into whole tensors, the
+    other values taken from the first piece."""
+    by_parameter = {}
+    for index, position, span, part in pieces:
+        by_parameter.setdefault((index, position), []).append((span, part))
+    for index, optimizer in enumerate(optimizers):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        saved = optimizer.state_dict()
+        for position, parts in sorted((p, parts) for (i, p), parts in by_parameter.items() if i == index):
+            state = {}
+            for name, (spread, value) in parts[0][1].items():
+                if spread:
+                    value = torch.zeros(params[position].numel(), dtype=value.dtype)
+                    for (low, high), part in parts:
+                        value[low:high] = part[name][1].reshape(-1)
+                    value = value.view(params[position].shape)
+                state[name] = value
+            saved["state"][position] = state
+        optimizer.load_state_dict(saved)  # which moves each value where torch keeps it
+
+
 class OwnedRange:
     """A server's range [start, end) of the flat dense parameters `params`, held apart from the
     module: one flat buffer, and for each parameter the range covers, its rows there as a leaf
@@ -89,10 +112,13 @@ class OwnedRange:
                 self.pieces.append((param, rows.view(shape).requires_grad_(True), (low - offset, high - offset)))
             offset += param.numel()
         self._pairs = []  # (user's group, remade group), for the settings a scheduler may change
-        self.optimizers = [remade for remade in (self._remake(optimizer, params) for optimizer in optimizers)
-                           if remade is not None]
+        # id of a remade optimizer's parameter -> (its user optimizer's index, the user parameter's
+        # index there, the flat span of it held here; None: held whole), for checkpoints
+        self._origins = {}
+        self.optimizers = [remade for remade in (self._remake(index, optimizer, params)
+                                                 for index, optimizer in enumerate(optimizers)) if remade is not None]
 
-    def _remake(self, optimizer, params: list):
+    def _remake(self, index: int, optimizer, params: list):
         dense = {id(param) for param in params}
         owned = {id(param): (rows, span) for param, rows, span in self.pieces}
         groups = []
@@ -101,6 +127,13 @@ class OwnedRange:
                     if id(p) in owned or id(p) not in dense]
             if mine:
                 groups.append((group, mine))
+        user_params = [p for group in optimizer.param_groups for p in group["params"]]
+        for position, param in enumerate(user_params):
+            if id(param) in owned:
+                rows, span = owned[id(param)]
+                self._origins[id(rows)] = (index, position, span)
+            elif id(param) not in dense:
+                self._origins[id(param)] = (index, position, None)
         if not groups:
             return None
         remade = optimizer_like(optimizer, groups)
@@ -114,6 +147,29 @@ class OwnedRange:
             elif id(param) not in dense:
                 remade.state[param] = state
         return remade
+
+    def state_pieces(self, row_spans: dict) -> list:
+        """This range's part of the optimizers' state, as [(the user optimizer's index, the
+        parameter's index in it, (low, high), {name: (True, the state of the flat span [low,
+        high) of the parameter) or (False, a value of the whole parameter)})], copies. A
+        parameter held whole here (a sparse table) gives the rows `row_spans[id(param)]` of it."""
+        pieces = []
+        for optimizer in self.optimizers:
+            for param, state in optimizer.state.items():
+                index, position, span = self._origins[id(param)]
+                shape, first, last = param.shape, 0, len(param)
+                if span is None:
+                    first, last = row_spans[id(param)]
+                    span = (first * param[0].numel(), last * param[0].numel())
+                part = {}
+                for name, value in state.items():
+                    whole = torch.is_tensor(value) and value.shape == shape
+                    if torch.is_tensor(value):
+                        value = (value.to_dense() if value.is_sparse else value).detach()
+                        value = (value[first:last] if whole else value).to("cpu", copy=True)
+                    part[name] = (whole, value)
+                pieces.append((index, position, span, part))
+        return pieces
 
     def set_gradients(self, gradient: torch.Tensor) -> None:
         """The range's mean gradient (flat, the range's length) as the rows' gradients."""
