@@ -5,10 +5,13 @@ The multi-rank tests of one world size run in one launch (mpi_shared_launch.py),
 those that stop the parameter server with an error come last."""
 import dataclasses
 import os
+import re
 
+import numpy as np
 import pytest
 import test_ps
 import torch
+from conftest import run_python
 from test_ps_sparse import SERVERS, batch, flat, loss_of, make_model, make_optimizer, replay, steps_of
 
 import mpidist as md
@@ -104,3 +107,90 @@ def test_arguments_refused_on_one_rank_are_refused_on_every_rank_at_once(mpi_wor
         rf"rank {culprit} refused its arguments to the parameter server: .*{refusal}"
     with pytest.raises(md.InvalidArgumentError, match=named):
         md.ParameterServer(model, torch.optim.SGD(model.parameters(), lr=LR), comm=comm, **given)
+
+
+# `mpidist train` as tests/test_train.py runs it; in SIGNALLED, rank `signaller` sends SIGUSR1
+# (SLURM's warning before the time limit) to mpirun in its 3rd call of `owner.name` (a training
+# step), and mpirun passes it to every rank.
+TRAIN = "from mpidist.cli import main; raise SystemExit(main({args!r}))"
+SIGNALLED = """
+import os, signal
+import mpidist, mpidist.train, mpidist.parallel.pipeline
+steps = 0
+original = {owner}.{name}
+def signalling(*args, **kwargs):
+    global steps
+    steps += 1
+    if steps == 3 and mpidist.rank() == {signaller}:
+        os.kill(os.getppid(), signal.SIGUSR1)
+    return original(*args, **kwargs)
+{owner}.{name} = signalling
+from mpidist.cli import main; raise SystemExit(main({args!r}))
+"""
+
+
+def train_cli(directory, *extra, ranks, code=TRAIN, **signalling):
+    args = ["train", "--no-progress", "--checkpoint-dir", str(directory / "ck"), "--data",
+            str(directory.parent / "d.h5"), "--epochs", "1", *extra]
+    result = run_python(code.format(args=args, **signalling), ranks=ranks, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def assert_same_training_state(path, other):
+    """The two checkpoints hold the same model and optimizer state, bit for bit (momentum too)."""
+    import h5py
+
+    def tensors(path):
+        found = {}
+        with h5py.File(path) as f:
+            for group in ("model", "optimizer"):
+                f[group].visititems(lambda name, item, group=group: found.update(
+                    {f"{group}/{name}": item[()]} if isinstance(item, h5py.Dataset) else {}))
+        return found
+
+    one, two = tensors(path), tensors(other)
+    assert sorted(one) == sorted(two) and any(name.startswith("optimizer/state") for name in one), (one, two)
+    assert all(np.array_equal(one[name], two[name]) for name in one)
+
+
+def test_a_stop_signal_stops_the_parameter_servers_workers_together_and_resume_finishes_the_run(tmp_path):
+    """Two servers, sync mode: the chief signals mpirun in its 3rd step; the workers stop after
+    the same update, rank 0 checkpoints it (weights and momentum gathered from both servers) and
+    every rank exits with status 0; --resume then ends with the uninterrupted run's weights and
+    momentum, bit for bit."""
+    options = ("--mode", "ps", "--servers", "2", "--ps-mode", "sync")
+    whole = train_cli(tmp_path / "whole", *options, ranks=4)
+    total = int(re.search(r"(\d+) updates of", whole).group(1))
+    stopped = train_cli(tmp_path / "run", *options, ranks=4, code=SIGNALLED, owner="mpidist.train",
+                        name="train_batch", signaller=2)
+    found = re.search(r"mpidist train: stopped early: a stop signal \(SIGUSR1\) came; the workers stopped after "
+                      r"update (\d+) \(gradients per worker \[(\d+), (\d+)\]\); checkpoint (\S+);", stopped)
+    assert found, stopped
+    update = int(found.group(1))
+    assert 3 <= update < total and found.group(2) == found.group(3) == str(update), stopped
+    assert "final test accuracy" not in stopped and not os.path.exists(tmp_path / "run" / "ck" / "ps-final.h5")
+    resumed = train_cli(tmp_path / "run", *options, "--resume", ranks=4)
+    assert f"resumed from {found.group(4)} (update {update}," in resumed, resumed
+    assert f"{total - update} updates of" in resumed, resumed
+    assert_same_training_state(tmp_path / "whole" / "ck" / "ps-final.h5", tmp_path / "run" / "ck" / "ps-final.h5")
+
+
+def test_a_stop_signal_stops_every_pipeline_stage_at_one_step_and_resume_finishes_the_run(tmp_path):
+    """Two stages: rank 1 signals mpirun in its 3rd step; every rank checkpoints its stage at the
+    step they all stop at and exits with status 0; --resume continues that epoch and ends with the
+    uninterrupted run's stages, bit for bit."""
+    whole = train_cli(tmp_path / "whole", "--mode", "pipeline", ranks=2)
+    assert "final test accuracy" in whole
+    stopped = train_cli(tmp_path / "run", "--mode", "pipeline", ranks=2, code=SIGNALLED,
+                        owner="mpidist.parallel.pipeline.Pipeline", name="train_step", signaller=1)
+    found = re.search(r"mpidist train: stopped early: a stop signal \(SIGUSR1\) came; every rank stopped after step "
+                      r"(\d+) \(epoch 1/1\)", stopped)
+    assert found, stopped
+    step = int(found.group(1))
+    for rank in range(2):
+        assert os.listdir(tmp_path / "run" / "ck" / f"pipeline-rank{rank}") == [f"ckpt-0000-{step:08d}.h5"]
+    resumed = train_cli(tmp_path / "run", "--mode", "pipeline", "--resume", ranks=2)
+    assert f"the other ranks' of epoch 0 (step {step})" in resumed, resumed
+    for rank in range(2):
+        assert_same_training_state(*(tmp_path / run / "ck" / f"pipeline-final-rank{rank}.h5" for run in ("whole", "run")))

@@ -219,6 +219,8 @@ class ParameterServer:
         self.bytes_pushed = self.bytes_pulled = 0  # workers: payload bytes sent and received
         self._pulled = {}  # workers: table index -> the rows pulled in this step (sorted, unique)
         self.closed = False
+        self.stopping = False  # the coordinator and workers: every worker is to close (request_stop())
+        self._stop_asked = False  # a worker: request_stop() was called
         return unsplittable
 
     def _server_ranks(self, servers, server: int) -> list:
@@ -406,7 +408,7 @@ class ParameterServer:
         while active:
             worker = self._next_message(receives)
             incoming = receives[worker]
-            kind, step, version = incoming.fields
+            kind, step, version = incoming.fields[:3]
             if kind == DONE:
                 active.discard(worker)
                 del receives[worker]
@@ -421,6 +423,7 @@ class ParameterServer:
                 dense = incoming.receive_payload(self._who, f"the gradient of worker {worker}", f"worker {worker}")
                 gradient = (dense, self._receive_gradient_rows(worker))
                 pushed[worker] += 1
+                self.stopping |= bool(incoming.fields[3])  # the worker asks every worker to stop
                 receives[worker] = wire.Incoming(self.mpi, worker, PUSH)
                 if self.backup_workers and version < self.version:  # a straggler's, for an update already applied
                     sends += self._command(DROP, [worker])
@@ -476,8 +479,8 @@ class ParameterServer:
         return [wire.send(self.mpi, payload, follower, COMMAND, fields=(kind,)) for follower in self.servers[1:]]
 
     def _receive_gradient(self, worker: int) -> tuple:
-        dense, (_, step, version) = wire.receive(self.mpi, worker, PUSH, self._who,
-                                                 f"the gradient of worker {worker}", f"worker {worker}")
+        dense, (_, step, version, _) = wire.receive(self.mpi, worker, PUSH, self._who,
+                                                    f"the gradient of worker {worker}", f"worker {worker}")
         return (dense, self._receive_gradient_rows(worker)), step, version
 
     def _receive_gradient_rows(self, worker: int) -> list:
@@ -580,7 +583,7 @@ class ParameterServer:
             # every worker with the same one): pending sends only read it.
             weights = self._owned.weights() if self._owned is not None else self._flat(self.params)
             self._sent_weights = (self.version, weights)
-        return wire.send(self.mpi, self._sent_weights[1], worker, REPLY, fields=(self.version, SENT_WEIGHTS))
+        return wire.send(self.mpi, self._sent_weights[1], worker, REPLY, fields=(self.version, SENT_WEIGHTS, self.stopping))
 
     def _send_table_ranges(self, rank: int, tag: int) -> list:
         """Start sending this server's row range of every table (the final weights)."""
@@ -697,7 +700,8 @@ class ParameterServer:
         outgoing = []
         for position, (server, (start, end)) in enumerate(zip(self.servers, self.ranges)):
             parts = [gradient[start:end]]
-            outgoing.append(wire.send(self.mpi, parts[0], server, PUSH, fields=(GRADIENT, self.steps, self.version)))
+            outgoing.append(wire.send(self.mpi, parts[0], server, PUSH, fields=(GRADIENT, self.steps, self.version,
+                                                                                   self._stop_asked)))
             for table, (indices, values) in zip(self.tables, rows):
                 low, high = table.split(indices)[position]
                 parts += [indices[low:high], values[low:high]]
@@ -708,6 +712,17 @@ class ParameterServer:
             sent.wait(self._who, "the gradient sent to the server", f"the server (rank {sent.dest})")
         self.steps += 1
         self._pulled = {}
+
+    def request_stop(self) -> None:
+        """Ask every worker to stop training (a stop signal before the time limit, say), from the
+        coordinating server or a worker (elsewhere it does nothing). A worker's request goes with
+        its next step(); every worker then learns of it from its next weights, as `stopping`
+        turns True, and closes. In sync mode (without backup workers) every worker learns of it
+        after the same update."""
+        if self.comm.rank == self.server:
+            self.stopping = True
+        elif not self.is_server:
+            self._stop_asked = True
 
     def close(self) -> None:
         """Tell the coordinating server this worker is done, and take the final weights, tables
@@ -756,6 +771,8 @@ class ParameterServer:
                 self.closed = True
                 raise self._failure(parts[-1], *reply.fields[2:])
             versions.append(reply.fields[0])
+            if reply.source == self.server and reply.fields[1] == SENT_WEIGHTS:
+                self.stopping |= bool(reply.fields[2])
             self.bytes_pulled += parts[-1].numel() * parts[-1].element_size()
         if len(set(versions)) > 1:
             raise MismatchError(f"{self._who}: the servers {self.servers} sent weights of versions {versions}; "
