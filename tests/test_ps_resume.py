@@ -196,3 +196,45 @@ def test_a_stop_signal_stops_every_pipeline_stage_at_one_step_and_resume_finishe
     assert f"the other ranks' of epoch 0 (step {step})" in resumed, resumed
     for rank in range(2):
         assert_same_training_state(*(tmp_path / run / "ck" / f"pipeline-final-rank{rank}.h5" for run in ("whole", "run")))
+
+
+class FailingSGD(torch.optim.SGD):
+    """SGD that raises in its third step, as a check for NaN in it would."""
+
+    def __init__(self, params, lr=LR):
+        super().__init__(params, lr=lr)
+        self.steps = 0
+
+    def step(self, closure=None):
+        self.steps += 1
+        if self.steps == 3:
+            raise FloatingPointError("the weights hold a NaN")
+        return super().step(closure)
+
+
+# Last of the launch: the failed update stops the parameter server on every rank, leaving some of
+# its messages unmatched.
+@pytest.mark.mpi(ranks=[4])
+@pytest.mark.parametrize("culprit, mode", [(0, "sync"), (1, "async")], ids=["coordinator", "other_server"])
+def test_an_error_in_a_servers_update_stops_every_rank(mpi_world, monkeypatch, culprit, mode):
+    """The optimizer of one of two servers raises in its third update: that server raises its
+    exception, every other rank an error naming the server and the exception, at once (a wait
+    would end in a DeadlineError after MPIDIST_TIMEOUT)."""
+    monkeypatch.setenv("MPIDIST_TIMEOUT", "20")
+    comm = mpi_world
+    model = test_ps.make_model(0)
+    kind = FailingSGD if comm.rank == culprit else torch.optim.SGD
+    optimizer = kind(model.parameters(), lr=LR) if comm.rank < SERVERS else None
+    ps = md.ParameterServer(model, optimizer, comm=comm, servers=SERVERS, mode=mode)
+    if comm.rank == culprit:
+        error, message = FloatingPointError, "the weights hold a NaN"
+    else:
+        error, message = md.MpidistError, rf"rank {comm.rank} \(.*\): server {culprit} stopped the parameter " \
+                                          r"server: its update 3 raised FloatingPointError: the weights hold a NaN"
+    with pytest.raises(error, match=message):
+        if ps.is_server:
+            ps.serve()
+        for step in range(100):  # the workers train until they hear of it
+            model.zero_grad()
+            test_ps.loss_of(model, comm.rank, step).backward()
+            ps.step()

@@ -68,7 +68,7 @@ import torch
 from mpi4py import MPI
 
 from ..comm import init
-from ..errors import InvalidArgumentError, MismatchError
+from ..errors import InvalidArgumentError, MismatchError, MpidistError
 from ..runtime import wire
 from ..runtime.deadlines import wait_for_collective, wait_until
 from . import ps_shards, ps_sparse
@@ -89,8 +89,9 @@ UNSPLITTABLE = -1  # the layout of a rank whose model has fewer rows than there 
 # refused (its other columns 0).
 AGREED = ("parameters", "dtype", "server", "servers", "layout", "mode", "backup_workers", "gradients per update",
           "max_staleness", "staleness_lr", "starting version", "sparse tables")
-# The errors a worker's bad input raises on every rank, by their code in its failure message.
-FAILURES = (InvalidArgumentError, MismatchError)
+# The errors a worker's bad input raises on every rank, by their code in its failure message; the
+# last, that of an error in a server's update (its own exception on that server).
+FAILURES = (InvalidArgumentError, MismatchError, MpidistError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,6 +215,7 @@ class ParameterServer:
         self.dropped = []  # servers: the late gradients dropped (backup workers), as in Update.dropped
         self._sent_weights = None  # server: (version, its range of the weights for replies)
         self._serving = False  # server: within serve()
+        self._server_failures = {}  # the coordinator in serve(): other server -> the receive of its failure
         self._state_sends = []  # a server of several: its parts of gather_state() still being sent
         self.steps = 0  # workers: gradients pushed
         self.bytes_pushed = self.bytes_pulled = 0  # workers: payload bytes sent and received
@@ -333,6 +335,9 @@ class ParameterServer:
             sends += self._send_table_ranges(worker, REPLY)
         sends += self._share_final_weights()
         sends += self._gather(weights=False) + self._state_sends
+        for failure in self._server_failures.values():  # none came
+            failure.request.Cancel()
+            failure.request.Wait()
         for outgoing in sends:
             outgoing.wait(self._who, f"the message sent to rank {outgoing.dest}", f"rank {outgoing.dest}")
         self._serving = False
@@ -375,17 +380,17 @@ class ParameterServer:
         flat = torch.empty(self.numel, dtype=self.dtype)
         flat[slice(*self._range)] = self._owned.weights()
         for other, (low, high) in zip(self.servers[1:], self.ranges[1:]):
-            what, silent = f"the state of server {other}", f"server {other}"
+            what = f"the state of server {other}"
             if weights:
-                flat[low:high], _ = wire.receive(self.mpi, other, STATE, self._who, what, silent)
+                flat[low:high], _ = self._receive_from_server(other, STATE, what)
                 for table in self.tables:
-                    rows, _ = wire.receive(self.mpi, other, STATE, self._who, what, silent)
+                    rows, _ = self._receive_from_server(other, STATE, what)
                     with torch.no_grad():
                         table.weight[slice(*table.row_range(self.servers.index(other)))] = rows.to(table.weight.device)
-            words, _ = wire.receive(self.mpi, other, STATE, self._who, what, silent)
+            words, _ = self._receive_from_server(other, STATE, what)
             contents = json.loads(bytes(words.tolist()).decode())
             count = sum(spread is not None for *_, named in contents for spread, _ in named.values())
-            tensors = [wire.receive(self.mpi, other, STATE, self._who, what, silent)[0] for _ in range(count)]
+            tensors = [self._receive_from_server(other, STATE, what)[0] for _ in range(count)]
             pieces += [(optimizer, position, tuple(span),
                         {name: (bool(spread), value if spread is None else tensors[value])
                          for name, (spread, value) in named.items()})
@@ -399,6 +404,8 @@ class ParameterServer:
         """The coordinator's loop: take the workers' messages, decide each update and each
         reply, and tell the other servers in the same order. Returns the sends still going."""
         receives = {w: wire.Incoming(self.mpi, w, PUSH) for w in self.workers}
+        # The other servers send the coordinator nothing but the failure of their update.
+        self._server_failures = {s: wire.Incoming(self.mpi, s, PUSH) for s in self.servers[1:]}
         arrived = {}  # worker -> (gradient, its step, its version), waiting for an update
         owed = set()  # workers whose gradient is applied (or dropped) and who wait for their weights
         late = []  # gradients dropped since the last update
@@ -406,8 +413,8 @@ class ParameterServer:
         active = set(self.workers)
         sends = []
         while active:
-            worker = self._next_message(receives)
-            incoming = receives[worker]
+            worker = self._next_message({**receives, **self._server_failures})
+            incoming = receives.get(worker) or self._server_failures[worker]
             kind, step, version = incoming.fields[:3]
             if kind == DONE:
                 active.discard(worker)
@@ -505,11 +512,12 @@ class ParameterServer:
         return sends
 
     def _stop(self, worker: int, incoming: wire.Incoming, sends: list):
-        """A worker's bad input: the coordinator tells the other servers, and every other
-        worker in its next reply; then this server raises the worker's error."""
-        silent = f"worker {worker}"
-        incoming.wait(self._who, f"the failure of worker {worker}", silent)
-        words = incoming.receive_payload(self._who, f"the failure of worker {worker}", silent)
+        """A worker's bad input, or another server's failed update: the coordinator tells the
+        other servers, and every other worker in its next reply; then this server raises the
+        error, naming the rank."""
+        silent = f"{'server' if worker in self.servers else 'worker'} {worker}"
+        incoming.wait(self._who, f"the failure of {silent}", silent)
+        words = incoming.receive_payload(self._who, f"the failure of {silent}", silent)
         _, code, _ = incoming.fields
         if self.comm.rank == self.server:
             sends += self._command(FAIL, [worker])
@@ -519,9 +527,26 @@ class ParameterServer:
                 outgoing.wait(self._who, f"the message sent to rank {outgoing.dest}", f"rank {outgoing.dest}")
         raise self._failure(words, code, worker)
 
-    def _failure(self, words: torch.Tensor, code: int, worker: int) -> Exception:
-        return FAILURES[code](f"{self._who}: worker {worker} stopped the parameter server: "
+    def _failure(self, words: torch.Tensor, code: int, rank: int) -> Exception:
+        role = "server" if rank in self.servers else "worker"
+        return FAILURES[code](f"{self._who}: {role} {rank} stopped the parameter server: "
                               f"{bytes(words.tolist()).decode()}")
+
+    def _server_failed(self, error: Exception):
+        """An error in this server's update stops the parameter server: this server tells the
+        other servers and every worker (in place of its next reply), then raises `error`."""
+        words = torch.tensor(list(f"its update {self.version + 1} raised {type(error).__name__}: {error}".encode()),
+                             dtype=torch.uint8)
+        code = len(FAILURES) - 1
+        sends = self._command(FAIL, [self.comm.rank]) if self.comm.rank == self.server else []
+        sends += [wire.send(self.mpi, words, other, PUSH, fields=(FAILED, code, self.version))
+                  for other in self.servers if other != self.comm.rank]
+        # In place of this server's next reply to each worker (which may wait for it alone).
+        sends += [wire.send(self.mpi, words, worker, REPLY, fields=(self.version, SENT_FAILURE, code, self.comm.rank))
+                  for worker in self.workers]
+        for outgoing in sends:
+            outgoing.wait(self._who, f"the failure sent to rank {outgoing.dest}", f"rank {outgoing.dest}")
+        raise error
 
     def _drop(self, worker: int, step: int, version: int) -> tuple:
         self.dropped.append((worker, step, version))
@@ -542,11 +567,14 @@ class ParameterServer:
             table.weight.grad = ps_sparse.mean_gradient(table, [arrived[w][0][1][index] for w in order], len(order))
         staleness = float(np.mean([self.version - arrived[w][2] for w in order]))
         lr_scale = 1.0 / max(1.0, staleness) if self.staleness_lr else 1.0
-        if self._owned is not None:
-            self._owned.set_gradients(total)
-            self._owned.step(lr_scale)
-        else:
-            self._step_whole(total, lr_scale)
+        try:
+            if self._owned is not None:
+                self._owned.set_gradients(total)
+                self._owned.step(lr_scale)
+            else:
+                self._step_whole(total, lr_scale)
+        except Exception as error:  # the optimizer's, or a check of the user's in it
+            self._server_failed(error)
         for table in self.tables:
             table.weight.grad = None
         self.version += 1
@@ -605,30 +633,46 @@ class ParameterServer:
             sends += self._send_table_ranges(other, SHARE)
         for index, (other, (low, high)) in enumerate(zip(self.servers, self.ranges)):
             if other != self.comm.rank:
-                what, silent = f"the final weights of server {other}", f"server {other}"
-                weights[low:high], _ = wire.receive(self.mpi, other, SHARE, self._who, what, silent)
+                what = f"the final weights of server {other}"
+                weights[low:high], _ = self._receive_from_server(other, SHARE, what)
                 for table in self.tables:
-                    rows, _ = wire.receive(self.mpi, other, SHARE, self._who, what, silent)
+                    rows, _ = self._receive_from_server(other, SHARE, what)
                     with torch.no_grad():
                         table.weight[slice(*table.row_range(index))] = rows.to(table.weight.device)
         self._load(weights)
         return sends
 
     def _next_message(self, receives: dict) -> int:
-        """The worker whose header arrived first among the pending receives."""
-        workers = list(receives)
-        requests = [receives[w].request for w in workers]
+        """The rank whose header arrived first among the pending receives (the workers', and
+        the other servers' failures)."""
+        ranks = list(receives)
+        requests = [receives[r].request for r in ranks]
+        workers = [r for r in ranks if r not in self.servers]
         found = []
 
         def arrived():
             index, flag = MPI.Request.Testany(requests)
             if flag:
-                found.append(workers[index])
+                found.append(ranks[index])
             return flag
 
         wait_until(arrived, self._who, "the wait for a message from the workers", f"workers {workers}",
                    peers=workers, advice="A worker that stops training must call close()")
         return found[0]
+
+    def _receive_from_server(self, other: int, tag: int, what: str) -> tuple:
+        """(tensor, fields) of another server's message with `tag`; on the coordinator, should
+        that server's update fail first, its failure stops the parameter server instead."""
+        if self.comm.rank != self.server:
+            return wire.receive(self.mpi, other, tag, self._who, what, f"server {other}")
+        incoming = wire.Incoming(self.mpi, other, tag)
+        failure = self._server_failures[other]
+        wait_until(lambda: incoming.request.Test() or failure.request.Test(), self._who, what, f"server {other}",
+                   peers=(other,))
+        if not incoming.request.Test():
+            incoming.request.Cancel()
+            self._stop(other, failure, [])
+        return incoming.receive_payload(self._who, what, f"server {other}"), incoming.fields
 
     # ---- a worker --------------------------------------------------------------------------
 
@@ -758,15 +802,15 @@ class ParameterServer:
 
     def _receive_replies(self, what: str) -> tuple:
         """([each server's reply], their version): every server's answer to this worker's last
-        message, received at once (the coordinator's first: it alone reports a failure)."""
+        message, received at once (the coordinator's first), or the failure one reports."""
         incoming = [wire.Incoming(self.mpi, server, REPLY) for server in self.servers]
         parts, versions = [], []
-        for reply in incoming:
+        for position, reply in enumerate(incoming):
             silent = f"the server (rank {reply.source})"
             reply.wait(self._who, what, silent)
             parts.append(reply.receive_payload(self._who, what, silent))
             if reply.fields[1] == SENT_FAILURE:
-                for pending in incoming[1:]:
+                for pending in incoming[position + 1:]:
                     pending.request.Cancel()
                 self.closed = True
                 raise self._failure(parts[-1], *reply.fields[2:])
