@@ -11,11 +11,11 @@ every epoch, and the final test accuracy is printed. --resume continues from the
 checkpoint.
 
 Parameter server (--mode ps): rank 0 serves, the other ranks train on their shares of the data
-at their own pace; the chief (rank 1) shows its progress; the server checkpoints the weights in
-ps/ as it goes (--resume continues from the newest), and at the end prints what it applied,
-writes ps-final.h5 and the final test accuracy. --servers k: ranks 0 .. k-1 serve, the model
-partitioned over them; only the final weights are written (ps-final.h5, without the optimizer's
-state, which is spread over the servers).
+at their own pace; the chief (rank 1) shows its progress; rank 0 checkpoints the weights in ps/
+as it goes (--resume continues from the newest), and at the end prints what it applied, writes
+ps-final.h5 and the final test accuracy. --servers k: ranks 0 .. k-1 serve, the model
+partitioned over them; rank 0 gathers their parts for each checkpoint. On a stop signal the
+workers stop through the parameter server and rank 0 checkpoints the last update.
 
 torch DDP (--mode ddp): --mode data with torch's DistributedDataParallel over the "mpidist"
 torch.distributed backend in place of mpidist's DataParallel.
@@ -24,8 +24,9 @@ dropped and the others go on from their last commit in memory (md.elastic); no c
 
 Pipeline (--mode pipeline): the network's layers cut into one stage per rank, every batch run
 through the stages in micro-batches (--replicas k: k such pipelines averaging their gradients);
-each rank checkpoints its stage every epoch in pipeline-rank<r>/ (--resume continues from the
-newest epoch every rank has) and writes it to pipeline-final-rank<r>.h5 at the end.
+each rank checkpoints its stage every epoch, and at a stop signal's step, in pipeline-rank<r>/
+(--resume continues from the newest every rank has) and writes it to pipeline-final-rank<r>.h5
+at the end.
 
 --model embedding trains with Adagrad (the MLP with SGD and momentum) in --mode data, ddp and
 ps; under --mode data and ddp its table's gradient is dense (all-reduced whole), under --mode ps the table
