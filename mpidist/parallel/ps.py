@@ -151,7 +151,9 @@ class ParameterServer:
         broadcast_module_state(module, self.comm, root=self.chief)
         # A server of several steps its own rows alone; one server steps the user's optimizer,
         # whose state is then the whole model's (what checkpoints save).
-        self._owned = ps_shards.OwnedRange(self.params, self._range, self.optimizers) \
+        self._owned = ps_shards.OwnedRange(
+            self.params, self._range, self.optimizers,
+            [(table.weight, table.row_range(self.servers.index(self.comm.rank))) for table in self.tables]) \
             if self.is_server and len(self.servers) > 1 else None
 
     def _take_settings(self, module, optimizer, mode, softsync, max_staleness, staleness_lr, server, version,
@@ -362,8 +364,7 @@ class ParameterServer:
         if len(self.servers) == 1:
             return []
         index = self.servers.index(self.comm.rank)
-        row_spans = {id(table.weight): table.row_range(index) for table in self.tables}
-        pieces = self._owned.state_pieces(row_spans)
+        pieces = self._owned.state_pieces()
         if self.comm.rank != self.server:
             parts = [self._owned.weights()] + [table.weight.detach()[slice(*table.row_range(index))].clone()
                                                for table in self.tables] if weights else []
@@ -564,7 +565,11 @@ class ParameterServer:
             total += arrived[worker][0][0]
         total /= len(order)
         for index, table in enumerate(self.tables):
-            table.weight.grad = ps_sparse.mean_gradient(table, [arrived[w][0][1][index] for w in order], len(order))
+            gradient = ps_sparse.mean_gradient(table, [arrived[w][0][1][index] for w in order], len(order))
+            if self._owned is not None:
+                self._owned.set_table_gradient(table.weight, gradient)
+            else:
+                table.weight.grad = gradient
         staleness = float(np.mean([self.version - arrived[w][2] for w in order]))
         lr_scale = 1.0 / max(1.0, staleness) if self.staleness_lr else 1.0
         try:
