@@ -9,8 +9,9 @@ range of the weights, all at once. The first server, the coordinator, decides ev
 they apply the same sequence of updates to their ranges and answer the same workers after the
 same updates, so a worker's ranges always come from one version (it checks). Each of several
 servers holds its range apart, in tensors of its own stepped by optimizers over them alone
-(ps_shards.OwnedRange), and copies it into its module when the module is looked at (on_update,
-the end).
+(ps_shards.OwnedRange; its rows of a sparse table view the module's table), and copies it into
+its module when the module is looked at (on_update, the end). gather_state() brings every
+server's part of the weights and of the optimizers' state to the coordinator, for checkpoints.
 
 Update rules (Zhang et al., "Staleness-Aware Async-SGD for Distributed Deep Learning", IJCAI
 2016; Ho et al., "More Effective Distributed ML via a Stale Synchronous Parallel Parameter
@@ -51,7 +52,9 @@ moves between a worker's reply and its next push).
 A worker's bad input (pull_rows on a module that is no table of the model, ids out of range, a
 gradient on rows it did not pull) stops the whole parameter server: the worker tells every
 server, the coordinator tells every other worker in its next reply, and every rank raises the
-same error.
+same error. So does an error in a server's update, which that server tells every rank. Arguments
+refused on some ranks only join the agreement on the settings, so every rank raises at once.
+request_stop() asks every worker to stop, through the coordinator's replies (`stopping`).
 
 Messages are typed buffers (runtime/wire.py: an int64 header, then the flat gradient, weights,
 row indices or rows), never pickled. Every wait ends after MPIDIST_TIMEOUT seconds with a
