@@ -88,7 +88,7 @@ def test_two_servers_checkpoint_and_resume_exactly(mpi_world, tmp_path, mode, ch
 
 
 # Each is given only to the last rank; the others are given valid arguments.
-@pytest.mark.mpi(ranks=[2, 3])
+@pytest.mark.mpi(ranks=[3])
 @pytest.mark.parametrize("bad, refusal", [
     (lambda size: dict(mode="bogus"), "mode='bogus'"),
     (lambda size: dict(servers=[0, 0]), "the servers must be distinct ranks"),
@@ -107,6 +107,32 @@ def test_arguments_refused_on_one_rank_are_refused_on_every_rank_at_once(mpi_wor
         rf"rank {culprit} refused its arguments to the parameter server: .*{refusal}"
     with pytest.raises(md.InvalidArgumentError, match=named):
         md.ParameterServer(model, torch.optim.SGD(model.parameters(), lr=LR), comm=comm, **given)
+
+
+@pytest.mark.mpi(ranks=[4])
+@pytest.mark.parametrize("asking", [0, 3], ids=["coordinator", "worker"])
+def test_a_stop_request_stops_every_worker_after_the_same_sync_update(mpi_world, asking):
+    """request_stop() on the coordinator after update 2, or on the last worker before its third
+    step: every worker learns of it (`stopping`) after the same update, and stops there."""
+    comm = mpi_world
+    model = test_ps.make_model(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR) if comm.rank < SERVERS else None
+    ps = md.ParameterServer(model, optimizer, comm=comm, servers=SERVERS, mode="sync")
+    updates = 2 if asking == 0 else 3
+    if ps.is_server:
+        history = ps.serve(on_update=lambda update: asking == 0 and update.version == 2 and ps.request_stop())
+        assert len(history) == updates and ps.stopping == (comm.rank == 0)
+    else:
+        steps = 0
+        while not ps.stopping and steps < 10:
+            if comm.rank == asking and steps == 2:
+                ps.request_stop()
+            model.zero_grad()
+            test_ps.loss_of(model, comm.rank, steps).backward()
+            ps.step()
+            steps += 1
+        ps.close()
+        assert steps == updates
 
 
 # `mpidist train` as tests/test_train.py runs it; in SIGNALLED, rank `signaller` sends SIGUSR1
@@ -157,11 +183,12 @@ def assert_same_training_state(path, other):
     assert all(np.array_equal(one[name], two[name]) for name in one)
 
 
-def test_a_stop_signal_stops_the_parameter_servers_workers_together_and_resume_finishes_the_run(tmp_path):
-    """Two servers, sync mode: the chief signals mpirun in its 3rd step; the workers stop after
-    the same update, rank 0 checkpoints it (weights and momentum gathered from both servers) and
-    every rank exits with status 0; --resume then applies exactly the rest of the epoch's updates.
-    (That a resumed run of two servers ends as the uninterrupted one: the first test above.)"""
+def test_a_stop_signal_stops_the_parameter_server_and_resume_finishes_the_run(tmp_path):
+    """Two servers and two workers, sync mode: the chief signals mpirun in its 3rd step; the
+    workers stop after the same update, rank 0 checkpoints it (weights and momentum gathered
+    from both servers) and every rank exits with status 0; --resume then applies exactly the
+    rest of the epoch's updates. (That a resumed run of two servers ends as the uninterrupted
+    one: test_two_servers_checkpoint_and_resume_exactly.)"""
     options = ("--mode", "ps", "--servers", "2", "--ps-mode", "sync", "--batch-size", "50")
     stopped = train_cli(tmp_path / "run", *options, ranks=4, code=SIGNALLED, owner="mpidist.train",
                         name="train_batch", signaller=2)
