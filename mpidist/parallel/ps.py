@@ -382,7 +382,8 @@ class ParameterServer:
             words = torch.tensor(list(json.dumps(contents).encode()), dtype=torch.uint8)
             return [wire.send(self.mpi, part, self.server, STATE) for part in [*parts, words, *tensors]]
         flat = torch.empty(self.numel, dtype=self.dtype)
-        flat[slice(*self._range)] = self._owned.weights()
+        if weights:
+            flat[slice(*self._range)] = self._owned.weights()
         for other, (low, high) in zip(self.servers[1:], self.ranges[1:]):
             what = f"the state of server {other}"
             if weights:
@@ -675,8 +676,9 @@ class ParameterServer:
             return wire.receive(self.mpi, other, tag, self._who, what, f"server {other}")
         incoming = wire.Incoming(self.mpi, other, tag)
         failure = self._server_failures[other]
-        wait_until(lambda: incoming.request.Test() or failure.request.Test(), self._who, what, f"server {other}",
-                   peers=(other,))
+        # Get_status leaves a failure that came with the message for the next wait to find.
+        wait_until(lambda: incoming.request.Test() or failure.request.Get_status(), self._who, what,
+                   f"server {other}", peers=(other,))
         if not incoming.request.Test():
             incoming.request.Cancel()
             self._stop(other, failure, [])
