@@ -29,7 +29,7 @@ def cmd_train(args) -> int:
     # SLURM's signal before the time limit (stopping.py) is caught from here, not after the
     # seconds of torch's import: a signal that came meanwhile would end the process.
     from .stopping import GracefulStop
-    stop = GracefulStop() if args.mode in ("data", "ddp") else None
+    stop = GracefulStop()
     from .train import cmd_train as train
     return train(args, stop)
 

@@ -11,11 +11,11 @@ every epoch, and the final test accuracy is printed. --resume continues from the
 checkpoint.
 
 Parameter server (--mode ps): rank 0 serves, the other ranks train on their shares of the data
-at their own pace; the chief (rank 1) shows its progress; the server checkpoints the weights in
-ps/ as it goes (--resume continues from the newest), and at the end prints what it applied,
-writes ps-final.h5 and the final test accuracy. --servers k: ranks 0 .. k-1 serve, the model
-partitioned over them; only the final weights are written (ps-final.h5, without the optimizer's
-state, which is spread over the servers).
+at their own pace; the chief (rank 1) shows its progress; rank 0 checkpoints the weights in ps/
+as it goes (--resume continues from the newest), and at the end prints what it applied, writes
+ps-final.h5 and the final test accuracy. --servers k: ranks 0 .. k-1 serve, the model
+partitioned over them; rank 0 gathers their parts for each checkpoint. On a stop signal the
+workers stop through the parameter server and rank 0 checkpoints the last update.
 
 torch DDP (--mode ddp): --mode data with torch's DistributedDataParallel over the "mpidist"
 torch.distributed backend in place of mpidist's DataParallel.
@@ -26,8 +26,9 @@ under --mode ps the servers drop a worker that dies and go on (a server's death 
 
 Pipeline (--mode pipeline): the network's layers cut into one stage per rank, every batch run
 through the stages in micro-batches (--replicas k: k such pipelines averaging their gradients);
-each rank checkpoints its stage every epoch in pipeline-rank<r>/ (--resume continues from the
-newest epoch every rank has) and writes it to pipeline-final-rank<r>.h5 at the end.
+each rank checkpoints its stage every epoch, and at a stop signal's step, in pipeline-rank<r>/
+(--resume continues from the newest every rank has) and writes it to pipeline-final-rank<r>.h5
+at the end.
 
 --model embedding trains with Adagrad (the MLP with SGD and momentum) in --mode data, ddp and
 ps; under --mode data and ddp its table's gradient is dense (all-reduced whole), under --mode ps the table
@@ -140,9 +141,6 @@ def check_mode_options(args) -> None:
         if given and args.mode != mode:
             options = ", ".join("--" + name.replace("_", "-") for name in given)
             raise InvalidArgumentError(f"{options}: these options go with --mode {mode}")
-    if args.mode == "ps" and (args.servers or 1) > 1 and args.resume:
-        raise InvalidArgumentError("--resume goes with one server: with --servers > 1 no server holds the whole "
-                                   "model until the end, so none is checkpointed on the way")
     if args.model == "embedding" and args.mode == "pipeline":
         raise InvalidArgumentError("--model embedding goes with --mode data, ddp or ps")
     if args.embedding_rows is not None and args.model != "embedding":
@@ -158,11 +156,11 @@ def check_mode_options(args) -> None:
 
 
 def cmd_train(args, stop: GracefulStop | None = None) -> int:
-    """`stop`: the data-parallel mode's stop on a signal (stopping.py), made by the command before
-    it imported torch; made here when not given."""
+    """`stop`: the stop on a signal (stopping.py), made by the command before it imported torch;
+    made here when not given."""
     check_mode_options(args)
     comm = md.init()
-    if stop is None and args.mode in ("data", "ddp"):  # both run train_data_parallel
+    if stop is None:
         stop = GracefulStop()
     if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
         raise InvalidArgumentError(f"--checkpoint-dir {args.checkpoint_dir} exists and is not a directory")
@@ -171,9 +169,9 @@ def cmd_train(args, stop: GracefulStop | None = None) -> int:
     train_set, test_set, items = load_datasets(args, comm)
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     if args.mode == "ps":
-        return train_with_parameter_server(args, comm, train_set, test_set, items, say)
+        return train_with_parameter_server(args, comm, train_set, test_set, items, say, stop)
     if args.mode == "pipeline":
-        return train_with_pipeline(args, comm, train_set, test_set, say)
+        return train_with_pipeline(args, comm, train_set, test_set, say, stop)
     if args.elastic:
         return train_elastic(args, comm, train_set, test_set)
     return train_data_parallel(args, comm, train_set, test_set, items, say, stop)
@@ -344,13 +342,16 @@ class _Snapshot:
         return self._state
 
 
-def train_with_parameter_server(args, comm, train_set, test_set, items, say) -> int:
+def train_with_parameter_server(args, comm, train_set, test_set, items, say, stop) -> int:
     """--mode ps: rank 0 (ranks 0 .. k-1 with --servers k) applies the workers' gradients; each
     worker trains on its share of the data, at its own pace (no collective among workers while
-    they train). One server checkpoints the weights every as many updates as a worker has
-    batches per epoch, with the number of each worker's gradients they hold, so that --resume
-    restarts every worker at the first batch the weights have not seen. The embedding model's
-    table goes by rows: a worker pulls its batch's rows before each forward pass."""
+    they train). Rank 0 checkpoints the weights (with several servers, gathered from them all)
+    every as many updates as a worker has batches per epoch, with the number of each worker's
+    gradients they hold, so that --resume restarts every worker at the first batch the weights
+    have not seen. On a stop signal (stopping.py) the workers stop through the parameter server
+    (request_stop(): in sync mode all after the same update), rank 0 checkpoints the last update
+    and the exit status is 0. The embedding model's table goes by rows: a worker pulls its
+    batch's rows before each forward pass."""
     mode = args.ps_mode or "async"
     if args.elastic:
         say_what_survives(mode, args.servers or 1, say)
@@ -368,9 +369,9 @@ def train_with_parameter_server(args, comm, train_set, test_set, items, say) -> 
         if latest is None:
             say(f"no checkpoint in {directory}: starting from scratch", flush=True)
         else:
-            # Every rank loads the weights (the chief's are everyone's start); the server also
-            # the optimizer.
-            state = load_checkpoint(latest, model, optimizer if comm.rank == 0 else None, restore_rng=False,
+            # Every rank loads the weights (the chief's are everyone's start); the servers also
+            # the optimizer, each keeping the state of its own range.
+            state = load_checkpoint(latest, model, optimizer if comm.rank < servers else None, restore_rng=False,
                                     comm=comm)
             version = state["extra"]["version"]
             applied = {w: state["extra"]["applied"][str(w)] for w in workers}
@@ -384,28 +385,42 @@ def train_with_parameter_server(args, comm, train_set, test_set, items, say) -> 
         os.makedirs(directory, exist_ok=True)
         checkpoints = BackgroundCheckpoints()
 
+        def save(write, version: int):
+            """The checkpoint of update `version`, which rank 0's model and optimizer hold, by `write`."""
+            return write(checkpoint_path(directory, version // len(loader), version), model, optimizer, step=version,
+                         epoch=version // len(loader),
+                         extra={"version": version, "applied": {str(w): n for w, n in applied.items()}})
+
         def checkpoint(update):
             for worker, _step, _version in update.gradients:
                 applied[worker] += 1
+            if stop.signalled:
+                ps.request_stop()  # on the coordinator, rank 0; the other servers leave it to it
             if update.version % len(loader) == 0:
-                extra = {"version": update.version, "applied": {str(w): n for w, n in applied.items()}}
-                checkpoints.save(checkpoint_path(directory, update.version // len(loader), update.version), model,
-                                 optimizer, step=update.version, epoch=update.version // len(loader), extra=extra)
+                ps.gather_state()  # with several servers, onto rank 0, the coordinator
+                if comm.rank == 0:
+                    save(checkpoints.save, update.version)
 
         try:
-            # With several servers each holds only its range of the weights until serve() ends.
-            updates = ps.serve(on_update=checkpoint if servers == 1 else None)
+            updates = ps.serve(on_update=checkpoint)
         finally:
             checkpoints.close()
+            stop.close()
         gradients = sum(len(u.gradients) for u in updates)
         staleness = [u.version - 1 - held for u in updates for _, _, held in u.gradients] or [0]
         placement = f"{servers} servers, " if servers > 1 else ""
         say(f"parameter server ({mode}, {placement}{len(ps.workers)} workers): {len(updates)} updates of "
             f"{gradients} gradients in {time.perf_counter() - started:.1f} s; staleness mean "
             f"{np.mean(staleness):.2f}, max {max(staleness)}", flush=True)
+        if ps.stopping:  # rank 0 (the coordinator), which holds the whole state since serve() ended
+            path = save(save_checkpoint, ps.version)
+            say(f"{STOPPED_EARLY}: a stop signal ({stop.signalled or 'on a worker'}) came; the workers stopped after "
+                f"update {ps.version} (gradients per worker {list(applied.values())}); checkpoint {path}; --resume "
+                "continues from it", flush=True)
+            return 0
         if comm.rank == 0:
-            save_checkpoint(os.path.join(args.checkpoint_dir, "ps-final.h5"), model,
-                            optimizer if servers == 1 else None, step=ps.version, epoch=args.epochs)
+            save_checkpoint(os.path.join(args.checkpoint_dir, "ps-final.h5"), model, optimizer, step=ps.version,
+                            epoch=args.epochs)
     else:
         # The sampler continues after the batches the weights already hold (it resumes mid-epoch).
         start_epoch, skip = divmod(applied[comm.rank], len(loader))
@@ -418,6 +433,8 @@ def train_with_parameter_server(args, comm, train_set, test_set, items, say) -> 
                             disable=not ps.is_chief or args.no_progress, leave=True)
             seen, correct, epoch_started = 0, 0, time.perf_counter()
             for x, y in loader:
+                if stop.signalled:
+                    ps.request_stop()  # goes with this step's gradient
                 if args.model == "embedding":
                     ps.pull_rows(model.embedding, x)
                 output, batch_loss = train_batch(model, optimizer, ps.step, x, y)
@@ -426,8 +443,13 @@ def train_with_parameter_server(args, comm, train_set, test_set, items, say) -> 
                 progress.set_postfix(loss=f"{batch_loss:.3f}", acc=f"{correct / seen:.3f}",
                                      own_samples_per_s=f"{seen / (time.perf_counter() - epoch_started):.0f}")
                 progress.update()
+                if ps.stopping:
+                    break
             progress.close()
+            if ps.stopping:
+                break
         ps.close()
+        stop.close()
     # Every rank now holds the final weights.
     accuracy = evaluate(model, test_set)
     died = f", {len(ps.lost)} of them dropped when they died" if ps.lost else ""
@@ -474,10 +496,12 @@ def common_checkpoint(directory, comm):
     return epoch, step
 
 
-def train_with_pipeline(args, comm, train_set, test_set, say) -> int:
+def train_with_pipeline(args, comm, train_set, test_set, say, stop) -> int:
     """--mode pipeline: one stage of the network per rank; every rank of a pipeline reads the
     same batches (the first stage uses the images, the last the labels). With --replicas k,
-    k pipelines train on their shares of the data and average their gradients."""
+    k pipelines train on their shares of the data and average their gradients. On a stop signal
+    (stopping.py) every rank checkpoints its stage at the step all stop at, and the exit status
+    is 0."""
     pipe = md.Pipeline(build_model(), torch.nn.functional.cross_entropy, comm=comm, chunks=args.chunks or 4,
                        schedule=args.schedule or "1f1b", replicas=args.replicas or 1)
     params = list(pipe.parameters())  # none on a stage of activations only
@@ -506,6 +530,17 @@ def train_with_pipeline(args, comm, train_set, test_set, say) -> int:
             if optimizer is not None:
                 optimizer.step()
             step += 1
+            if stop.should_stop(comm):
+                progress.close()
+                # As in --mode data, the sampler has handed out exactly the indices of the steps taken.
+                os.makedirs(directory, exist_ok=True)
+                path = save_checkpoint(checkpoint_path(directory, epoch, step), pipe, optimizer, step=step, epoch=epoch,
+                                       sampler=sampler)
+                say(f"{STOPPED_EARLY}: a stop signal ({stop.signalled or 'on another rank'}) came; every rank "
+                    f"stopped after step {step} (epoch {epoch + 1}/{args.epochs}); checkpoint {path} and the other "
+                    "ranks' of the same step; --resume continues from them", flush=True)
+                stop.close()
+                return 0
             seen += len(y)
             loss_sum += loss * len(y)
             # Every replica runs as many steps of equal batches (ShardedSampler).
@@ -522,6 +557,7 @@ def train_with_pipeline(args, comm, train_set, test_set, say) -> int:
         os.makedirs(directory, exist_ok=True)
         save_checkpoint(checkpoint_path(directory, epoch + 1, step), pipe, optimizer, step=step, epoch=epoch + 1,
                         sampler=sampler)
+    stop.close()
     os.makedirs(args.checkpoint_dir, exist_ok=True)
     save_checkpoint(os.path.join(args.checkpoint_dir, f"pipeline-final-rank{comm.rank}.h5"), pipe, optimizer,
                     step=step, epoch=args.epochs)

@@ -1,7 +1,7 @@
 """A server's own range of the parameters (ps_shards.OwnedRange) against the user's optimizer
 stepping the whole tensors in one process: the same rows, bit for bit, with state the optimizer
 had before (a resumed one), learning rates a scheduler changes between updates, and the
-staleness scale of one update."""
+staleness scale of one update; a sparse table's rows the same way, with their state alone."""
 import pytest
 import torch
 
@@ -49,3 +49,27 @@ def test_owned_rows_step_as_the_whole_tensors(span):
     assert all(group["lr"] == 0.1 * 3 for group in user.param_groups)  # the user's settings untouched
     owned.to_module()
     assert torch.equal(torch.cat([param.detach().reshape(-1) for param in owned_params])[start:end], expected)
+
+
+@pytest.mark.parametrize("kind", [torch.optim.Adagrad, torch.optim.SparseAdam])
+def test_owned_table_rows_step_as_the_whole_table_with_the_state_of_their_rows_alone(kind):
+    """A sparse table's rows 3..6 held by a server: sparse gradients on them (a row twice) step
+    the module's table in place as the user's optimizer steps the whole table, and the state
+    kept is that of the four rows (Adagrad's, made whole by the user's optimizer, cut to them)."""
+    torch.manual_seed(0)
+    owned_table = torch.nn.Parameter(torch.randn(10, 3, dtype=torch.float64))
+    whole_table = torch.nn.Parameter(owned_table.detach().clone())
+    user, whole = kind([owned_table], lr=0.1), kind([whole_table], lr=0.1)
+    owned = OwnedRange([], (0, 0), [user], [(owned_table, (3, 7))])
+    for lr_scale in (1.0, 0.5, 1.0):
+        ids = torch.tensor([[3, 5, 6, 5]])
+        gradient = torch.sparse_coo_tensor(ids, torch.randn(4, 3, dtype=torch.float64), (10, 3), check_invariants=False)
+        whole_table.grad = gradient.clone()
+        whole.param_groups[0]["lr"] = 0.1 * lr_scale
+        whole.step()
+        owned.set_table_gradient(owned_table, gradient)
+        owned.step(lr_scale)
+    assert torch.equal(owned_table.detach(), whole_table.detach())
+    state = [value for optimizer in owned.optimizers for values in optimizer.state.values()
+             for value in values.values() if torch.is_tensor(value) and value.dim()]
+    assert state and all(value.shape == (4, 3) for value in state)

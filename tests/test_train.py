@@ -239,7 +239,6 @@ def test_bad_options_are_refused_on_every_rank(tmp_path):
                                 (["--mode", "ps", "--zero"], "--zero: these options go with --mode data"),
                                 (["--mode", "ps", "--compression", "bf16"], "--compression applies to --mode data"),
                                 (["--servers", "2"], "--servers: these options go with --mode ps"),
-                                (["--mode", "ps", "--servers", "2", "--resume"], "--resume goes with one server"),
                                 (["--model", "embedding", "--mode", "pipeline"], "--model embedding goes with"),
                                 (["--embedding-rows", "10"], "--embedding-rows goes with --model embedding"),
                                 (["--mode", "pipeline", "--elastic"], "--elastic with --mode pipeline is not offered"),

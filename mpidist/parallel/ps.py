@@ -9,8 +9,9 @@ range of the weights, all at once. The first server, the coordinator, decides ev
 they apply the same sequence of updates to their ranges and answer the same workers after the
 same updates, so a worker's ranges always come from one version (it checks). Each of several
 servers holds its range apart, in tensors of its own stepped by optimizers over them alone
-(ps_shards.OwnedRange), and copies it into its module when the module is looked at (on_update,
-the end).
+(ps_shards.OwnedRange; its rows of a sparse table view the module's table), and copies it into
+its module when the module is looked at (on_update, the end). gather_state() brings every
+server's part of the weights and of the optimizers' state to the coordinator, for checkpoints.
 
 Update rules (Zhang et al., "Staleness-Aware Async-SGD for Distributed Deep Learning", IJCAI
 2016; Ho et al., "More Effective Distributed ML via a Stale Synchronous Parallel Parameter
@@ -51,7 +52,9 @@ moves between a worker's reply and its next push).
 A worker's bad input (pull_rows on a module that is no table of the model, ids out of range, a
 gradient on rows it did not pull) stops the whole parameter server: the worker tells every
 server, the coordinator tells every other worker in its next reply, and every rank raises the
-same error.
+same error. So does an error in a server's update, which that server tells every rank. Arguments
+refused on some ranks only join the agreement on the settings, so every rank raises at once.
+request_stop() asks every worker to stop, through the coordinator's replies (`stopping`).
 
 Messages are typed buffers (runtime/wire.py: an int64 header, then the flat gradient, weights,
 row indices or rows), never pickled. Every wait ends after MPIDIST_TIMEOUT seconds with a
@@ -63,6 +66,7 @@ RankDiedError.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 import numpy as np
@@ -70,7 +74,7 @@ import torch
 from mpi4py import MPI
 
 from ..comm import init
-from ..errors import InvalidArgumentError, MismatchError
+from ..errors import InvalidArgumentError, MismatchError, MpidistError
 from ..runtime import wire
 from ..runtime.deadlines import wait_for_collective, wait_until
 from ..runtime.mpi import fault_tolerant, return_errors
@@ -85,15 +89,17 @@ MODES = ("sync", "async", "softsync")
 GRADIENT, DONE, PULL, FAILED, DIED = 0, 1, 2, 3, 4
 APPLY, ANSWER, DROP, FINISH, ANSWER_PULL, FAIL, LOST = 0, 1, 2, 3, 4, 5, 6
 SENT_WEIGHTS, SENT_ROWS, SENT_FAILURE = 0, 1, 2
-PUSH, REPLY, COMMAND, SHARE, SPARSE = 1, 3, 5, 7, 9
+PUSH, REPLY, COMMAND, SHARE, SPARSE, STATE = 1, 3, 5, 7, 9, 11
 UNSPLITTABLE = -1  # the layout of a rank whose model has fewer rows than there are servers
-# The settings every rank must agree on, in the order of the agreement table's columns; two more
-# columns follow that only the servers fill: whether each has an optimizer, and the first table
-# its optimizer cannot apply a sparse gradient to (-1: none).
+# The settings every rank must agree on, in the order of the agreement table's columns; three more
+# columns follow: two that only the servers fill, whether each has an optimizer and the first table
+# its optimizer cannot apply a sparse gradient to (-1: none), then 1 on a rank whose arguments were
+# refused (its other columns 0).
 AGREED = ("parameters", "dtype", "server", "servers", "layout", "mode", "backup_workers", "gradients per update",
           "max_staleness", "staleness_lr", "starting version", "sparse tables")
-# The errors a worker's bad input raises on every rank, by their code in its failure message.
-FAILURES = (InvalidArgumentError, MismatchError)
+# The errors a worker's bad input raises on every rank, by their code in its failure message; the
+# last, that of an error in a server's update (its own exception on that server).
+FAILURES = (InvalidArgumentError, MismatchError, MpidistError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +148,28 @@ class ParameterServer:
         if self.comm.size < 2:
             raise InvalidArgumentError("a parameter server needs at least 2 ranks (the server and one worker); "
                                        f"this communicator has {self.comm.size}")
+        self.mpi = self.comm.mpi.Dup()  # point-to-point traffic of its own, apart from collectives
+        if fault_tolerant():  # a death comes back as an error (ps_survival.py)
+            return_errors(self.mpi)
+        try:  # a refusal on some ranks only joins the agreement, so that no rank waits for the others
+            unsplittable, declined = self._take_settings(module, optimizer, mode, softsync, max_staleness,
+                                                         staleness_lr, server, version, servers, backup_workers,
+                                                         sparse_embeddings), None
+        except InvalidArgumentError as error:
+            unsplittable, declined = None, error
+        self._agree(unsplittable, declined)
+        broadcast_module_state(module, self.comm, root=self.chief)
+        # A server of several steps its own rows alone; one server steps the user's optimizer,
+        # whose state is then the whole model's (what checkpoints save).
+        self._owned = ps_shards.OwnedRange(
+            self.params, self._range, self.optimizers,
+            [(table.weight, table.row_range(self.servers.index(self.comm.rank))) for table in self.tables]) \
+            if self.is_server and len(self.servers) > 1 else None
+
+    def _take_settings(self, module, optimizer, mode, softsync, max_staleness, staleness_lr, server, version,
+                       servers, backup_workers, sparse_embeddings):
+        """Check and take the arguments of this rank; returns the error of a model too small to
+        split over the servers (raised after the agreement, so that every rank learns of it)."""
         if not isinstance(server, int) or not 0 <= server < self.comm.size:
             raise InvalidArgumentError(f"server={server!r} is not a rank of this communicator "
                                        f"(0..{self.comm.size - 1})")
@@ -185,7 +213,7 @@ class ParameterServer:
         self.shapes = [tuple(p.shape) for p in self.params]
         try:  # each server's part of the flat vector
             self.ranges, unsplittable = self._partition(), None
-        except InvalidArgumentError as error:  # raised after the agreement, so that every rank learns of it
+        except InvalidArgumentError as error:
             self.ranges, unsplittable = None, error
         self.server = self.servers[0]  # the coordinator
         self.workers = [r for r in range(self.comm.size) if r not in self.servers]
@@ -199,19 +227,16 @@ class ParameterServer:
         self.dropped = []  # servers: the late gradients dropped (backup workers), as in Update.dropped
         self.lost = []  # servers: the workers dropped when they died, as ps_survival.Lost
         self._sent_weights = None  # server: (version, its range of the weights for replies)
+        self._serving = False  # server: within serve()
+        self._server_failures = {}  # the coordinator in serve(): other server -> the receive of its failure
+        self._state_sends = []  # a server of several: its parts of gather_state() still being sent
         self.steps = 0  # workers: gradients pushed
         self.bytes_pushed = self.bytes_pulled = 0  # workers: payload bytes sent and received
         self._pulled = {}  # workers: table index -> the rows pulled in this step (sorted, unique)
         self.closed = False
-        self.mpi = self.comm.mpi.Dup()  # point-to-point traffic of its own, apart from collectives
-        if fault_tolerant():  # a death comes back as an error (ps_survival.py)
-            return_errors(self.mpi)
-        self._agree(unsplittable)
-        broadcast_module_state(module, self.comm, root=self.chief)
-        # A server of several steps its own rows alone; one server steps the user's optimizer,
-        # whose state is then the whole model's (what checkpoints save).
-        self._owned = ps_shards.OwnedRange(self.params, self._range, self.optimizers) \
-            if self.is_server and len(self.servers) > 1 else None
+        self.stopping = False  # the coordinator and workers: every worker is to close (request_stop())
+        self._stop_asked = False  # a worker: request_stop() was called
+        return unsplittable
 
     def _server_ranks(self, servers, server: int) -> list:
         if isinstance(servers, int) and not isinstance(servers, bool):
@@ -236,21 +261,27 @@ class ParameterServer:
             return [(0, 0)] * len(self.servers)
         return ps_shards.partition(self.shapes, len(self.servers))
 
-    def _agree(self, unsplittable) -> None:
+    def _agree(self, unsplittable, declined) -> None:
         """Every rank's model size and settings, checked on every rank alike, so a mismatch
         raises the same error everywhere before any gradient moves; then whether each server
-        has an optimizer, and one that can apply the tables' sparse gradients."""
-        tables = [(t.name, tuple(t.weight.shape), tuple(t.bounds)) for t in self.tables]
-        layout = UNSPLITTABLE if unsplittable else \
-            ps_shards.fingerprint(self.shapes, [(rank, *span) for rank, span in zip(self.servers, self.ranges)] + tables)
-        refusals = [ps_sparse.refusal(self.optimizers, t) for t in self.tables] if self.is_server else []
-        refused = next((index for index, refusal in enumerate(refusals) if refusal), -1)
-        mine = np.array([self.numel, wire.code_of(wire.name_of(self.dtype)), self.server, len(self.servers), layout,
-                         MODES.index(self.mode), self.backup_workers, self.per_update,
-                         -1 if self.max_staleness is None else self.max_staleness, self.staleness_lr, self.version,
-                         len(self.tables), bool(self.optimizers), refused], dtype=np.int64)
+        has an optimizer, and one that can apply the tables' sparse gradients. `declined`: the
+        error of this rank's arguments (the others raise it too, naming this rank)."""
+        if declined is None:
+            tables = [(t.name, tuple(t.weight.shape), tuple(t.bounds)) for t in self.tables]
+            layout = UNSPLITTABLE if unsplittable else ps_shards.fingerprint(
+                self.shapes, [(rank, *span) for rank, span in zip(self.servers, self.ranges)] + tables)
+            refusals = [ps_sparse.refusal(self.optimizers, t) for t in self.tables] if self.is_server else []
+            refused = next((index for index, refusal in enumerate(refusals) if refusal), -1)
+            mine = np.array([self.numel, wire.code_of(wire.name_of(self.dtype)), self.server, len(self.servers),
+                             layout, MODES.index(self.mode), self.backup_workers, self.per_update,
+                             -1 if self.max_staleness is None else self.max_staleness, self.staleness_lr,
+                             self.version, len(self.tables), bool(self.optimizers), refused, 0], dtype=np.int64)
+        else:
+            mine = np.zeros(len(AGREED) + 3, dtype=np.int64)
+            mine[-1] = 1
         table = np.empty((self.comm.size, len(mine)), dtype=np.int64)
         wait_for_collective(self.mpi.Iallgather(mine, table), self.mpi, "parameter server's agreement on its settings")
+        self._raise_declined(table[:, -1].nonzero()[0].tolist(), declined)
         for column, name in enumerate(AGREED):
             values = table[:, column]
             if (values != values[0]).any():
@@ -258,17 +289,32 @@ class ParameterServer:
                 raise MismatchError(f"the ranks of the parameter server disagree on {name}: {described}")
         if unsplittable:
             raise unsplittable
-        without = [r for r in self.servers if not table[r, -2]]
+        without = [r for r in self.servers if not table[r, -3]]
         if without:
             raise InvalidArgumentError(f"the server (rank {without[0]}) was given no optimizer; pass the optimizer "
                                        "that applies the updates (workers may pass None)")
-        refusing = [r for r in self.servers if table[r, -1] >= 0]
+        refusing = [r for r in self.servers if table[r, -2] >= 0]
         if refusing:  # the refusing server's words, on every rank
             words = torch.tensor(list(refusals[refused].encode()), dtype=torch.uint8) \
                 if self.comm.rank == refusing[0] else None
             words = wire.broadcast(self.mpi, words, refusing[0], self._who, "the server's refusal",
                                    f"rank {refusing[0]}")
             raise InvalidArgumentError(f"the server (rank {refusing[0]}): {bytes(words.tolist()).decode()}")
+
+    def _raise_declined(self, declining: list, declined) -> None:
+        """Every rank raises when any rank's arguments were refused (`declining`, in rank order):
+        such a rank its own error, the others that of the first of them, naming it."""
+        if not declining:
+            return
+        words = torch.tensor(list(str(declined).encode()), dtype=torch.uint8) \
+            if self.comm.rank == declining[0] else None
+        words = wire.broadcast(self.mpi, words, declining[0], f"rank {self.comm.rank}", "the refusal of its arguments",
+                               f"rank {declining[0]}")
+        self.mpi.Free()
+        if declined is not None:
+            raise declined
+        raise InvalidArgumentError(f"rank {declining[0]} refused its arguments to the parameter server: "
+                                   f"{bytes(words.tolist()).decode()}")
 
     @staticmethod
     def _describe(name: str, value: int):
@@ -293,7 +339,7 @@ class ParameterServer:
         if not self.is_server:
             raise InvalidArgumentError(f"serve() runs on {self._server_name}; rank {self.comm.rank} is a worker: "
                                        "call step() after each backward, and close() at the end")
-        history = []
+        history, self._serving = [], True
         if self.comm.rank == self.server:
             sends = self._coordinate(history, on_update)
         else:
@@ -302,15 +348,78 @@ class ParameterServer:
             sends.append(self._send_weights(worker))
             sends += self._send_table_ranges(worker, REPLY)
         sends += self._share_final_weights()
+        sends += self._gather(weights=False) + self._state_sends
+        for failure in self._server_failures.values():  # none came
+            failure.request.Cancel()
+            failure.request.Wait()
         for outgoing in sends:
             outgoing.wait(self._who, f"the message sent to rank {outgoing.dest}", f"rank {outgoing.dest}")
+        self._serving = False
         self.mpi.Free()
         return history
+
+    def gather_state(self) -> None:
+        """Gather the whole model and optimizer state on the coordinating server, for a
+        checkpoint. Every server calls it at the same update (in serve()'s on_update); the
+        coordinator's module then holds the update's whole weights, tables too, and its
+        optimizers (the user's) the whole state, as those of one server do; the other servers
+        send their parts and go on at once. With one server there is nothing to gather."""
+        if not self.is_server or not self._serving:
+            raise InvalidArgumentError("gather_state() runs on the servers during serve(), in on_update")
+        if len(self.servers) > 1:
+            self._state_sends = [outgoing for outgoing in self._state_sends if not outgoing.test()]
+            self._state_sends += self._gather(weights=True)
+
+    def _gather(self, weights: bool) -> list:
+        """The optimizers' state (and, with `weights`, the weights) of every server on the
+        coordinator: another server starts sending its part and returns the sends."""
+        if len(self.servers) == 1:
+            return []
+        index = self.servers.index(self.comm.rank)
+        pieces = self._owned.state_pieces()
+        if self.comm.rank != self.server:
+            parts = [self._owned.weights()] + [table.weight.detach()[slice(*table.row_range(index))].clone()
+                                               for table in self.tables] if weights else []
+            contents, tensors = [], []
+            for optimizer, position, span, state in pieces:
+                named = {}
+                for name, (spread, value) in state.items():
+                    named[name] = [spread, len(tensors)] if torch.is_tensor(value) else [None, value]
+                    if torch.is_tensor(value):
+                        tensors.append(value)
+                contents.append([optimizer, position, list(span), named])
+            words = torch.tensor(list(json.dumps(contents).encode()), dtype=torch.uint8)
+            return [wire.send(self.mpi, part, self.server, STATE) for part in [*parts, words, *tensors]]
+        flat = torch.empty(self.numel, dtype=self.dtype)
+        if weights:
+            flat[slice(*self._range)] = self._owned.weights()
+        for other, (low, high) in zip(self.servers[1:], self.ranges[1:]):
+            what = f"the state of server {other}"
+            if weights:
+                flat[low:high], _ = self._receive_from_server(other, STATE, what)
+                for table in self.tables:
+                    rows, _ = self._receive_from_server(other, STATE, what)
+                    with torch.no_grad():
+                        table.weight[slice(*table.row_range(self.servers.index(other)))] = rows.to(table.weight.device)
+            words, _ = self._receive_from_server(other, STATE, what)
+            contents = json.loads(bytes(words.tolist()).decode())
+            count = sum(spread is not None for *_, named in contents for spread, _ in named.values())
+            tensors = [self._receive_from_server(other, STATE, what)[0] for _ in range(count)]
+            pieces += [(optimizer, position, tuple(span),
+                        {name: (bool(spread), value if spread is None else tensors[value])
+                         for name, (spread, value) in named.items()})
+                       for optimizer, position, span, named in contents]
+        if weights:
+            self._load(flat)
+        ps_shards.assemble_state(self.optimizers, pieces)
+        return []
 
     def _coordinate(self, history: list, on_update) -> list:
         """The coordinator's loop: take the workers' messages, decide each update and each
         reply, and tell the other servers in the same order. Returns the sends still going."""
         receives = {w: wire.Incoming(self.mpi, w, PUSH) for w in self.workers}
+        # The other servers send the coordinator nothing but the failure of their update.
+        self._server_failures = {s: wire.Incoming(self.mpi, s, PUSH) for s in self.servers[1:]}
         arrived = {}  # worker -> (gradient, its step, its version), waiting for an update
         owed = set()  # workers whose gradient is applied (or dropped) and who wait for their weights
         late = []  # gradients dropped since the last update
@@ -319,9 +428,9 @@ class ParameterServer:
         sends = []
         started = time.time()
         while active:
-            worker = self._next_message(receives)
-            incoming = receives[worker]
-            kind, step, version = incoming.fields
+            worker = self._next_message(receives, self._server_failures)
+            incoming = receives.get(worker) or self._server_failures[worker]
+            kind, step, version = incoming.fields[:3]
             if kind in (DONE, DIED):
                 active.discard(worker)
                 del receives[worker]
@@ -341,6 +450,7 @@ class ParameterServer:
                 dense = incoming.receive_payload(self._who, f"the gradient of worker {worker}", f"worker {worker}")
                 gradient = (dense, self._receive_gradient_rows(worker))
                 pushed[worker] += 1
+                self.stopping |= bool(incoming.fields[3])  # the worker asks every worker to stop
                 receives[worker] = wire.Incoming(self.mpi, worker, PUSH)
                 if self.backup_workers and version < self.version:  # a straggler's, for an update already applied
                     sends += self._command(DROP, [worker])
@@ -398,8 +508,8 @@ class ParameterServer:
         return [wire.send(self.mpi, payload, follower, COMMAND, fields=(kind,)) for follower in self.servers[1:]]
 
     def _receive_gradient(self, worker: int) -> tuple:
-        dense, (_, step, version) = wire.receive(self.mpi, worker, PUSH, self._who,
-                                                 f"the gradient of worker {worker}", f"worker {worker}")
+        dense, (_, step, version, _) = wire.receive(self.mpi, worker, PUSH, self._who,
+                                                    f"the gradient of worker {worker}", f"worker {worker}")
         return (dense, self._receive_gradient_rows(worker)), step, version
 
     def _receive_gradient_rows(self, worker: int) -> list:
@@ -424,11 +534,12 @@ class ParameterServer:
         return sends
 
     def _stop(self, worker: int, incoming: wire.Incoming, sends: list):
-        """A worker's bad input: the coordinator tells the other servers, and every other
-        worker in its next reply; then this server raises the worker's error."""
-        silent = f"worker {worker}"
-        incoming.wait(self._who, f"the failure of worker {worker}", silent)
-        words = incoming.receive_payload(self._who, f"the failure of worker {worker}", silent)
+        """A worker's bad input, or another server's failed update: the coordinator tells the
+        other servers, and every other worker in its next reply; then this server raises the
+        error, naming the rank."""
+        silent = f"{'server' if worker in self.servers else 'worker'} {worker}"
+        incoming.wait(self._who, f"the failure of {silent}", silent)
+        words = incoming.receive_payload(self._who, f"the failure of {silent}", silent)
         _, code, _ = incoming.fields
         if self.comm.rank == self.server:
             sends += self._command(FAIL, [worker])
@@ -438,9 +549,26 @@ class ParameterServer:
                 outgoing.wait(self._who, f"the message sent to rank {outgoing.dest}", f"rank {outgoing.dest}")
         raise self._failure(words, code, worker)
 
-    def _failure(self, words: torch.Tensor, code: int, worker: int) -> Exception:
-        return FAILURES[code](f"{self._who}: worker {worker} stopped the parameter server: "
+    def _failure(self, words: torch.Tensor, code: int, rank: int) -> Exception:
+        role = "server" if rank in self.servers else "worker"
+        return FAILURES[code](f"{self._who}: {role} {rank} stopped the parameter server: "
                               f"{bytes(words.tolist()).decode()}")
+
+    def _server_failed(self, error: Exception):
+        """An error in this server's update stops the parameter server: this server tells the
+        other servers and every worker (in place of its next reply), then raises `error`."""
+        words = torch.tensor(list(f"its update {self.version + 1} raised {type(error).__name__}: {error}".encode()),
+                             dtype=torch.uint8)
+        code = len(FAILURES) - 1
+        sends = self._command(FAIL, [self.comm.rank]) if self.comm.rank == self.server else []
+        sends += [wire.send(self.mpi, words, other, PUSH, fields=(FAILED, code, self.version))
+                  for other in self.servers if other != self.comm.rank]
+        # In place of this server's next reply to each worker (which may wait for it alone).
+        sends += [wire.send(self.mpi, words, worker, REPLY, fields=(self.version, SENT_FAILURE, code, self.comm.rank))
+                  for worker in self.workers]
+        for outgoing in sends:
+            outgoing.wait(self._who, f"the failure sent to rank {outgoing.dest}", f"rank {outgoing.dest}")
+        raise error
 
     def _drop(self, worker: int, step: int, version: int) -> tuple:
         self.dropped.append((worker, step, version))
@@ -458,14 +586,21 @@ class ParameterServer:
             total += arrived[worker][0][0]
         total /= len(order)
         for index, table in enumerate(self.tables):
-            table.weight.grad = ps_sparse.mean_gradient(table, [arrived[w][0][1][index] for w in order], len(order))
+            gradient = ps_sparse.mean_gradient(table, [arrived[w][0][1][index] for w in order], len(order))
+            if self._owned is not None:
+                self._owned.set_table_gradient(table.weight, gradient)
+            else:
+                table.weight.grad = gradient
         staleness = float(np.mean([self.version - arrived[w][2] for w in order]))
         lr_scale = 1.0 / max(1.0, staleness) if self.staleness_lr else 1.0
-        if self._owned is not None:
-            self._owned.set_gradients(total)
-            self._owned.step(lr_scale)
-        else:
-            self._step_whole(total, lr_scale)
+        try:
+            if self._owned is not None:
+                self._owned.set_gradients(total)
+                self._owned.step(lr_scale)
+            else:
+                self._step_whole(total, lr_scale)
+        except Exception as error:  # the optimizer's, or a check of the user's in it
+            self._server_failed(error)
         for table in self.tables:
             table.weight.grad = None
         self.version += 1
@@ -502,7 +637,7 @@ class ParameterServer:
             # every worker with the same one): pending sends only read it.
             weights = self._owned.weights() if self._owned is not None else self._flat(self.params)
             self._sent_weights = (self.version, weights)
-        return wire.send(self.mpi, self._sent_weights[1], worker, REPLY, fields=(self.version, SENT_WEIGHTS))
+        return wire.send(self.mpi, self._sent_weights[1], worker, REPLY, fields=(self.version, SENT_WEIGHTS, self.stopping))
 
     def _send_table_ranges(self, rank: int, tag: int) -> list:
         """Start sending this server's row range of every table (the final weights)."""
@@ -524,29 +659,32 @@ class ParameterServer:
             sends += self._send_table_ranges(other, SHARE)
         for index, (other, (low, high)) in enumerate(zip(self.servers, self.ranges)):
             if other != self.comm.rank:
-                what, silent = f"the final weights of server {other}", f"server {other}"
-                weights[low:high], _ = wire.receive(self.mpi, other, SHARE, self._who, what, silent)
+                what = f"the final weights of server {other}"
+                weights[low:high], _ = self._receive_from_server(other, SHARE, what)
                 for table in self.tables:
-                    rows, _ = wire.receive(self.mpi, other, SHARE, self._who, what, silent)
+                    rows, _ = self._receive_from_server(other, SHARE, what)
                     with torch.no_grad():
                         table.weight[slice(*table.row_range(index))] = rows.to(table.weight.device)
         self._load(weights)
         return sends
 
-    def _next_message(self, receives: dict) -> int:
-        """The worker whose header arrived first among the pending receives, or one that died
-        (its receive replaced by a ps_survival.Death) when the parameter server goes on without it."""
+    def _next_message(self, receives: dict, server_failures: dict) -> int:
+        """The rank whose header arrived first among the pending receives (the workers', and
+        the other servers' failures), or a worker that died (its receive replaced by a
+        ps_survival.Death) when the parameter server goes on without it."""
         died = [w for w, incoming in receives.items() if isinstance(incoming, ps_survival.Death)]
         if died:
             return died[0]
-        workers = list(receives)
-        requests = [receives[w].request for w in workers]
+        pending = {**receives, **server_failures}
+        ranks = list(pending)
+        requests = [pending[r].request for r in ranks]
+        workers = [r for r in ranks if r not in self.servers]
         found = []
 
         def arrived():
             index, flag = MPI.Request.Testany(requests)
             if flag:
-                found.append(workers[index])
+                found.append(ranks[index])
             return flag
 
         try:
@@ -558,6 +696,21 @@ class ParameterServer:
                 receives[worker] = ps_survival.Death(DIED)
             return died[0]
         return found[0]
+
+    def _receive_from_server(self, other: int, tag: int, what: str) -> tuple:
+        """(tensor, fields) of another server's message with `tag`; on the coordinator, should
+        that server's update fail first, its failure stops the parameter server instead."""
+        if self.comm.rank != self.server:
+            return wire.receive(self.mpi, other, tag, self._who, what, f"server {other}")
+        incoming = wire.Incoming(self.mpi, other, tag)
+        failure = self._server_failures[other]
+        # Get_status leaves a failure that came with the message for the next wait to find.
+        wait_until(lambda: incoming.request.Test() or failure.request.Get_status(), self._who, what,
+                   f"server {other}", peers=(other,))
+        if not incoming.request.Test():
+            incoming.request.Cancel()
+            self._stop(other, failure, [])
+        return incoming.receive_payload(self._who, what, f"server {other}"), incoming.fields
 
     # ---- a worker --------------------------------------------------------------------------
 
@@ -631,7 +784,8 @@ class ParameterServer:
         outgoing = []
         for position, (server, (start, end)) in enumerate(zip(self.servers, self.ranges)):
             parts = [gradient[start:end]]
-            outgoing.append(wire.send(self.mpi, parts[0], server, PUSH, fields=(GRADIENT, self.steps, self.version)))
+            outgoing.append(wire.send(self.mpi, parts[0], server, PUSH, fields=(GRADIENT, self.steps, self.version,
+                                                                                   self._stop_asked)))
             for table, (indices, values) in zip(self.tables, rows):
                 low, high = table.split(indices)[position]
                 parts += [indices[low:high], values[low:high]]
@@ -642,6 +796,17 @@ class ParameterServer:
             sent.wait(self._who, "the gradient sent to the server", f"the server (rank {sent.dest})")
         self.steps += 1
         self._pulled = {}
+
+    def request_stop(self) -> None:
+        """Ask every worker to stop training (a stop signal before the time limit, say), from the
+        coordinating server or a worker (elsewhere it does nothing). A worker's request goes with
+        its next step(); every worker then learns of it from its next weights, as `stopping`
+        turns True, and closes. In sync mode (without backup workers) every worker learns of it
+        after the same update."""
+        if self.comm.rank == self.server:
+            self.stopping = True
+        elif not self.is_server:
+            self._stop_asked = True
 
     @ps_survival.ends_on_death
     def close(self) -> None:
@@ -678,19 +843,21 @@ class ParameterServer:
 
     def _receive_replies(self, what: str) -> tuple:
         """([each server's reply], their version): every server's answer to this worker's last
-        message, received at once (the coordinator's first: it alone reports a failure)."""
+        message, received at once (the coordinator's first), or the failure one reports."""
         incoming = [wire.Incoming(self.mpi, server, REPLY) for server in self.servers]
         parts, versions = [], []
-        for reply in incoming:
+        for position, reply in enumerate(incoming):
             silent = f"the server (rank {reply.source})"
             reply.wait(self._who, what, silent)
             parts.append(reply.receive_payload(self._who, what, silent))
             if reply.fields[1] == SENT_FAILURE:
-                for pending in incoming[1:]:
+                for pending in incoming[position + 1:]:
                     pending.request.Cancel()
                 self.closed = True
                 raise self._failure(parts[-1], *reply.fields[2:])
             versions.append(reply.fields[0])
+            if reply.source == self.server and reply.fields[1] == SENT_WEIGHTS:
+                self.stopping |= bool(reply.fields[2])
             self.bytes_pulled += parts[-1].numel() * parts[-1].element_size()
         if len(set(versions)) > 1:
             raise MismatchError(f"{self._who}: the servers {self.servers} sent weights of versions {versions}; "
