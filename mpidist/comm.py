@@ -287,11 +287,15 @@ class Communicator(Channel):
         self.leader_comm = None
 
     def communicators(self) -> list:
-        """Every MPI communicator this one uses: its own, its node and leader communicators, and
-        its asynchronous engine's."""
+        """Every MPI communicator this one uses: its own, its node and leader communicators, its
+        asynchronous engine's, and their node windows' lane communicators."""
         communicators = [self.mpi, self.node_comm, self.leader_comm]
+        windows = [self.node_window]
         if self._engine is not None:
             communicators += [self._engine.mpi, *(self._engine._node_comms or ())]
+            windows.append(self._engine.node_window)
+        # the hierarchical all-reduce's lanes across nodes
+        communicators += [window.lane_comm for window in windows if window is not None]
         return [comm for comm in communicators if comm is not None]
 
     def abandon(self) -> None:

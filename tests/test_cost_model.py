@@ -65,16 +65,17 @@ def test_reduce_bcast_gathers_every_buffer_at_rank_0():
         "gamma": 3000}
 
 
-def test_hierarchical_through_shared_memory_and_between_leaders():
+def test_hierarchical_through_shared_memory_and_across_nodes_in_lanes():
     # One node of 4, n = 4000: copy in 3 slices, publish 1, copy out 3; reduce 3 slices into its
     # own; two barriers of 2 rounds.
     assert coefficients("hierarchical", 4000, 4, 4) == {"call": 1, "copy": 7000, "gamma": 3000, "sync": 4}
-    # 2 x 2, n = 4000: whole buffer in and out, 3 barriers of 1 round, the node reduction (1 of 2
-    # slices' operands), then recursive halving between the 2 leaders (2000 bytes each way).
+    # 2 x 2, n = 4000: whole buffer in and out, 2 barriers of 1 round, the node reduction (1 of 2
+    # slices' operands), then 2 lanes, each recursive halving of 2000 bytes between 2 nodes
+    # (1000 bytes each way, reduced, then 1000 back, one segment each), sharing the link.
     assert coefficients("hierarchical", 4000, 4, 2) == {
-        "call": 1, "copy": 8000, "sync": 3, "gamma": 2000 + 2000, "alpha_net": 2 + 1, "beta_net": 4000}
-    # One rank per node: the leaders' all-reduce alone.
-    assert coefficients("hierarchical", 4000, 2, 1) == coefficients("recursive_halving", 4000, 2, 1)
+        "call": 1, "copy": 8000, "sync": 2, "gamma": 2000 + 1000, "alpha_net": 1 + 1, "beta_net": 2 * 2000}
+    # One rank per node: that rank's recursive halving alone, its allgather in segments too (2 + 2).
+    assert coefficients("hierarchical", 4000, 2, 1) == {"call": 1, "alpha_net": 4, "beta_net": 4000, "gamma": 2000}
 
 
 def test_mpi_is_a_black_box_of_log_p_steps_and_2_p_minus_1_over_p_bytes():

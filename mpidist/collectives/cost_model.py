@@ -154,15 +154,16 @@ def recursive_doubling_steps(n, layout: Layout, segment: int) -> Terms:
     return steps
 
 
-def recursive_halving_steps(n, layout: Layout, segment: int) -> Terms:
+def recursive_halving_steps(n, layout: Layout, segment: int, segmented_allgather: bool = False) -> Terms:
     """log2(p2) halving exchanges (segmented, reduced) at distances p2/2 .. 1, then the same
-    exchanges back as single messages (the allgather by recursive doubling)."""
+    exchanges back as single messages (the allgather by recursive doubling), or in segments too
+    (`segmented_allgather`: the hierarchical algorithm's exchanges across nodes)."""
     steps, p2 = fold_steps(n, layout)
     distance, part = p2 // 2, n / 2
     while distance >= 1:
         link = layout.link(distance)
         steps.segmented(link, part, segment, layout.sharing(link))
-        steps.message(link, part, 1, layout.sharing(link))
+        steps.segmented(link, part, segment if segmented_allgather else part, layout.sharing(link))
         steps["gamma"] += part
         distance, part = distance // 2, part / 2
     return steps
@@ -187,13 +188,24 @@ def barrier_rounds(ranks: int) -> int:
     return max(1, math.ceil(math.log2(ranks))) if ranks > 1 else 0
 
 
+def across_nodes_steps(n, layout: Layout, segment: int) -> Terms:
+    """hierarchical.py's lanes: each of the L ranks of a node all-reduces n/L bytes with its
+    peers on the other nodes, every transfer in segments, the L lanes sharing the node's link."""
+    lanes, nodes = layout.per_node, layout.nodes
+    part, peers = n / lanes, Layout(nodes, 1)
+    if nodes & (nodes - 1) and part >= RING_ACROSS_NODES_BYTES:
+        steps = ring_steps(part, peers, segment)
+    else:
+        steps = recursive_halving_steps(part, peers, segment, segmented_allgather=True)
+    steps["beta_net"] *= lanes
+    return steps
+
+
 def hierarchical_steps(n, layout: Layout, segment: int) -> Terms:
-    """Through the node's shared window, then between node leaders (hierarchical.py's two paths)."""
+    """Through the node's shared window, then across nodes in lanes (hierarchical.py's two paths)."""
     local, nodes = layout.per_node, layout.nodes
-    leaders = Layout(nodes, 1)
-    across = (ring_steps if nodes & (nodes - 1) and n >= RING_ACROSS_NODES_BYTES else recursive_halving_steps)
     if local == 1:
-        return across(n, leaders, segment)
+        return across_nodes_steps(n, layout, segment)
     steps = Terms()
     steps["gamma"] += (local - 1) * n / local
     if nodes == 1:
@@ -202,8 +214,8 @@ def hierarchical_steps(n, layout: Layout, segment: int) -> Terms:
         steps["sync"] += 2 * barrier_rounds(local)
         return steps
     steps["copy"] += 2 * n  # the whole buffer in, the whole result out
-    steps["sync"] += 3 * barrier_rounds(local)
-    steps.update(across(n, leaders, segment))
+    steps["sync"] += 2 * barrier_rounds(local)
+    steps.update(across_nodes_steps(n, layout, segment))
     return steps
 
 

@@ -17,14 +17,21 @@ Per rank (n = message bytes): (L-1)/L·n read and written (copy in), n read and 
 reduction), n/L read and written (publishing), (L-1)/L·n read and written (copy out): 4.5n bytes
 for L = 2, two node barriers, no MPI messages.
 
-With more than one node the node leaders need the whole node result in one buffer, so there
+With more than one node, every node has `lanes` ranks that talk across nodes (its first local
+ranks; as many as the smallest node has), and lane k carries slice k of split_counts(count, lanes):
 1. every rank copies its whole buffer into its slot; node barrier;
-2. each rank reduces its slice of all L slots into a result region; node barrier;
-3. the node leaders all-reduce the result region across nodes (recursive halving, or the ring
-   for large messages on a node count that is not a power of two); node barrier;
+2. each rank reduces its slice of all L slots into the result region (with lanes = L, the slice
+   that its lane carries; otherwise a node barrier follows, as its lane's slice is someone else's);
+3. the ranks of lane k, one per node, all-reduce slice k of the result region across nodes
+   (recursive halving, or the ring for large messages on a node count that is not a power of
+   two); node barrier;
 4. every rank copies the whole result out.
-Per rank that is 2n (copy in) + n + n/L (reduction) + 2n (copy out) inside the node and three
-node barriers; between nodes only the leaders talk, each sending 2(N-1)/N · n bytes for N nodes.
+Per rank that is 2n (copy in) + n + n/L (reduction) + 2n (copy out) inside the node and two
+node barriers (three with fewer lanes than ranks); between nodes each lane rank sends
+2(N-1)/N · n/lanes bytes for N nodes. The lanes share the node's link, so a node sends what a
+single leader would, but over `lanes` connections driven by as many processes: one process
+alone, polling TCP between its reductions, drove a 500 Mbit/s link at about half its rate on a
+busy host (docs/multinode.md).
 
 The window is kept per communicator and grown when a larger message comes. On one node it holds
 two slots per rank, and consecutive calls alternate between them (NodeWindow.next_slots says why).
@@ -33,11 +40,12 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 from mpi4py import MPI
 
 from .. import kernels
 from ..buffers import BufferInfo
-from .common import Context, reduce_and_publish, split_counts
+from .common import Context, reduce_and_publish, segments, split_counts
 from .recursive_halving import recursive_halving_allreduce
 from .ring import ring_allreduce
 
@@ -49,14 +57,16 @@ RING_ACROSS_NODES_BYTES = 1024 * 1024
 class NodeWindow:
     """The shared window of one node. On one node every local rank has two slots of `capacity`
     bytes, one in each half of the window; with several nodes it has one slot, and local rank 0
-    also holds a result region."""
+    also holds a result region. With several nodes it also owns the lane communicator of this
+    rank (None for a rank beyond the lanes)."""
 
-    def __init__(self, node_comm, leader_comm, spans_nodes: bool):
+    def __init__(self, node_comm, comm, spans_nodes: bool):
         self.node_comm = node_comm
-        self.leader_comm = leader_comm
         self.spans_nodes = spans_nodes
         self.local_rank = node_comm.Get_rank()
         self.local_size = node_comm.Get_size()
+        self.lanes, self.lane_comm = lane_communicator(comm, self.local_rank, self.local_size) if spans_nodes \
+            else (1, None)
         self.win = None
         self.capacity = 0
         self.calls = 0
@@ -92,7 +102,7 @@ class NodeWindow:
         capacity = (capacity + 63) // 64 * 64
         if self.win is not None:
             self.node_comm.Barrier()  # nobody may still be copying out of the old window
-        self.free()
+        self.free_window()
         if self.spans_nodes:  # one slot, and the result region after local rank 0's slot
             mine = 2 * capacity if self.local_rank == 0 else capacity
         else:  # two slots
@@ -109,12 +119,29 @@ class NodeWindow:
         self.node_comm.Barrier()
         self.win.Sync()
 
-    def free(self) -> None:
+    def free_window(self) -> None:
         if self.win is not None:
             self.win.Unlock_all()
             self.win.Free()
             self.win = None
             self.capacity = 0
+
+    def free(self) -> None:
+        """Free the window and the lane communicator (collective over the channel's ranks)."""
+        self.free_window()
+        if self.lane_comm is not None:
+            self.lane_comm.Free()
+            self.lane_comm = None
+
+
+def lane_communicator(comm, local_rank: int, local_size: int) -> tuple:
+    """(lanes, this rank's lane communicator or None): the smallest node's rank count, and the
+    ranks of local rank `local_rank` on every node, in the order of `comm` (collective over comm)."""
+    smallest = np.array([local_size], dtype=np.int64)
+    comm.Allreduce(MPI.IN_PLACE, smallest, op=MPI.MIN)
+    lanes = int(smallest[0])
+    lane = comm.Split(local_rank if local_rank < lanes else MPI.UNDEFINED, comm.Get_rank())
+    return lanes, (None if lane == MPI.COMM_NULL else lane)
 
 
 def node_window(ctx: Context) -> NodeWindow:
@@ -122,18 +149,36 @@ def node_window(ctx: Context) -> NodeWindow:
     communicators; the channel frees it."""
     channel = ctx.comm
     if channel.node_window is None:
-        node, leaders = channel.node_communicators()
-        channel.node_window = NodeWindow(node, leaders, spans_nodes=node.Get_size() < ctx.size)
+        node, _ = channel.node_communicators()
+        channel.node_window = NodeWindow(node, ctx.mpi, spans_nodes=node.Get_size() < ctx.size)
     return channel.node_window
 
 
-def across_nodes(ctx: Context, leaders, info: BufferInfo) -> None:
-    nodes = leaders.Get_size()
-    leader_ctx = Context(ctx.comm, leaders, info, op=ctx.op, tag=ctx.tag)
+class LinkContext(Context):
+    """The context of the exchanges across nodes: every transfer in segments, all posted at once.
+
+    Over Open MPI's TCP transport one large message (a rendezvous of MiBs) moved at about half
+    the link's rate, many messages of a segment each at the full rate (docs/multinode.md);
+    exchange_and_reduce segments already, and here the plain transfers (the allgather halves of
+    recursive halving and of the ring) do too. Both sides cut a range alike (segments())."""
+
+    def sendrecv(self, send_offset: int, send_count: int, dest: int,
+                 recv_into: BufferInfo, recv_offset: int, recv_count: int, source: int):
+        requests = [self.irecv(recv_into, recv_offset + offset, count, source)
+                    for offset, count in segments(recv_count, recv_into.itemsize)]
+        requests += [self.isend(self.info, send_offset + offset, count, dest)
+                     for offset, count in segments(send_count, self.info.itemsize)]
+        MPI.Request.Waitall(requests)
+
+
+def across_nodes(ctx: Context, peers, info: BufferInfo) -> None:
+    """All-reduce `info` among `peers`, one rank per node."""
+    nodes = peers.Get_size()
+    link_ctx = LinkContext(ctx.comm, peers, info, op=ctx.op, tag=ctx.tag)
     if nodes & (nodes - 1) and info.nbytes >= RING_ACROSS_NODES_BYTES:
-        ring_allreduce(leader_ctx)
+        ring_allreduce(link_ctx)
     else:
-        recursive_halving_allreduce(leader_ctx)
+        recursive_halving_allreduce(link_ctx)
 
 
 def hierarchical_allreduce(ctx: Context) -> None:
@@ -142,7 +187,7 @@ def hierarchical_allreduce(ctx: Context) -> None:
         return
     window = node_window(ctx)
     if window.local_size == 1:
-        across_nodes(ctx, window.leader_comm, info)  # one rank per node: nothing to share
+        across_nodes(ctx, window.lane_comm, info)  # one rank per node: nothing to share
         return
     slots = window.next_slots(info.nbytes)
     if window.spans_nodes:
@@ -177,16 +222,20 @@ def reduce_on_one_node(ctx: Context, window: NodeWindow, slots: list) -> None:
 
 def reduce_across_nodes(ctx: Context, window: NodeWindow, slots: list) -> None:
     info = ctx.info
+    itemsize = info.itemsize
     ctypes.memmove(slots[window.local_rank], info.ptr, info.nbytes)
     window.sync()
     offset, count = split_counts(info.count, window.local_size)[window.local_rank]
     if count:
-        start = offset * info.itemsize
+        start = offset * itemsize
         kernels.reduce_many_ptr(window.result + start, [slot + start for slot in slots], count,
                                 info.dtype, ctx.op)
-    window.sync()
-    if window.leader_comm is not None:
-        result = BufferInfo(window.result, info.count, info.dtype, "cpu", "numpy")
-        across_nodes(ctx, window.leader_comm, result)
+    if window.lanes < window.local_size:
+        window.sync()  # a lane's slice spans the reductions of several ranks
+    if window.lane_comm is not None:
+        offset, count = split_counts(info.count, window.lanes)[window.local_rank]
+        if count:
+            lane_slice = BufferInfo(window.result + offset * itemsize, count, info.dtype, "cpu", "numpy")
+            across_nodes(ctx, window.lane_comm, lane_slice)
     window.sync()
     ctypes.memmove(info.ptr, window.result, info.nbytes)
