@@ -36,10 +36,18 @@ os.environ.setdefault("OMPI_MCA_osc", "^ucx")
 # plugin costs each of them about 2 s of start-up (a 2-rank launch took 16.8 s of CPU with it in
 # the ranks, 12.3 s without, on a 2-core machine). The ranks do not need it: the one multi-rank property test
 # (test_collectives.py) runs on its own derandomized settings. The ranks inherit this setting.
+#
+# pytest-timeout dumps a hung rank's stacks from a Python thread, which needs the GIL: a rank stuck
+# in native code that holds it would stay silent until the launch is killed (400 s). The ranks
+# therefore also run pytest's faulthandler watchdog, which dumps every thread's stack without the
+# GIL a minute after pytest-timeout would have, then ends the rank (and with it the launch).
+RANK_WATCHDOG = os.environ.get("MPIDIST_TESTS_RANK_WATCHDOG_S", "300")
 if "PYTEST_ISOLATE_MPI_IS_FORKED" not in os.environ:
     _addopts = os.environ.get("PYTEST_ADDOPTS", "")
     if "no:hypothesispytest" not in _addopts:
-        os.environ["PYTEST_ADDOPTS"] = f"{_addopts} -p no:hypothesispytest".strip()
+        _addopts = (f"{_addopts} -p no:hypothesispytest -o faulthandler_timeout={RANK_WATCHDOG} "
+                    "-o faulthandler_exit_on_timeout=true").strip()
+        os.environ["PYTEST_ADDOPTS"] = _addopts
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own, which reads basetemp
