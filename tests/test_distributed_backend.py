@@ -3,6 +3,7 @@ float64 reference computed from every rank's input in one process, async Work, s
 their call check, and torch's own DDP, FSDP2, DeviceMesh/DTensor, pipelining and distributed
 checkpoint on it, each against the same training in one process."""
 import copy
+import gc
 import time
 
 import pytest
@@ -227,33 +228,49 @@ def test_new_group_is_a_sub_communicator(mpi_world):
     dist.barrier()
 
 
+def ddp_trained(model, rank, size, process_group=None):
+    """A copy of `model` after three steps of torch's DDP over `process_group` (the default
+    group: mpidist), on every rank's batches of values()."""
+    from torch.nn.parallel import DistributedDataParallel
+    ddp = DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=0.0001,  # several buckets
+                                  process_group=process_group)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(3):
+        optimizer.zero_grad()
+        ddp(values(rank, (4, 6), seed=step)).pow(2).sum().backward()
+        optimizer.step()
+    return ddp.module
+
+
 @pytest.mark.mpi(ranks=[2, 3])
 def test_ddp_trains_as_one_process_and_as_over_gloo(mpi_world):
-    from torch.nn.parallel import DistributedDataParallel
     rank, size = world()
-    gloo = dist.new_group(backend="gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).double()
-    reference, over_gloo = copy.deepcopy(model), copy.deepcopy(model)
-    ddps = [DistributedDataParallel(model, bucket_cap_mb=0.0001),  # several buckets
-            DistributedDataParallel(over_gloo, bucket_cap_mb=0.0001, process_group=gloo)]
-    optimizers = [torch.optim.SGD(ddp.parameters(), lr=0.1) for ddp in ddps]
+    gloo = dist.new_group(backend="gloo")
+    try:
+        mine = ddp_trained(model, rank, size)
+        glooed = ddp_trained(model, rank, size, process_group=gloo)
+    finally:
+        # torch frees a DDP's Reducer with the GIL held. Were the Reducer the gloo group's last
+        # owner, the group's destructor would join gloo's worker threads with the GIL held while
+        # a worker may still need it to free the Work it just finished: a deadlock (seen here
+        # about once in 20 runs; pytorch/pytorch#56297). So the DDP objects (in reference cycles)
+        # are freed first, and the group last, by its own Python object, which releases the GIL.
+        gc.collect()
+        dist.destroy_process_group(gloo)
+        del gloo
+    # DDP averages the ranks' gradients: the mean of the per-rank losses in one process.
+    reference = copy.deepcopy(model)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(3):
-        batches = [values(k, (4, 6), seed=step) for k in range(size)]
-        for ddp, optimizer in zip(ddps, optimizers):
-            optimizer.zero_grad()
-            ddp(batches[rank]).pow(2).sum().backward()
-            optimizer.step()
-        # DDP averages the ranks' gradients: the mean of the per-rank losses in one process.
         reference_optimizer.zero_grad()
-        (sum(reference(batch).pow(2).sum() for batch in batches) / size).backward()
+        (sum(reference(values(k, (4, 6), seed=step)).pow(2).sum() for k in range(size)) / size).backward()
         reference_optimizer.step()
-    dist.destroy_process_group(gloo)
-    for mine, theirs, glooed in zip(model.parameters(), reference.parameters(), over_gloo.parameters()):
-        torch.testing.assert_close(mine, theirs)
+    for ours, theirs, over_gloo in zip(mine.parameters(), reference.parameters(), glooed.parameters()):
+        torch.testing.assert_close(ours, theirs)
         # The same sums as gloo's, up to the order of their additions (float64 rounding).
-        torch.testing.assert_close(mine, glooed, rtol=1e-13, atol=1e-15)
+        torch.testing.assert_close(ours, over_gloo, rtol=1e-13, atol=1e-15)
 
 
 @pytest.mark.mpi(ranks=[2])
