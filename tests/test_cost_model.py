@@ -10,7 +10,7 @@ import pytest
 
 from mpidist.collectives import cost_model
 from mpidist.collectives.cost_model import Layout, fit, predict, terms
-from mpidist.collectives.select import auto_rows, choose_allreduce, table_from_rows
+from mpidist.collectives.select import ONE_PER_NODE_TABLE, auto_rows, choose_allreduce, layout_table, table_from_rows
 
 pytestmark = pytest.mark.mpi_shared_launch
 
@@ -163,9 +163,11 @@ def many_cores(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
 
 
-def auto(tables, nbytes, ranks, nodes):
+def auto(tables, nbytes, ranks, nodes, dtype="float32"):
+    """algorithm="auto"'s choice as select.auto_choice makes it, from the file's contents."""
     rows = auto_rows(tables, ranks, nodes)
-    return choose_allreduce(nbytes, ranks, table_from_rows(rows) if rows is not None else None)
+    table = table_from_rows(rows) if rows is not None else layout_table(ranks, nodes)
+    return choose_allreduce(nbytes, ranks, table, dtype)
 
 
 def test_auto_takes_the_measured_table_inside_its_range_and_the_model_outside(many_cores):
@@ -185,10 +187,30 @@ def test_auto_keeps_the_table_where_the_model_cannot_predict(many_cores):
     one_node = {name: value for name, value in SLOW_SEGMENTS.items() if "net" not in name}
     tables = model_file([{"max_bytes": None, "algorithm": "tree"}],
                         {"4": {"ranks_per_node": 4, "smallest": 8, "largest": 65536}}, parameters=one_node)
-    assert auto(tables, 1 << 24, 4, 4) == "tree"  # no link parameters: the table, as before the model
+    # No link parameters, and the table was measured on one node: across nodes the built-in table.
+    assert auto(tables, 1 << 24, 4, 4) == "recursive_doubling"
+    across = model_file([{"max_bytes": None, "algorithm": "tree"}],
+                        {"4": {"ranks_per_node": 2, "smallest": 8, "largest": 65536}}, parameters=one_node)
+    assert auto(across, 1 << 24, 4, 2) == "tree"  # measured on this layout: the table, as before the model
     assert auto(tables, 1 << 24, 6, 3) == choose_allreduce(1 << 24, 6)  # nothing at all: the built-in table
     # A table written before the model covers every size.
     assert auto({"4": [{"max_bytes": None, "algorithm": "tree"}]}, 1 << 30, 4, 1) == "tree"
+
+
+def test_auto_without_a_tune_with_one_rank_per_node_avoids_segments_across_the_link():
+    # MPI's own up to 2 MiB, then recursive doubling, on 2 and 4 nodes of one rank each.
+    for ranks in (2, 4):
+        assert layout_table(ranks, ranks) == ONE_PER_NODE_TABLE
+        assert [auto({}, nbytes, ranks, ranks) for nbytes in (8, 1 << 16, (2 << 20) - 1, 2 << 20, 1 << 26)] == \
+            ["mpi", "mpi", "mpi", "recursive_doubling", "recursive_doubling"]
+    # float16 cannot go to MPI's own beyond a few KiB: the table's algorithm for large messages.
+    assert auto({}, 4096, 2, 2, "float16") == "mpi"
+    assert auto({}, 1 << 16, 2, 2, "bfloat16") == "recursive_doubling"
+    # With several ranks per node, and on one node, the rank count's built-in table as before.
+    assert layout_table(4, 2) is None and layout_table(4, 1) is None
+    assert auto({}, 1 << 20, 4, 2) == auto({}, 1 << 20, 4, 1) == "hierarchical"
+    assert auto({}, 1 << 16, 4, 2, "float16") == "hierarchical"
+    assert auto({}, 1 << 20, 2, 1) == "hierarchical" and auto({}, 1 << 16, 2, 1) == "mpi"
 
 
 @pytest.mark.mpi(ranks=[3], timeout=120)
