@@ -10,7 +10,7 @@ import pytest
 
 from mpidist.collectives import cost_model
 from mpidist.collectives.cost_model import Layout, fit, predict, terms
-from mpidist.collectives.select import ONE_PER_NODE_TABLE, auto_rows, choose_allreduce, layout_table, table_from_rows
+from mpidist.collectives.select import auto_rows, choose_allreduce, layout_table, one_per_node_table, table_from_rows
 
 pytestmark = pytest.mark.mpi_shared_launch
 
@@ -198,11 +198,12 @@ def test_auto_keeps_the_table_where_the_model_cannot_predict(many_cores):
 
 
 def test_auto_without_a_tune_with_one_rank_per_node_avoids_segments_across_the_link():
-    # MPI's own up to 2 MiB, then recursive doubling, on 2 and 4 nodes of one rank each.
-    for ranks in (2, 4):
-        assert layout_table(ranks, ranks) == ONE_PER_NODE_TABLE
-        assert [auto({}, nbytes, ranks, ranks) for nbytes in (8, 1 << 16, (2 << 20) - 1, 2 << 20, 1 << 26)] == \
+    # MPI's own up to 2 MiB on 2 nodes and 8 MiB on 4, then recursive doubling; all MPI's beyond.
+    for nodes, bound in ((2, 2 << 20), (4, 8 << 20)):
+        assert layout_table(nodes, nodes) == one_per_node_table(nodes)
+        assert [auto({}, nbytes, nodes, nodes) for nbytes in (8, 1 << 16, bound - 1, bound, 1 << 26)] == \
             ["mpi", "mpi", "mpi", "recursive_doubling", "recursive_doubling"]
+    assert auto({}, 1 << 26, 8, 8) == "mpi"
     # float16 cannot go to MPI's own beyond a few KiB: the table's algorithm for large messages.
     assert auto({}, 4096, 2, 2, "float16") == "mpi"
     assert auto({}, 1 << 16, 2, 2, "bfloat16") == "recursive_doubling"

@@ -20,7 +20,7 @@ writes a decision table per rank count (JSON: {"<ranks>": [{"max_bytes": b, "alg
 Each Communicator's rank 0 reads the file once and broadcasts the entry, so every rank
 chooses alike even when the ranks' home directories differ. Without an entry for the rank count
 the built-in table applies: the rank count's, or with one rank per node across nodes
-ONE_PER_NODE_TABLE (the one-node tables' choice, the hierarchical algorithm, is 2-4x slower
+one_per_node_table (the one-node tables' choice, the hierarchical algorithm, is 2-4x slower
 there over TCP).
 
 `mpidist tune` also keeps its measured times in the file (under "model", with the layout they
@@ -64,12 +64,15 @@ TWO_RANK_TABLE = (
 # One rank per node, across nodes: nothing to share in a node, so the hierarchical algorithm is
 # recursive halving between the nodes in segments, and over TCP every segment above the eager
 # limit pays a rendezvous (docs/cost-model.md). MPI's own all-reduce leads up to a few MiB, then
-# recursive doubling (one whole-buffer message a step)
-# (benchmarks/results/multinode-cpu-500mbit-auto.md).
-ONE_PER_NODE_TABLE = (
-    (2 * 1024 * 1024, "mpi"),
-    (float("inf"), "recursive_doubling"),
-)
+# recursive doubling, one whole-buffer message a step. That moves log2(N)·n bytes per node
+# against the 2(N-1)/N·n of MPI's, so MPI's own keeps larger messages the more nodes there are,
+# and all of them beyond the 4 nodes measured (benchmarks/results/multinode-cpu-500mbit-auto.md).
+ONE_PER_NODE_MPI_BELOW = {2: 2 * 1024 * 1024, 3: 8 * 1024 * 1024, 4: 8 * 1024 * 1024}
+
+
+def one_per_node_table(nodes: int) -> tuple:
+    bound = ONE_PER_NODE_MPI_BELOW.get(nodes)
+    return ((bound, "mpi"), (float("inf"), "recursive_doubling")) if bound else ((float("inf"), "mpi"),)
 
 
 def forced_algorithm() -> str | None:
@@ -125,7 +128,7 @@ def mpi_bounds(ranks: int, table=None, forced: str | None = None) -> tuple:
 def layout_table(ranks: int, nodes: int):
     """The built-in table for a layout whose best choice is not the rank count's (one rank per
     node, across nodes), else None: the rank count's built-in table applies."""
-    return ONE_PER_NODE_TABLE if 1 < nodes and ranks <= nodes else None
+    return one_per_node_table(nodes) if 1 < nodes and ranks <= nodes else None
 
 
 def table_for(ranks: int, table=None) -> tuple:
