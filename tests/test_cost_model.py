@@ -10,7 +10,7 @@ import pytest
 
 from mpidist.collectives import cost_model
 from mpidist.collectives.cost_model import Layout, fit, predict, terms
-from mpidist.collectives.select import auto_rows, choose_allreduce, layout_table, one_per_node_table, table_from_rows
+from mpidist.collectives.select import auto_rows, choose_allreduce, layout_table, table_from_rows
 
 pytestmark = pytest.mark.mpi_shared_launch
 
@@ -188,7 +188,7 @@ def test_auto_keeps_the_table_where_the_model_cannot_predict(many_cores):
     tables = model_file([{"max_bytes": None, "algorithm": "tree"}],
                         {"4": {"ranks_per_node": 4, "smallest": 8, "largest": 65536}}, parameters=one_node)
     # No link parameters, and the table was measured on one node: across nodes the built-in table.
-    assert auto(tables, 1 << 24, 4, 4) == "recursive_doubling"
+    assert auto(tables, 1 << 24, 4, 4) == "mpi"
     across = model_file([{"max_bytes": None, "algorithm": "tree"}],
                         {"4": {"ranks_per_node": 2, "smallest": 8, "largest": 65536}}, parameters=one_node)
     assert auto(across, 1 << 24, 4, 2) == "tree"  # measured on this layout: the table, as before the model
@@ -198,14 +198,13 @@ def test_auto_keeps_the_table_where_the_model_cannot_predict(many_cores):
 
 
 def test_auto_without_a_tune_with_one_rank_per_node_avoids_segments_across_the_link():
-    # MPI's own up to 2 MiB on 2 nodes and 8 MiB on 4, then recursive doubling; all MPI's beyond.
-    for nodes, bound in ((2, 2 << 20), (4, 8 << 20)):
-        assert layout_table(nodes, nodes) == one_per_node_table(nodes)
-        assert [auto({}, nbytes, nodes, nodes) for nbytes in (8, 1 << 16, bound - 1, bound, 1 << 26)] == \
-            ["mpi", "mpi", "mpi", "recursive_doubling", "recursive_doubling"]
-    assert auto({}, 1 << 26, 8, 8) == "mpi"
-    # float16 cannot go to MPI's own beyond a few KiB: the table's algorithm for large messages.
-    assert auto({}, 4096, 2, 2, "float16") == "mpi"
+    # 2 nodes: MPI's own, recursive doubling from 4 KiB, MPI's own from 64 KiB, recursive doubling from 2 MiB.
+    assert [auto({}, nbytes, 2, 2) for nbytes in (8, 4096, 65535, 65536, (2 << 20) - 1, 2 << 20, 1 << 26)] == \
+        ["mpi", "recursive_doubling", "recursive_doubling", "mpi", "mpi", "recursive_doubling", "recursive_doubling"]
+    # More nodes: recursive doubling sends log2(N) n bytes per node, MPI's own at every size.
+    assert {auto({}, 1 << k, nodes, nodes) for k in range(3, 27, 3) for nodes in (3, 4, 8)} == {"mpi"}
+    # float16 cannot go to MPI's own beyond a few KiB: the table's next algorithm that is not MPI's.
+    assert auto({}, 2048, 2, 2, "float16") == "mpi"
     assert auto({}, 1 << 16, 2, 2, "bfloat16") == "recursive_doubling"
     # With several ranks per node, and on one node, the rank count's built-in table as before.
     assert layout_table(4, 2) is None and layout_table(4, 1) is None

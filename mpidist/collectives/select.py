@@ -20,7 +20,7 @@ writes a decision table per rank count (JSON: {"<ranks>": [{"max_bytes": b, "alg
 Each Communicator's rank 0 reads the file once and broadcasts the entry, so every rank
 chooses alike even when the ranks' home directories differ. Without an entry for the rank count
 the built-in table applies: the rank count's, or with one rank per node across nodes
-one_per_node_table (the one-node tables' choice, the hierarchical algorithm, is 2-4x slower
+the tables for one rank per node (the one-node tables' choice, the hierarchical algorithm, is 2-4x slower
 there over TCP).
 
 `mpidist tune` also keeps its measured times in the file (under "model", with the layout they
@@ -63,16 +63,22 @@ TWO_RANK_TABLE = (
 )
 # One rank per node, across nodes: nothing to share in a node, so the hierarchical algorithm is
 # recursive halving between the nodes in segments, and over TCP every segment above the eager
-# limit pays a rendezvous (docs/cost-model.md). MPI's own all-reduce leads up to a few MiB, then
-# recursive doubling, one whole-buffer message a step. That moves log2(N)·n bytes per node
-# against the 2(N-1)/N·n of MPI's, so MPI's own keeps larger messages the more nodes there are,
-# and all of them beyond the 4 nodes measured (benchmarks/results/multinode-cpu-500mbit-auto.md).
-ONE_PER_NODE_MPI_BELOW = {2: 2 * 1024 * 1024, 3: 8 * 1024 * 1024, 4: 8 * 1024 * 1024}
-
-
-def one_per_node_table(nodes: int) -> tuple:
-    bound = ONE_PER_NODE_MPI_BELOW.get(nodes)
-    return ((bound, "mpi"), (float("inf"), "recursive_doubling")) if bound else ((float("inf"), "mpi"),)
+# limit pays a rendezvous (docs/cost-model.md); MPI's own all-reduce and recursive doubling (one
+# whole message a step) are 1.5-10x ahead of it from 256 KiB. Between 2 nodes recursive doubling
+# sends what MPI's own does, and was 1.1-1.6x ahead of it from 4 to 32 KiB and from a few MiB
+# up, at 10 Gbit/s and at 500 Mbit/s. On more nodes it sends log2(N)·n bytes per node against
+# MPI's 2(N-1)/N·n; on 4 nodes it was 1.6-2.8x behind MPI's own from 256 KiB to 16 MiB at
+# 10 Gbit/s (1.3x ahead at 16 MiB and 500 Mbit/s): MPI's own there, at every size
+# (benchmarks/results/multinode-cpu-500mbit-auto.md, multinode-cpu.md, cost-model-cpu.md).
+TWO_NODES_ONE_PER_NODE_TABLE = (
+    (4 * 1024, "mpi"),
+    (64 * 1024, "recursive_doubling"),
+    (2 * 1024 * 1024, "mpi"),
+    (float("inf"), "recursive_doubling"),
+)
+MANY_NODES_ONE_PER_NODE_TABLE = (
+    (float("inf"), "mpi"),
+)
 
 
 def forced_algorithm() -> str | None:
@@ -128,7 +134,9 @@ def mpi_bounds(ranks: int, table=None, forced: str | None = None) -> tuple:
 def layout_table(ranks: int, nodes: int):
     """The built-in table for a layout whose best choice is not the rank count's (one rank per
     node, across nodes), else None: the rank count's built-in table applies."""
-    return one_per_node_table(nodes) if 1 < nodes and ranks <= nodes else None
+    if 1 < nodes and ranks <= nodes:
+        return TWO_NODES_ONE_PER_NODE_TABLE if nodes == 2 else MANY_NODES_ONE_PER_NODE_TABLE
+    return None
 
 
 def table_for(ranks: int, table=None) -> tuple:
