@@ -64,19 +64,22 @@ TWO_RANK_TABLE = (
 # One rank per node, across nodes: nothing to share in a node, so the hierarchical algorithm is
 # recursive halving between the nodes in segments, and over TCP every segment above the eager
 # limit pays a rendezvous (docs/cost-model.md); MPI's own all-reduce and recursive doubling (one
-# whole message a step) are 1.5-10x ahead of it from 256 KiB. Between 2 nodes recursive doubling
-# sends what MPI's own does, and was 1.1-1.6x ahead of it from 4 to 32 KiB and from a few MiB
-# up, at 10 Gbit/s and at 500 Mbit/s. On more nodes it sends log2(N)·n bytes per node against
-# MPI's 2(N-1)/N·n; on 4 nodes it was 1.6-2.8x behind MPI's own from 256 KiB to 16 MiB at
-# 10 Gbit/s (1.3x ahead at 16 MiB and 500 Mbit/s): MPI's own there, at every size
+# whole message a step) are 1.5-10x ahead of it from 256 KiB. From 4 to 64 KiB recursive
+# doubling was up to 2x ahead of MPI's own (on 4 nodes at 4 KiB 1.1x behind it). From a few MiB
+# up, between 2 nodes, where it sends what MPI's own does, it was 1.1-1.4x ahead at 500 Mbit/s
+# and even at 10 Gbit/s. On more nodes it sends log2(N)·n bytes per node against MPI's
+# 2(N-1)/N·n: on 4 nodes 1.6-2.8x behind MPI's own from 256 KiB to 16 MiB at 10 Gbit/s (1.3x
+# ahead at 16 MiB and 500 Mbit/s), so MPI's own keeps every larger message there
 # (benchmarks/results/multinode-cpu-500mbit-auto.md, multinode-cpu.md, cost-model-cpu.md).
-TWO_NODES_ONE_PER_NODE_TABLE = (
+ONE_PER_NODE_SMALL = (
     (4 * 1024, "mpi"),
     (64 * 1024, "recursive_doubling"),
+)
+TWO_NODES_ONE_PER_NODE_TABLE = ONE_PER_NODE_SMALL + (
     (2 * 1024 * 1024, "mpi"),
     (float("inf"), "recursive_doubling"),
 )
-MANY_NODES_ONE_PER_NODE_TABLE = (
+MANY_NODES_ONE_PER_NODE_TABLE = ONE_PER_NODE_SMALL + (
     (float("inf"), "mpi"),
 )
 
