@@ -70,12 +70,15 @@ def test_hierarchical_through_shared_memory_and_across_nodes_in_lanes():
     # own; two barriers of 2 rounds.
     assert coefficients("hierarchical", 4000, 4, 4) == {"call": 1, "copy": 7000, "gamma": 3000, "sync": 4}
     # 2 x 2, n = 4000: whole buffer in and out, 2 barriers of 1 round, the node reduction (1 of 2
-    # slices' operands), then 2 lanes, each recursive halving of 2000 bytes between 2 nodes
-    # (1000 bytes each way, reduced, then 1000 back, one segment each), sharing the link.
+    # slices' operands), then 2 lanes, each exchanging its 2000 bytes whole with the other node
+    # and reducing them (recursive doubling), sharing the link.
     assert coefficients("hierarchical", 4000, 4, 2) == {
-        "call": 1, "copy": 8000, "sync": 2, "gamma": 2000 + 1000, "alpha_net": 1 + 1, "beta_net": 2 * 2000}
-    # One rank per node: that rank's recursive halving alone, its allgather in segments too (2 + 2).
-    assert coefficients("hierarchical", 4000, 2, 1) == {"call": 1, "alpha_net": 4, "beta_net": 4000, "gamma": 2000}
+        "call": 1, "copy": 8000, "sync": 2, "gamma": 2000 + 2000, "alpha_net": 1, "beta_net": 2 * 2000}
+    # One rank per node on 2 nodes: that rank's exchange alone.
+    assert coefficients("hierarchical", 4000, 2, 1) == {"call": 1, "alpha_net": 1, "beta_net": 4000, "gamma": 4000}
+    # On 4 nodes: recursive halving, its allgather in segments too: 4000 bytes each way at distance
+    # 2 (4 + 4 segments), 2000 at distance 1 (2 + 2).
+    assert coefficients("hierarchical", 8000, 4, 1) == {"call": 1, "alpha_net": 8 + 4, "beta_net": 12000, "gamma": 6000}
 
 
 def test_mpi_is_a_black_box_of_log_p_steps_and_2_p_minus_1_over_p_bytes():
