@@ -20,8 +20,8 @@ writes a decision table per rank count (JSON: {"<ranks>": [{"max_bytes": b, "alg
 Each Communicator's rank 0 reads the file once and broadcasts the entry, so every rank
 chooses alike even when the ranks' home directories differ. Without an entry for the rank count
 the built-in table applies: the rank count's, or with one rank per node across nodes
-the tables for one rank per node (the one-node tables' choice, the hierarchical algorithm, is 2-4x slower
-there over TCP).
+the tables for one rank per node (the one-node tables' choice, the hierarchical algorithm,
+was 2-4x slower there over TCP).
 
 `mpidist tune` also keeps its measured times in the file (under "model", with the layout they
 were taken on) and fits the cost model's parameters to all of them (cost_model.py). A
@@ -62,9 +62,10 @@ TWO_RANK_TABLE = (
     (float("inf"), "hierarchical"),
 )
 # One rank per node, across nodes: nothing to share in a node, so the hierarchical algorithm is
-# recursive halving between the nodes in segments, and over TCP every segment above the eager
-# limit pays a rendezvous (docs/cost-model.md); MPI's own all-reduce and recursive doubling (one
-# whole message a step) are 1.5-10x ahead of it from 256 KiB. From 4 to 64 KiB recursive
+# the all-reduce between the nodes alone: on more than 2 nodes recursive halving in segments,
+# and over TCP every segment above the eager limit pays a rendezvous (docs/cost-model.md); MPI's
+# own all-reduce and recursive doubling (one whole message a step) were 1.5-10x ahead of it from
+# 256 KiB. From 4 to 64 KiB recursive
 # doubling was up to 2x ahead of MPI's own (on 4 nodes at 4 KiB 1.1x behind it). From a few MiB
 # up, between 2 nodes, where it sends what MPI's own does, it was 1.1-1.4x ahead at 500 Mbit/s
 # and even at 10 Gbit/s. On more nodes it sends log2(N)·n bytes per node against MPI's
