@@ -25,7 +25,7 @@ import tempfile
 from mpidist.collectives import cost_model
 from mpidist.collectives.common import SEGMENT_BYTES
 from mpidist.collectives.cost_model import Layout
-from mpidist.collectives.select import choose_allreduce
+from mpidist.collectives.select import choose_allreduce, layout_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -94,7 +94,7 @@ def choice_cost(parameters, rows) -> list[tuple]:
         best = min(times, key=times.get)
         layout = cost_model.row_layout(rows[0])
         chosen = cost_model.fastest(parameters, nbytes, layout, SEGMENT_BYTES, tuple(times))
-        builtin = choose_allreduce(nbytes, layout.ranks)
+        builtin = choose_allreduce(nbytes, layout.ranks, layout_table(layout.ranks, layout.nodes))
         result.append((nbytes, best, chosen, times[chosen] / times[best], builtin, times[builtin] / times[best]))
     return result
 

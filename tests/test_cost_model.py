@@ -10,7 +10,7 @@ import pytest
 
 from mpidist.collectives import cost_model
 from mpidist.collectives.cost_model import Layout, fit, predict, terms
-from mpidist.collectives.select import auto_rows, choose_allreduce, table_from_rows
+from mpidist.collectives.select import auto_rows, choose_allreduce, layout_table, table_from_rows
 
 pytestmark = pytest.mark.mpi_shared_launch
 
@@ -70,12 +70,15 @@ def test_hierarchical_through_shared_memory_and_across_nodes_in_lanes():
     # own; two barriers of 2 rounds.
     assert coefficients("hierarchical", 4000, 4, 4) == {"call": 1, "copy": 7000, "gamma": 3000, "sync": 4}
     # 2 x 2, n = 4000: whole buffer in and out, 2 barriers of 1 round, the node reduction (1 of 2
-    # slices' operands), then 2 lanes, each recursive halving of 2000 bytes between 2 nodes
-    # (1000 bytes each way, reduced, then 1000 back, one segment each), sharing the link.
+    # slices' operands), then 2 lanes, each exchanging its 2000 bytes whole with the other node
+    # and reducing them (recursive doubling), sharing the link.
     assert coefficients("hierarchical", 4000, 4, 2) == {
-        "call": 1, "copy": 8000, "sync": 2, "gamma": 2000 + 1000, "alpha_net": 1 + 1, "beta_net": 2 * 2000}
-    # One rank per node: that rank's recursive halving alone, its allgather in segments too (2 + 2).
-    assert coefficients("hierarchical", 4000, 2, 1) == {"call": 1, "alpha_net": 4, "beta_net": 4000, "gamma": 2000}
+        "call": 1, "copy": 8000, "sync": 2, "gamma": 2000 + 2000, "alpha_net": 1, "beta_net": 2 * 2000}
+    # One rank per node on 2 nodes: that rank's exchange alone.
+    assert coefficients("hierarchical", 4000, 2, 1) == {"call": 1, "alpha_net": 1, "beta_net": 4000, "gamma": 4000}
+    # On 4 nodes: recursive halving, its allgather in segments too: 4000 bytes each way at distance
+    # 2 (4 + 4 segments), 2000 at distance 1 (2 + 2).
+    assert coefficients("hierarchical", 8000, 4, 1) == {"call": 1, "alpha_net": 8 + 4, "beta_net": 12000, "gamma": 6000}
 
 
 def test_mpi_is_a_black_box_of_log_p_steps_and_2_p_minus_1_over_p_bytes():
@@ -163,9 +166,11 @@ def many_cores(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
 
 
-def auto(tables, nbytes, ranks, nodes):
+def auto(tables, nbytes, ranks, nodes, dtype="float32"):
+    """algorithm="auto"'s choice as select.auto_choice makes it, from the file's contents."""
     rows = auto_rows(tables, ranks, nodes)
-    return choose_allreduce(nbytes, ranks, table_from_rows(rows) if rows is not None else None)
+    table = table_from_rows(rows) if rows is not None else layout_table(ranks, nodes)
+    return choose_allreduce(nbytes, ranks, table, dtype)
 
 
 def test_auto_takes_the_measured_table_inside_its_range_and_the_model_outside(many_cores):
@@ -185,10 +190,32 @@ def test_auto_keeps_the_table_where_the_model_cannot_predict(many_cores):
     one_node = {name: value for name, value in SLOW_SEGMENTS.items() if "net" not in name}
     tables = model_file([{"max_bytes": None, "algorithm": "tree"}],
                         {"4": {"ranks_per_node": 4, "smallest": 8, "largest": 65536}}, parameters=one_node)
-    assert auto(tables, 1 << 24, 4, 4) == "tree"  # no link parameters: the table, as before the model
+    # No link parameters, and the table was measured on one node: across nodes the built-in table.
+    assert auto(tables, 1 << 24, 4, 4) == "mpi"
+    across = model_file([{"max_bytes": None, "algorithm": "tree"}],
+                        {"4": {"ranks_per_node": 2, "smallest": 8, "largest": 65536}}, parameters=one_node)
+    assert auto(across, 1 << 24, 4, 2) == "tree"  # measured on this layout: the table, as before the model
     assert auto(tables, 1 << 24, 6, 3) == choose_allreduce(1 << 24, 6)  # nothing at all: the built-in table
     # A table written before the model covers every size.
     assert auto({"4": [{"max_bytes": None, "algorithm": "tree"}]}, 1 << 30, 4, 1) == "tree"
+
+
+def test_auto_without_a_tune_with_one_rank_per_node_avoids_segments_across_the_link():
+    # 2 nodes: MPI's own, recursive doubling from 4 KiB, MPI's own from 64 KiB, recursive doubling from 2 MiB.
+    assert [auto({}, nbytes, 2, 2) for nbytes in (8, 4096, 65535, 65536, (2 << 20) - 1, 2 << 20, 1 << 26)] == \
+        ["mpi", "recursive_doubling", "recursive_doubling", "mpi", "mpi", "recursive_doubling", "recursive_doubling"]
+    # More nodes: the same up to 2 MiB; beyond, recursive doubling sends log2(N) n bytes per node: MPI's own.
+    for nodes in (3, 4, 8):
+        assert [auto({}, nbytes, nodes, nodes) for nbytes in (8, 4096, 65535, 65536, 2 << 20, 1 << 26)] == \
+            ["mpi", "recursive_doubling", "recursive_doubling", "mpi", "mpi", "mpi"]
+    # float16 cannot go to MPI's own beyond a few KiB: the table's next algorithm that is not MPI's.
+    assert auto({}, 2048, 2, 2, "float16") == "mpi"
+    assert auto({}, 1 << 16, 2, 2, "bfloat16") == "recursive_doubling"
+    # With several ranks per node, and on one node, the rank count's built-in table as before.
+    assert layout_table(4, 2) is None and layout_table(4, 1) is None
+    assert auto({}, 1 << 20, 4, 2) == auto({}, 1 << 20, 4, 1) == "hierarchical"
+    assert auto({}, 1 << 16, 4, 2, "float16") == "hierarchical"
+    assert auto({}, 1 << 20, 2, 1) == "hierarchical" and auto({}, 1 << 16, 2, 1) == "mpi"
 
 
 @pytest.mark.mpi(ranks=[3], timeout=120)

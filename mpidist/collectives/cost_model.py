@@ -190,10 +190,13 @@ def barrier_rounds(ranks: int) -> int:
 
 def across_nodes_steps(n, layout: Layout, segment: int) -> Terms:
     """hierarchical.py's lanes: each of the L ranks of a node all-reduces n/L bytes with its
-    peers on the other nodes, every transfer in segments, the L lanes sharing the node's link."""
+    peers on the other nodes (between 2 nodes in one whole exchange, on more every transfer in
+    segments), the L lanes sharing the node's link."""
     lanes, nodes = layout.per_node, layout.nodes
     part, peers = n / lanes, Layout(nodes, 1)
-    if nodes & (nodes - 1) and part >= RING_ACROSS_NODES_BYTES:
+    if nodes == 2:
+        steps = recursive_doubling_steps(part, peers, segment)
+    elif nodes & (nodes - 1) and part >= RING_ACROSS_NODES_BYTES:
         steps = ring_steps(part, peers, segment)
     else:
         steps = recursive_halving_steps(part, peers, segment, segmented_allgather=True)

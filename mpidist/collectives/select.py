@@ -19,7 +19,9 @@ writes a decision table per rank count (JSON: {"<ranks>": [{"max_bytes": b, "alg
 ..., {"max_bytes": null, ...}]}) to MPIDIST_TUNING_FILE, default ~/.cache/mpidist/tuning.json.
 Each Communicator's rank 0 reads the file once and broadcasts the entry, so every rank
 chooses alike even when the ranks' home directories differ. Without an entry for the rank count
-the built-in table applies.
+the built-in table applies: the rank count's, or with one rank per node across nodes
+the tables for one rank per node (the one-node tables' choice, the hierarchical algorithm,
+was 2-4x slower there over TCP).
 
 `mpidist tune` also keeps its measured times in the file (under "model", with the layout they
 were taken on) and fits the cost model's parameters to all of them (cost_model.py). A
@@ -59,6 +61,28 @@ TWO_RANK_TABLE = (
     (128 * 1024, "mpi"),
     (float("inf"), "hierarchical"),
 )
+# One rank per node, across nodes: nothing to share in a node, so the hierarchical algorithm is
+# the all-reduce between the nodes alone: on more than 2 nodes recursive halving in segments,
+# and over TCP every segment above the eager limit pays a rendezvous (docs/cost-model.md); MPI's
+# own all-reduce and recursive doubling (one whole message a step) were 1.5-10x ahead of it from
+# 256 KiB. From 4 to 64 KiB recursive
+# doubling was up to 2x ahead of MPI's own (on 4 nodes at 4 KiB 1.1x behind it). From a few MiB
+# up, between 2 nodes, where it sends what MPI's own does, it was 1.1-1.4x ahead at 500 Mbit/s
+# and even at 10 Gbit/s. On more nodes it sends log2(N)·n bytes per node against MPI's
+# 2(N-1)/N·n: on 4 nodes 1.6-2.8x behind MPI's own from 256 KiB to 16 MiB at 10 Gbit/s (1.3x
+# ahead at 16 MiB and 500 Mbit/s), so MPI's own keeps every larger message there
+# (benchmarks/results/multinode-cpu-500mbit-auto.md, multinode-cpu.md, cost-model-cpu.md).
+ONE_PER_NODE_SMALL = (
+    (4 * 1024, "mpi"),
+    (64 * 1024, "recursive_doubling"),
+)
+TWO_NODES_ONE_PER_NODE_TABLE = ONE_PER_NODE_SMALL + (
+    (2 * 1024 * 1024, "mpi"),
+    (float("inf"), "recursive_doubling"),
+)
+MANY_NODES_ONE_PER_NODE_TABLE = ONE_PER_NODE_SMALL + (
+    (float("inf"), "mpi"),
+)
 
 
 def forced_algorithm() -> str | None:
@@ -72,7 +96,7 @@ def auto_choice(mpi, nodes: int) -> tuple:
     """(tuning table or None, forced algorithm or None, mpi_bounds) of a new communicator over
     `nodes` nodes: what algorithm="auto" decides with (collective over `mpi`: rank 0 reads the
     table)."""
-    table = load_tuning_table(mpi, nodes)
+    table = load_tuning_table(mpi, nodes) or layout_table(mpi.Get_size(), nodes)
     forced = forced_algorithm()
     if fault_tolerant():  # no shared-memory windows (runtime/mpi.py): point-to-point rings instead
         table = tuple((bound, "ring" if algorithm == "hierarchical" else algorithm)
@@ -88,8 +112,12 @@ def choose_allreduce(nbytes: int, ranks: int, table=None, dtype: str = "float32"
     chosen = _lookup(table_for(ranks, table), nbytes)
     if chosen == "mpi" and dtype in HALF_DTYPES:
         # MPI cannot reduce float16/bfloat16: its route upcasts to float32 and back, which our
-        # algorithms beat once messages are a few KiB (benchmarks/results/collectives-cpu.md).
+        # algorithms beat once messages are a few KiB (benchmarks/results/collectives-cpu.md):
+        # the one the table takes for the next larger messages, where it has one.
         chosen = _lookup(HALF_TABLE, nbytes)
+        if chosen != "mpi":
+            larger = [algorithm for bound, algorithm in table_for(ranks, table) if bound > nbytes and algorithm != "mpi"]
+            chosen = larger[0] if larger else chosen
     return chosen
 
 
@@ -105,6 +133,14 @@ def mpi_bounds(ranks: int, table=None, forced: str | None = None) -> tuple:
     bound = first_bound if first == "mpi" else 0
     half_bound = min(bound, HALF_TABLE[0][0]) if HALF_TABLE[0][1] == "mpi" else 0
     return bound, half_bound
+
+
+def layout_table(ranks: int, nodes: int):
+    """The built-in table for a layout whose best choice is not the rank count's (one rank per
+    node, across nodes), else None: the rank count's built-in table applies."""
+    if 1 < nodes and ranks <= nodes:
+        return TWO_NODES_ONE_PER_NODE_TABLE if nodes == 2 else MANY_NODES_ONE_PER_NODE_TABLE
+    return None
 
 
 def table_for(ranks: int, table=None) -> tuple:
@@ -177,7 +213,9 @@ def auto_rows(tables: dict, ranks: int, nodes: int):
     if rows is not None and measured is None:
         return rows  # written before the model, with no record of its range: it covers every size
     if not parameters or cost_model.fastest(parameters, 1 << 20, layout, segment) is None:
-        return rows  # no model for this layout (its link was never measured): the table, if any
+        # No model for this layout (its link was never measured): the table where it was measured
+        # on this layout; one from another says nothing about this one, so the built-in one.
+        return rows if rows is not None and measured["ranks_per_node"] == layout.per_node else None
     starts = {1 << k for k in range(MODEL_SIZES_LOG2)}  # the model decides per power of two
     measured_table = None
     if rows is not None and measured["ranks_per_node"] == layout.per_node:

@@ -5,7 +5,8 @@ nodes talking TCP over the nodes' shaped veth links.
 Checked against the same references as on one node: the nodes found are the hosts the ranks run
 on (MPI's shared-memory split, no MPIDIST_RANKS_PER_NODE), every all-reduce algorithm (hierarchical
 included) over the link, the other collectives, DataParallel against one process, pipeline stages
-on different nodes, and parameter servers on one node with their workers on the other.
+on different nodes, parameter servers on one node with their workers on the other, and `auto`'s
+table for one rank per node on a communicator of one rank from each node.
 
 Collected only inside the emulated cluster (tests/conftest.py); the multi-rank tests run in one launch
 (mpi_shared_launch.py)."""
@@ -23,6 +24,7 @@ from mpi4py import MPI
 from test_collectives import FLOAT_DTYPES, INT_DTYPES, OPS, check_allreduce, rank_values, reference
 
 import mpidist as md
+from mpidist.collectives import select
 from mpidist.collectives.registry import ALGORITHMS
 
 pytestmark = [pytest.mark.mpi_shared_launch, pytest.mark.mpi(ranks=[4])]
@@ -62,6 +64,24 @@ def test_allreduce_crosses_the_link(mpi_world):
     mpi_world.barrier()
     assert (values == 4).all()
     assert sent_bytes() - before >= values.nbytes // 2
+
+
+def test_auto_with_one_rank_per_node_takes_that_layouts_table(mpi_world, monkeypatch):
+    """Local rank k of every node, without a tuning file: 2 nodes found, the one-rank-per-node
+    table chosen, and auto's all-reduce (MPI's own, then recursive doubling) right at both ends."""
+    monkeypatch.setenv("MPIDIST_TUNING_FILE", "/nonexistent/mpidist-tuning.json")
+    lane = MPI.COMM_WORLD.Split(md.local_rank(), mpi_world.rank)
+    comm = md.Communicator(lane)
+    try:
+        assert (comm.size, comm.local_size, comm.num_nodes) == (2, 1, 2)
+        assert comm.tuning_table == select.layout_table(2, 2) != select.layout_table(2, 1)
+        for count in (1000, 1 << 20):  # 4 KB (MPI's own) and 4 MiB (recursive doubling)
+            values = np.full(count, comm.rank + 1, dtype=np.float32)
+            comm.allreduce(values)
+            assert (values == 3).all()
+    finally:
+        comm.free()
+        lane.Free()
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
