@@ -17,8 +17,10 @@ CPU (torch's import), more than the training.
 
 Each rank writes what it saw in each phase to a JSON file; the checks read them. The job itself
 is stopped (its whole process group) when it has not ended RUN_SECONDS after its start, or
-EXIT_SECONDS after every survivor wrote its last file: Open MPI's MPI_Finalize may hang at exit
-after a death (docs/elastic.md), which the last check reports as an expected failure."""
+EXIT_SECONDS after every survivor wrote its last file: Open MPI's MPI_Finalize sometimes never
+returns after a death (docs/elastic.md), and the survivor must then leave it after
+MPIDIST_FINALIZE_TIMEOUT with its own exit status (runtime/leave.py), which the last check
+checks."""
 import json
 import os
 import signal
@@ -41,7 +43,7 @@ PHASES = {
     "sync": ([0, 1, 2], 1, {"mode": "sync"}, 2),
     "server-killed": ([0, 1], 1, {"mode": "async"}, 0),
 }
-RUN_SECONDS, EXIT_SECONDS = 150, 10
+RUN_SECONDS, EXIT_SECONDS = 150, 30  # the exit: the interpreter's end, then MPI_Finalize (MPIDIST_FINALIZE_TIMEOUT at most)
 DETECTION_SECONDS = 10  # from a kill to the end of the waits it ends (seen: under 1 s, on a loaded host)
 
 JOB = f"""
@@ -229,11 +231,9 @@ def test_plain_sync_and_a_killed_server_end_with_an_error_naming_the_dead_rank_o
 def test_the_job_ends(job):
     output, status, records, _, seconds = job
     assert all(records[name] for name in PHASES), output
-    if status is None:
-        pytest.xfail(f"every phase ran as checked, then the survivors did not leave MPI_Finalize within "
-                     f"{EXIT_SECONDS} s (a known problem after a death: docs/elastic.md)")
     assert status == 0, output
-    print(f"the job took {seconds:.1f} s")
+    left = "MPI_Finalize has not returned" in output
+    print(f"the job took {seconds:.1f} s" + (" (MPI_Finalize left after MPIDIST_FINALIZE_TIMEOUT)" if left else ""))
 
 
 @pytest.mark.parametrize("missing, mode, said", [
