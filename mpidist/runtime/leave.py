@@ -8,12 +8,15 @@ MPI_Finalize itself, through ctypes so that Python's lock is released during the
 MPI.Finalize holds it), and a watchdog thread ends the process with os._exit once
 MPIDIST_FINALIZE_TIMEOUT has passed, with the exit status the program was going to return.
 mpi4py, which finalizes MPI after Python's own exit handlers, then finds MPI finalized and does
-nothing. Runs in which no rank died are left to mpi4py as always.
+nothing. Runs in which no rank died, and programs that told mpi4py not to finalize
+(mpi4py.rc.finalize = False), are left to mpi4py as always.
 
 The exit status: Python decides it before its exit handlers run and tells them nothing, so it is
 noted on the way: an uncaught exception (sys.last_value, set before sys.excepthook is called)
 gives 1 (130 for a KeyboardInterrupt, as a shell reports Ctrl-C), and sys.exit, wrapped by
-install(), notes its argument (None: 0, a number: itself, anything else: 1, as Python does).
+install(), notes its argument (None: 0, a number: itself, anything else: 1, as Python does). A
+SystemExit raised by the program itself, not through sys.exit, is not seen: such a program leaves
+with 0.
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ import ctypes
 import os
 import sys
 import threading
+
+import mpi4py
 
 from . import config
 from .abort import EXCEPTION_STATUS, INTERRUPT_STATUS
@@ -88,7 +93,7 @@ def finalize_after_a_death() -> None:
     """MPI_Finalize under a watchdog, when MPI knows a rank of the job dead (see the module's
     docstring); otherwise nothing."""
     MPI = load_mpi()
-    if MPI.Is_finalized():
+    if MPI.Is_finalized() or mpi4py.rc.finalize is False:  # finalized already, or by the program's choice never
         return
     dead = failed_ranks(MPI.COMM_WORLD)
     if not dead:
