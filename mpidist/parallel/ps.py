@@ -153,12 +153,15 @@ class ParameterServer:
             self._build(module, optimizer, mode, softsync, max_staleness, staleness_lr, server, version, servers,
                         backup_workers, sparse_embeddings)
         except Exception as error:
-            if not (fault_tolerant() and is_process_failure(error, [c for c in (self.comm.mpi, self.mpi) if c])):
+            made = [mpi for mpi in (self.comm.mpi, self.mpi) if mpi is not None]
+            if not (fault_tolerant() and is_process_failure(error, made)):
                 raise
             raise ps_survival.ending_at_start(self) from error
 
     def _build(self, module, optimizer, mode, softsync, max_staleness, staleness_lr, server, version, servers,
                backup_workers, sparse_embeddings):
+        """Take the arguments, agree on them with the other ranks and give every rank the chief
+        worker's weights (collective over comm)."""
         self.mpi = self.comm.mpi.Dup()  # point-to-point traffic of its own, apart from collectives
         if fault_tolerant():  # a death comes back as an error (ps_survival.py)
             return_errors(self.mpi)
