@@ -21,9 +21,9 @@ import numpy as np
 
 from . import buffers
 from .errors import InvalidArgumentError, NotInitializedError
-from .runtime import config, stall
+from .runtime import config, leave, stall
 from .runtime.abort import install_abort_on_exception
-from .runtime.mpi import load_mpi, mpi_library_cuda_aware
+from .runtime.mpi import fault_tolerant, load_mpi, mpi_library_cuda_aware
 
 
 class Channel(abc.ABC):
@@ -373,11 +373,15 @@ def init(mpi_comm=None) -> Communicator:
 
     From here on an uncaught exception on any rank aborts the whole job (runtime/abort.py;
     MPIDIST_ABORT_ON_EXCEPTION=0 keeps Python's own behaviour), and a wait in a collective that
-    runs past MPIDIST_STALL_WARNING reports the ranks that have not arrived (runtime/stall.py)."""
+    runs past MPIDIST_STALL_WARNING reports the ranks that have not arrived (runtime/stall.py).
+    In a fault-tolerant run, MPI_Finalize at exit is given MPIDIST_FINALIZE_TIMEOUT once a rank
+    has died (runtime/leave.py)."""
     global _world
     with _init_lock:
         if _world is None:
             _world = Communicator(mpi_comm)
+            if fault_tolerant():
+                leave.install()  # first: its exit handler must run after the others
             stall.open_board(_world.mpi)
             install_abort_on_exception(load_mpi().COMM_WORLD)
     return _world

@@ -147,10 +147,11 @@ def test_elastic_run_survives_a_killed_rank_and_matches_the_replay(api, tmp_path
         prefix = "module." if api == "md" else ""
         torch.testing.assert_close(model[prefix + "weight"], weight, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(model[prefix + "bias"], bias, rtol=1e-12, atol=1e-12)
-    if status is None:  # the training is checked above; the exit is Open MPI's, reported as what it is
-        pytest.xfail("the survivors recovered and match the replay, then hung in MPI_Finalize's end-of-job "
-                     "fence (a known problem after a recovery: docs/elastic.md)")
+    # Open MPI's MPI_Finalize sometimes never returns after a death; the survivors then leave it
+    # after MPIDIST_FINALIZE_TIMEOUT with their own status (runtime/leave.py).
     assert status == 0, output
+    print(f"{api}: MPI_Finalize left after MPIDIST_FINALIZE_TIMEOUT on {output.count('MPI_Finalize has not returned')} "
+          "rank(s)")
 
 
 def test_without_fault_tolerance_elastic_run_says_what_is_lost(tmp_path):

@@ -3,7 +3,8 @@ aborts the whole job at once, with that rank's traceback (runtime/abort.py), unl
 MPIDIST_ABORT_ON_EXCEPTION=0; a rank whose program ends (sys.exit) before a collective the others
 wait in makes them raise PeerExitedError within seconds (runtime/stall.py's ExitWatch); and a
 wait in a collective past MPIDIST_STALL_WARNING prints the stall report naming the ranks that have
-not arrived (runtime/stall.py).
+not arrived (runtime/stall.py); after a rank died under ULFM, a survivor whose MPI_Finalize does not
+return within MPIDIST_FINALIZE_TIMEOUT leaves with its program's exit status (runtime/leave.py).
 
 Each check launches mpirun itself: the job must end (or stall) as a whole, which a test running
 inside the ranks cannot watch."""
@@ -85,8 +86,9 @@ def test_a_rank_that_exits_without_entering_a_collective_ends_the_job_quickly():
     seconds = seconds_after_raising(output)
     assert seconds < 15, f"the job took {seconds:.1f} s to end after the exit:\n{output}"
     assert result.returncode != 0
-    assert (f"PeerExitedError: rank 0: the allreduce call check cannot complete: the program of rank(s) [{ranks - 1}] "
-            "ended") in output, output
+    # Whichever waiting rank sees the exit first raises, and its abort ends the others.
+    assert re.search(r"PeerExitedError: rank [0-9]+: the allreduce call check cannot complete: the program of "
+                     rf"rank\(s\) \[{ranks - 1}\] ended", output), output
     assert "MPI_ABORT was invoked" in output or "calling\n\"abort\"" in output, output
 
 
@@ -142,3 +144,38 @@ def test_the_stall_report_names_the_rank_that_has_not_arrived():
     assert "rank 0 has waited 1 s in the allreduce call check (MPIDIST_STALL_WARNING); ranks [2] have not arrived" \
         in output, output
     assert "rank 2: last called the allreduce call check, which returned" in output, output
+
+
+def test_after_a_death_a_survivor_stuck_in_mpi_finalize_leaves_with_its_exit_status():
+    # Under ULFM, rank 2 dies; rank 1 comes to MPI_Finalize 4 s late, so rank 0 waits for it
+    # there past MPIDIST_FINALIZE_TIMEOUT (1 s), as a survivor waits forever when Open MPI's
+    # end-of-job barrier does not complete, and must leave with the status given to sys.exit.
+    code = textwrap.dedent("""
+        import os, signal, sys, time
+        import mpidist as md
+        from mpi4py import MPI
+        from mpidist.runtime.mpi import failed_ranks
+        md.init()
+        if md.rank() == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        assert failed_ranks(MPI.COMM_WORLD, wait=30) == [2]
+        if md.rank() == 1:
+            time.sleep(4)
+        sys.exit(3)
+    """)
+    result = run_python(code, ranks=3, env={"MPIDIST_FINALIZE_TIMEOUT": "1"}, mpirun_options=("--with-ft", "ulfm"))
+    output = result.stdout + result.stderr
+    assert result.returncode == 3, output
+    assert "mpidist: rank 0: MPI_Finalize has not returned 1 s (MPIDIST_FINALIZE_TIMEOUT) after rank(s) [2] of the " \
+        "job died" in output and "exiting with status 3 without it" in output, output
+    assert "rank 1: MPI_Finalize has not returned" not in output, output
+
+
+@pytest.mark.parametrize("uncaught, requested, status", [
+    (None, None, 0), (None, 3, 3), (None, 258, 2), (None, "a message", 1), (ValueError("bad"), None, 1),
+    (KeyboardInterrupt(), None, 130)])
+def test_the_exit_status_a_stuck_mpi_finalize_is_left_with(monkeypatch, uncaught, requested, status):
+    from mpidist.runtime import leave
+    monkeypatch.setattr(leave.sys, "last_value", uncaught, raising=False)
+    monkeypatch.setattr(leave, "_requested_status", requested)
+    assert leave.exit_status() == status

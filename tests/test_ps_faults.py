@@ -1,6 +1,6 @@
-"""ParameterServer when a rank dies (parallel/ps_survival.py): one job of 6 ranks under
-`mpirun --with-ft ulfm` runs six parameter servers one after another, each on its own
-communicator of ranks still alive, and in five of them a rank kills itself with SIGKILL:
+"""ParameterServer when a rank dies (parallel/ps_survival.py): one job of 7 ranks under
+`mpirun --with-ft ulfm` runs seven parameter servers one after another, each on its own
+communicator of ranks still alive, and in six of them a rank kills itself with SIGKILL:
 
   async          servers 0, 1; workers 2, 3, 4; nobody killed (the reference)
   async-killed   the same; worker 4 killed at its step KILL_STEP
@@ -10,15 +10,19 @@ communicator of ranks still alive, and in five of them a rank kills itself with 
                  taken or not)
   sync           server 0; workers 1, 2 (plain sync); 2 killed
   server-killed  server 0, killed after KILL_UPDATE updates; worker 1
+  building       server 1; worker 6, killed as the server starts building the ParameterServer (last:
+                 placed before softsync, it left every member of softsync waiting in MPI_Comm_dup)
 
-The first four go on without the dead worker; the last two end with a RankDiedError naming the
+The first four go on without the dead worker; the last three end with a RankDiedError naming the
 dead rank on every survivor. One launch for all of them: each start of a rank costs seconds of
 CPU (torch's import), more than the training.
 
 Each rank writes what it saw in each phase to a JSON file; the checks read them. The job itself
 is stopped (its whole process group) when it has not ended RUN_SECONDS after its start, or
-EXIT_SECONDS after every survivor wrote its last file: Open MPI's MPI_Finalize may hang at exit
-after a death (docs/elastic.md), which the last check reports as an expected failure."""
+EXIT_SECONDS after every survivor wrote its last file: Open MPI's MPI_Finalize sometimes never
+returns after a death (docs/elastic.md), and the survivor must then leave it after
+MPIDIST_FINALIZE_TIMEOUT with its own exit status (runtime/leave.py), which the last check
+checks."""
 import json
 import os
 import signal
@@ -29,7 +33,7 @@ import time
 import pytest
 from conftest import REPO
 
-RANKS, FEATURES, CLASSES, SAMPLES, TESTS, BATCH, EPOCHS, LR = 6, 8, 3, 1536, 2000, 64, 3, 0.5
+RANKS, FEATURES, CLASSES, SAMPLES, TESTS, BATCH, EPOCHS, LR = 7, 8, 3, 1536, 2000, 64, 3, 0.5
 KILL_STEP, KILL_UPDATE = 9, 12
 KILLED_BY_THE_SERVER = "backup"
 # name: (the phase's world ranks, its servers, its options, the world rank killed)
@@ -40,8 +44,9 @@ PHASES = {
     "backup": ([0, 1, 2, 3], 1, {"mode": "sync", "backup_workers": 1}, 3),
     "sync": ([0, 1, 2], 1, {"mode": "sync"}, 2),
     "server-killed": ([0, 1], 1, {"mode": "async"}, 0),
+    "building": ([1, 6], 1, {"mode": "async"}, 6),
 }
-RUN_SECONDS, EXIT_SECONDS = 150, 10
+RUN_SECONDS, EXIT_SECONDS = 150, 30  # the exit: the interpreter's end, then MPI_Finalize (MPIDIST_FINALIZE_TIMEOUT at most)
 DETECTION_SECONDS = 10  # from a kill to the end of the waits it ends (seen: under 1 s, on a loaded host)
 
 JOB = f"""
@@ -88,6 +93,12 @@ for name, (members, servers, options, victim) in phases.items():
     optimizer = torch.optim.SGD(model.parameters(), lr={LR}) if comm.rank < servers else None
     record = {{"started": time.time()}}
     try:
+        if name == "building":  # the victim waits for the server to come to it (a file says so), then dies
+            if world.rank == victim:
+                while not os.path.exists(os.path.join(out, "building")):
+                    time.sleep(0.05)
+                kill(name, victim)
+            open(os.path.join(out, "building"), "w").close()
         ps = md.ParameterServer(model, optimizer, comm=comm, servers=servers, **options)
         if ps.is_server:
             def on_update(update):
@@ -211,15 +222,19 @@ def test_softsync_and_backup_workers_go_on_without_a_killed_worker(job, name, vi
     assert len({record["accuracy"] for record in phase.values()}) == 1, phase
 
 
-@pytest.mark.parametrize("name, dead, named", [("sync", 2, "worker 2"), ("server-killed", 0, "the server (rank 0)")])
-def test_plain_sync_and_a_killed_server_end_with_an_error_naming_the_dead_rank_on_every_survivor(job, name, dead,
-                                                                                              named):
+@pytest.mark.parametrize("name, dead, said", [
+    ("building", 1, "rank 1 of its communicator died while the parameter server was being built, and the parameter "
+                    "server cannot start without it"),
+    ("sync", 2, "worker 2 died, and the parameter server cannot go on without it"),
+    ("server-killed", 0, "the server (rank 0) died, and the parameter server cannot go on without it")])
+def test_a_death_in_the_building_plain_sync_or_of_a_server_ends_with_an_error_naming_the_dead_rank_on_every_survivor(
+        job, name, dead, said):
     output, _, records, kills, _ = job
     phase = records[name]
     assert sorted(phase) == living(name), output
     for rank, record in phase.items():
         assert record["ranks"] == [dead], record
-        assert f"{named} died, and the parameter server cannot go on without it" in record["error"], record
+        assert said in record["error"], record
         assert "--resume" in record["error"]
     ended = max(record["ended"] for record in phase.values()) - kills[name]
     print(f"{name}: every survivor raised within {ended:.2f} s of the kill")
@@ -229,11 +244,9 @@ def test_plain_sync_and_a_killed_server_end_with_an_error_naming_the_dead_rank_o
 def test_the_job_ends(job):
     output, status, records, _, seconds = job
     assert all(records[name] for name in PHASES), output
-    if status is None:
-        pytest.xfail(f"every phase ran as checked, then the survivors did not leave MPI_Finalize within "
-                     f"{EXIT_SECONDS} s (a known problem after a death: docs/elastic.md)")
     assert status == 0, output
-    print(f"the job took {seconds:.1f} s")
+    left = "MPI_Finalize has not returned" in output
+    print(f"the job took {seconds:.1f} s" + (" (MPI_Finalize left after MPIDIST_FINALIZE_TIMEOUT)" if left else ""))
 
 
 @pytest.mark.parametrize("missing, mode, said", [

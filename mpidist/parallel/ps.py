@@ -77,7 +77,7 @@ from ..comm import init
 from ..errors import InvalidArgumentError, MismatchError, MpidistError
 from ..runtime import wire
 from ..runtime.deadlines import wait_for_collective, wait_until
-from ..runtime.mpi import fault_tolerant, return_errors
+from ..runtime.mpi import fault_tolerant, is_process_failure, return_errors
 from . import ps_shards, ps_sparse, ps_survival
 from .model_state import broadcast_module_state
 
@@ -148,6 +148,20 @@ class ParameterServer:
         if self.comm.size < 2:
             raise InvalidArgumentError("a parameter server needs at least 2 ranks (the server and one worker); "
                                        f"this communicator has {self.comm.size}")
+        self.mpi = None
+        try:
+            self._build(module, optimizer, mode, softsync, max_staleness, staleness_lr, server, version, servers,
+                        backup_workers, sparse_embeddings)
+        except Exception as error:
+            made = [mpi for mpi in (self.comm.mpi, self.mpi) if mpi is not None]
+            if not (fault_tolerant() and is_process_failure(error, made)):
+                raise
+            raise ps_survival.ending_at_start(self) from error
+
+    def _build(self, module, optimizer, mode, softsync, max_staleness, staleness_lr, server, version, servers,
+               backup_workers, sparse_embeddings):
+        """Take the arguments, agree on them with the other ranks and give every rank the chief
+        worker's weights (collective over comm)."""
         self.mpi = self.comm.mpi.Dup()  # point-to-point traffic of its own, apart from collectives
         if fault_tolerant():  # a death comes back as an error (ps_survival.py)
             return_errors(self.mpi)

@@ -13,7 +13,9 @@ Any other death ends the parameter server (ends_on_death): a server's (it holds 
 the weights and its optimizer's state alone), a worker's in plain sync mode (each update needs
 every worker's gradient), or a worker's that met a server in the middle of a message. The rank
 that meets it revokes the parameter server's communicator, so every survivor's next call on it
-fails too, and each raises the same RankDiedError naming the dead ranks. Without ULFM a death
+fails too, and each raises the same RankDiedError naming the dead ranks. A death while the
+parameter server is being built ends it the same way (ending_at_start), revoking the communicator
+it was given as well, where the building's collectives wait. Without ULFM a death
 ends the job as it always did: the MPI library ends every rank.
 """
 from __future__ import annotations
@@ -102,6 +104,22 @@ def ends_on_death(method):
             raise ending(ps) from error
 
     return call
+
+
+def ending_at_start(ps) -> RankDiedError:
+    """The error that ends the building of a parameter server after a death, the same on every
+    survivor: the communicator it was given and its own, if made (MPI makes a communicator on
+    every survivor or on none), are revoked first, so that every other survivor meets it too."""
+    if ps.mpi is not None and not ps.mpi.Is_revoked():
+        ps.mpi.Revoke()
+    ps.comm.abandon()
+    dead = failed_ranks(ps.comm.mpi, wait=NAMING_SECONDS)
+    named = f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))}" if dead else \
+        "a rank (which one could not be learnt)"
+    return RankDiedError(f"rank {ps.comm.rank}: {named} of its communicator died while the parameter server was being "
+                         f"built, and the parameter server cannot start without {'them' if len(dead) > 1 else 'it'}. "
+                         "The communicator given to it is revoked (it lost a rank); `mpidist train --resume` "
+                         "continues from the newest checkpoint", ranks=dead)
 
 
 def ending(ps) -> RankDiedError:

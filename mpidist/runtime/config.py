@@ -78,6 +78,11 @@ VARIABLES = (
              "`python -m mpi4py` does) instead of leaving the other ranks waiting `MPIDIST_TIMEOUT`; `0` keeps "
              "Python's own behaviour, for programs that handle their ranks' failures themselves "
              "([Faults](faults.md)). Nothing changes in a world of one rank"),
+    _package("MPIDIST_FINALIZE_TIMEOUT", "number", 5.0, "`5` (seconds)", "at exit, after a rank of the job died",
+             "in a fault-tolerant run (`mpirun --with-ft ulfm`) in which a rank died, a survivor whose `MPI_Finalize` "
+             "has not returned after this long at exit ends without it, with the exit status its program was "
+             "going to return: Open MPI's `MPI_Finalize` sometimes never returns after a death "
+             "([Elastic training](elastic.md#leaving-the-job))", minimum=0.1),
     _package("MPIDIST_STALL_WARNING", "number", 60.0, "`60` (seconds)", "at every collective wait",
              "a rank that has waited this long in a collective prints a stall report: which ranks have not "
              "arrived and what each last called ([Faults](faults.md#stall-report)); the wait goes on until "

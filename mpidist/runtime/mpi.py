@@ -57,7 +57,7 @@ def mpi_library_cuda_aware() -> bool:
     if forced is not None:
         return forced
     load_mpi()
-    for path in _loaded_mpi_libraries():
+    for path in loaded_mpi_libraries():
         try:
             lib = ctypes.CDLL(path)
         except OSError:
@@ -73,7 +73,8 @@ def mpi_library_cuda_aware() -> bool:
     return False
 
 
-def _loaded_mpi_libraries():
+def loaded_mpi_libraries() -> list:
+    """The paths of the MPI libraries (libmpi*) loaded in this process."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "libmpi" in line and "/" in line}
@@ -104,7 +105,7 @@ def fault_tolerance_missing():
         if os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() not in ("1", "true", "yes", "enabled"):
             return "Open MPI runs without fault tolerance: launch with `mpirun --with-ft ulfm`"
         return None
-    if "MPICH" in library and not any(_exports(path, "MPIX_Comm_shrink") for path in _loaded_mpi_libraries()):
+    if "MPICH" in library and not any(_exports(path, "MPIX_Comm_shrink") for path in loaded_mpi_libraries()):
         return "this MPICH was built without ULFM (no MPIX_Comm_shrink)"
     if "MPICH" not in library:
         return f"{library.splitlines()[0].strip()} is not known to offer ULFM"

@@ -1,0 +1,125 @@
+"""Leaving MPI at the end of a fault-tolerant run in which a rank died: MPI_Finalize with a time
+limit.
+
+After a death, Open MPI 5's MPI_Finalize sometimes never returns on the survivors (its runtime's
+end-of-job barrier waits forever; docs/elastic.md). So in a run under ULFM, md.init() registers
+finalize_after_a_death to run at exit: when MPI knows a rank of the job dead, it calls
+MPI_Finalize itself, through ctypes so that Python's lock is released during the call (mpi4py's
+MPI.Finalize holds it), and a watchdog thread ends the process with os._exit once
+MPIDIST_FINALIZE_TIMEOUT has passed, with the exit status the program was going to return.
+mpi4py, which finalizes MPI after Python's own exit handlers, then finds MPI finalized and does
+nothing. Runs in which no rank died, and programs that told mpi4py not to finalize
+(mpi4py.rc.finalize = False), are left to mpi4py as always.
+
+The exit status: Python decides it before its exit handlers run and tells them nothing, so it is
+noted on the way: an uncaught exception (sys.last_value, set before sys.excepthook is called)
+gives 1 (130 for a KeyboardInterrupt, as a shell reports Ctrl-C), and sys.exit, wrapped by
+install(), notes its argument (None: 0, a number: itself, anything else: 1, as Python does). A
+SystemExit raised by the program itself, not through sys.exit, is not seen: such a program leaves
+with 0.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import sys
+import threading
+
+import mpi4py
+
+from . import config
+from .abort import EXCEPTION_STATUS, INTERRUPT_STATUS
+from .mpi import failed_ranks, load_mpi, loaded_mpi_libraries
+
+_requested_status = None
+_watchdog = None
+
+
+def install() -> None:
+    """Register finalize_after_a_death at exit, start its watchdog and note the status given to
+    sys.exit (md.init() calls it once, in a fault-tolerant run, before registering its other exit
+    handlers, so that those run first)."""
+    global _watchdog
+    if _watchdog is not None:
+        return
+    exit_python = sys.exit
+
+    def exit_noting_status(status=None):
+        global _requested_status
+        _requested_status = status
+        exit_python(status)
+
+    exit_noting_status.__doc__ = exit_python.__doc__
+    sys.exit = exit_noting_status
+    _watchdog = Watchdog()
+    atexit.register(finalize_after_a_death)
+
+
+class Watchdog:
+    """A thread, started early (Python may refuse to start threads while it exits), that waits
+    to be armed with a deadline, then ends the process with os._exit unless disarmed in time."""
+
+    def __init__(self):
+        self.armed, self.disarmed = threading.Event(), threading.Event()
+        self.limit, self.status, self.message = 0.0, 0, ""
+        threading.Thread(target=self._watch, name="mpidist-finalize-watchdog", daemon=True).start()
+
+    def arm(self, limit: float, status: int, message: str) -> None:
+        self.limit, self.status, self.message = limit, status, message
+        self.armed.set()
+
+    def _watch(self) -> None:
+        self.armed.wait()
+        if not self.disarmed.wait(self.limit):
+            print(self.message, file=sys.stderr)
+            _flush()
+            os._exit(self.status)
+
+
+def exit_status() -> int:
+    """The status this process was going to exit with (see the module's docstring)."""
+    error = getattr(sys, "last_value", None)
+    if error is not None:
+        return INTERRUPT_STATUS if isinstance(error, KeyboardInterrupt) else EXCEPTION_STATUS
+    if _requested_status is None:
+        return 0
+    if isinstance(_requested_status, int):
+        return _requested_status & 0xFF
+    return EXCEPTION_STATUS
+
+
+def finalize_after_a_death() -> None:
+    """MPI_Finalize under a watchdog, when MPI knows a rank of the job dead (see the module's
+    docstring); otherwise nothing."""
+    MPI = load_mpi()
+    if MPI.Is_finalized() or mpi4py.rc.finalize is False:  # finalized already, or by the program's choice never
+        return
+    dead = failed_ranks(MPI.COMM_WORLD)
+    if not dead:
+        return
+    status, limit = exit_status(), config.value("MPIDIST_FINALIZE_TIMEOUT")
+    _flush()  # what the program printed must not wait on a call that may never return
+    _watchdog.arm(limit, status, f"mpidist: rank {MPI.COMM_WORLD.Get_rank()}: MPI_Finalize has not returned "
+                  f"{limit:g} s (MPIDIST_FINALIZE_TIMEOUT) after rank(s) {dead} of the job died (Open MPI's "
+                  f"end-of-job barrier, docs/elastic.md): exiting with status {status} without it")
+    _mpi_function("MPI_Finalize")()
+    _watchdog.disarmed.set()
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # closed or replaced streams
+            pass
+
+
+def _mpi_function(name):
+    """`name` from the loaded MPI library, called through ctypes.CDLL, which releases Python's
+    lock during the call."""
+    for path in loaded_mpi_libraries():
+        function = getattr(ctypes.CDLL(path), name, None)
+        if function is not None:
+            return function
+    raise RuntimeError(f"{name} is in none of the loaded MPI libraries {loaded_mpi_libraries()}")
