@@ -1,4 +1,6 @@
-"""HDF5 checkpoints: bitwise round trips, no pickle, atomic writes, exact resume, collective save."""
+"""HDF5 checkpoints: bitwise round trips, no pickle, atomic writes, exact resume, collective save.
+
+The multi-rank tests of one world size run in one launch (mpi_shared_launch.py), in file order."""
 import json
 import os
 import pickle
@@ -17,6 +19,8 @@ from torch.utils.data import DataLoader
 from mpidist import checkpoint
 from mpidist.checkpoint import CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
 from mpidist.data import HDF5Dataset, ShardedSampler
+
+pytestmark = pytest.mark.mpi_shared_launch
 
 
 class Net(nn.Module):

@@ -46,41 +46,39 @@ def plain_run(tmp_path_factory) -> PlainRun:
     return PlainRun(output, directory / "ck")
 
 
-def test_train_reaches_95_percent_and_resumes(tmp_path, plain_run, digits):
-    # The plain run, resumed from its last checkpoint and trained on to 12 epochs.
-    shutil.copytree(plain_run.checkpoints, tmp_path / "ck")
-    output = train(tmp_path, "--epochs", "12", "--resume", data=digits)
-    assert re.search(r"resumed from \S+ckpt-0002-\d+\.h5 \(epoch 2,", output), output
-    assert "epoch 2/12" not in output and "epoch 12/12: loss" in output, output
-    accuracy = float(re.search(r"final test accuracy: ([0-9.]+)", output).group(1))
-    assert accuracy >= 0.95, output
-    assert sorted(name[:9] for name in os.listdir(tmp_path / "ck")) == [f"ckpt-{epoch:04d}" for epoch in range(1, 13)]
+class ZeroRun(NamedTuple):
+    fresh: str
+    resumed: str
 
 
-def test_resume_continues_the_newest_run_and_says_what_it_does(tmp_path, plain_run, digits):
+@pytest.fixture(scope="module")
+def zero_run(tmp_path_factory, plain_run, digits) -> ZeroRun:
+    """A --zero run of one epoch, started without --resume in a directory that holds the plain
+    run's checkpoints (of 2 epochs), then resumed to 2 epochs: the resume must continue the newest
+    run (at its epoch 1), not the longer old one."""
+    directory = tmp_path_factory.mktemp("zero")
+    shutil.copytree(plain_run.checkpoints, directory / "ck")
+    fresh = train(directory, "--epochs", "1", "--zero", data=digits)
+    resumed = train(directory, "--epochs", "2", "--zero", "--resume", data=digits)
+    return ZeroRun(fresh, resumed)
+
+
+def test_resume_continues_the_newest_run_and_says_what_it_does(plain_run, zero_run):
     assert "no checkpoint in" in plain_run.output  # resumed with nothing to resume from
-    # A fresh run into a directory that holds the plain run's checkpoints: resuming must continue
-    # it, not the longer old run.
-    shutil.copytree(plain_run.checkpoints, tmp_path / "ck")
-    fresh = train(tmp_path, "--epochs", "1", "--seed", "1", data=digits)
-    assert "holds checkpoints of an earlier run" in fresh
-    resumed = train(tmp_path, "--epochs", "2", "--seed", "1", "--resume", data=digits)
-    assert re.search(r"resumed from \S+ckpt-0001-\d+\.h5 \(epoch 1,", resumed), resumed
+    assert "holds checkpoints of an earlier run" in zero_run.fresh
+    assert re.search(r"resumed from \S+ckpt-0001-\d+\.h5 \(epoch 1,", zero_run.resumed), zero_run.resumed
     # The epoch line counts every rank's samples.
-    assert "epoch 2/2: loss" in resumed and "(1500 samples on 2 ranks" in resumed
+    assert "epoch 2/2: loss" in zero_run.resumed and "(1500 samples on 2 ranks" in zero_run.resumed
 
 
-def test_zero_trains_as_plain_sgd_does_and_resumes(tmp_path, plain_run, digits):
+def test_zero_trains_as_plain_sgd_does_and_resumes(plain_run, zero_run):
     """--zero shards SGD's momentum over the ranks: the same epoch lines and test accuracy as
     plain SGD, and its checkpoints (a plain SGD's state, consolidated on rank 0) resume it."""
     def lines(output):
         return re.findall(r"epoch \d+/2: loss .*? \(1500 samples|final test accuracy: \S+", output)
 
     plain = plain_run.output
-    train(tmp_path, "--epochs", "1", "--zero", data=digits)
-    resumed = train(tmp_path, "--epochs", "2", "--zero", "--resume", data=digits)
-    assert "resumed from" in resumed
-    assert lines(resumed) == lines(plain)[1:] and len(lines(plain)) == 3, (plain, resumed)
+    assert lines(zero_run.resumed) == lines(plain)[1:] and len(lines(plain)) == 3, (plain, zero_run.resumed)
 
 
 # As TRAIN, but rank 1 sends itself SIGUSR1 (SLURM's warning before the time limit) in its 3rd step.
@@ -100,29 +98,57 @@ from mpidist.cli import main; raise SystemExit(main({args!r}))
 """
 
 
-def test_a_stop_signal_checkpoints_where_every_rank_stops_and_resume_finishes_the_run(tmp_path, plain_run, digits):
+class StoppedRun(NamedTuple):
+    stopped: str  # the output of the run that the stop signal stopped
+    stopped_checkpoints: list  # the names of the files that it left
+    resumed: str  # the output of its resumption, trained on to 12 epochs
+    checkpoints: object  # the checkpoint directory of both (a pathlib.Path)
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory, digits) -> StoppedRun:
+    """A run of 2 epochs that a stop signal stops in epoch 1, resumed and trained on to 12 epochs:
+    the checks of the stop and of the long training share its launches. (--epochs only bounds the
+    loop: the first 2 epochs of a run of 12 are those of a run of 2.)"""
+    directory = tmp_path_factory.mktemp("stopped")
+    args = ["train", "--no-progress", "--checkpoint-dir", str(directory / "ck"), "--data", str(digits), "--epochs", "2"]
+    stopped = run_python(TRAIN_SIGNALLED.format(args=args), ranks=2, timeout=300)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    left = os.listdir(directory / "ck")
+    resumed = train(directory, "--epochs", "12", "--resume", data=digits)
+    return StoppedRun(stopped.stdout, left, resumed, directory / "ck")
+
+
+def test_a_stop_signal_checkpoints_where_every_rank_stops_and_resume_finishes_the_run(plain_run, stopped_run):
     import torch
 
     from mpidist.checkpoint import load_checkpoint
     from mpidist.train import build_model
-    args = ["train", "--no-progress", "--checkpoint-dir", str(tmp_path / "ck"), "--data", str(digits), "--epochs", "2"]
-    stopped = run_python(TRAIN_SIGNALLED.format(args=args), ranks=2, timeout=300)
-    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     # Rank 1's signal came in step 3; the ranks learn of it at the next step boundary, together.
     assert "mpidist train: stopped early: a stop signal (on another rank) came; every rank stopped after step 4 " \
-           "(epoch 1/2)" in stopped.stdout, stopped.stdout
-    assert os.listdir(tmp_path / "ck") == ["ckpt-0000-00000004.h5"]
-    resumed = train(tmp_path, "--epochs", "2", "--resume", data=digits)
+           "(epoch 1/2)" in stopped_run.stopped, stopped_run.stopped
+    assert stopped_run.stopped_checkpoints == ["ckpt-0000-00000004.h5"]
+    resumed = stopped_run.resumed
     assert "resumed from" in resumed and "(epoch 0, step 4)" in resumed, resumed
-    final = re.compile(r"final test accuracy: \S+")
-    assert final.findall(resumed) == final.findall(plain_run.output) != []
+    second = re.compile(r"epoch 2/\d+: (loss \S+ train accuracy \S+) \(1500 samples")
+    assert second.findall(resumed) == second.findall(plain_run.output) != [], (plain_run.output, resumed)
     # The interrupted run has the uninterrupted one's weights after each epoch, bit for bit.
     for name in ("ckpt-0001-00000024.h5", "ckpt-0002-00000048.h5"):
         models = [build_model(), build_model()]
-        for model, directory in zip(models, (plain_run.checkpoints, tmp_path / "ck")):
+        for model, directory in zip(models, (plain_run.checkpoints, stopped_run.checkpoints)):
             load_checkpoint(directory / name, model, restore_rng=False)
         for one, other in zip(*(model.state_dict().values() for model in models)):
             assert torch.equal(one, other), name
+
+
+def test_train_reaches_95_percent_and_resumes(stopped_run):
+    # The stopped run, resumed in its epoch 1 and trained on to 12 epochs.
+    output = stopped_run.resumed
+    assert "epoch 1/12: loss" in output and "epoch 12/12: loss" in output, output
+    accuracy = float(re.search(r"final test accuracy: ([0-9.]+)", output).group(1))
+    assert accuracy >= 0.95, output
+    assert sorted(name[:9] for name in os.listdir(stopped_run.checkpoints)) == \
+        [f"ckpt-{epoch:04d}" for epoch in range(0, 13)]
 
 
 def test_parameter_server_mode_trains_to_90_percent_and_resumes(tmp_path, digits):
