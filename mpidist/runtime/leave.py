@@ -26,8 +26,6 @@ import os
 import sys
 import threading
 
-import mpi4py
-
 from . import config
 from .abort import EXCEPTION_STATUS, INTERRUPT_STATUS
 from .mpi import failed_ranks, load_mpi, loaded_mpi_libraries
@@ -93,6 +91,7 @@ def finalize_after_a_death() -> None:
     """MPI_Finalize under a watchdog, when MPI knows a rank of the job dead (see the module's
     docstring); otherwise nothing."""
     MPI = load_mpi()
+    import mpi4py  # here, not at the top: importing mpidist must not need mpi4py (errors.MPIUnavailableError)
     if MPI.Is_finalized() or mpi4py.rc.finalize is False:  # finalized already, or by the program's choice never
         return
     dead = failed_ranks(MPI.COMM_WORLD)
