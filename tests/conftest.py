@@ -41,11 +41,11 @@ os.environ.setdefault("OMPI_MCA_osc", "^ucx")
 # in native code that holds it would stay silent until the launch is killed (400 s). The ranks
 # therefore also run pytest's faulthandler watchdog, which dumps every thread's stack without the
 # GIL a minute after pytest-timeout would have, then ends the rank (and with it the launch).
-RANK_WATCHDOG = os.environ.get("MPIDIST_TESTS_RANK_WATCHDOG_S", "300")
+RANK_WATCHDOG_S = 300
 if "PYTEST_ISOLATE_MPI_IS_FORKED" not in os.environ:
     _addopts = os.environ.get("PYTEST_ADDOPTS", "")
     if "no:hypothesispytest" not in _addopts:
-        _addopts = (f"{_addopts} -p no:hypothesispytest -o faulthandler_timeout={RANK_WATCHDOG} "
+        _addopts = (f"{_addopts} -p no:hypothesispytest -o faulthandler_timeout={RANK_WATCHDOG_S} "
                     "-o faulthandler_exit_on_timeout=true").strip()
         os.environ["PYTEST_ADDOPTS"] = _addopts
 
