@@ -228,7 +228,7 @@ def test_new_group_is_a_sub_communicator(mpi_world):
     dist.barrier()
 
 
-def ddp_trained(model, rank, size, process_group=None):
+def ddp_trained(model, rank, process_group=None):
     """A copy of `model` after three steps of torch's DDP over `process_group` (the default
     group: mpidist), on every rank's batches of values()."""
     from torch.nn.parallel import DistributedDataParallel
@@ -249,13 +249,13 @@ def test_ddp_trains_as_one_process_and_as_over_gloo(mpi_world):
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).double()
     gloo = dist.new_group(backend="gloo")
     try:
-        mine = ddp_trained(model, rank, size)
-        glooed = ddp_trained(model, rank, size, process_group=gloo)
+        mine = ddp_trained(model, rank)
+        glooed = ddp_trained(model, rank, process_group=gloo)
     finally:
         # torch frees a DDP's Reducer with the GIL held. Were the Reducer the gloo group's last
         # owner, the group's destructor would join gloo's worker threads with the GIL held while
-        # a worker may still need it to free the Work it just finished: a deadlock (seen here
-        # about once in 20 runs; pytorch/pytorch#56297). So the DDP objects (in reference cycles)
+        # a worker may still need it to free the Work it just finished: a deadlock (seen in this
+        # test under load; pytorch/pytorch#56297). So the DDP objects (in reference cycles)
         # are freed first, and the group last, by its own Python object, which releases the GIL.
         gc.collect()
         dist.destroy_process_group(gloo)
