@@ -36,12 +36,18 @@ def install_abort_on_exception(world_mpi) -> None:
         print(f"mpidist: rank {world_mpi.Get_rank()} of {world_mpi.Get_size()} ended with an uncaught "
               f"{kind.__name__}: aborting the whole job (MPIDIST_ABORT_ON_EXCEPTION=0 leaves the other ranks "
               "running)", file=sys.stderr)
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (AttributeError, OSError, ValueError):  # closed or replaced streams
-                pass
+        flush_output()
         world_mpi.Abort(status)
 
     abort_on_exception.aborts_job = True
     sys.excepthook = abort_on_exception
+
+
+def flush_output() -> None:
+    """Flush stdout and stderr before a process ends without Python's own flushing at exit
+    (MPI_Abort, os._exit)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # closed or replaced streams
+            pass

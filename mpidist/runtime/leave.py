@@ -27,7 +27,7 @@ import sys
 import threading
 
 from . import config
-from .abort import EXCEPTION_STATUS, INTERRUPT_STATUS
+from .abort import EXCEPTION_STATUS, INTERRUPT_STATUS, flush_output
 from .mpi import failed_ranks, load_mpi, loaded_mpi_libraries
 
 _requested_status = None
@@ -71,7 +71,7 @@ class Watchdog:
         self.armed.wait()
         if not self.disarmed.wait(self.limit):
             print(self.message, file=sys.stderr)
-            _flush()
+            flush_output()
             os._exit(self.status)
 
 
@@ -98,20 +98,12 @@ def finalize_after_a_death() -> None:
     if not dead:
         return
     status, limit = exit_status(), config.value("MPIDIST_FINALIZE_TIMEOUT")
-    _flush()  # what the program printed must not wait on a call that may never return
+    flush_output()  # what the program printed must not wait on a call that may never return
     _watchdog.arm(limit, status, f"mpidist: rank {MPI.COMM_WORLD.Get_rank()}: MPI_Finalize has not returned "
                   f"{limit:g} s (MPIDIST_FINALIZE_TIMEOUT) after rank(s) {dead} of the job died (Open MPI's "
                   f"end-of-job barrier, docs/elastic.md): exiting with status {status} without it")
     _mpi_function("MPI_Finalize")()
     _watchdog.disarmed.set()
-
-
-def _flush() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (AttributeError, OSError, ValueError):  # closed or replaced streams
-            pass
 
 
 def _mpi_function(name):
