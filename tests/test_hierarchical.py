@@ -4,6 +4,9 @@ against the float64 NumPy reference and tolerances of test_collectives.
 
 The multi-rank tests of one world size run in one launch (mpi_shared_launch.py), each on a
 communicator of its own, freed at its end."""
+import itertools
+import time
+
 import numpy as np
 import pytest
 from conftest import make_array, raw_bytes, to_float64
@@ -11,6 +14,7 @@ from mpi4py import MPI
 from test_collectives import FLOAT_DTYPES, INT_DTYPES, OPS, rank_values, reference, size_classes, tolerance
 
 import mpidist as md
+from mpidist.collectives import hierarchical
 
 pytestmark = pytest.mark.mpi_shared_launch
 
@@ -101,3 +105,30 @@ def test_async_beside_blocking(mpi_ranks, comm):
     for k, (handle, array) in enumerate(zip(handles, arrays)):
         assert handle.wait() is array
         assert (array == sum(range(mpi_ranks)) + mpi_ranks * k).all()
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+@ON_NODES
+def test_back_to_back_calls_of_changing_sizes(mpi_ranks, comm, monkeypatch):
+    """The last rank copies its results out late (a pause after every second node barrier, so
+    between a call's last barrier and its copy-out on one node) while the others go on to the
+    next call, of another size: with two ranks on one node (one slot each, the results published
+    into the peer's slot) and with more (alternating halves), no result is overwritten early."""
+    barriers = itertools.count(1)
+    synchronize = hierarchical.NodeWindow.sync
+
+    def synchronize_then_lag(window):
+        synchronize(window)
+        if comm.rank == mpi_ranks - 1 and next(barriers) % 2 == 0:
+            time.sleep(0.003)
+
+    monkeypatch.setattr(hierarchical.NodeWindow, "sync", synchronize_then_lag)
+    comm.check_calls = False  # the call check is a collective: it would hold the fast ranks back
+    counts = [[70001, 3, 20000, 65536, 5, 40000][call % 6] for call in range(24)]
+    inputs = [[rank_values(call, k, count, "float32", "sum") for k in range(mpi_ranks)]
+              for call, count in enumerate(counts)]
+    # Back to back, for the same reason: each result is checked afterwards.
+    results = [comm.allreduce(values[comm.rank].astype(np.float32), algorithm="hierarchical") for values in inputs]
+    for call, (values, result) in enumerate(zip(inputs, results)):
+        error = np.abs(result.astype(np.float64) - reference(values, "sum"))
+        assert (error <= tolerance(values, "sum", "float32")).all(), f"call {call} (n={counts[call]}): {error.max()}"

@@ -176,3 +176,10 @@ def reduce_and_publish(dst: int, sources, nbytes: int, dtype: str, op: str, scal
     1, and copied to each address in `publish` (which may be sources too): one kernel call that
     does the three steps block by block while each block is in L1 (results/publish-cpu.md)."""
     kernels.reduce_many_to_ptr([dst, *publish], sources, nbytes // ITEMSIZE[dtype], dtype, op, scale)
+
+
+def result_slot(slots: list, owner: int) -> int:
+    """Where the reduced slice of local rank `owner` is published on one node (hierarchical.py,
+    polled.py): the other rank's slot with two ranks, over that rank's copy of the slice, which
+    the reduction has just read, else the owner's own slot."""
+    return slots[1 - owner] if len(slots) == 2 else slots[owner]

@@ -56,7 +56,7 @@ from ..buffers import ITEMSIZE, describe
 from ..errors import InvalidArgumentError
 from ..runtime.deadlines import deadline_error, poll_until
 from ..runtime.mpi import load_mpi
-from .common import kernel_op, reduce_and_publish, split_counts
+from .common import kernel_op, reduce_and_publish, result_slot, split_counts
 
 COUNTER_BYTES = 64  # one cache line per counter: ranks never write the same line
 YIELD_SECONDS = 100e-6  # how long wait() polls without sleeping, with more ranks than cores
@@ -300,8 +300,7 @@ class PolledAllreduce:
     def result_slot(self, owner: int) -> int:
         """Without results_in_slots, the slot that receives the reduced slice of local rank `owner`
         (see the module notes)."""
-        slots = self.slots.slots[self.index]
-        return slots[1 - owner] if len(slots) == 2 else slots[owner]
+        return result_slot(self.slots.slots[self.index], owner)
 
     def _reduce_own_slice(self):
         me = self.slots.local_rank
