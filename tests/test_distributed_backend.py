@@ -196,21 +196,60 @@ def test_async_work_completes_in_the_background(mpi_world):
     assert work.is_completed()
 
 
-@pytest.mark.mpi(ranks=[2])
-def test_a_future_callback_may_call_a_blocking_collective(mpi_world):
+def background_group(monkeypatch):
+    """A group of every rank whose asynchronous collectives go to its background thread even on
+    one node."""
+    monkeypatch.setenv("MPIDIST_EAGER_ON_NODE", "0")
+    group = dist.new_group(backend="mpidist")
+    monkeypatch.delenv("MPIDIST_EAGER_ON_NODE")
+    return group
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_async_collectives_on_one_node_run_at_once(mpi_world, monkeypatch):
     rank, size = world()
+    monkeypatch.setenv("MPIDIST_RANKS_PER_NODE", "1")  # every rank an emulated node of its own
+    across_nodes = dist.new_group(backend="mpidist")
+    monkeypatch.delenv("MPIDIST_RANKS_PER_NODE")
+    groups = {"one node": (dist.new_group(backend="mpidist"), True),
+              "background thread": (background_group(monkeypatch), False), "across nodes": (across_nodes, False)}
+    for name, (group, at_once) in groups.items():
+        tensor, rows = values(rank, (50,)), [torch.empty(3, dtype=torch.float64) for _ in range(size)]
+        if not at_once and rank == 1:
+            time.sleep(0.2)  # rank 0's collectives wait for this rank on its background thread
+        works = [dist.all_reduce(tensor, group=group, async_op=True),
+                 dist.all_gather(rows, values(rank, (3,), seed=1), group=group, async_op=True)]
+        if at_once:
+            assert all(work.is_completed() for work in works), name
+        elif rank != 1:
+            assert not any(work.is_completed() for work in works), name
+        for work in works:
+            work.wait()
+        assert (group.comm._engine is None) == at_once, name
+        torch.testing.assert_close(tensor, sum(values(k, (50,)) for k in range(size)))
+        torch.testing.assert_close(torch.stack(rows), torch.stack([values(k, (3,), seed=1) for k in range(size)]))
+    for group, _ in groups.values():
+        dist.destroy_process_group(group)
+
+
+@pytest.mark.mpi(ranks=[2])
+def test_a_future_callback_may_call_a_blocking_collective(mpi_world, monkeypatch):
+    rank, size = world()
+    group = background_group(monkeypatch)
     first, second = values(rank, (4,)), values(rank, (4,), seed=1)
     # The callback runs on the group's engine thread as the first all-reduce completes there (on
     # rank 0 surely: rank 1 joins that all-reduce late); its blocking call runs at once on that
     # thread, ahead of the call queued after it.
     if rank == 1:
         time.sleep(0.2)
-    chained = dist.all_reduce(first, async_op=True).get_future().then(lambda future: dist.all_reduce(second))
+    chained = dist.all_reduce(first, group=group, async_op=True).get_future().then(
+        lambda future: dist.all_reduce(second, group=group))
     third = values(rank, (4,), seed=2)
-    dist.all_reduce(third)
+    dist.all_reduce(third, group=group)
     chained.wait()
     for seed, tensor in enumerate((first, second, third)):
         torch.testing.assert_close(tensor, sum(values(k, (4,), seed=seed) for k in range(size)))
+    dist.destroy_process_group(group)
 
 
 @pytest.mark.mpi(ranks=[3])

@@ -6,8 +6,10 @@ lists), so its messages never cross the program's own mpidist calls. Every colle
 cross-rank call check and the deadlines (MPIDIST_TIMEOUT) of mpidist's collectives. A call with
 async_op=False runs on the caller's thread (behind any queued asynchronous ones); async_op=True
 queues it on the Communicator's asynchronous engine (collectives/engine.py), which progresses it
-in the background, and returns a Work at once. Point-to-point operations are nonblocking MPI
-messages on a duplicate communicator of their own, so a user's tag never matches a collective's.
+in the background, and returns a Work at once, except on CPU tensors in a group on one node
+(MPIDIST_EAGER_ON_NODE), where it runs at once like a blocking call and its Work is complete when
+returned. Point-to-point operations are nonblocking MPI messages on a duplicate communicator of
+their own, so a user's tag never matches a collective's.
 
 How the c10d operations map onto the collectives: all_reduce (SUM, AVG, PRODUCT, MIN, MAX) is
 allreduce; PREMUL_SUM scales, then sums; BAND/BOR/BXOR gather the ranks' tensors and fold them
@@ -26,6 +28,7 @@ from .. import collectives
 from ..collectives.engine import in_order
 from ..comm import Communicator, init
 from ..errors import InvalidArgumentError, NotOfferedError
+from ..runtime import config
 from ..runtime.deadlines import wait_for_request
 from .rendezvous import check_agrees_with_mpi
 
@@ -146,6 +149,10 @@ class ProcessGroupMpidist(dist.ProcessGroup):
         self._backend_name = backend_name
         self._p2p = comm.mpi.Dup()
         self._group_name = name
+        # On one node a collective is CPU work on either thread (copies and reductions through
+        # shared memory, no network to wait for): a background thread only competes with the
+        # ranks' computation for their cores (docs/distributed-backend.md#performance).
+        self._eager = comm.num_nodes == 1 and config.value("MPIDIST_EAGER_ON_NODE")
 
     # ---- what torch asks of every process group --------------------------------------------
 
@@ -178,8 +185,9 @@ class ProcessGroupMpidist(dist.ProcessGroup):
 
     def _run(self, description: str, run, outputs, opts) -> MpidistWork:
         """run(channel) now (behind the queued asynchronous collectives) or, with async_op=True,
-        on the engine; the Work's future then completes with `outputs`."""
-        if not getattr(opts, "asyncOp", True):
+        on the engine, unless the group runs its CPU collectives at once; the Work's future
+        completes with `outputs`."""
+        if not getattr(opts, "asyncOp", True) or self._eager and _on_cpu(outputs):
             in_order(self.comm, run)
             return MpidistWork(outputs)
         future = Future()
@@ -200,10 +208,10 @@ class ProcessGroupMpidist(dist.ProcessGroup):
         tensor = _one(tensors, "all_reduce")
         opts = _option(opts, dist.AllreduceOptions)
         reduce_op = _reduce_op(opts.reduceOp, tensor.dtype, "all_reduce")
-        # dist.all_reduce's usual call, a blocking native reduction of a small CPU tensor on a
+        # dist.all_reduce's usual call, a native reduction of a small CPU tensor run at once on a
         # group with no engine, straight to the small-message path: each layer of Python skipped
         # is a microsecond per call (the general route below does the same, and its refusals).
-        if not opts.asyncOp and reduce_op[0] in NATIVE_OPS \
+        if (not opts.asyncOp or self._eager) and reduce_op[0] in NATIVE_OPS \
                 and collectives.small_cpu_allreduce(self.comm, tensor, NATIVE_OPS[reduce_op[0]], "auto"):
             return MpidistWork([tensor])
         return self._run("all_reduce", lambda channel: self._allreduce(channel, tensor, reduce_op), [tensor], opts)
@@ -468,6 +476,11 @@ def _one(tensors, what: str):
         raise NotOfferedError(f"{what}: the mpidist backend takes one tensor (or tensor list) per rank, got "
                               f"{len(tensors)}; the multi-device forms are not offered (gloo refuses them too)")
     return tensors[0]
+
+
+def _on_cpu(outputs) -> bool:
+    """Whether every tensor of `outputs` (tensors and lists of them) is a CPU tensor."""
+    return all(_on_cpu(output) if isinstance(output, list) else output.is_cpu for output in outputs)
 
 
 def _option(opts, kind):

@@ -99,6 +99,11 @@ VARIABLES = (
     _package("MPIDIST_CUDA_AWARE", "flag", None,
              "detected (`MPIX_Query_cuda_support` / `MPIX_GPU_query_support`)", "at the first GPU buffer of a "
              "Communicator", "`1`: hand GPU buffers to MPI directly; `0`: stage them through pinned host memory"),
+    _package("MPIDIST_EAGER_ON_NODE", "flag", True, "`1`", "when a torch.distributed process group is made",
+             "a [torch.distributed](distributed-backend.md#asynchronous-operations) collective with `async_op=True` "
+             "on CPU tensors, in a group whose ranks share one node, runs at once on the caller's thread (its Work "
+             "is complete when returned) instead of on the group's background thread, which would only take CPU "
+             "time from the ranks' computation; `0` queues it on the background thread"),
     _package("MPIDIST_KEEP_FREED_MEMORY", "flag", True, "`1`", "when DataParallel or hvd's optimizer starts",
              "`0` leaves glibc's malloc settings alone (by default `DataParallel` and `hvd.DistributedOptimizer` "
              "keep freed CPU memory for the next step, see [Data-parallel training](data-parallel.md))"),
