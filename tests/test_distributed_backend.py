@@ -232,6 +232,52 @@ def test_async_collectives_on_one_node_run_at_once(mpi_world, monkeypatch):
         dist.destroy_process_group(group)
 
 
+MESSAGE_INSIDE_AN_ALL_REDUCE = """
+import os
+import torch, torch.distributed as dist
+import mpidist as md
+dist.init_process_group("mpidist")
+os.environ["MPIDIST_EAGER_ON_NODE"] = "0"
+background = dist.new_group(backend="mpidist")
+dist.all_reduce(torch.zeros(1), group=background, async_op=True).wait()  # its engine made (collective)
+rank = dist.get_rank()
+
+
+def message_inside_an_all_reduce(group):
+    # Rank 0 starts an all-reduce, then sends; rank 1 receives, then joins the all-reduce.
+    tensor = torch.ones(3)
+    if rank == 0:
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+        dist.send(torch.full((2,), 7.0), dst=1, group=group)
+        work.wait()
+    else:
+        message = torch.empty(2)
+        dist.recv(message, src=0, group=group)
+        dist.all_reduce(tensor, group=group)
+    return tensor.tolist()
+
+
+print(rank, "background:", message_inside_an_all_reduce(background), flush=True)
+try:
+    message_inside_an_all_reduce(dist.group.WORLD)
+except md.DeadlineError as error:
+    print(rank, "at once:", error, flush=True)
+"""
+
+
+def test_a_program_that_needs_async_not_to_block_needs_the_background_thread():
+    """What docs/distributed-backend.md says of MPIDIST_EAGER_ON_NODE=0: with the all-reduce
+    queued, the message sent after it arrives; run at once, both ranks wait out MPIDIST_TIMEOUT
+    and the errors name the missing rank."""
+    result = run_python(MESSAGE_INSIDE_AN_ALL_REDUCE, ranks=2, env={"MPIDIST_TIMEOUT": "3"}, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = dict(line.split(": ", 1) for line in result.stdout.splitlines())
+    assert lines["0 background"] == lines["1 background"] == "[2.0, 2.0, 2.0]", result.stdout
+    assert lines["0 at once"].startswith("rank 0: the allreduce call check did not complete within 3 s") \
+        and "no answer from ranks [1]" in lines["0 at once"], result.stdout
+    assert lines["1 at once"].startswith("rank 1: receive from rank 0") and "no answer from rank 0" in lines["1 at once"]
+
+
 @pytest.mark.mpi(ranks=[2])
 def test_a_future_callback_may_call_a_blocking_collective(mpi_world, monkeypatch):
     rank, size = world()
