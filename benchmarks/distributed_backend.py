@@ -10,7 +10,9 @@ the noise of a shared machine falls on all alike:
 1. Training throughput on the MLP of benchmarks/training.py (3M: 1024-1024-1024-1024-10, batch
    `--batch` per rank, cross-entropy, SGD): torch DDP over "mpidist" (the default process
    group), torch DDP over "gloo" (a gloo group of the same processes, made with new_group on the
-   store the mpidist rendezvous set up) and mpidist's own DataParallel. samples_per_s is global:
+   store the mpidist rendezvous set up), mpidist's own DataParallel, and torch DDP over a second
+   "mpidist" group made with MPIDIST_EAGER_ON_NODE=0 ("background thread": its asynchronous
+   all-reduces queued on the group's engine, as across nodes). samples_per_s is global:
    ranks x batch x steps / the slowest rank's time for the round; the median over rounds.
    Correctness: after the steps, every candidate's parameters are compared with DDP over gloo's
    (same initial weights, same batches): max |a - b| / max |b| <= 1e-5, else the command exits 1.
@@ -18,11 +20,13 @@ the noise of a shared machine falls on all alike:
    "gloo", and mpidist.allreduce (our API) on a Communicator, `--calls` back-to-back calls per
    round; time per call (median over rounds), bus bandwidth as nccl-tests defines it
    (bytes / time x 2(p-1)/p), and the backend's overhead over our API (the difference of their
-   times per call, in microseconds). Each candidate then sums ones once, checked. After DDP's
-   asynchronous all-reduces the group has its background engine, and a blocking call then
-   runs on the engine's communicator (on the caller's thread when nothing is queued): the
-   second pass measures that path. benchmarks/distributed_backend_layers.py splits the cost
-   per call into its layers.
+   times per call, in microseconds). Each candidate then sums ones once, checked. With the
+   ranks on several nodes (or MPIDIST_EAGER_ON_NODE=0), DDP's asynchronous all-reduces start
+   the default group's background engine, and a blocking call then runs on the engine's
+   communicator (on the caller's thread when nothing is queued): the second pass measures that
+   path. On one node DDP's all-reduces run at once and start no engine: the second pass then
+   measures the first one's path again, after the training.
+   benchmarks/distributed_backend_layers.py splits the cost per call into its layers.
 
 One thread per rank (torch, mpidist's kernels). MPIDIST_CHECK=0 turns mpidist's cross-rank call
 check off for all mpidist candidates alike (gloo has none).
@@ -82,12 +86,28 @@ def slowest(seconds: float) -> float:
     return float(value[0])
 
 
-def training(args, gloo, rank, size) -> list[dict]:
+def background_group():
+    """An mpidist group of every rank that queues asynchronous collectives on its background
+    thread even on one node (MPIDIST_EAGER_ON_NODE=0 while it is made)."""
+    saved = os.environ.get("MPIDIST_EAGER_ON_NODE")
+    os.environ["MPIDIST_EAGER_ON_NODE"] = "0"
+    try:
+        return dist.new_group(backend="mpidist")
+    finally:
+        if saved is None:
+            del os.environ["MPIDIST_EAGER_ON_NODE"]
+        else:
+            os.environ["MPIDIST_EAGER_ON_NODE"] = saved
+
+
+def training(args, gloo, background, rank, size) -> list[dict]:
     sizes = layer_sizes(parse_count(args.params), 4)
     pool = make_pool(sizes, args.batch, SEED, rank)
-    trainers = [Trainer("ddp mpidist", sizes, torch.nn.parallel.DistributedDataParallel),
-                Trainer("ddp gloo", sizes, lambda m: torch.nn.parallel.DistributedDataParallel(m, process_group=gloo)),
-                Trainer("mpidist DataParallel", sizes, md.DataParallel)]
+    ddp = torch.nn.parallel.DistributedDataParallel
+    trainers = [Trainer("ddp mpidist", sizes, ddp),
+                Trainer("ddp gloo", sizes, lambda m: ddp(m, process_group=gloo)),
+                Trainer("mpidist DataParallel", sizes, md.DataParallel),
+                Trainer("ddp mpidist, background thread", sizes, lambda m: ddp(m, process_group=background))]
     step = 0
     for trainer in trainers:
         trainer.steps(pool, step, args.warmup)
@@ -186,9 +206,10 @@ def main(argv=None) -> int:
     comm = md.init()
     dist.init_process_group("mpidist")
     gloo = dist.new_group(backend="gloo")
+    background = background_group()
     rank, size = dist.get_rank(), dist.get_world_size()
-    rows = allreduce(args, gloo, comm, size, "before any async_op") + training(args, gloo, rank, size) \
-        + allreduce(args, gloo, comm, size, "after DDP (async_op)")
+    rows = allreduce(args, gloo, comm, size, "before any async_op") \
+        + training(args, gloo, background, rank, size) + allreduce(args, gloo, comm, size, "after DDP (async_op)")
     for row in rows:
         row["mpidist_check"] = os.environ.get("MPIDIST_CHECK", "1")
     failed = [row for row in rows if not row["correct"]]

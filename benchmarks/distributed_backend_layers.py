@@ -17,7 +17,10 @@ on the machine inflate it little. Layers, each including the ones below it:
   (torch.testing's): the floors of a backend written in Python or in C++.
 
 Twice: before any async_op, and after one (the group then has its background engine), plus the
-asynchronous forms waited at once.
+asynchronous forms waited at once. A world of one is one node, where asynchronous CPU collectives
+run at once by default (MPIDIST_EAGER_ON_NODE): the default group here is made with that off, so
+that its layers are the background route's, and the asynchronous call is measured again on a group
+that runs it at once.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import sys
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MPIDIST_CHECK", "0")
 os.environ.setdefault("MPIDIST_ALLREDUCE_ALGORITHM", "mpi")
+os.environ["MPIDIST_EAGER_ON_NODE"] = "0"  # the default group's route: the background thread
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -63,11 +67,22 @@ def layers(group, floors, tensor) -> list[tuple[str, object]]:
                    for name, floor in floors]
 
 
-def asynchronous(group, tensor) -> list[tuple[str, object]]:
+def asynchronous(group, at_once, tensor) -> list[tuple[str, object]]:
     return [("dist.all_reduce(async_op=True).wait()", lambda: dist.all_reduce(tensor, async_op=True).wait()),
             ("dist.all_reduce(async_op=True).get_future().wait()",
              lambda: dist.all_reduce(tensor, async_op=True).get_future().wait()),
-            ("mpidist Communicator.allreduce_async().wait()", lambda: group.comm.allreduce_async(tensor).wait())]
+            ("mpidist Communicator.allreduce_async().wait()", lambda: group.comm.allreduce_async(tensor).wait()),
+            ("dist.all_reduce(async_op=True).wait(), run at once (one node)",
+             lambda: dist.all_reduce(tensor, group=at_once, async_op=True).wait())]
+
+
+def group_at_once():
+    """A group that runs asynchronous CPU collectives at once (the default on one node)."""
+    os.environ["MPIDIST_EAGER_ON_NODE"] = "1"
+    try:
+        return dist.new_group(backend="mpidist")
+    finally:
+        os.environ["MPIDIST_EAGER_ON_NODE"] = "0"
 
 
 def fake_group():
@@ -101,7 +116,7 @@ def main(argv=None) -> int:
             dist.all_reduce(tensor, async_op=True).wait()  # starts the group's engine
         for name, call in layers(group, floors, tensor):
             rows.append({"phase": phase, "layer": name, "cpu_us_per_call": cpu_us(call, args.calls, args.repeat)})
-    for name, call in asynchronous(group, tensor):
+    for name, call in asynchronous(group, group_at_once(), tensor):
         rows.append({"phase": "after an async_op", "layer": name,
                      "cpu_us_per_call": cpu_us(call, max(1, args.calls // 10), args.repeat)})
     print("| when | layer | CPU us per call |\n|---|---|---|")

@@ -18,7 +18,8 @@ def test_distributed_backend_benchmark_rows(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     rows = json.loads(out.read_text())
     training = [row for row in rows if row["question"] == "training"]
-    assert [row["candidate"] for row in training] == ["ddp mpidist", "ddp gloo", "mpidist DataParallel"]
+    assert [row["candidate"] for row in training] == ["ddp mpidist", "ddp gloo", "mpidist DataParallel",
+                                                      "ddp mpidist, background thread"]
     assert all(row["correct"] and row["samples_per_s"] > 0 and row["ranks"] == 2 for row in training)
     allreduces = [row for row in rows if row["question"] == "allreduce"]
     assert len(allreduces) == 2 * 2 * 3  # two phases, two sizes, three candidates
@@ -40,4 +41,5 @@ def test_distributed_backend_layers_rows(tmp_path):
         assert {(phase, "mpidist Communicator.allreduce"), (phase, "dist.all_reduce"),
                 (phase, "dist.all_reduce, a Python group that does nothing")} <= layers
     assert ("after an async_op", "dist.all_reduce(async_op=True).get_future().wait()") in layers
+    assert ("after an async_op", "dist.all_reduce(async_op=True).wait(), run at once (one node)") in layers
     assert all(row["cpu_us_per_call"] > 0 for row in rows)
