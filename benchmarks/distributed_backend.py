@@ -1,7 +1,7 @@
 """The torch.distributed backend "mpidist" against gloo and against mpidist's own API.
 
     MPIDIST_CHECK=0 mpirun --oversubscribe --bind-to none -np 2 python benchmarks/distributed_backend.py \
-        [--params 3M] [--batch 64] [--steps 10] [--rounds 5] [--warmup 3] \
+        [--params 3M] [--batch 64] [--bucket-mb 25] [--steps 10] [--rounds 5] [--warmup 3] \
         [--counts 1,1024,262144,4194304] [--calls 200] [--json FILE]
 
 Two questions, in one run, every candidate interleaved round by round (the order rotates) so
@@ -9,10 +9,11 @@ the noise of a shared machine falls on all alike:
 
 1. Training throughput on the MLP of benchmarks/training.py (3M: 1024-1024-1024-1024-10, batch
    `--batch` per rank, cross-entropy, SGD): torch DDP over "mpidist" (the default process
-   group), torch DDP over "gloo" (a gloo group of the same processes, made with new_group on the
-   store the mpidist rendezvous set up), mpidist's own DataParallel, and torch DDP over a second
-   "mpidist" group made with MPIDIST_EAGER_ON_NODE=0 ("background thread": its asynchronous
-   all-reduces queued on the group's engine, as across nodes). samples_per_s is global:
+   group; `--bucket-mb` is DDP's bucket_cap_mb), torch DDP over "gloo" (a gloo group of the
+   same processes, made with new_group on the store the mpidist rendezvous set up), mpidist's
+   own DataParallel, and torch DDP over a second "mpidist" group made with
+   MPIDIST_EAGER_ON_NODE=0 ("background thread": its asynchronous all-reduces queued on the
+   group's engine, as across nodes). samples_per_s is global:
    ranks x batch x steps / the slowest rank's time for the round; the median over rounds.
    Correctness: after the steps, every candidate's parameters are compared with DDP over gloo's
    (same initial weights, same batches): max |a - b| / max |b| <= 1e-5, else the command exits 1.
@@ -103,7 +104,11 @@ def background_group():
 def training(args, gloo, background, rank, size) -> list[dict]:
     sizes = layer_sizes(parse_count(args.params), 4)
     pool = make_pool(sizes, args.batch, SEED, rank)
-    ddp = torch.nn.parallel.DistributedDataParallel
+
+    def ddp(model, process_group=None):
+        return torch.nn.parallel.DistributedDataParallel(model, process_group=process_group,
+                                                         bucket_cap_mb=args.bucket_mb)
+
     trainers = [Trainer("ddp mpidist", sizes, ddp),
                 Trainer("ddp gloo", sizes, lambda m: ddp(m, process_group=gloo)),
                 Trainer("mpidist DataParallel", sizes, md.DataParallel),
@@ -126,6 +131,7 @@ def training(args, gloo, background, rank, size) -> list[dict]:
     for trainer in trainers:
         diff = max_rel_diff(trainer.model, reference)
         rows.append({"question": "training", "candidate": trainer.name, "ranks": size, "batch_per_rank": args.batch,
+                     "ddp_bucket_mb": args.bucket_mb,
                      "params": sum(p.numel() for p in trainer.model.parameters()), "steps": args.steps,
                      "rounds": args.rounds, **throughput(size * args.batch * args.steps, seconds[trainer.name]),
                      "max_rel_diff_vs_ddp_gloo": diff,
@@ -190,6 +196,7 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", default="3M")
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's bucket_cap_mb")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)

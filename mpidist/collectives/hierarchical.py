@@ -63,8 +63,9 @@ RING_ACROSS_NODES_BYTES = 1024 * 1024
 class NodeWindow:
     """The shared window of one node. On one node of more than two ranks every local rank has two
     slots of `capacity` bytes, one in each half of the window; with two ranks, or with several
-    nodes, it has one slot, and with several nodes local rank 0 also holds a result region. With several nodes it also owns the lane communicator of this
-    rank (None for a rank beyond the lanes)."""
+    nodes, it has one slot, and with several nodes local rank 0 also holds a result region. With
+    several nodes it also owns the lane communicator of this rank (None for a rank beyond the
+    lanes)."""
 
     def __init__(self, node_comm, comm, spans_nodes: bool):
         self.node_comm = node_comm
