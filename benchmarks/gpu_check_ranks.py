@@ -4,8 +4,9 @@
 
 It runs mpidist's collectives (every all-reduce algorithm, broadcast, allgather, reduce_scatter;
 float32/bfloat16/float16; torch and CuPy arrays on `--device cuda`, NumPy and torch CPU arrays
-on `--device cpu`) and its training modes (DataParallel, Pipeline, ParameterServer on a module on
-that device), and compares each result with an independent reference: float64 NumPy sums of every
+on `--device cpu`), its torch.distributed backend (the c10d collectives, point-to-point and torch's
+DDP on torch tensors on that device) and its training modes (DataParallel, Pipeline,
+ParameterServer on a module on that device), and compares each result with an independent reference: float64 NumPy sums of every
 rank's inputs for the collectives, one-process float64 CPU training for the training modes. For a
 GPU buffer it also checks the route the data took: through pinned host memory when the MPI
 library is not CUDA-aware (MPIDIST_CUDA_AWARE=0 forces this), straight from GPU memory when it is.
@@ -283,6 +284,63 @@ def check_async(comm, report: Report, arrays: Arrays, count: int) -> None:
         report.run(f"allreduce_async sum and avg {arrays.label()} {dtype} n={count}", allreduce_async)
 
 
+# ---- the torch.distributed backend --------------------------------------------------------------
+
+def check_distributed_backend(comm, report: Report, device: str, count: int) -> None:
+    """torch.distributed over "mpidist" on torch tensors on `device`: the c10d collectives and
+    point-to-point against float64 references, then torch's own DDP against one-process training."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("mpidist")
+    size, rank = comm.size, comm.rank
+    arrays, inputs = Arrays("torch", device), Inputs(size)
+    for dtype in ("float32", "bfloat16"):
+        def collectives(dtype=dtype):
+            per_rank, total, magnitude = inputs.get(dtype, count)
+            bound = sum_bound(dtype, size, magnitude)
+            blocking, queued = arrays.make(per_rank[rank], dtype), arrays.make(per_rank[rank], dtype)
+            dist.all_reduce(blocking)
+            dist.all_reduce(queued, async_op=True).wait()
+            broadcast = arrays.make(per_rank[rank], dtype)
+            dist.broadcast(broadcast, src=0)
+            gathered = arrays.make(np.zeros(size * count), dtype)
+            dist.all_gather_into_tensor(gathered, arrays.make(per_rank[rank], dtype))
+            # reduce_scatter_tensor: rank r keeps the sum of every rank's r-th block of `rows`.
+            rows = count // size * size
+            scattered = arrays.make(np.zeros(rows // size), dtype)
+            dist.reduce_scatter_tensor(scattered, arrays.make(per_rank[rank][:rows], dtype))
+            block = slice(rank * rows // size, (rank + 1) * rows // size)
+            received = arrays.make(np.zeros(count), dtype)
+            works = [dist.isend(arrays.make(per_rank[rank], dtype), (rank + 1) % size),
+                     dist.irecv(received, (rank - 1) % size)]
+            for work in works:
+                work.wait()
+            return both(within(arrays.float64(blocking), total, bound),
+                        within(arrays.float64(queued), total, bound),
+                        within(arrays.float64(broadcast), per_rank[0], 0),
+                        within(arrays.float64(gathered), np.concatenate(per_rank), 0),
+                        within(arrays.float64(scattered), total[block], bound[block]),
+                        within(arrays.float64(received), per_rank[(rank - 1) % size], 0))
+        report.run(f"torch.distributed \"mpidist\": all_reduce (blocking, async), broadcast, "
+                   f"all_gather_into_tensor, reduce_scatter_tensor, isend/irecv {arrays.label()} {dtype} n={count}",
+                   collectives)
+
+    def ddp(steps=3):
+        model = mlp(seed=rank).to(device)  # DDP's construction gives every rank rank 0's weights
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
+        for step in range(steps):
+            x, y = batch(step, rank)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(wrapped(x.to(device)), y.to(device)).backward()
+            optimizer.step()
+        union = [tuple(torch.cat(parts) for parts in zip(*[batch(step, r) for r in range(size)]))
+                 for step in range(steps)]
+        reference, _ = train_reference(0, union)
+        return close_parameters(list(model.parameters()), list(reference.parameters()), "DDP over mpidist")
+    report.run(f"torch DDP over \"mpidist\" {device} float64", ddp)
+
+
 # ---- training modes ----------------------------------------------------------------------------
 
 def mlp(seed: int, sizes=(10, 16, 16, 3)) -> torch.nn.Sequential:
@@ -450,6 +508,8 @@ def main(argv=None) -> int:
         check_collectives(comm, report, arrays, COUNTS[args.device], staging)
     for arrays in kinds:
         check_async(comm, report, arrays, COUNTS[args.device][1])
+    if kinds:
+        check_distributed_backend(comm, report, kinds[0].device, COUNTS[args.device][1])
     if not args.skip_training:
         check_training(comm, report, kinds[0].device if kinds else args.device)
     return 0 if all(check["ok"] for check in report.data["checks"]) else 1
