@@ -284,63 +284,6 @@ def check_async(comm, report: Report, arrays: Arrays, count: int) -> None:
         report.run(f"allreduce_async sum and avg {arrays.label()} {dtype} n={count}", allreduce_async)
 
 
-# ---- the torch.distributed backend --------------------------------------------------------------
-
-def check_distributed_backend(comm, report: Report, device: str, count: int) -> None:
-    """torch.distributed over "mpidist" on torch tensors on `device`: the c10d collectives and
-    point-to-point against float64 references, then torch's own DDP against one-process training."""
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        dist.init_process_group("mpidist")
-    size, rank = comm.size, comm.rank
-    arrays, inputs = Arrays("torch", device), Inputs(size)
-    for dtype in ("float32", "bfloat16"):
-        def collectives(dtype=dtype):
-            per_rank, total, magnitude = inputs.get(dtype, count)
-            bound = sum_bound(dtype, size, magnitude)
-            blocking, queued = arrays.make(per_rank[rank], dtype), arrays.make(per_rank[rank], dtype)
-            dist.all_reduce(blocking)
-            dist.all_reduce(queued, async_op=True).wait()
-            broadcast = arrays.make(per_rank[rank], dtype)
-            dist.broadcast(broadcast, src=0)
-            gathered = arrays.make(np.zeros(size * count), dtype)
-            dist.all_gather_into_tensor(gathered, arrays.make(per_rank[rank], dtype))
-            # reduce_scatter_tensor: rank r keeps the sum of every rank's r-th block of `rows`.
-            rows = count // size * size
-            scattered = arrays.make(np.zeros(rows // size), dtype)
-            dist.reduce_scatter_tensor(scattered, arrays.make(per_rank[rank][:rows], dtype))
-            block = slice(rank * rows // size, (rank + 1) * rows // size)
-            received = arrays.make(np.zeros(count), dtype)
-            works = [dist.isend(arrays.make(per_rank[rank], dtype), (rank + 1) % size),
-                     dist.irecv(received, (rank - 1) % size)]
-            for work in works:
-                work.wait()
-            return both(within(arrays.float64(blocking), total, bound),
-                        within(arrays.float64(queued), total, bound),
-                        within(arrays.float64(broadcast), per_rank[0], 0),
-                        within(arrays.float64(gathered), np.concatenate(per_rank), 0),
-                        within(arrays.float64(scattered), total[block], bound[block]),
-                        within(arrays.float64(received), per_rank[(rank - 1) % size], 0))
-        report.run(f"torch.distributed \"mpidist\": all_reduce (blocking, async), broadcast, "
-                   f"all_gather_into_tensor, reduce_scatter_tensor, isend/irecv {arrays.label()} {dtype} n={count}",
-                   collectives)
-
-    def ddp(steps=3):
-        model = mlp(seed=rank).to(device)  # DDP's construction gives every rank rank 0's weights
-        wrapped = torch.nn.parallel.DistributedDataParallel(model)
-        optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
-        for step in range(steps):
-            x, y = batch(step, rank)
-            optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(wrapped(x.to(device)), y.to(device)).backward()
-            optimizer.step()
-        union = [tuple(torch.cat(parts) for parts in zip(*[batch(step, r) for r in range(size)]))
-                 for step in range(steps)]
-        reference, _ = train_reference(0, union)
-        return close_parameters(list(model.parameters()), list(reference.parameters()), "DDP over mpidist")
-    report.run(f"torch DDP over \"mpidist\" {device} float64", ddp)
-
-
 # ---- training modes ----------------------------------------------------------------------------
 
 def mlp(seed: int, sizes=(10, 16, 16, 3)) -> torch.nn.Sequential:
@@ -381,24 +324,31 @@ def close_parameters(got, want, what: str):
     return ok, "" if ok else f"{what}: parameters differ from one-process CPU training by up to {worst:.3g}"
 
 
+def train_data_parallel(wrap, device: str, rank: int, size: int, what: str, steps: int = 3):
+    """(ok, detail): a float64 MLP on `device`, wrapped by wrap(model) (a data-parallel wrapper
+    whose construction gives every rank rank 0's weights), trained on each rank's batches against
+    one process on the CPU training on all of them."""
+    model = mlp(seed=rank).to(device)
+    wrapped = wrap(model)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        x, y = batch(step, rank)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(wrapped(x.to(device)), y.to(device)).backward()
+        optimizer.step()
+    union = [tuple(torch.cat(parts) for parts in zip(*[batch(step, r) for r in range(size)]))
+             for step in range(steps)]
+    reference, _ = train_reference(0, union)
+    return close_parameters(list(model.parameters()), list(reference.parameters()), what)
+
+
 def check_training(comm, report: Report, device: str) -> None:
     size, rank, steps = comm.size, comm.rank, 3
 
     def data_parallel(bucket_mb, as_view):
-        def check():
-            model = mlp(seed=rank).to(device)  # construction gives every rank rank 0's weights
-            ddp = md.DataParallel(model, bucket_mb=bucket_mb, gradient_as_bucket_view=as_view)
-            optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-            for step in range(steps):
-                x, y = batch(step, rank)
-                optimizer.zero_grad()
-                torch.nn.functional.cross_entropy(ddp(x.to(device)), y.to(device)).backward()
-                optimizer.step()
-            union = [tuple(torch.cat(parts) for parts in zip(*[batch(step, r) for r in range(size)]))
-                     for step in range(steps)]
-            reference, _ = train_reference(0, union)
-            return close_parameters(list(model.parameters()), list(reference.parameters()), "DataParallel")
-        return check
+        def wrap(model):
+            return md.DataParallel(model, bucket_mb=bucket_mb, gradient_as_bucket_view=as_view)
+        return lambda: train_data_parallel(wrap, device, rank, size, "DataParallel", steps)
 
     report.run(f"DataParallel {device} float64 (one bucket)", data_parallel(25, False))
     report.run(f"DataParallel {device} float64 (small buckets, gradient_as_bucket_view)",
@@ -458,6 +408,54 @@ def check_training(comm, report: Report, device: str) -> None:
     report.run(f"ParameterServer sync {device} float64 ({size - 1} workers)", parameter_server)
 
 
+# ---- the torch.distributed backend --------------------------------------------------------------
+
+def check_distributed_backend(comm, report: Report, device: str, count: int, train: bool) -> None:
+    """torch.distributed over "mpidist" on torch tensors on `device`: the c10d collectives and
+    point-to-point against float64 references, then (with `train`) torch's own DDP against
+    one-process training."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("mpidist")
+    size, rank = comm.size, comm.rank
+    arrays, inputs = Arrays("torch", device), Inputs(size)
+    for dtype in ("float32", "bfloat16"):
+        def collectives(dtype=dtype):
+            per_rank, total, magnitude = inputs.get(dtype, count)
+            bound = sum_bound(dtype, size, magnitude)
+            blocking, queued = arrays.make(per_rank[rank], dtype), arrays.make(per_rank[rank], dtype)
+            dist.all_reduce(blocking)
+            dist.all_reduce(queued, async_op=True).wait()
+            broadcast = arrays.make(per_rank[rank], dtype)
+            dist.broadcast(broadcast, src=0)
+            gathered = arrays.make(np.zeros(size * count), dtype)
+            dist.all_gather_into_tensor(gathered, arrays.make(per_rank[rank], dtype))
+            # reduce_scatter_tensor: rank r keeps the sum of every rank's r-th block of `rows`.
+            rows = count // size * size
+            scattered = arrays.make(np.zeros(rows // size), dtype)
+            dist.reduce_scatter_tensor(scattered, arrays.make(per_rank[rank][:rows], dtype))
+            block = slice(rank * rows // size, (rank + 1) * rows // size)
+            received = arrays.make(np.zeros(count), dtype)
+            works = [dist.isend(arrays.make(per_rank[rank], dtype), (rank + 1) % size),
+                     dist.irecv(received, (rank - 1) % size)]
+            for work in works:
+                work.wait()
+            return both(within(arrays.float64(blocking), total, bound),
+                        within(arrays.float64(queued), total, bound),
+                        within(arrays.float64(broadcast), per_rank[0], 0),
+                        within(arrays.float64(gathered), np.concatenate(per_rank), 0),
+                        within(arrays.float64(scattered), total[block], bound[block]),
+                        within(arrays.float64(received), per_rank[(rank - 1) % size], 0))
+        report.run(f"torch.distributed \"mpidist\": all_reduce (blocking, async), broadcast, "
+                   f"all_gather_into_tensor, reduce_scatter_tensor, isend/irecv {arrays.label()} {dtype} n={count}",
+                   collectives)
+
+    if train:
+        report.run(f"torch DDP over \"mpidist\" {device} float64",
+                   lambda: train_data_parallel(torch.nn.parallel.DistributedDataParallel, device, rank, size,
+                                               "DDP over mpidist"))
+
+
 # ---- main --------------------------------------------------------------------------------------
 
 def array_kinds(device: str, comm, report: Report):
@@ -509,7 +507,7 @@ def main(argv=None) -> int:
     for arrays in kinds:
         check_async(comm, report, arrays, COUNTS[args.device][1])
     if kinds:
-        check_distributed_backend(comm, report, kinds[0].device, COUNTS[args.device][1])
+        check_distributed_backend(comm, report, kinds[0].device, COUNTS[args.device][1], not args.skip_training)
     if not args.skip_training:
         check_training(comm, report, kinds[0].device if kinds else args.device)
     return 0 if all(check["ok"] for check in report.data["checks"]) else 1
