@@ -19,7 +19,8 @@ for L = 2, two node barriers, no MPI messages. With two ranks each publishes its
 other's slot instead, over the other's copy of its slice, which its reduction has just read (block
 by block, each block read before it is overwritten), and copies the other's result out of its own
 slot: each slot then only ever holds the other rank's half, and the lines written are the ones
-just read, still in cache (2 ranks, 12.6 MB: 1.2 ms instead of 2.1-2.5 ms, as polled.py's buckets).
+just read, still in cache (polled.py's buckets do the same; a 12.6 MB message took 1.4 ms instead
+of 3.0 ms, benchmarks/results/hierarchical-two-ranks-cpu.md).
 
 With more than one node, every node has `lanes` ranks that talk across nodes (its first local
 ranks; as many as the smallest node has), and lane k carries slice k of split_counts(count, lanes):
