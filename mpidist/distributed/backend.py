@@ -183,11 +183,15 @@ class ProcessGroupMpidist(dist.ProcessGroup):
 
     # ---- running a collective ---------------------------------------------------------------
 
-    def _run(self, description: str, run, outputs, opts) -> MpidistWork:
+    def _run(self, description: str, run, outputs, opts) -> MpidistWork | None:
         """run(channel) now (behind the queued asynchronous collectives) or, with async_op=True,
         on the engine, unless the group runs its CPU collectives at once; the Work's future
-        completes with `outputs`."""
-        if not getattr(opts, "asyncOp", True) or self._eager and _on_cpu(outputs):
+        completes with `outputs`. A blocking call returns no Work: torch's blocking functions
+        take None for a collective the backend has completed (a Work costs a microsecond)."""
+        if not getattr(opts, "asyncOp", True):
+            in_order(self.comm, run)
+            return None
+        if self._eager and _on_cpu(outputs):
             in_order(self.comm, run)
             return MpidistWork(outputs)
         future = Future()
@@ -213,7 +217,7 @@ class ProcessGroupMpidist(dist.ProcessGroup):
         # is a microsecond per call (the general route below does the same, and its refusals).
         if (not opts.asyncOp or self._eager) and reduce_op[0] in NATIVE_OPS \
                 and collectives.small_cpu_allreduce(self.comm, tensor, NATIVE_OPS[reduce_op[0]], "auto"):
-            return MpidistWork([tensor])
+            return MpidistWork([tensor]) if opts.asyncOp else None
         return self._run("all_reduce", lambda channel: self._allreduce(channel, tensor, reduce_op), [tensor], opts)
 
     def _allreduce(self, channel, tensor, reduce_op) -> None:
