@@ -17,6 +17,8 @@
 #                              does before the time limit). The job may requeue itself; SLURM
 #                              holds a requeued job for 2 minutes, which this script cuts to 10 s
 #                              (scontrol update StartTime=now)
+#   +signal=SIG@epochN         the same, once $RESULTS_DIR/train.log has the line of epoch N: in
+#                              the middle of the training however fast the machine trains
 #   +expects=$RESULTS_DIR/file a file this submission must also produce
 # A submission passes when its job ends COMPLETED with exit code 0:0 and every expected file
 # exists and is not empty; the log of any other job is printed. The cluster, of
@@ -63,7 +65,7 @@ mkdir -p "$RUN_DIR" runs   # runs/: the scripts' --output directory
 
 # One entry per submission: job id, label, results directory, script, its own expected files.
 jobs=() labels=() results=() job_scripts=() own_expects=()
-declare -A signal_name signal_after running_since signalled pending_since
+declare -A signal_name signal_after running_since signalled pending_since result_of
 REQUEUE_RELEASE_S=10
 for script in "${scripts[@]}"; do
     name=$(basename "$script" .sbatch)
@@ -87,6 +89,7 @@ for script in "${scripts[@]}"; do
               sbatch --parsable --export=ALL "${sbatch_words[@]}" "$script")
         job=${job%%;*}
         jobs+=("$job") labels+=("$name #$n${variant:+ ($variant)}") results+=("$result_dir") job_scripts+=("$script")
+        result_of[$job]=$result_dir
         expects=""
         for word in "${test_words[@]}"; do
             case $word in
@@ -101,6 +104,15 @@ for script in "${scripts[@]}"; do
 done
 
 job_field() { sed -n "s/.*\b$2=\([^ ]*\).*/\1/p" <<<"$1"; }
+
+signal_due() {  # job: whether its +signal is due now (it is RUNNING)
+    local job=$1 after=${signal_after[$1]}
+    if [[ $after =~ ^epoch([0-9]+)$ ]]; then
+        grep -q "^epoch ${BASH_REMATCH[1]}/" "${result_of[$job]}/train.log" 2>/dev/null
+    else
+        ((SECONDS - running_since[$job] >= after))
+    fi
+}
 terminal='^(COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY|PREEMPTED|BOOT_FAIL|DEADLINE)$'
 
 declare -A state
@@ -113,7 +125,7 @@ while :; do
         [[ ${state[$job]} =~ $terminal ]] || pending=$((pending + 1))
         if [[ -n ${signal_name[$job]:-} && ${state[$job]} == RUNNING ]]; then
             running_since[$job]=${running_since[$job]:-$SECONDS}
-            if ((SECONDS - running_since[$job] >= signal_after[$job])); then
+            if signal_due "$job"; then
                 echo "test-scripts: job $job: sending SIG${signal_name[$job]} to its batch shell"
                 scancel --batch --signal="${signal_name[$job]}" "$job" || true
                 unset "signal_name[$job]"
