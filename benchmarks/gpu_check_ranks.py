@@ -6,10 +6,11 @@ It runs mpidist's collectives (every all-reduce algorithm, broadcast, allgather,
 float32/bfloat16/float16; torch and CuPy arrays on `--device cuda`, NumPy and torch CPU arrays
 on `--device cpu`), its torch.distributed backend (the c10d collectives, point-to-point and torch's
 DDP on torch tensors on that device) and its training modes (DataParallel, Pipeline,
-ParameterServer on a module on that device), and compares each result with an independent reference: float64 NumPy sums of every
-rank's inputs for the collectives, one-process float64 CPU training for the training modes. For a
-GPU buffer it also checks the route the data took: through pinned host memory when the MPI
-library is not CUDA-aware (MPIDIST_CUDA_AWARE=0 forces this), straight from GPU memory when it is.
+ParameterServer on a module on that device), and compares each result with an independent
+reference: float64 NumPy sums of every rank's inputs for the collectives, one-process float64 CPU
+training for the training modes. For a GPU buffer it also checks the route the data took:
+through pinned host memory when the MPI library is not CUDA-aware (MPIDIST_CUDA_AWARE=0 forces
+this), straight from GPU memory when it is.
 
 Each rank writes DIR/rank<r>.json after every check ({"rank", "size", "device", "cuda_aware",
 "mpi_library", "checks": [{"name", "ok", "detail"}]}), so a launch that dies still leaves the

@@ -188,12 +188,10 @@ class ProcessGroupMpidist(dist.ProcessGroup):
         on the engine, unless the group runs its CPU collectives at once; the Work's future
         completes with `outputs`. A blocking call returns no Work: torch's blocking functions
         take None for a collective the backend has completed (a Work costs a microsecond)."""
-        if not getattr(opts, "asyncOp", True):
+        asynchronous = getattr(opts, "asyncOp", True)
+        if not asynchronous or self._eager and _on_cpu(outputs):
             in_order(self.comm, run)
-            return None
-        if self._eager and _on_cpu(outputs):
-            in_order(self.comm, run)
-            return MpidistWork(outputs)
+            return MpidistWork(outputs) if asynchronous else None
         future = Future()
 
         def work(channel):
