@@ -670,3 +670,25 @@ def test_cuda_nan_inf_cast_and_pack():
     for out, part in zip(outs, parts):
         assert torch.equal(bits(out), bits(part))
     assert kernels.cuda_available()
+
+
+@cuda
+@pytest.mark.parametrize("offset", [0, 1, 2, 4, 16])
+def test_cuda_pack_unpack_at_every_alignment(offset):
+    """Parts whose bytes land at every alignment relative to the packed buffer (the copy's word
+    width depends on it), one longer than a launch's pieces and more pieces than one launch
+    holds; the bytes around the packed ones must stay untouched."""
+    sizes = [("float32", 3), ("uint8", 5), ("float16", 7), ("float32", (3 << 20) + 1), ("bfloat16", 9),
+             ("int8", 1), ("float32", 33), ("float64", 2)] + [("float32", (1 << 18) + 3)] * 70
+    parts = [make(d, n, seed=90 + i).cuda() for i, (d, n) in enumerate(sizes)]
+    total = sum(p.numel() * p.element_size() for p in parts)
+    guard = torch.full((offset + total + 16,), 0xA5, dtype=torch.uint8, device="cuda")
+    kernels.pack(guard[offset:offset + total], parts)
+    want = torch.cat([p.view(torch.uint8) for p in parts])
+    assert torch.equal(guard[offset:offset + total], want)
+    assert bool((guard[:offset] == 0xA5).all()) and bool((guard[offset + total:] == 0xA5).all())
+    outs = [torch.empty_like(p) for p in parts]
+    kernels.unpack(guard[offset:offset + total], outs)
+    torch.cuda.synchronize()
+    for out, part in zip(outs, parts):
+        assert torch.equal(bits(out), bits(part))
