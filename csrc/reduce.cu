@@ -222,7 +222,18 @@ __device__ __forceinline__ void copy_words(char* dst, const char* src, std::size
     const std::size_t words = (len - head) / sizeof(W);
     W* d = reinterpret_cast<W*>(dst + head);
     const W* s = reinterpret_cast<const W*>(src + head);
-    for (std::size_t i = thread_index(); i < words; i += thread_count()) d[i] = s[i];
+    // Four loads in flight per thread before their stores: narrow words need them to keep the
+    // memory busy.
+    const std::size_t stride = thread_count();
+    std::size_t w = thread_index();
+    for (; w + 3 * stride < words; w += 4 * stride) {
+        const W w0 = s[w], w1 = s[w + stride], w2 = s[w + 2 * stride], w3 = s[w + 3 * stride];
+        d[w] = w0;
+        d[w + stride] = w1;
+        d[w + 2 * stride] = w2;
+        d[w + 3 * stride] = w3;
+    }
+    for (; w < words; w += stride) d[w] = s[w];
     const std::size_t body_end = head + words * sizeof(W);
     const std::size_t i = thread_index();  // head and tail are shorter than one word: one pass
     if (i < head) dst[i] = src[i];
@@ -238,6 +249,7 @@ __global__ void copy_ranges_kernel(Ranges ranges) {
     const std::size_t len = ranges.len[blockIdx.y];
     const std::uintptr_t differ = reinterpret_cast<std::uintptr_t>(dst) ^ reinterpret_cast<std::uintptr_t>(src);
     if ((differ & 15) == 0) copy_words<uint4>(dst, src, len);
+    else if ((differ & 7) == 0) copy_words<uint2>(dst, src, len);
     else if ((differ & 3) == 0) copy_words<uint32_t>(dst, src, len);
     else if ((differ & 1) == 0) copy_words<uint16_t>(dst, src, len);
     else copy_words<char>(dst, src, len);

@@ -673,7 +673,7 @@ def test_cuda_nan_inf_cast_and_pack():
 
 
 @cuda
-@pytest.mark.parametrize("offset", [0, 1, 2, 4, 16])
+@pytest.mark.parametrize("offset", [0, 1, 2, 4, 8, 16])
 def test_cuda_pack_unpack_at_every_alignment(offset):
     """Parts whose bytes land at every alignment relative to the packed buffer (the copy's word
     width depends on it), one longer than a launch's pieces and more pieces than one launch
