@@ -1,6 +1,7 @@
-"""Soak: many collectives and training steps leave a rank's resident memory, open files and
-shared-memory mappings where they were after a warm-up (no leak per call, per step, or per
-Communicator made and freed), and an aborted job leaves no shared-memory files behind.
+"""Soak: many collectives and training steps leave a rank's resident memory, open files,
+shared-memory mappings and the MPI library's tables of communicators and windows where they were
+after a warm-up (no leak per call, per step, or per Communicator made and freed), and an aborted
+job leaves no shared-memory files behind.
 
 About 90 s on two cores, so `make test` leaves this directory out (pyproject.toml's
 norecursedirs) and `make test-soak` runs it; CI runs both."""
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_python
+from mpi4py import MPI
 
 import mpidist as md
 
@@ -20,21 +22,35 @@ pytestmark = pytest.mark.mpi_shared_launch
 GROWTH_LIMIT_BYTES = 20 * 2 ** 20
 
 
+def free_slots() -> dict:
+    """The first free entries of the MPI library's tables of communicators and of windows. Open
+    MPI gives a new communicator or window the lowest free entry (its Fortran handle), so a
+    communicator or window made and never freed since the last look moves it up."""
+    probe = MPI.COMM_SELF.Dup()
+    window = MPI.Win.Create(None, comm=MPI.COMM_SELF)
+    slots = {"communicator slot": probe.py2f(), "window slot": window.py2f()}
+    window.Free()
+    probe.Free()
+    return slots
+
+
 def footprint() -> dict:
-    """This process's resident bytes, open file descriptors and mappings of shared memory."""
+    """This process's resident bytes, open file descriptors, mappings of shared memory, and the
+    first free entries of the MPI library's tables of communicators and windows."""
     with open("/proc/self/statm") as statm:
         resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     with open("/proc/self/maps") as maps:
         shared = sum(1 for line in maps if "/dev/shm/" in line)
-    return {"resident": resident, "files": len(os.listdir("/proc/self/fd")), "shared mappings": shared}
+    return {"resident": resident, "files": len(os.listdir("/proc/self/fd")), "shared mappings": shared,
+            **free_slots()}
 
 
 def assert_flat(before: dict, after: dict, what: str) -> None:
     grown = after["resident"] - before["resident"]
     assert grown < GROWTH_LIMIT_BYTES, f"{what}: resident memory grew {grown / 2 ** 20:.1f} MB"
     assert after["files"] == before["files"], f"{what}: open files {before['files']} -> {after['files']}"
-    assert after["shared mappings"] == before["shared mappings"], \
-        f"{what}: shared-memory mappings {before['shared mappings']} -> {after['shared mappings']}"
+    for kind in ("shared mappings", "communicator slot", "window slot"):
+        assert after[kind] == before[kind], f"{what}: {kind} {before[kind]} -> {after[kind]}"
 
 
 def mixed_collectives(comm, calls: int, start: int = 0) -> None:
