@@ -1,9 +1,13 @@
-"""ParameterServer when a rank dies (parallel/ps_survival.py): one job of 7 ranks under
-`mpirun --with-ft ulfm` runs seven parameter servers one after another, each on its own
-communicator of ranks still alive, and in six of them a rank kills itself with SIGKILL:
+"""ParameterServer when a rank dies (parallel/ps_survival.py): one job of 8 ranks under
+`mpirun --with-ft ulfm` runs eight parameter servers one after another, each on its own
+communicator of ranks still alive, and in seven of them a rank kills itself with SIGKILL:
 
   async          servers 0, 1; workers 2, 3, 4; nobody killed (the reference)
-  async-killed   the same; worker 4 killed at its step KILL_STEP
+  async-killed   the same; worker 4 killed halfway through its step KILL_STEP's gradient: the
+                 header has reached the coordinator, the payload never comes
+  closed         servers 0, 1; workers 2, 7 (plain sync); 7 killed in its close(), after telling
+                 the servers it is done and before the final weights reach it (a wider model:
+                 a message under the MPI library's eager limit reaches a dead rank without error)
   softsync       server 0; workers 1, 2, 3, 5 (2-softsync: 2 gradients per update); 5 killed
   backup         server 0; workers 1, 2, 3 (sync, 1 backup worker); 3 killed by the server, after
                  KILL_UPDATE updates: wherever it is (computing, or waiting with its gradient
@@ -13,7 +17,7 @@ communicator of ranks still alive, and in six of them a rank kills itself with S
   building       server 1; worker 6, killed as the server starts building the ParameterServer (last:
                  placed before softsync, it left every member of softsync waiting in MPI_Comm_dup)
 
-The first four go on without the dead worker; the last three end with a RankDiedError naming the
+The first five go on without the dead worker; the last three end with a RankDiedError naming the
 dead rank on every survivor. One launch for all of them: each start of a rank costs seconds of
 CPU (torch's import), more than the training.
 
@@ -33,13 +37,16 @@ import time
 import pytest
 from conftest import REPO
 
-RANKS, FEATURES, CLASSES, SAMPLES, TESTS, BATCH, EPOCHS, LR = 7, 8, 3, 1536, 2000, 64, 3, 0.5
+RANKS, FEATURES, CLASSES, SAMPLES, TESTS, BATCH, EPOCHS, LR = 8, 8, 3, 1536, 2000, 64, 3, 0.5
 KILL_STEP, KILL_UPDATE = 9, 12
 KILLED_BY_THE_SERVER = "backup"
+KILLED_HALFWAY = "async-killed"
+KILLED_IN_CLOSE, WIDE = "closed", 4096  # its model's hidden width: final weights of 2 x 106 KB
 # name: (the phase's world ranks, its servers, its options, the world rank killed)
 PHASES = {
     "async": ([0, 1, 2, 3, 4], 2, {"mode": "async"}, None),
     "async-killed": ([0, 1, 2, 3, 4], 2, {"mode": "async"}, 4),
+    "closed": ([0, 1, 2, 7], 2, {"mode": "sync"}, 7),
     "softsync": ([0, 1, 2, 3, 5], 1, {"mode": "softsync", "softsync": 2}, 5),
     "backup": ([0, 1, 2, 3], 1, {"mode": "sync", "backup_workers": 1}, 3),
     "sync": ([0, 1, 2], 1, {"mode": "sync"}, 2),
@@ -54,6 +61,7 @@ import json, os, signal, sys, time
 import torch
 import mpidist as md
 from mpi4py import MPI
+from mpidist.runtime import wire
 
 out = sys.argv[1]
 phases = json.loads(sys.argv[2])
@@ -89,7 +97,10 @@ for name, (members, servers, options, victim) in phases.items():
     if comm is None:
         continue
     torch.manual_seed(0)
-    model = torch.nn.Linear({FEATURES}, {CLASSES})
+    if name == "{KILLED_IN_CLOSE}":
+        model = torch.nn.Sequential(torch.nn.Linear({FEATURES}, {WIDE}), torch.nn.ReLU(), torch.nn.Linear({WIDE}, {CLASSES}))
+    else:
+        model = torch.nn.Linear({FEATURES}, {CLASSES})
     optimizer = torch.optim.SGD(model.parameters(), lr={LR}) if comm.rank < servers else None
     record = {{"started": time.time()}}
     try:
@@ -113,13 +124,26 @@ for name, (members, servers, options, victim) in phases.items():
             own = torch.arange(index, {SAMPLES}, len(ps.workers))
             for epoch in range({EPOCHS}):
                 for start in range(0, len(own), {BATCH}):
-                    if world.rank == victim and steps == {KILL_STEP} and name != "{KILLED_BY_THE_SERVER}":
+                    if world.rank == victim and steps == {KILL_STEP} and name == "{KILLED_HALFWAY}":
+                        def header_then_death(mpi, tensor, dest, tag, fields=()):  # step()'s first send: to the coordinator
+                            mpi.Send(wire.header_of(tensor.detach().cpu().contiguous(), fields), dest=dest, tag=tag)
+                            kill(name, victim)
+                        wire.send = header_then_death
+                    elif world.rank == victim and steps == {KILL_STEP} and name not in ("{KILLED_BY_THE_SERVER}",
+                                                                                      "{KILLED_IN_CLOSE}"):
                         kill(name, victim)
                     rows = own[start:start + {BATCH}]
                     model.zero_grad()
                     torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
                     ps.step()
                     steps += 1
+            if name == "{KILLED_IN_CLOSE}" and world.rank == victim:
+                def die():  # in close(): its message to the servers sent, the final weights not yet taken
+                    for _ in range(20):
+                        ps.mpi.Iprobe()  # lets the MPI library move the message on
+                        time.sleep(0.01)
+                    kill(name, victim)
+                ps._receive_weights = die
             ps.close()
             record["steps"] = steps
         record["accuracy"] = accuracy(model)
@@ -198,6 +222,22 @@ def test_async_servers_drop_a_killed_worker_and_reach_the_undisturbed_accuracy(j
     reference = undisturbed[0]["accuracy"]
     assert reference > 0.85, undisturbed
     assert abs(accuracies.pop() - reference) <= 0.02, (killed, reference)
+
+
+def test_a_worker_that_dies_in_its_close_is_let_go_even_in_plain_sync_mode(job):
+    output, _, records, kills, _ = job
+    phase = records[KILLED_IN_CLOSE]
+    assert sorted(phase) == living(KILLED_IN_CLOSE), output
+    assert not [record for record in phase.values() if "error" in record], phase
+    steps = EPOCHS * SAMPLES // 2 // BATCH
+    assert phase[0]["updates"] == phase[1]["updates"] == [[2, 3]] * steps  # workers 2 and 3 of the phase
+    assert phase[0]["lost"] == phase[1]["lost"] == []
+    assert phase[2]["steps"] == steps
+    assert "worker 3 died after its close(), before the final weights reached it; nothing is lost" in output, output
+    assert len({record["accuracy"] for record in phase.values()}) == 1, phase
+    ended = max(record["ended"] for record in phase.values()) - kills[KILLED_IN_CLOSE]
+    print(f"closed: every survivor had finished {ended:.2f} s after the kill")
+    assert ended < DETECTION_SECONDS, phase
 
 
 @pytest.mark.parametrize("name, victim, per_update", [("softsync", 4, 2), ("backup", 3, 2)])

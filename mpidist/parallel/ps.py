@@ -366,8 +366,7 @@ class ParameterServer:
         for failure in self._server_failures.values():  # none came
             failure.request.Cancel()
             failure.request.Wait()
-        for outgoing in sends:
-            outgoing.wait(self._who, f"the message sent to rank {outgoing.dest}", f"rank {outgoing.dest}")
+        ps_survival.wait_last_sends(self, sends)
         self._serving = False
         self.mpi.Free()
         return history
@@ -456,13 +455,19 @@ class ParameterServer:
             elif kind == FAILED:
                 self._stop(worker, incoming, sends)
             elif kind == PULL:
-                pull = incoming.receive_payload(self._who, f"the rows worker {worker} pulls", f"worker {worker}")
+                pull = self._rest_of_message(worker, receives, lambda: incoming.receive_payload(
+                    self._who, f"the rows worker {worker} pulls", f"worker {worker}"))
+                if pull is None:
+                    continue
                 receives[worker] = wire.Incoming(self.mpi, worker, PUSH)
                 sends += self._command(ANSWER_PULL, [worker])
                 sends += self._answer_pull(worker, pull, incoming.fields)
             else:
-                dense = incoming.receive_payload(self._who, f"the gradient of worker {worker}", f"worker {worker}")
-                gradient = (dense, self._receive_gradient_rows(worker))
+                gradient = self._rest_of_message(worker, receives, lambda: (incoming.receive_payload(
+                    self._who, f"the gradient of worker {worker}", f"worker {worker}"),
+                    self._receive_gradient_rows(worker)))
+                if gradient is None:
+                    continue
                 pushed[worker] += 1
                 self.stopping |= bool(incoming.fields[3])  # the worker asks every worker to stop
                 receives[worker] = wire.Incoming(self.mpi, worker, PUSH)
@@ -486,6 +491,18 @@ class ParameterServer:
                     sends.append(self._send_weights(waiting))
             sends = ps_survival.pending(self, sends)
         return sends + self._command(FINISH, [])
+
+    def _rest_of_message(self, worker: int, receives: dict, receive):
+        """receive(): the rest of a worker's message, whose header has come. None when the worker
+        died in the middle of it and the parameter server goes on without it: its receive is
+        then a ps_survival.Death, taken as its death at the next wait (the other servers had no
+        command to take its message yet, so they drop it together)."""
+        try:
+            return receive()
+        except Exception as error:
+            for dead in ps_survival.dead_workers(self, error, [worker]):
+                receives[dead] = ps_survival.Death(DIED)
+            return None
 
     def _follow(self, history: list, on_update) -> list:
         """Another server's loop: do what the coordinator commands, in its order, on this

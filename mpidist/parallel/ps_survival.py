@@ -9,9 +9,17 @@ the same update), prints the report (report: rank, the gradients it pushed, when
 with the workers left; an update then takes its share of gradients, or every living worker's
 when fewer are left. Every server keeps the same list of Lost workers (ParameterServer.lost).
 
+A worker that dies after its close(), with the final weights on their way to it, is let go in
+every mode (wait_last_sends): its training is over, and the servers hold the final weights.
+
+A worker that dies in the middle of a message to the coordinator (its header come, the rest
+not) is dropped the same way: the other servers take a worker's message only when the
+coordinator commands it, after the coordinator has it whole.
+
 Any other death ends the parameter server (ends_on_death): a server's (it holds its range of
 the weights and its optimizer's state alone), a worker's in plain sync mode (each update needs
-every worker's gradient), or a worker's that met a server in the middle of a message. The rank
+every worker's gradient), or a worker's in the middle of a message to another server, after the
+coordinator had its part whole (the servers could no longer drop it together). The rank
 that meets it revokes the parameter server's communicator, so every survivor's next call on it
 fails too, and each raises the same RankDiedError naming the dead ranks. A death while the
 parameter server is being built ends it the same way (ending_at_start), revoking the communicator
@@ -77,6 +85,26 @@ def pending(ps, sends: list) -> list:
     return going
 
 
+def wait_last_sends(ps, sends: list) -> None:
+    """Wait for serve()'s last sends (wire.Outgoing). A worker that died after its close(), with
+    the final weights on their way to it, loses nothing (its training is over and the servers
+    hold them): its sends are let go, and the server that meets its death says so on standard
+    error. Any other failure is raised."""
+    gone = set()
+    for outgoing in sends:
+        try:
+            outgoing.wait(ps._who, f"the message sent to rank {outgoing.dest}", f"rank {outgoing.dest}")
+        except Exception as error:
+            if outgoing.dest in ps.servers or ps.mpi.Is_revoked() or \
+                    not (fault_tolerant() and is_process_failure(error, [ps.mpi])):
+                raise
+            if outgoing.dest not in gone:
+                gone.add(outgoing.dest)
+                print(f"mpidist parameter server: rank {ps.comm.rank}: worker {outgoing.dest} died after its close(), "
+                      "before the final weights reached it; nothing is lost (the servers hold them)",
+                      file=sys.stderr, flush=True)
+
+
 def report(ps, worker: int, steps: int, started: float) -> Lost:
     """Remember that `worker` was dropped after pushing `steps` gradients; the coordinator says so
     on standard error (when, how far into serve() it was)."""
@@ -138,7 +166,8 @@ def ending(ps) -> RankDiedError:
         named = f"worker{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))}"
         why = "each update of sync mode without backup workers waits for every worker's gradient" \
             if ps.mode == "sync" and not ps.backup_workers else \
-            "it died in the middle of a message to a server, so the servers could not drop it together"
+            "it died in the middle of a message to a server after the coordinating server had its part, so the " \
+            "servers could not drop it together"
     else:
         named, why = "a rank (which one could not be learnt)", "the parameter server's communicator was revoked"
     return RankDiedError(f"{ps._who}: {named} died, and the parameter server cannot go on without "
