@@ -176,13 +176,19 @@ export MPIDIST_MN_HOST_ADDR=$(address 254)
 export MPIDIST_MN_NODE_NAMES=$PREFIX[1-$NODES]
 export MPIDIST_MN_NODE_ADDRS=$(seq -s, -f "$SUBNET.%g" 1 "$NODES")
 ENV
-    # The nodes share this machine's cores, but each node's MPI sees only its own slots and does
-    # not know that the ranks oversubscribe them: a rank that busy-polls then holds a core another
-    # rank needs until the scheduler's time slice ends (10 ms per 4 KiB all-reduce on 2 x 2 over
-    # 2 cores, instead of tens of microseconds).
-    if (( NODES * SLOTS > $(nproc) )); then
+    # The nodes share this machine's cores, but each node sees all of them and only its own
+    # ranks. Left alone, (1) each node's MPI does not know that the ranks oversubscribe the cores,
+    # and a rank that busy-polls holds a core another rank needs until the scheduler's time slice
+    # ends (10 ms per 4 KiB all-reduce on 2 x 2 over 2 cores, instead of 0.15 ms); (2) mpidist's
+    # kernels take cores / ranks-on-the-node threads each, as on a real node, so the threads of
+    # every node together outnumber the cores, and their waits stall the transfers (on 2 x 1, a
+    # 256 KiB ring all-reduce took 9.4 ms with 2 threads per rank, 0.2 ms with 1).
+    local ranks=$((NODES * SLOTS)) cores
+    cores=$(nproc)
+    if ((ranks > cores)); then
         echo "export OMPI_MCA_mpi_yield_when_idle=1"
     fi
+    echo "export OMP_NUM_THREADS=\${OMP_NUM_THREADS:-$((cores > ranks ? cores / ranks : 1))}"
 }
 
 cmd_exec() {
