@@ -211,9 +211,13 @@ def test_auto_without_a_tune_with_one_rank_per_node_avoids_segments_across_the_l
     # float16 cannot go to MPI's own beyond a few KiB: the table's next algorithm that is not MPI's.
     assert auto({}, 2048, 2, 2, "float16") == "mpi"
     assert auto({}, 1 << 16, 2, 2, "bfloat16") == "recursive_doubling"
-    # With several ranks per node, and on one node, the rank count's built-in table as before.
-    assert layout_table(4, 2) is None and layout_table(4, 1) is None
+    # On one node the rank count's built-in table; with several ranks per node across nodes,
+    # MPI's own up to 256 KiB, then the hierarchical algorithm.
+    assert layout_table(4, 1) is None and layout_table(4, 2) is not None
     assert auto({}, 1 << 20, 4, 2) == auto({}, 1 << 20, 4, 1) == "hierarchical"
+    assert [auto({}, nbytes, 4, 2) for nbytes in (8, 1 << 15, (1 << 18) - 1, 1 << 18)] == \
+        ["mpi", "mpi", "mpi", "hierarchical"]
+    assert auto({}, 1 << 15, 4, 1) == "hierarchical" and auto({}, 1 << 15, 6, 3) == "mpi"
     assert auto({}, 1 << 16, 4, 2, "float16") == "hierarchical"
     assert auto({}, 1 << 20, 2, 1) == "hierarchical" and auto({}, 1 << 16, 2, 1) == "mpi"
 

@@ -19,9 +19,10 @@ writes a decision table per rank count (JSON: {"<ranks>": [{"max_bytes": b, "alg
 ..., {"max_bytes": null, ...}]}) to MPIDIST_TUNING_FILE, default ~/.cache/mpidist/tuning.json.
 Each Communicator's rank 0 reads the file once and broadcasts the entry, so every rank
 chooses alike even when the ranks' home directories differ. Without an entry for the rank count
-the built-in table applies: the rank count's, or with one rank per node across nodes
-the tables for one rank per node (the one-node tables' choice, the hierarchical algorithm,
-was 2-4x slower there over TCP).
+the built-in table applies: on one node the rank count's; across nodes the tables for one rank
+per node (the one-node tables' choice, the hierarchical algorithm, was 2-4x slower there over
+TCP), or with several ranks per node MPI's own up to 256 KiB and the hierarchical algorithm
+from there.
 
 `mpidist tune` also keeps its measured times in the file (under "model", with the layout they
 were taken on) and fits the cost model's parameters to all of them (cost_model.py). A
@@ -83,6 +84,14 @@ TWO_NODES_ONE_PER_NODE_TABLE = ONE_PER_NODE_SMALL + (
 MANY_NODES_ONE_PER_NODE_TABLE = ONE_PER_NODE_SMALL + (
     (float("inf"), "mpi"),
 )
+# Several ranks per node, across nodes: the hierarchical algorithm's node barriers and copies
+# cost more than they save until messages are a few hundred KiB. On 2 x 2 at 10 Gbit/s MPI's own
+# was 2x ahead at 4 KiB and 1.7x at 32 KiB, level at 256 KiB, and 1.5-4.8x behind from 1 MiB
+# (benchmarks/results/multinode-cpu.md).
+SEVERAL_PER_NODE_TABLE = (
+    (256 * 1024, "mpi"),
+    (float("inf"), "hierarchical"),
+)
 
 
 def forced_algorithm() -> str | None:
@@ -136,11 +145,13 @@ def mpi_bounds(ranks: int, table=None, forced: str | None = None) -> tuple:
 
 
 def layout_table(ranks: int, nodes: int):
-    """The built-in table for a layout whose best choice is not the rank count's (one rank per
-    node, across nodes), else None: the rank count's built-in table applies."""
-    if 1 < nodes and ranks <= nodes:
+    """The built-in table for a layout across nodes (one rank per node, or several), else None:
+    on one node the rank count's built-in table applies."""
+    if nodes <= 1:
+        return None
+    if ranks <= nodes:
         return TWO_NODES_ONE_PER_NODE_TABLE if nodes == 2 else MANY_NODES_ONE_PER_NODE_TABLE
-    return None
+    return SEVERAL_PER_NODE_TABLE
 
 
 def table_for(ranks: int, table=None) -> tuple:
