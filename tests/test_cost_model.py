@@ -200,17 +200,18 @@ def test_auto_keeps_the_table_where_the_model_cannot_predict(many_cores):
     assert auto({"4": [{"max_bytes": None, "algorithm": "tree"}]}, 1 << 30, 4, 1) == "tree"
 
 
-def test_auto_without_a_tune_with_one_rank_per_node_avoids_segments_across_the_link():
-    # 2 nodes: MPI's own, recursive doubling from 4 KiB, MPI's own from 64 KiB, recursive doubling from 2 MiB.
-    assert [auto({}, nbytes, 2, 2) for nbytes in (8, 4096, 65535, 65536, (2 << 20) - 1, 2 << 20, 1 << 26)] == \
-        ["mpi", "recursive_doubling", "recursive_doubling", "mpi", "mpi", "recursive_doubling", "recursive_doubling"]
-    # More nodes: the same up to 2 MiB; beyond, recursive doubling sends log2(N) n bytes per node: MPI's own.
+def test_auto_without_a_tune_with_one_rank_per_node_takes_mpi_or_whole_exchanges():
+    # 2 nodes: MPI's own, recursive doubling (one whole message each way) from 2 MiB.
+    assert [auto({}, nbytes, 2, 2) for nbytes in (8, 4096, 65536, (2 << 20) - 1, 2 << 20, 1 << 26)] == \
+        ["mpi", "mpi", "mpi", "mpi", "recursive_doubling", "recursive_doubling"]
+    # More nodes: recursive doubling sends log2(N) n bytes per node: MPI's own at every size.
     for nodes in (3, 4, 8):
-        assert [auto({}, nbytes, nodes, nodes) for nbytes in (8, 4096, 65535, 65536, 2 << 20, 1 << 26)] == \
-            ["mpi", "recursive_doubling", "recursive_doubling", "mpi", "mpi", "mpi"]
-    # float16 cannot go to MPI's own beyond a few KiB: the table's next algorithm that is not MPI's.
+        assert {auto({}, nbytes, nodes, nodes) for nbytes in (8, 4096, 65536, 2 << 20, 1 << 26)} == {"mpi"}
+    # float16 cannot go to MPI's own beyond a few KiB: the table's next algorithm that is not MPI's,
+    # else the half-precision table's.
     assert auto({}, 2048, 2, 2, "float16") == "mpi"
     assert auto({}, 1 << 16, 2, 2, "bfloat16") == "recursive_doubling"
+    assert auto({}, 1 << 16, 4, 4, "bfloat16") == "hierarchical"
     # On one node the rank count's built-in table; with several ranks per node across nodes,
     # MPI's own up to 256 KiB, then the hierarchical algorithm.
     assert layout_table(4, 1) is None and layout_table(4, 2) is not None

@@ -63,25 +63,18 @@ TWO_RANK_TABLE = (
     (float("inf"), "hierarchical"),
 )
 # One rank per node, across nodes: nothing to share in a node, so the hierarchical algorithm is
-# the all-reduce between the nodes alone: on more than 2 nodes recursive halving in segments,
-# and over TCP every segment above the eager limit pays a rendezvous (docs/cost-model.md); MPI's
-# own all-reduce and recursive doubling (one whole message a step) were 1.5-10x ahead of it from
-# 256 KiB. From 4 to 64 KiB recursive
-# doubling was up to 2x ahead of MPI's own (on 4 nodes at 4 KiB 1.1x behind it). From a few MiB
-# up, between 2 nodes, where it sends what MPI's own does, it was 1.1-1.4x ahead at 500 Mbit/s
-# and even at 10 Gbit/s. On more nodes it sends log2(N)·n bytes per node against MPI's
-# 2(N-1)/N·n: on 4 nodes 1.6-2.8x behind MPI's own from 256 KiB to 16 MiB at 10 Gbit/s (1.3x
-# ahead at 16 MiB and 500 Mbit/s), so MPI's own keeps every larger message there
-# (benchmarks/results/multinode-cpu-500mbit-auto.md, multinode-cpu.md, cost-model-cpu.md).
-ONE_PER_NODE_SMALL = (
-    (4 * 1024, "mpi"),
-    (64 * 1024, "recursive_doubling"),
-)
-TWO_NODES_ONE_PER_NODE_TABLE = ONE_PER_NODE_SMALL + (
+# only the all-reduce between the nodes. MPI's own was ahead of recursive doubling (our fastest
+# there) from 4 to 64 KiB, 1.2-1.3x on 2 x 1 and 1.04-1.7x on 4 x 1 at 10 Gbit/s, and as fast as
+# any of ours up to 1 MiB. Between 2 nodes, from a few MiB, recursive doubling (one whole
+# message each way) sends what MPI's own does in fewer messages: 0.96-1.17x it at 10 Gbit/s and
+# 1.17-1.23x at 500 Mbit/s from 4 MiB. On more nodes it sends log2(N)·n bytes per node against
+# MPI's 2(N-1)/N·n, so MPI's own keeps every size there (benchmarks/results/multinode-cpu.md,
+# multinode-cpu-500mbit.md, multinode-cpu-one-per-node-small.md).
+TWO_NODES_ONE_PER_NODE_TABLE = (
     (2 * 1024 * 1024, "mpi"),
     (float("inf"), "recursive_doubling"),
 )
-MANY_NODES_ONE_PER_NODE_TABLE = ONE_PER_NODE_SMALL + (
+MANY_NODES_ONE_PER_NODE_TABLE = (
     (float("inf"), "mpi"),
 )
 # Several ranks per node, across nodes: the hierarchical algorithm's node barriers and copies
