@@ -19,10 +19,9 @@ writes a decision table per rank count (JSON: {"<ranks>": [{"max_bytes": b, "alg
 ..., {"max_bytes": null, ...}]}) to MPIDIST_TUNING_FILE, default ~/.cache/mpidist/tuning.json.
 Each Communicator's rank 0 reads the file once and broadcasts the entry, so every rank
 chooses alike even when the ranks' home directories differ. Without an entry for the rank count
-the built-in table applies: on one node the rank count's; across nodes the tables for one rank
-per node (the one-node tables' choice, the hierarchical algorithm, was 2-4x slower there over
-TCP), or with several ranks per node MPI's own up to 256 KiB and the hierarchical algorithm
-from there.
+the built-in table applies: on one node the rank count's; across nodes, with one rank per
+node, MPI's own (between 2 nodes recursive doubling from 2 MiB), and with several ranks per node
+MPI's own up to 256 KiB and the hierarchical algorithm from there (layout_table).
 
 `mpidist tune` also keeps its measured times in the file (under "model", with the layout they
 were taken on) and fits the cost model's parameters to all of them (cost_model.py). A
