@@ -3,13 +3,17 @@ prepare-data; only `train` imports torch."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
+import os
 import sys
+
+import numpy as np
 
 from . import bench
 from .comm import init
-from .data import add_prepare_data_command
+from .data import add_prepare_data_command, default_digits_path
 from .errors import MpidistError
 from .info import collect, format_report
 
@@ -25,11 +29,43 @@ def cmd_info(args) -> int:
     return 0
 
 
+# What a command imports beyond mpidist's own dependencies (setup.py's install_requires): by
+# module, the package that provides it and mpidist's extra that installs it.
+OPTIONAL_PACKAGES = {"torch": ("torch", "torch"), "sklearn": ("scikit-learn", "data")}
+
+
+def importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+def report_missing_packages(comm, command: str, modules) -> bool:
+    """Collective: whether some rank cannot import one of `modules` (keys of OPTIONAL_PACKAGES).
+    Rank 0 names each missing package once, with the pip command that installs it, instead of a
+    ModuleNotFoundError traceback from every rank."""
+    lacking = np.array([not importable(module) for module in modules], dtype=np.int64)
+    comm.allreduce(lacking, op="sum")
+    if comm.rank == 0:
+        for module, ranks in zip(modules, lacking):
+            if ranks:
+                package, extra = OPTIONAL_PACKAGES[module]
+                print(f"mpidist: error: mpidist {command} needs {package} ({ranks} of {comm.size} ranks cannot import "
+                      f"{module}): pip install 'mpidist[{extra}]'", file=sys.stderr, flush=True)
+    return bool(lacking.any())
+
+
 def cmd_train(args) -> int:
     # SLURM's signal before the time limit (stopping.py) is caught from here, not after the
     # seconds of torch's import: a signal that came meanwhile would end the process.
     from .stopping import GracefulStop
     stop = GracefulStop()
+    # scikit-learn makes the digits file when it is missing (mpidist.data.prepare_digits).
+    makes_digits = args.model == "mlp" and not os.path.exists(args.data or default_digits_path())
+    if report_missing_packages(init(), "train", ["torch"] + (["sklearn"] if makes_digits else [])):
+        return 2
     from .train import cmd_train as train
     return train(args, stop)
 
