@@ -53,6 +53,35 @@ def test_an_uncaught_exception_on_one_rank_ends_the_job_with_its_traceback(ranks
     assert "DeadlineError" not in output  # no other rank waited out its deadline
 
 
+# The same failure in a DDP loop over torch.distributed: init_process_group wraps the abort hook
+# in its own, which holds what the hooks inside it print until they return.
+FAILING_DDP_RANK = textwrap.dedent("""
+    import sys
+    import time
+    import torch
+    import torch.distributed as dist
+    import mpidist
+    dist.init_process_group(sys.argv[1])
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    for step in range(100):
+        if step == 3 and dist.get_rank() == 1:
+            print(f"raising at {time.time()}", flush=True)
+            raise ValueError("bad value at step 3")
+        model(torch.ones(2, 4)).sum().backward()
+""")
+
+
+@pytest.mark.parametrize("backend", ["mpidist", "gloo"])
+def test_an_uncaught_exception_under_torch_distributed_ends_the_job_with_its_traceback(backend):
+    result = run_python(FAILING_DDP_RANK, ranks=2, env={"MPIDIST_TIMEOUT": "120"}, args=[backend])
+    output = result.stdout + result.stderr
+    assert seconds_after_raising(output) < 15, output
+    assert result.returncode != 0
+    traceback = output.index("Traceback (most recent call last)")
+    assert "ValueError: bad value at step 3" in output, output
+    assert traceback < output.index("mpidist: rank 1 of 2 ended with an uncaught ValueError"), output
+
+
 def test_without_abort_the_other_ranks_learn_that_the_failed_rank_ended():
     # Without the abort the failed rank's program ends with its traceback, and the rank waiting
     # for it in the next barrier raises PeerExitedError naming it, long before its deadline.

@@ -8,6 +8,8 @@ ranks' failures itself keeps Python's own behaviour with that setting.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
 
 from . import config
@@ -31,16 +33,28 @@ def install_abort_on_exception(world_mpi) -> None:
     def abort_on_exception(kind, exception, trace):
         # The traceback first, printed by whichever hook the program had, and flushed: MPI_Abort
         # ends the process without Python's own flushing at exit.
-        previous_hook(kind, exception, trace)
-        status = INTERRUPT_STATUS if issubclass(kind, KeyboardInterrupt) else EXCEPTION_STATUS
-        print(f"mpidist: rank {world_mpi.Get_rank()} of {world_mpi.Get_size()} ended with an uncaught "
-              f"{kind.__name__}: aborting the whole job (MPIDIST_ABORT_ON_EXCEPTION=0 leaves the other ranks "
-              "running)", file=sys.stderr)
-        flush_output()
+        with contextlib.redirect_stderr(_stream_that_outlives_the_abort()):
+            previous_hook(kind, exception, trace)
+            status = INTERRUPT_STATUS if issubclass(kind, KeyboardInterrupt) else EXCEPTION_STATUS
+            print(f"mpidist: rank {world_mpi.Get_rank()} of {world_mpi.Get_size()} ended with an uncaught "
+                  f"{kind.__name__}: aborting the whole job (MPIDIST_ABORT_ON_EXCEPTION=0 leaves the other "
+                  "ranks running)", file=sys.stderr)
+            flush_output()
         world_mpi.Abort(status)
 
     abort_on_exception.aborts_job = True
     sys.excepthook = abort_on_exception
+
+
+def _stream_that_outlives_the_abort():
+    """sys.stderr, unless it is a buffer in memory: then the process's own stderr.
+
+    A hook installed after this one wraps it, and may collect what it prints in memory to write
+    out once it returns (torch.distributed's, which init_process_group installs, prefixes every
+    line with the rank): MPI_Abort ends the process before that, and the traceback with it."""
+    if isinstance(sys.stderr, io.StringIO) and sys.__stderr__ is not None:
+        return sys.__stderr__
+    return sys.stderr
 
 
 def flush_output() -> None:
