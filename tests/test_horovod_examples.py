@@ -1,7 +1,7 @@
 """The Horovod example scripts (examples/horovod/) run to completion under a real mpirun, with
-small settings, and their output shows they trained: the test loss falls and the accuracy is far
-above chance, the benchmark reports every iteration, and after hvd.join() every rank holds the
-same parameters."""
+small settings, and their output shows they trained: the training examples, run as documented,
+learn on one process (accuracy far above chance) and on several ranks about as well as on one;
+the benchmark reports every iteration; after hvd.join() every rank holds the same parameters."""
 import os
 import re
 
@@ -9,11 +9,13 @@ import pytest
 from conftest import REPO, run_python
 
 EXAMPLES = os.path.join(REPO, "examples", "horovod")
-CHANCE = 0.1  # ten digit classes
+ONE_PROCESS_FLOOR = 0.6  # a training example's accuracy on one process, as documented (chance: 0.1)
+RANKS_SHORTFALL = 0.15  # how far below the one-process accuracy a multi-rank run may end
 
 
 def run_example(script, ranks, *options, timeout=300):
-    """Run examples/horovod/`script` as its __main__ under `mpirun -np ranks`; returns its stdout."""
+    """Run examples/horovod/`script` as its __main__ under `mpirun -np ranks`, or as a plain
+    process where ranks is 0; returns its stdout."""
     path = os.path.join(EXAMPLES, script)
     code = (f"import runpy, sys; sys.argv = {[path, *options]!r}; "
             f"runpy.run_path({path!r}, run_name='__main__')")
@@ -28,14 +30,29 @@ def data_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("digits"))
 
 
-def test_mnist_example_learns(data_dir):
-    output = run_example("pytorch_mnist.py", 2, "--epochs", "3", "--batch-size", "32", "--lr", "0.05",
-                         "--momentum", "0.9", "--log-interval", "5", "--data-dir", data_dir)
+def mnist_tests(ranks, data_dir):
+    """(test loss, accuracy) after each epoch of pytorch_mnist.py run as docs/horovod.md has it."""
+    output = run_example("pytorch_mnist.py", ranks, "--epochs", "3", "--data-dir", data_dir)
     tests = [(float(loss), float(accuracy) / 100) for loss, accuracy in
              re.findall(r"Test set: Average loss: ([\d.]+), Accuracy: ([\d.]+)%", output)]
     assert len(tests) == 3, output  # one evaluation per epoch, printed by rank 0 only
+    return tests, output
+
+
+@pytest.fixture(scope="module")
+def mnist_one_process(data_dir):
+    return mnist_tests(0, data_dir)[0]
+
+
+def test_mnist_example_learns_on_one_process(mnist_one_process):
+    assert mnist_one_process[-1][0] < mnist_one_process[0][0], mnist_one_process
+    assert mnist_one_process[-1][1] > ONE_PROCESS_FLOOR, mnist_one_process
+
+
+def test_mnist_example_learns_on_two_ranks_as_on_one(data_dir, mnist_one_process):
+    tests, output = mnist_tests(2, data_dir)
     assert tests[-1][0] < tests[0][0], tests
-    assert tests[-1][1] > 3 * CHANCE, tests
+    assert tests[-1][1] > mnist_one_process[-1][1] - RANKS_SHORTFALL, (tests, mnist_one_process)
     # Both ranks train (each logs its own batches) on half of the 1500 training digits each.
     assert len(re.findall(r"Train Epoch: 1 \[0/750 ", output)) == 2, output
 
@@ -52,8 +69,22 @@ def test_synthetic_benchmark_example_reports_every_iteration():
     assert mean == pytest.approx(sum(rates) / 3, abs=0.1) and total == pytest.approx(2 * mean, abs=0.2), output
 
 
+def join_accuracy(output):
+    return float(re.findall(r"Epoch 2: .* accuracy ([\d.]+)%", output)[0]) / 100
+
+
+@pytest.fixture(scope="module")
+def join_one_process(data_dir):
+    output = run_example("pytorch_join.py", 0, "--epochs", "2", "--log-interval", "100", "--data-dir", data_dir)
+    return join_accuracy(output)
+
+
+def test_join_example_learns_on_one_process(join_one_process):
+    assert join_one_process > ONE_PROCESS_FLOOR
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_join_example_ends_with_the_same_parameters_on_every_rank(data_dir, ranks):
+def test_join_example_ends_with_the_same_parameters_on_every_rank(data_dir, join_one_process, ranks):
     output = run_example("pytorch_join.py", ranks, "--epochs", "2", "--log-interval", "100", "--data-dir", data_dir)
     finals = re.findall(r"Rank (\d+): (\d+) batches, last to join: rank (\d+), parameters checksum (\S+)", output)
     assert sorted(int(rank) for rank, _, _, _ in finals) == list(range(ranks)), output
@@ -62,5 +93,4 @@ def test_join_example_ends_with_the_same_parameters_on_every_rank(data_dir, rank
     assert batches == sorted(set(batches)), batches  # uneven: each rank fewer batches than the next
     assert {last for _, last, _ in by_rank.values()} == {ranks - 1}  # the rank with the most data joins last
     assert len({checksum for _, _, checksum in by_rank.values()}) == 1, finals
-    accuracy = float(re.findall(r"Epoch 2: .* accuracy ([\d.]+)%", output)[0]) / 100
-    assert accuracy > 5 * CHANCE, output
+    assert join_accuracy(output) > join_one_process - RANKS_SHORTFALL, (output, join_one_process)
