@@ -1,5 +1,6 @@
-"""One mpirun per test module and rank count for modules marked `mpi_shared_launch`, every test
-still reported on its own.
+"""Every multi-rank test runs under an mpirun started here, one launch per test module and rank count
+for modules marked `mpi_shared_launch`; every test is reported once, whatever its rank count, and
+a launch is judged by every rank's reports and by how mpirun itself ended.
 
 pytest-isolate-mpi starts `mpirun -np N pytest <test>` for every multi-rank test and rank count,
 and every start gives each rank a fresh interpreter that imports torch: seconds of CPU, more than
@@ -7,14 +8,20 @@ most checks cost. In a module with `pytestmark = pytest.mark.mpi_shared_launch` 
 multi-rank tests of one rank count run in one launch instead, in the order pytest runs them; the
 ranks' processes (MPI, mpidist's state) carry over from one test to the next, so a test must not
 depend on what an earlier one leaves behind, nor leave behind what a later one would notice. A
-test marked `mpi_own_launch` (one that leaves a collective unfinished, say) still runs alone.
+test marked `mpi_own_launch` (one that leaves a collective unfinished, say), and every multi-rank
+test of an unmarked module, runs in a launch of its own, started the same way.
 
 In the ranks, pytest-isolate-mpi writes each test's reports as it always does, here into a
-directory of that test's own; this session then reports each test as pytest-isolate-mpi would
-have: every rank's setup, call and teardown, with its traceback. Each test keeps its own time
-limit, the `timeout` of its mpi mark (else --mpi-default-test-timeout), counted from the end of
-the test before it: past it the launch is stopped, that test fails with the ranks' output and the
-tests after it fail as not run.
+directory of that test's own; this session reads them and reports each phase (setup, call,
+teardown) of a test once: failed if some rank failed, with every failing rank's traceback under
+its rank number. Each test keeps its own time limit, the `timeout` of its mpi mark (else
+--mpi-default-test-timeout), counted from the end of the test before it, and for the launch's
+last test up to mpirun's own exit: past it the launch is stopped, that test fails with the ranks'
+output and the tests after it fail as not run. A test fails too when a rank wrote no report for
+it, and the launch's last test fails when mpirun exits with a status other than 0 after every
+rank reported: a rank that crashes at exit, in a destructor, in a background thread or in
+MPI_Finalize after its last assertion. Failed tests do not make a rank's pytest exit non-zero
+(their reports say so already), so any such status is news.
 """
 import hashlib
 import math
@@ -59,14 +66,17 @@ def register(config):
 
 
 def launch_key(item):
-    """(module, ranks, OpenMP threads) of a test that runs in a shared launch; else None."""
+    """(module, ranks, OpenMP threads) of a test that shares its module's launch, that plus the
+    test's own id for one that runs alone; None for a test that is not a multi-rank one."""
     mark = item.get_closest_marker("mpi")
-    if mark is None or item.get_closest_marker(MARKER) is None or item.get_closest_marker(OWN_LAUNCH) is not None \
-            or item.config.getoption("--no-mpi-isolation"):
+    if mark is None or item.config.getoption("--no-mpi-isolation"):
         return None
     callspec = getattr(item, "callspec", None)
     ranks = callspec.params.get("mpi_ranks", 1) if callspec is not None else 1
-    return item.path, ranks, mark.kwargs.get("threads")
+    key = (item.path, ranks, mark.kwargs.get("threads"))
+    if item.get_closest_marker(MARKER) is None or item.get_closest_marker(OWN_LAUNCH) is not None:
+        return key + (item.nodeid,)
+    return key
 
 
 def time_limit(item) -> float:
@@ -116,12 +126,16 @@ class SharedLaunch:
             self.launch([other for other in items[items.index(item):] if launch_key(other) == key], key[1])
         ihook = item.ihook
         ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-        for report in self.reports.pop(item.nodeid):
-            ihook.pytest_runtest_logreport(report=report)
-        # The test ran in the ranks; tear down here what the next item does not share.
+        reports = self.reports.pop(item.nodeid)
+        # The test ran in the ranks; tear down here what the next item does not share. Its report
+        # is logged only when it failed or the ranks gave none: one teardown report per test.
         setupstate = item.session._setupstate
         call = pytest.CallInfo.from_call(lambda: setupstate.teardown_exact(nextitem), when="teardown")
-        ihook.pytest_runtest_logreport(report=TestReport.from_item_and_call(item, call))
+        teardown = TestReport.from_item_and_call(item, call)
+        if teardown.failed or not any(report.when == "teardown" for report in reports):
+            reports.append(teardown)
+        for report in reports:
+            ihook.pytest_runtest_logreport(report=report)
         ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         return True
 
@@ -161,7 +175,8 @@ class SharedLaunch:
                 stdout.seek(0)
                 stderr.seek(0)
                 output = [("Captured stdout", stdout.read()), ("Captured stderr", stderr.read())]
-            self.collect(items, ranks, directory, stopped_in, output)
+            exit_status = None if stopped_in is not None else process.returncode
+            self.collect(items, ranks, directory, stopped_in, exit_status, output)
 
     @staticmethod
     def wait(process, items, ranks, directory):
@@ -178,37 +193,77 @@ class SharedLaunch:
                 time.sleep(0.1)
         return None
 
-    def collect(self, items, ranks, directory, stopped_in, output):
-        """Reads every rank's reports of every test; a test that some rank did not finish fails."""
+    def collect(self, items, ranks, directory, stopped_in, exit_status, output):
+        """Reads every rank's reports of every test and keeps one report per phase of each test.
+
+        A test fails when a rank wrote no report for it or its time ran out; the launch's last
+        test fails too when mpirun ended with a status other than 0 (`exit_status`) although
+        every rank reported every test."""
         ended_in = None  # the first test some rank did not finish
         for item in items:
-            reports, finished = [], True
+            reports, silent = [], []
             for rank in range(ranks):
                 try:
                     with open(os.path.join(reports_directory(directory, item.nodeid), str(rank)), "rb") as file:
                         reports += pickle.load(file)
                 except (FileNotFoundError, EOFError, pickle.UnpicklingError):
-                    finished = False
-            if not finished:
-                if ended_in is None:
-                    ended_in = item
-                    if stopped_in is item:
-                        message = (f"Timeout occurred for {item.nodeid}: exceeded run time limit of "
-                                   f"{time_limit(item)} s.")
-                    else:
-                        message = "At least one MPI process has exited prematurely."
-                    sections = output
-                else:
-                    message, sections = f"Not run: the launch ended in {ended_in.nodeid}.", []
-                failure = TestReport(nodeid=item.nodeid, location=item.location, outcome="failed", when="call",
-                                     keywords={}, longrepr=message)
-                failure.sections.extend(section for section in sections if section[1])
-                reports.append(failure)
-            self.reports[item.nodeid] = reports
+                    silent.append(rank)
+            problem, sections = None, output
+            if ended_in is not None:
+                problem, sections = f"Not run: the launch ended in {ended_in.nodeid}.", []
+            elif stopped_in is item:
+                problem = (f"Timeout occurred for {item.nodeid}: exceeded run time limit of {time_limit(item)} s"
+                           + (f" (ranks {silent} wrote no report)." if silent else
+                              ", after every rank had reported it: the launch did not end in time."))
+            elif silent:
+                problem = f"At least one MPI process has exited prematurely: ranks {silent} wrote no report."
+            elif item is items[-1] and exit_status:
+                problem = (f"mpirun exited with status {exit_status} after every rank had reported every test of "
+                           "its launch, this the last: a rank failed after its last test (at exit, in a destructor, "
+                           "a background thread or MPI_Finalize).")
+            if problem is not None and silent and ended_in is None:
+                ended_in = item
+            self.reports[item.nodeid] = merge(item, reports, problem, sections if problem else [])
+
+
+PHASES = ("setup", "call", "teardown")
+
+
+def merge(item, reports, problem, sections):
+    """One report per phase from every rank's reports of `item`: failed if some rank failed (with
+    each failing rank's traceback under its number) or if `problem` is given (in the call phase,
+    with the launch's output in `sections`); skipped if no rank failed and some rank skipped."""
+    merged = []
+    for when in PHASES:
+        phase = [report for report in reports if report.when == when]
+        failures = [report for report in phase if report.failed]
+        text = [f"{'_' * 20} rank {getattr(report, 'rank', '?')} {'_' * 20}\n{report.longreprtext}"
+                for report in failures]
+        if when == "call" and problem is not None:
+            text.append(problem)
+        if not phase and not text:
+            continue
+        skips = [report for report in phase if report.skipped]
+        if text:
+            outcome, longrepr = "failed", "\n\n".join(text)
+        elif skips:
+            outcome, longrepr = "skipped", skips[0].longrepr
+        else:
+            outcome, longrepr = "passed", None
+        report = TestReport(nodeid=item.nodeid, location=item.location, keywords=dict.fromkeys(item.keywords, 1),
+                            outcome=outcome, longrepr=longrepr, when=when,
+                            duration=max((report.duration for report in phase), default=0.0))
+        report.sections = [(f"{title} (rank {getattr(each, 'rank', '?')})", content)
+                           for each in (failures or phase) for title, content in each.sections]
+        if when == "call" and problem is not None:
+            report.sections += [section for section in sections if section[1]]
+        merged.append(report)
+    return merged
 
 
 class SharedLaunchRank:
-    """A rank's side: pytest-isolate-mpi writes each test's reports into a directory of its own."""
+    """A rank's side: pytest-isolate-mpi writes each test's reports into a directory of its own,
+    and failed tests leave the rank's exit status 0 (their reports carry them)."""
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(self, item):
@@ -220,3 +275,8 @@ class SharedLaunchRank:
             return (yield)
         finally:
             os.environ[REPORTS] = shared
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session):
+        if session.exitstatus == pytest.ExitCode.TESTS_FAILED:
+            session.exitstatus = pytest.ExitCode.OK
