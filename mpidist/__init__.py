@@ -18,6 +18,7 @@ from .comm import Communicator, init, is_initialized, world  # noqa: E402,F401
 from .errors import (  # noqa: E402,F401
     DeadlineError,
     InvalidArgumentError,
+    LaunchMismatchError,
     MismatchError,
     MpidistError,
     MPIUnavailableError,

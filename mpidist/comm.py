@@ -16,10 +16,11 @@ import abc
 import json
 import threading
 import typing
+import warnings
 
 import numpy as np
 
-from . import buffers
+from . import buffers, launch
 from .errors import InvalidArgumentError, NotInitializedError
 from .runtime import config, leave, stall
 from .runtime.abort import install_abort_on_exception
@@ -375,11 +376,24 @@ def init(mpi_comm=None) -> Communicator:
     MPIDIST_ABORT_ON_EXCEPTION=0 keeps Python's own behaviour), and a wait in a collective that
     runs past MPIDIST_STALL_WARNING reports the ranks that have not arrived (runtime/stall.py).
     In a fault-tolerant run, MPI_Finalize at exit is given MPIDIST_FINALIZE_TIMEOUT once a rank
-    has died (runtime/leave.py)."""
+    has died (runtime/leave.py).
+
+    A launcher whose processes MPI does not join into one job (srun --mpi=none: N jobs of one
+    rank each) is refused with LaunchMismatchError. RANK, WORLD_SIZE, LOCAL_RANK and
+    LOCAL_WORLD_SIZE are set as torchrun sets them where the environment lacks them
+    (launch.py)."""
     global _world
     with _init_lock:
         if _world is None:
+            MPI = load_mpi()
+            launch.check_agrees_with_mpi(MPI.COMM_WORLD.Get_size(), MPI.Get_library_version())
             _world = Communicator(mpi_comm)
+            differing = launch.set_torchrun_variables(_world.rank, _world.size, _world.local_rank,
+                                                      _world.local_size)
+            if differing:
+                warnings.warn(f"mpidist: rank {_world.rank}: the environment has {'; '.join(differing)}: "
+                              "code that reads these variables gets another place than md.rank() and "
+                              "md.local_rank() (unset them to let mpidist set them)", stacklevel=2)
             if fault_tolerant():
                 leave.install()  # first: its exit handler must run after the others
             stall.open_board(_world.mpi)

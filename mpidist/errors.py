@@ -16,6 +16,12 @@ class MPIUnavailableError(MpidistError):
     """mpi4py or the MPI library behind it cannot be loaded."""
 
 
+class LaunchMismatchError(MpidistError):
+    """The launcher started another number of processes than MPI's world holds: each runs as a job
+    of its own (srun without the MPI library's process-management interface, or the mpirun of
+    another MPI library than mpi4py's)."""
+
+
 class UnsupportedBufferError(MpidistError, TypeError):
     """The object is not an array kind mpidist can communicate (NumPy, torch, CuPy). Also a
     TypeError, the error Python gives an argument of the wrong type."""

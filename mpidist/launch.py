@@ -15,18 +15,23 @@ single       anything else, including the batch script itself (it is not a step)
 ===========  =========================================================================
 
 Run ``python -m mpidist.launch`` under a launcher to see what each rank detects.
+
+Once MPI has started, md.init() holds the launch against MPI's world (check_agrees_with_mpi: a
+launcher whose processes MPI does not join into one job is refused) and hands the process its
+place as torchrun would (set_torchrun_variables).
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import subprocess
 from dataclasses import asdict, dataclass
 from typing import Mapping, Optional
 
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, LaunchMismatchError
 
-__all__ = ["LaunchInfo", "detect", "gpu_for_local_rank"]
+__all__ = ["LaunchInfo", "check_agrees_with_mpi", "detect", "gpu_for_local_rank", "set_torchrun_variables"]
 
 
 @dataclass(frozen=True)
@@ -122,13 +127,79 @@ def detect(environ: Mapping[str, str] = os.environ) -> LaunchInfo:
     return SINGLE
 
 
+def check_agrees_with_mpi(mpi_size: int, mpi_library: str, environ: Mapping[str, str] = os.environ) -> None:
+    """Refuse a launch whose launcher started a number of processes other than the `mpi_size`
+    ranks of MPI's world (MPI.COMM_WORLD), with what to launch with instead.
+
+    srun without the process-management interface (PMI) that the MPI library reads
+    (``--mpi=none``, or a default the library does not speak) starts N processes that each
+    initialize MPI alone: N jobs of one rank, each writing the same files. The mpirun of another
+    MPI library than the one mpi4py loads (`mpi_library`, MPI.Get_library_version()) does the
+    same. A process of no launcher (a plain ``python`` in the batch script) is a world of one.
+    """
+    launch = detect(environ)
+    if launch.launcher == "single" or launch.size == mpi_size:
+        return
+    library = mpi_library.replace("\x00", "").strip().splitlines()[0].split(",")[0]
+    if launch.launcher == "slurm":
+        offered = _srun_mpi_types()
+        srun = f"srun --mpi={environ['SLURM_MPI_TYPE']}" if environ.get("SLURM_MPI_TYPE") else "srun"
+        raise LaunchMismatchError(
+            f"srun started {launch.size} tasks but MPI's world holds {mpi_size}: each task is a job of its own, "
+            f"because {srun} gave the MPI library ({library}) no "
+            "process-management interface it reads. Launch with `srun --mpi=pmix` (Open MPI 5, MPICH built with "
+            "PMIx) or `srun --mpi=pmi2` (MPICH, Intel MPI)"
+            + (f"; this cluster's srun offers --mpi={', '.join(offered)} (`srun --mpi=list`)" if offered else "")
+            + ", or start the ranks with mpirun inside the allocation")
+    launcher = {"openmpi": f"Open MPI's mpirun (OMPI_COMM_WORLD_SIZE={launch.size})",
+                "mpich": f"an MPICH or Intel MPI mpiexec (PMI_SIZE={launch.size})"}[launch.launcher]
+    raise LaunchMismatchError(
+        f"{launcher} started {launch.size} ranks but MPI's world holds {mpi_size}: each is a job of its own, "
+        f"because mpi4py loads another MPI library ({library}) than the launcher's. Start the program with the "
+        "mpiexec of that library, or build mpi4py against the MPI library of this launcher "
+        "(docs/cluster.md)")
+
+
+def _srun_mpi_types() -> list[str]:
+    """The --mpi= values `srun --mpi=list` offers besides none, or [] where it cannot tell."""
+    try:
+        listing = subprocess.run(["srun", "--mpi=list"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    # One type a line, under a heading; older versions put "srun: " before each line.
+    names = [line.removeprefix("srun:").strip() for line in (listing.stdout + listing.stderr).splitlines()]
+    return [name for name in names if re.fullmatch(r"[a-z][a-z0-9_]*", name) and name != "none"]
+
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def set_torchrun_variables(rank: int, size: int, local_rank: int, local_size: int,
+                           environ=os.environ) -> list[str]:
+    """In a process that a launcher started, set RANK, WORLD_SIZE, LOCAL_RANK and
+    LOCAL_WORLD_SIZE, as torchrun does, to the given place in mpidist's world wherever `environ`
+    lacks them, so that code written for torchrun (``int(os.environ["LOCAL_RANK"])``) runs under
+    mpirun and srun. A value already set is kept; returns a line for each one that differs from
+    mpidist's. A process of no launcher is left alone: the programs it starts (an mpirun of
+    their own) would inherit its world of one."""
+    if detect(environ).launcher == "single":
+        return []
+    differing = []
+    for name, value in zip(TORCHRUN_VARIABLES, (rank, size, local_rank, local_size)):
+        given = environ.setdefault(name, str(value))
+        if given.strip() != str(value):
+            differing.append(f"{name}={given!r} but mpidist's world says {value}")
+    return differing
+
+
 def _device_list(value: str) -> list[str]:
     return [entry.strip() for entry in value.split(",") if entry.strip()]
 
 
-def gpu_for_local_rank(info: LaunchInfo, environ: Mapping[str, str] = os.environ,
+def gpu_for_local_rank(info: Optional[LaunchInfo] = None, environ: Mapping[str, str] = os.environ,
                        device_count: Optional[int] = None) -> Optional[int]:
-    """The CUDA device index this rank should use, or None when it has no GPU.
+    """The CUDA device index this rank should use, or None when it has no GPU. `info`: this
+    process's place, detect(environ) when not given.
 
     CUDA numbers the devices in CUDA_VISIBLE_DEVICES 0..n-1, so with it set the answer is
     ``local_rank % n``: one entry (Slurm's --gpus-per-task=1 or --gpu-bind=single:1, which bind
@@ -138,6 +209,8 @@ def gpu_for_local_rank(info: LaunchInfo, environ: Mapping[str, str] = os.environ
     passes the driver's count (``torch.cuda.device_count()``). None when nothing says there
     are GPUs, or CUDA_VISIBLE_DEVICES hides them all.
     """
+    if info is None:
+        info = detect(environ)
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         devices = _device_list(visible)

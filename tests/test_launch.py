@@ -1,4 +1,6 @@
-"""mpidist.launch: launcher detection from synthetic environments, and once under a real mpirun."""
+"""mpidist.launch: launcher detection, the check of a launch against MPI's world and torchrun's
+variables from synthetic environments; md.init() and `mpidist info` under a launch MPI does not
+join (an srun task's variables around a process that starts MPI alone); once under a real mpirun."""
 import json
 import os
 import shutil
@@ -7,9 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_python
 
-from mpidist.errors import InvalidArgumentError
-from mpidist.launch import LaunchInfo, detect, gpu_for_local_rank
+from mpidist.errors import InvalidArgumentError, LaunchMismatchError
+from mpidist.launch import LaunchInfo, check_agrees_with_mpi, detect, gpu_for_local_rank, set_torchrun_variables
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -124,6 +127,97 @@ def test_gpu_from_driver_count():
     assert gpu_for_local_rank(_local(5), {}, device_count=4) == 1
 
 
+def test_the_documented_gpu_call_needs_no_arguments(monkeypatch):
+    # docs/cluster.md: `mpidist.launch.gpu_for_local_rank()` reads this process's own launch.
+    for name, value in {**OPENMPI, "CUDA_VISIBLE_DEVICES": "0,1"}.items():
+        monkeypatch.setenv(name, value)
+    assert gpu_for_local_rank() == 1
+
+
+OPEN_MPI_LIBRARY = "Open MPI v5.0.11, package: Open MPI user@localhost Distribution, ident: 5.0.11"
+# An srun task, 2 of them in the step, whose srun passed MPI no process-management interface.
+SRUN_WITHOUT_PMI = {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "SLURM_STEPID": "0", "SLURM_PROCID": "1",
+                    "SLURM_LOCALID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_MPI_TYPE": "none"}
+
+
+def test_srun_tasks_that_mpi_does_not_join_are_refused_with_the_mpi_option_to_use(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")  # no srun to list its types: the advice stands alone
+    with pytest.raises(LaunchMismatchError, match=r"srun started 2 tasks but MPI's world holds 1.*srun --mpi=none.*"
+                       r"\(Open MPI v5\.0\.11\).*`srun --mpi=pmix`.*`srun --mpi=pmi2`") as refused:
+        check_agrees_with_mpi(1, OPEN_MPI_LIBRARY, SRUN_WITHOUT_PMI)
+    assert "offers" not in str(refused.value)
+
+
+def test_the_refusal_lists_what_srun_offers(monkeypatch, tmp_path):
+    # The listing of Slurm 22.05's `srun --mpi=list`.
+    srun = tmp_path / "srun"
+    srun.write_text("#!/bin/sh\nprintf 'MPI plugin types are...\\n\\tnone\\n\\tcray_shasta\\n\\tpmi2\\n\\tpmix\\n"
+                    "specific pmix plugin versions available: pmix_v4\\n'\n")
+    srun.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(LaunchMismatchError, match=r"this cluster's srun offers --mpi=cray_shasta, pmi2, pmix \("):
+        check_agrees_with_mpi(1, OPEN_MPI_LIBRARY, SRUN_WITHOUT_PMI)
+
+
+def test_the_mpirun_of_another_mpi_library_is_refused():
+    with pytest.raises(LaunchMismatchError, match=r"Open MPI's mpirun \(OMPI_COMM_WORLD_SIZE=8\) started 8 ranks but "
+                       r"MPI's world holds 1.*another MPI library \(MPICH Version:\s+4\.1\.2\)"):
+        check_agrees_with_mpi(1, "MPICH Version:\t4.1.2\nMPICH Release date: ...", OPENMPI)
+    with pytest.raises(LaunchMismatchError, match=r"PMI_SIZE=8\) started 8 ranks but MPI's world holds 1"):
+        check_agrees_with_mpi(1, OPEN_MPI_LIBRARY, MPICH)
+
+
+@pytest.mark.parametrize("environ, mpi_size", [
+    ({}, 1),                                 # python on a laptop
+    (SLURM_BATCH, 1),                        # python in the batch script: the job's task count is not its own
+    (SLURM_STEP, 8),                         # srun --mpi=pmix
+    (OPENMPI, 8),
+    (MPICH, 8),
+    # mpirun inside an allocation: the ranks inherit the variables of the batch script, or across
+    # nodes those of the srun step that started mpirun's daemons, one task per node
+    ({**SLURM_BATCH, **OPENMPI}, 8),
+    ({**SLURM_STEP, "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", **OPENMPI}, 8),
+    ({**SLURM_STEP, "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", **MPICH}, 8),
+])
+def test_launches_that_mpi_joins_are_accepted(environ, mpi_size):
+    check_agrees_with_mpi(mpi_size, OPEN_MPI_LIBRARY, environ)
+
+
+def test_md_init_and_mpidist_info_refuse_srun_tasks_that_mpi_does_not_join():
+    code = ("import mpidist as md\n"
+            "try:\n"
+            "    md.init()\n"
+            "except md.LaunchMismatchError as error:\n"
+            "    print('refused:', error)\n")
+    init = run_python(code, env=SRUN_WITHOUT_PMI)
+    assert init.returncode == 0 and init.stdout.startswith("refused: srun started 2 tasks but MPI's world holds 1"), \
+        init.stdout + init.stderr
+    info = run_python("from mpidist.cli import main; raise SystemExit(main(['info']))", env=SRUN_WITHOUT_PMI)
+    assert info.returncode == 2, info.stdout + info.stderr
+    assert "ranks" not in info.stdout and "srun --mpi=pmix" in info.stderr, info.stdout + info.stderr
+
+
+def test_torchrun_variables_are_set_from_mpidist_where_unset():
+    environ = dict(OPENMPI)
+    assert set_torchrun_variables(5, 8, 1, 4, environ) == []
+    assert {name: environ[name] for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")} == \
+        {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+
+
+def test_torchrun_variables_the_user_set_are_kept_and_a_differing_one_named():
+    environ = {**SLURM_STEP, "RANK": "5", "LOCAL_RANK": "3"}
+    assert set_torchrun_variables(5, 8, 1, 4, environ) == ["LOCAL_RANK='3' but mpidist's world says 1"]
+    assert (environ["RANK"], environ["LOCAL_RANK"], environ["WORLD_SIZE"]) == ("5", "3", "8")
+
+
+def test_torchrun_variables_are_left_alone_without_a_launcher():
+    # A plain python (or the batch script) that starts an mpirun of its own passes on its environment.
+    for environ in ({}, dict(SLURM_BATCH)):
+        before = dict(environ)
+        assert set_torchrun_variables(0, 1, 0, 1, environ) == []
+        assert environ == before
+
+
 def _mpirun():
     beside_python = Path(sys.executable).parent / "mpirun"
     if beside_python.exists():
@@ -131,20 +225,41 @@ def _mpirun():
     return shutil.which("mpirun")
 
 
-@pytest.mark.skipif(_mpirun() is None, reason="no mpirun beside this Python or on PATH: cannot start a real Open MPI launch")
-def test_real_mpirun_is_detected():
+@pytest.fixture(scope="module")
+def real_mpirun():
+    """One launch of 2 ranks under a real mpirun: each prints what it detects before md.init(),
+    then torchrun's variables after it (LOCAL_WORLD_SIZE set beforehand, to a wrong value)."""
+    if _mpirun() is None:
+        pytest.skip("no mpirun beside this Python or on PATH: cannot start a real Open MPI launch")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    for name in [n for n in env if n.startswith(("OMPI_COMM_WORLD", "PMI_", "SLURM_"))]:
+           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "LOCAL_WORLD_SIZE": "7"}
+    for name in [n for n in env if n.startswith(("OMPI_COMM_WORLD", "PMI_", "SLURM_"))
+                 or n in ("RANK", "WORLD_SIZE", "LOCAL_RANK")]:
         del env[name]
-    code = "import json, dataclasses, mpidist.launch as l; print(json.dumps(dataclasses.asdict(l.detect())))"
+    code = ("import json, os, dataclasses, mpidist.launch as l\n"
+            "print(json.dumps(dataclasses.asdict(l.detect())), flush=True)\n"
+            "import mpidist as md\n"
+            "md.init()\n"
+            "print('torchrun', md.rank(), md.local_rank(), json.dumps({n: os.environ[n] for n in l.TORCHRUN_VARIABLES}))\n")
     result = subprocess.run(
         [_mpirun(), "-np", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-c", code],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    infos = sorted((json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")),
+    return result
+
+
+def test_real_mpirun_is_detected(real_mpirun):
+    infos = sorted((json.loads(line) for line in real_mpirun.stdout.splitlines() if line.startswith("{")),
                    key=lambda info: info["rank"])
     assert [info["launcher"] for info in infos] == ["openmpi", "openmpi"]
     assert [(info["rank"], info["size"], info["local_rank"], info["local_size"]) for info in infos] == \
         [(0, 2, 0, 2), (1, 2, 1, 2)]
+
+
+def test_md_init_under_mpirun_sets_torchruns_variables_and_keeps_the_users(real_mpirun):
+    places = sorted(line.split(" ", 3)[1:] for line in real_mpirun.stdout.splitlines() if line.startswith("torchrun"))
+    assert [(rank, local_rank, json.loads(variables)) for rank, local_rank, variables in places] == [
+        (str(rank), str(rank), {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "7"})
+        for rank in range(2)]
+    assert real_mpirun.stderr.count("LOCAL_WORLD_SIZE='7' but mpidist's world says 2") == 2, real_mpirun.stderr
