@@ -132,6 +132,17 @@ def test_speed_targets():
     assert [t["holds"] for t in gpu_check.evaluate_targets([])] == [None] * 5
 
 
+def test_a_missed_target_is_named_in_the_result(tmp_path, capsys):
+    check = gpu_check.GpuCheck(str(tmp_path), str(tmp_path / "wheels"), dry_run=True)
+    check.step("fine", lambda: ("passed", ""))
+    check.targets = gpu_check.evaluate_targets([bench_row("reduce", "bfloat16", 64 * MIB, 2900.0, 3000.0, 0.99)])
+    assert check.finish() == 0  # missed targets fail the run only with --require-targets
+    assert "gpu-check: passed, 1 target missed:" in capsys.readouterr().out
+    assert "Result: **passed, 1 target missed**" in (tmp_path / "summary.md").read_text()
+    assert gpu_check.verdict(True, check.targets[:1]) == "passed"
+    assert gpu_check.verdict(False, check.targets) == "FAILED"
+
+
 def test_a_failed_step_fails_the_run_and_the_report_says_so(tmp_path):
     check = gpu_check.GpuCheck(str(tmp_path), str(tmp_path / "wheels"), dry_run=True)
     check.step("fine", lambda: ("passed", ""))
