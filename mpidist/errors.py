@@ -54,9 +54,9 @@ class DeadlineError(MismatchError):
 
 
 class PeerExitedError(DeadlineError):
-    """A rank's program ended (it returned, or called sys.exit) while this rank waits for it in a
-    collective it never entered: the wait can never complete, so it ends at once instead of at
-    MPIDIST_TIMEOUT. `peers`: the ranks that ended, on the communicator of the wait."""
+    """A rank's program ended (it returned, called sys.exit or raised an uncaught exception) while
+    this rank waits for it in a collective it never entered: the wait can never complete, so it
+    ends at once instead of at MPIDIST_TIMEOUT. `peers`: the ranks that ended, on the communicator of the wait."""
 
 
 class RankDiedError(MpidistError):

@@ -89,8 +89,8 @@ def test_without_abort_the_other_ranks_learn_that_the_failed_rank_ended():
                                {"MPIDIST_ABORT_ON_EXCEPTION": "0", "MPIDIST_TIMEOUT": "120"}, timeout=60)
     assert result.returncode != 0
     assert "ValueError: bad value at step 3" in output, output
-    assert ("PeerExitedError: rank 0: the barrier call check cannot complete: the program of rank(s) [1] ended"
-            in output), output
+    assert ("PeerExitedError: rank 0: the barrier call check cannot complete: the program of rank(s) [1] ended "
+            "(it returned, called sys.exit or raised an uncaught exception) without entering it" in output), output
     assert "aborting the whole job" not in output and "MPI_ABORT" not in output
 
 

@@ -165,8 +165,8 @@ class ExitWatch:
             self.gone_since = now
         if now - self.gone_since >= EXIT_GRACE_SECONDS:
             raise PeerExitedError(f"rank {me}: {self.what} cannot complete: the program of rank(s) {gone} ended (it "
-                                  "returned or called sys.exit) without entering it. Every rank must make the same "
-                                  "collective calls before it exits", peers=gone)
+                                  "returned, called sys.exit or raised an uncaught exception) without entering it. "
+                                  "Every rank must make the same collective calls before it exits", peers=gone)
 
 
 def report(mpi, what: str, waited: float, timeout: float) -> None:
