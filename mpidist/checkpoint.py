@@ -308,10 +308,11 @@ def _gather_rng(mpi):
         return [snapshot]
     from mpi4py import MPI  # here, not at import: importing mpi4py's MPI initializes MPI
     blob = _pack_rng(snapshot)
-    lengths = np.zeros(mpi.Get_size(), dtype=np.int64) if mpi.Get_rank() == 0 else None
+    lengths = np.zeros(mpi.Get_size(), dtype=np.int64)
     # The first exchange of save_checkpoint: a rank that calls it alone (rank 0 only, as some
-    # Horovod scripts save) gets an error after MPIDIST_TIMEOUT instead of waiting forever.
-    wait_for_collective(mpi.Igather(np.array([blob.size], dtype=np.int64), lengths, root=0), mpi,
+    # Horovod scripts save) gets an error after MPIDIST_TIMEOUT instead of waiting forever. An
+    # allgather, not a gather: every rank waits here, with the stall report, until all have come.
+    wait_for_collective(mpi.Iallgather(np.array([blob.size], dtype=np.int64), lengths), mpi,
                        "gather of save_checkpoint (every rank must call it when comm is given; with "
                        "comm=None a rank saves alone)")
     if mpi.Get_rank() != 0:

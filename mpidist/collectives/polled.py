@@ -54,7 +54,7 @@ import numpy as np
 from .. import _C
 from ..buffers import ITEMSIZE, describe
 from ..errors import InvalidArgumentError
-from ..runtime.deadlines import deadline_error, poll_until
+from ..runtime.deadlines import deadline_error, wait_in_collective
 from ..runtime.mpi import load_mpi
 from .common import kernel_op, reduce_and_publish, result_slot, split_counts
 
@@ -287,15 +287,18 @@ class PolledAllreduce:
         # needs to catch up. benchmarks/training.py with 3 ranks on 2 cores (25 MB buckets):
         # 32.7 ms per step yielding only, 27.1 ms with naps (training-cpu.md). With a core per
         # rank the yielding lasts longer (yield_seconds).
+        if self.progress():  # finished already, in the gradient hooks: no wait to publish
+            return
+        what = f"the all-reduce of gradient bucket {self.index}"
+
         def timed_out():
             me = self.slots.local_rank
             behind = [k for k, counter in enumerate(self.slots.counters[self.index])
                       if k != me and not _C.counters_reached([counter], self.stage)]
-            raise deadline_error(f"local rank {me}", f"the all-reduce of gradient bucket {self.index}",
-                                 f"local ranks {behind} of this node", peers=behind,
+            raise deadline_error(f"local rank {me}", what, f"local ranks {behind} of this node", peers=behind,
                                  advice="They stopped before reaching it (different numbers of backward passes?)")
 
-        poll_until(self.progress, timed_out, self.slots.yield_seconds, NAP_SECONDS)
+        wait_in_collective(self.progress, self.slots.node_comm, what, timed_out, self.slots.yield_seconds, NAP_SECONDS)
 
     def result_slot(self, owner: int) -> int:
         """Without results_in_slots, the slot that receives the reduced slice of local rank `owner`

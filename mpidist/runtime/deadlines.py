@@ -57,13 +57,13 @@ def deadline_error(who: str, what: str, silent: str, peers=(), advice: str = "")
 
 
 def wait_until(test, who: str, what: str, silent: str, peers=(), advice: str = "",
-               yield_seconds: float = YIELD_SECONDS, nap_seconds: float = NAP_SECONDS, on_stall=None) -> None:
+               yield_seconds: float = YIELD_SECONDS, nap_seconds: float = NAP_SECONDS) -> None:
     """Poll test() until it returns True; after MPIDIST_TIMEOUT raise DeadlineError naming the
-    silent peer (see deadline_error); on_stall as in poll_until."""
+    silent peer (see deadline_error)."""
     def timed_out():
         raise deadline_error(who, what, silent, peers, advice)
 
-    poll_until(test, timed_out, yield_seconds, nap_seconds, on_stall)
+    poll_until(test, timed_out, yield_seconds, nap_seconds)
 
 
 def wait_for_request(request, who: str, what: str, silent: str, peers=(), advice: str = "") -> None:
@@ -77,25 +77,39 @@ def other_ranks(mpi) -> tuple:
     return tuple(rank for rank in range(mpi.Get_size()) if rank != me)
 
 
-def wait_for_collective(request, mpi, what: str) -> None:
-    """Wait for a nonblocking collective `request` on the mpi4py communicator `mpi`. Which rank
-    is missing cannot be known from here, so the error names every other rank; a wait past
-    MPIDIST_STALL_WARNING prints the stall report, which reads it from the other ranks' records,
-    and a rank whose program ended without entering ends the wait at once (PeerExitedError)."""
-    others = other_ranks(mpi)
-    waiting_in = f"the {what}"
-    stall.publish(waiting_in)
-    exits = stall.ExitWatch(mpi, waiting_in)
+def wait_in_collective(test, mpi, what: str, on_timeout, yield_seconds: float = YIELD_SECONDS,
+                       nap_seconds: float = NAP_SECONDS) -> None:
+    """Poll test() until it returns True, as this rank's wait in the collective `what` on the
+    mpi4py communicator `mpi`: the wait is published on the stall board, a wait past
+    MPIDIST_STALL_WARNING prints the stall report (which reads from the other ranks' records who
+    has not arrived), a rank whose program ended without entering ends the wait (PeerExitedError),
+    and after MPIDIST_TIMEOUT on_timeout() raises. Every collective's wait goes through here, so
+    the report covers them all."""
+    stall.publish(what)
+    exits = stall.ExitWatch(mpi, what)
 
     def arrived():
-        if request.Test():
+        if test():
             return True
         exits.check()  # raises once a rank that never entered has ended its program
         return False
 
-    wait_until(arrived, f"rank {mpi.Get_rank()}", waiting_in,
-               f"ranks {list(others)} (at least one of them did not enter it)", peers=others,
-               advice="Some rank did not enter the same collective (it may have raised an error, or called a "
-                      "different collective). This communicator can no longer be used safely.",
-               on_stall=lambda waited, limit: stall.report(mpi, waiting_in, waited, limit))
+    poll_until(arrived, on_timeout, yield_seconds, nap_seconds,
+               on_stall=lambda waited, limit: stall.report(mpi, what, waited, limit))
     stall.returned()
+
+
+def wait_for_collective(request, mpi, what: str) -> None:
+    """Wait for a nonblocking collective `request` on the mpi4py communicator `mpi`
+    (wait_in_collective). Which rank is missing cannot be known from here, so the deadline's
+    error names every other rank; the stall report before it names the missing ones."""
+    others = other_ranks(mpi)
+    waiting_in = f"the {what}"
+
+    def timed_out():
+        raise deadline_error(f"rank {mpi.Get_rank()}", waiting_in,
+                             f"ranks {list(others)} (at least one of them did not enter it)", peers=others,
+                             advice="Some rank did not enter the same collective (it may have raised an error, or "
+                                    "called a different collective). This communicator can no longer be used safely.")
+
+    wait_in_collective(request.Test, mpi, waiting_in, timed_out)

@@ -61,7 +61,7 @@ class Board:
         self.pid = os.getpid()
 
     def publish(self, what: str) -> None:
-        data = what.encode()[:TEXT_BYTES]
+        data = _as_published(what)
         self.text[:len(data)] = np.frombuffer(data, dtype=np.uint8)
         self.length[0] = len(data)
         self.time[0] = time.time()
@@ -96,6 +96,11 @@ class Board:
             text = record[24:24 + max(0, min(length, TEXT_BYTES))].tobytes().decode(errors="replace")
             read[rank] = (int(record[8:16].view(np.int64)[0]), float(record[0:8].view(np.float64)[0]), text)
         return read
+
+
+def _as_published(what: str) -> bytes:
+    """The text of `what` as a record holds it: its first TEXT_BYTES bytes."""
+    return what.encode()[:TEXT_BYTES]
 
 
 def open_board(mpi) -> None:
@@ -183,10 +188,11 @@ def report(mpi, what: str, waited: float, timeout: float) -> None:
     on_board = board_ranks(mpi, others)
     records = _board.read([rank for rank in on_board if rank is not None])
     now = time.time()
+    published = _as_published(what).decode(errors="replace")
     missing, lines = [], []
     for rank, board_rank in zip(others, on_board):
         state, since, text = records.get(board_rank, (None, 0.0, ""))
-        if state == WAITING and text == what:
+        if state == WAITING and text == published:
             if rank < me:
                 return  # a lower rank waits here too: it prints the report
             continue
