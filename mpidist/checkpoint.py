@@ -166,6 +166,33 @@ def on_root(comm, work, what: str, error=MpidistError):
     return result
 
 
+def on_every_rank(error: BaseException) -> BaseException:
+    """Mark ``error`` as one that every rank raises alike (the ranks agreed on it), so that a
+    command reports it once, from rank 0 (cli.main), not once per rank."""
+    error.on_every_rank = True
+    return error
+
+
+def share_failure(comm, failure: Exception | None, what: str, error=MpidistError) -> None:
+    """Collective: every rank passes the exception its part of ``what`` raised, or None. Where
+    any rank failed, every rank raises the same ``error`` (marked ``on_every_rank``): the first
+    failure's message, naming the ranks that failed unless all failed alike. So no rank goes on
+    while others stopped. Without a communicator ``failure`` is raised as it is."""
+    mpi = _mpi_comm(comm)
+    if mpi is None:
+        if failure is not None:
+            raise failure
+        return
+    failures = mpi.allgather(None if failure is None else str(failure))
+    failed = [rank for rank, text in enumerate(failures) if text is not None]
+    if not failed:
+        return
+    first = failures[failed[0]]
+    if len(failed) < len(failures) or len(set(failures)) > 1:
+        first = f"{what} failed on rank(s) {failed}: {first}"
+    raise on_every_rank(error(first)) from failure
+
+
 # ---- tensors and JSON trees ---------------------------------------------------------------------
 
 def _write_tensor(group, name: str, tensor):
@@ -460,29 +487,23 @@ def load_checkpoint(path, model=None, optimizer=None, sampler=None, restore_rng:
     its rank (``comm``'s rank, else mpidist's world rank when initialized, else 0); a rank that
     had no state saved (the job grew) takes rank 0's.
 
-    With ``comm`` the call is collective (every rank must call): if loading fails on any rank (a
-    file that is not on every node, a model of another shape), every rank raises, naming the
-    ranks that failed and the first error, so no rank trains on while others stopped.
+    Every failure is a ``CheckpointError`` naming the file and what does not fit. With ``comm``
+    the call is collective (every rank must call): if loading fails on any rank (a file that is
+    not on every node, a model of another shape), every rank raises the same error
+    (``share_failure``), naming the ranks that failed unless all did, so no rank trains on while
+    others stopped.
     """
-    mpi = _mpi_comm(comm)
     path = os.fspath(path)
+    result = failure = None
     try:
-        try:
-            result, error = _load(path, model, optimizer, sampler, restore_rng, comm), None
-        except OSError as exc:  # h5py's errors for missing, truncated or corrupt files
-            raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
-    except Exception as exc:  # reported to every rank below
-        result, error = None, exc
-    if mpi is None:
-        if error is not None:
-            raise error
-        return result
-    failures = mpi.allgather(None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    failed = [rank for rank, failure in enumerate(failures) if failure is not None]
-    if failed:
-        raise CheckpointError(f"loading {path} failed on rank(s) {failed}: {failures[failed[0]]}")
+        result = _load(path, model, optimizer, sampler, restore_rng, comm)
+    except OSError as exc:  # h5py's errors for missing, truncated or corrupt files
+        failure = CheckpointError(f"cannot read checkpoint {path}: {exc}")
+    except CheckpointError as exc:
+        failure = exc
+    except Exception as exc:  # what no check above foresaw: still every rank's error, naming the file
+        failure = CheckpointError(f"cannot load checkpoint {path}: {type(exc).__name__}: {exc}")
+    share_failure(comm, failure, f"loading {path}", CheckpointError)
     return result
 
 
@@ -500,14 +521,15 @@ def _load(path, model, optimizer, sampler, restore_rng, comm) -> dict:
             if "metadata" in f["model"].attrs:
                 state = OrderedDict(state)
                 state._metadata = json.loads(f["model"].attrs["metadata"])
-            model.load_state_dict(state)
+            _require_same_entries(path, state, model.state_dict())
+            _load_part(path, "model", model, state)
         if optimizer is not None:
             _require(f, "optimizer", path)
-            optimizer.load_state_dict(_read_tree(f["optimizer"]))
+            _load_part(path, "optimizer", optimizer, _read_tree(f["optimizer"]))
         if sampler is not None:
             if "sampler" not in f.attrs:
                 raise CheckpointError(f"{path} holds no sampler state")
-            sampler.load_state_dict(json.loads(f.attrs["sampler"]))
+            _load_part(path, "sampler", sampler, json.loads(f.attrs["sampler"]))
         if restore_rng and "rng" in f:
             rank = str(_rank_of(comm))
             _restore_rng(f["rng"][rank if rank in f["rng"] else "0"])
@@ -518,3 +540,30 @@ def _load(path, model, optimizer, sampler, restore_rng, comm) -> dict:
 def _require(f, name, path):
     if name not in f:
         raise CheckpointError(f"{path} holds no {name} state")
+
+
+def _require_same_entries(path, saved: dict, expected: dict) -> None:
+    """Refuse, in one line naming the file, a saved model state with other entries or shapes than
+    the model's (torch's own refusal lists every key, over many lines)."""
+    def some(names):
+        return f"{len(names)} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+
+    missing = [name for name in expected if name not in saved]
+    unexpected = [name for name in saved if name not in expected]
+    reshaped = [f"{name} {list(saved[name].shape)} here, {list(expected[name].shape)} in the model"
+                for name in expected if name in saved and hasattr(saved[name], "shape")
+                and saved[name].shape != expected[name].shape]
+    problems = [f"{what}: {some(names)}" for what, names in (("entries the model has and the file lacks", missing),
+                                                             ("entries the model lacks", unexpected),
+                                                             ("other shapes", reshaped)) if names]
+    if problems:
+        raise CheckpointError(f"{path} holds the state of another model ({'; '.join(problems)})")
+
+
+def _load_part(path, part: str, target, state) -> None:
+    """``target.load_state_dict(state)``; a refusal becomes one line naming the file and the part."""
+    try:
+        target.load_state_dict(state)
+    except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+        reason = " ".join(str(exc).split())
+        raise CheckpointError(f"{path}: its {part} state does not fit this {part} ({reason})") from exc

@@ -33,6 +33,10 @@ class DataPreparationError(MpidistError):
     """Preparing a data set failed (on rank 0, when the ranks prepare it together)."""
 
 
+class DataFileError(MpidistError):
+    """A data file cannot be read: it is not HDF5, or it is damaged."""
+
+
 # ---- sampler ------------------------------------------------------------------------------------
 
 class ShardedSampler:
@@ -276,7 +280,6 @@ class HDF5Dataset:
 
     def __init__(self, path, split: str = "train", rank: int | None = None, size: int | None = None,
                  preload: bool = True, drop_last: bool = False):
-        import h5py
         self.path = os.fspath(path)
         self.split = split
         if not os.path.exists(self.path):
@@ -287,24 +290,12 @@ class HDF5Dataset:
             raise FileNotFoundError(f"{self.path} does not exist")
         if (rank is None) != (size is None):
             raise InvalidArgumentError("give both rank and size to read a shard, or neither")
-        with h5py.File(self.path, "r") as f:
-            if split not in f:
-                splits = sorted(name for name in f if isinstance(f[name], h5py.Group))
-                raise InvalidArgumentError(f"{self.path} has no split {split!r} (splits: {splits})")
-            group = f[split]
-            if not isinstance(group, h5py.Group):
-                what = "a dataset" if isinstance(group, h5py.Dataset) else "not a group"
-                raise InvalidArgumentError(
-                    f"{self.path}: {split!r} is {what}, not a split (a group holding x and y datasets)")
-            for name in ("x", "y"):
-                if not isinstance(group.get(name), h5py.Dataset):
-                    raise InvalidArgumentError(
-                        f"{self.path}: split {split!r} has no dataset {name!r} (it holds {sorted(group)})")
-            total, labels = group["x"].shape[0], group["y"].shape[0]
-            if labels != total:
-                raise InvalidArgumentError(
-                    f"{self.path}: {split}/x has {total} rows but {split}/y has {labels}; they must match")
-            label_dtype = group["y"].dtype
+        try:
+            total, label_dtype = self._read_header(split)
+        except MpidistError:
+            raise
+        except (OSError, RuntimeError, KeyError) as exc:  # h5py's, for a file it cannot read
+            raise self._unreadable(exc) from exc
         if np.issubdtype(label_dtype, np.integer):
             self._label_dtype = np.int64
         elif np.issubdtype(label_dtype, np.floating):
@@ -322,8 +313,43 @@ class HDF5Dataset:
         if preload:
             # Each row once: a padded shard's last item repeats its first row (see _shard_rows).
             held = self.rows if isinstance(self.rows, range) else range(self.rows[0], self.rows[-2] + 1)
-            self.x, self.y = self._read(held.start, held.stop)
+            try:
+                self.x, self.y = self._read(held.start, held.stop)
+            except (OSError, RuntimeError, KeyError) as exc:
+                raise self._unreadable(exc) from exc
             self.close()
+
+    def _read_header(self, split: str):
+        """(rows, the labels' dtype) of `split`, whose x and y datasets are checked."""
+        import h5py
+        with h5py.File(self.path, "r") as f:
+            if split not in f:
+                splits = sorted(name for name in f if isinstance(f[name], h5py.Group))
+                raise InvalidArgumentError(f"{self.path} has no split {split!r} (splits: {splits})")
+            group = f[split]
+            if not isinstance(group, h5py.Group):
+                what = "a dataset" if isinstance(group, h5py.Dataset) else "not a group"
+                raise InvalidArgumentError(
+                    f"{self.path}: {split!r} is {what}, not a split (a group holding x and y datasets)")
+            listed = sorted(group)
+            for name in ("x", "y"):
+                # By the listing and group[name]: in a damaged file an entry can be listed yet
+                # neither `in` the group nor opened (group.get answers None), which is not a missing
+                # entry; opening it raises h5py's error, reported as a file that cannot be read.
+                if name not in listed:
+                    raise InvalidArgumentError(
+                        f"{self.path}: split {split!r} has no dataset {name!r} (it holds {listed})")
+                if not isinstance(group[name], h5py.Dataset):
+                    raise InvalidArgumentError(f"{self.path}: {split}/{name} is not a dataset")
+            total, labels = group["x"].shape[0], group["y"].shape[0]
+            if labels != total:
+                raise InvalidArgumentError(
+                    f"{self.path}: {split}/x has {total} rows but {split}/y has {labels}; they must match")
+            return total, group["y"].dtype
+
+    def _unreadable(self, exc) -> DataFileError:
+        reason = exc.args[0] if exc.args else type(exc).__name__
+        return DataFileError(f"{self.path} cannot be read as HDF5 ({reason}): is it damaged, or not an HDF5 file?")
 
     def _read(self, start: int, stop: int):
         """Rows [start, stop) of x and y as NumPy arrays: every read of the file goes through here."""

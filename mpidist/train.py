@@ -54,10 +54,12 @@ from .checkpoint import (
     checkpoint_path,
     latest_checkpoint,
     load_checkpoint,
+    on_every_rank,
     save_checkpoint,
+    share_failure,
 )
-from .data import HDF5Dataset, ShardedSampler, ensure_digits
-from .errors import InvalidArgumentError
+from .data import DataFileError, HDF5Dataset, ShardedSampler, ensure_digits
+from .errors import InvalidArgumentError, MpidistError
 from .stopping import GracefulStop
 
 # The first words of the line `mpidist train` prints when a stop signal ended it early (slurm/train.sbatch
@@ -95,7 +97,13 @@ def load_datasets(args, comm) -> tuple:
     if args.model == "embedding":
         return (*clicks.click_datasets(args.embedding_rows or EMBEDDING_ROWS, seed=args.seed), "click bags")
     path = ensure_digits(args.data, comm=comm)
-    return HDF5Dataset(path, "train"), HDF5Dataset(path, "test"), "images"
+    splits = failure = None
+    try:
+        splits = HDF5Dataset(path, "train"), HDF5Dataset(path, "test")
+    except (OSError, MpidistError) as exc:
+        failure = exc
+    share_failure(comm, failure, f"reading {path}", DataFileError)
+    return *splits, "images"
 
 
 def shard_loader(train_set, shard: int, shards: int, args):
@@ -158,7 +166,10 @@ def check_mode_options(args) -> None:
 def cmd_train(args, stop: GracefulStop | None = None) -> int:
     """`stop`: the stop on a signal (stopping.py), made by the command before it imported torch;
     made here when not given."""
-    check_mode_options(args)
+    try:
+        check_mode_options(args)
+    except InvalidArgumentError as exc:  # the same arguments, the same error on every rank
+        raise on_every_rank(exc) from None
     comm = md.init()
     if stop is None:
         stop = GracefulStop()
@@ -175,6 +186,19 @@ def cmd_train(args, stop: GracefulStop | None = None) -> int:
     if args.elastic:
         return train_elastic(args, comm, train_set, test_set)
     return train_data_parallel(args, comm, train_set, test_set, items, say, stop)
+
+
+def nothing_to_resume(args, directory, say, which: str = "") -> None:
+    """--resume found no checkpoint in `directory` (every rank alike): an error, unless
+    --resume=auto, which starts from scratch. A mistyped --checkpoint-dir would otherwise throw
+    away the progress of the run it was to continue."""
+    if args.resume == "auto":
+        say(f"no checkpoint {which}in {directory}: starting from scratch (--resume=auto)", flush=True)
+        return
+    found = "does not exist" if not os.path.exists(directory) else f"holds no checkpoint {which}".rstrip()
+    raise on_every_rank(CheckpointError(
+        f"--resume: {directory} {found}; check --checkpoint-dir, or pass --resume=auto to start from scratch "
+        "when there is no checkpoint yet (the first run of a requeued job)"))
 
 
 def save_data_parallel(args, comm, model, optimizer, sampler, step: int, epoch: int) -> str:
@@ -206,7 +230,7 @@ def train_data_parallel(args, comm, train_set, test_set, items, say, stop) -> in
         # Rank 0 chooses the file for everyone, and a failure to load it on any rank stops all.
         latest = latest_checkpoint(args.checkpoint_dir, comm=comm)
         if latest is None:
-            say(f"no checkpoint in {args.checkpoint_dir}: starting from scratch", flush=True)
+            nothing_to_resume(args, args.checkpoint_dir, say)
         else:
             state = load_checkpoint(latest, model, optimizer, sampler, comm=comm)
             step, start_epoch = state["step"], state["epoch"]
@@ -367,7 +391,7 @@ def train_with_parameter_server(args, comm, train_set, test_set, items, say, sto
     if args.resume:
         latest = latest_checkpoint(directory, comm=comm)
         if latest is None:
-            say(f"no checkpoint in {directory}: starting from scratch", flush=True)
+            nothing_to_resume(args, directory, say)
         else:
             # Every rank loads the weights (the chief's are everyone's start); the servers also
             # the optimizer, each keeping the state of its own range.
@@ -513,7 +537,7 @@ def train_with_pipeline(args, comm, train_set, test_set, say, stop) -> int:
     if args.resume:
         found = common_checkpoint(directory, comm)
         if found is None:
-            say(f"no checkpoint every rank has in {args.checkpoint_dir}: starting from scratch", flush=True)
+            nothing_to_resume(args, args.checkpoint_dir, say, "every rank has ")
         else:
             state = load_checkpoint(checkpoint_path(directory, *found), pipe, optimizer, sampler, comm=comm)
             step, start_epoch = state["step"], state["epoch"]

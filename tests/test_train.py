@@ -38,10 +38,10 @@ def plain_run(tmp_path_factory) -> PlainRun:
     """A plain data-parallel run of 2 epochs on 2 ranks, the default seed: the reference that the
     other modes must train as, and a run that the resuming tests continue (from a copy of its
     checkpoints). One launch for the module: each launch costs seconds of start-up. It is started
-    with --resume into an empty directory, which must start from scratch: the other modes'
+    with --resume=auto into an empty directory, which must start from scratch: the other modes'
     fresh runs match it only if it does."""
     directory = tmp_path_factory.mktemp("plain")
-    output = train(directory, "--epochs", "2", "--resume", data=directory / "d.h5")
+    output = train(directory, "--epochs", "2", "--resume=auto", data=directory / "d.h5")
     assert sorted(name[:9] for name in os.listdir(directory / "ck")) == ["ckpt-0001", "ckpt-0002"]
     return PlainRun(output, directory / "ck")
 
@@ -64,7 +64,7 @@ def zero_run(tmp_path_factory, plain_run, digits) -> ZeroRun:
 
 
 def test_resume_continues_the_newest_run_and_says_what_it_does(plain_run, zero_run):
-    assert "no checkpoint in" in plain_run.output  # resumed with nothing to resume from
+    assert "no checkpoint in" in plain_run.output and "starting from scratch (--resume=auto)" in plain_run.output
     assert "holds checkpoints of an earlier run" in zero_run.fresh
     assert re.search(r"resumed from \S+ckpt-0001-\d+\.h5 \(epoch 1,", zero_run.resumed), zero_run.resumed
     # The epoch line counts every rank's samples.
@@ -304,3 +304,103 @@ def test_embedding_model_trains_alike_with_data_parallel_and_a_sparse_parameter_
     assert re.search(r"parameter server \(sync, 2 workers\): 128 updates of 256 gradients", sparse), sparse
     ps_accuracy = float(re.search(r"final test accuracy: ([0-9.]+)", sparse).group(1))
     assert ps_accuracy == pytest.approx(accuracy, abs=2.01 / 2048), (data_parallel, sparse)
+
+
+# Each case's `mpidist` command, run in turn by every rank of one launch; a rank prints, per case,
+# its exit status and what the command wrote to standard error, as JSON.
+MISTAKES = """
+import contextlib, io, json, sys
+from mpidist.cli import main
+import mpidist
+for name, args in {cases!r}:
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            status = main(args)
+        except SystemExit as exc:
+            status = exc.code
+    print(json.dumps([name, mpidist.rank(), status, stderr.getvalue()]), flush=True)
+"""
+
+
+def test_mistakes_are_one_line_from_rank_0_naming_the_file_with_a_usage_errors_status(tmp_path, digits):
+    """Resuming from a missing or empty directory (without --resume=auto) or from another model's
+    checkpoint, a --data file that is not HDF5 or was cut short, a --sizes that is no size, an
+    option of another mode: exit status 2 on every rank, and one line on rank 0 alone (the last
+    line: argparse's usage comes before it) naming the file and the problem."""
+    import torch
+
+    from mpidist.checkpoint import checkpoint_path, save_checkpoint
+    other_model = torch.nn.Linear(3, 3)
+    save_checkpoint(checkpoint_path(tmp_path / "other", 1, 24), other_model, torch.optim.SGD(other_model.parameters()))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "text.h5").write_text("x,y\n0.5,1\n")
+    data = open(digits, "rb").read()
+    (tmp_path / "cut.h5").write_bytes(data[:len(data) // 2])
+    train = ["train", "--no-progress", "--data", str(digits), "--checkpoint-dir"]
+    cases = [
+        ("missing", [*train, str(tmp_path / "mistyped"), "--resume"],
+         f"--resume: {tmp_path / 'mistyped'} does not exist; check --checkpoint-dir, or pass --resume=auto"),
+        ("empty", [*train, str(tmp_path / "empty"), "--resume"], f"--resume: {tmp_path / 'empty'} holds no checkpoint;"),
+        ("empty_ps", [*train, str(tmp_path / "empty"), "--resume", "--mode", "ps"],
+         f"--resume: {tmp_path / 'empty' / 'ps'} does not exist;"),
+        ("other_model", [*train, str(tmp_path / "other"), "--resume"],
+         f"{tmp_path / 'other' / 'ckpt-0001-00000024.h5'} holds the state of another model (entries the model has "
+         "and the file lacks: 6 (0.weight, 0.bias, 2.weight, ...); entries the model lacks: 2 (weight, bias))"),
+        ("not_hdf5", ["train", "--data", str(tmp_path / "text.h5")],
+         f"{tmp_path / 'text.h5'} cannot be read as HDF5 (Unable to synchronously open file (file signature not found))"),
+        ("cut_short", ["train", "--data", str(tmp_path / "cut.h5")],
+         f"{tmp_path / 'cut.h5'} cannot be read as HDF5 (Unable to synchronously open file (truncated file: "),
+        ("sizes", ["bench", "allreduce", "--sizes", "8Q"],
+         "mpidist bench: error: argument --sizes: cannot read size '8Q': use a number with an optional K, M or G"),
+        ("mode_option", ["train", "--chunks", "2"], "mpidist: error: --chunks: these options go with --mode pipeline"),
+    ]
+    result = run_python(MISTAKES.format(cases=[(name, args) for name, args, _ in cases]), ranks=2, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    reports = {}
+    for line in result.stdout.splitlines():
+        name, rank, status, stderr = json.loads(line)
+        reports[name, rank] = (status, stderr)
+    for name, _, expected in cases:
+        (status, stderr), (other_status, other_stderr) = reports[name, 0], reports[name, 1]
+        assert status == other_status == 2, (name, reports[name, 0], reports[name, 1])
+        assert other_stderr == "", (name, other_stderr)
+        assert expected in stderr.splitlines()[-1], (name, stderr)
+        assert "Traceback" not in stderr and (name == "sizes" or stderr.count("\n") == 1), (name, stderr)
+
+
+def test_a_mistake_is_printed_once_by_the_whole_job(tmp_path, digits):
+    """The launch of the command ends with exit status 2 and the error written once: rank 0 had
+    printed it before the others' exit ended the job."""
+    import torch
+
+    from mpidist.checkpoint import checkpoint_path, save_checkpoint
+    save_checkpoint(checkpoint_path(tmp_path / "other", 1, 24), torch.nn.Linear(3, 3))
+    args = ["train", "--no-progress", "--data", str(digits), "--checkpoint-dir", str(tmp_path / "other"), "--resume"]
+    result = run_python(TRAIN.format(args=args), ranks=3, timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.count("holds the state of another model") == 1, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+
+
+def test_every_damaged_byte_of_a_data_file_is_refused_naming_the_file(tmp_path, digits):
+    """A bit flipped in any byte of the digits file's first 2 KiB (its superblock, groups and
+    names): the training split opens, or is refused with an mpidist error naming the file; never
+    h5py's own error, nor "no dataset 'x'" when x is there but cannot be read."""
+    from mpidist.errors import MpidistError
+    from mpidist.train import HDF5Dataset
+    damaged = shutil.copy(digits, tmp_path / "damaged.h5")
+    refusals = 0
+    with open(damaged, "r+b") as file:
+        for offset in range(2048):
+            original = os.pread(file.fileno(), 1, offset)
+            os.pwrite(file.fileno(), bytes([original[0] ^ 0x10]), offset)
+            try:
+                HDF5Dataset(damaged, "train", preload=False)
+            except MpidistError as exc:
+                refusals += 1
+                assert str(damaged) in str(exc), (offset, exc)
+                listed = re.search(r"has no dataset '(\w+)' \(it holds (\[.*\])\)", str(exc))
+                assert listed is None or f"'{listed.group(1)}'" not in listed.group(2), (offset, exc)
+            os.pwrite(file.fileno(), original, offset)
+    assert refusals > 0
