@@ -49,13 +49,12 @@ def report_missing_packages(comm, command: str, modules) -> bool:
     ModuleNotFoundError traceback from every rank."""
     lacking = np.array([not importable(module) for module in modules], dtype=np.int64)
     comm.allreduce(lacking, op="sum")
-    if comm.rank == 0:
-        for module, ranks in zip(modules, lacking):
-            if ranks:
-                package, extra = OPTIONAL_PACKAGES[module]
-                print(f"mpidist: error: mpidist {command} needs {package} ({ranks} of {comm.size} ranks cannot import "
-                      f"{module}): pip install 'mpidist[{extra}]'", file=sys.stderr, flush=True)
-    return bool(lacking.any())
+    lines = [f"mpidist: error: mpidist {command} needs {OPTIONAL_PACKAGES[module][0]} ({ranks} of {comm.size} ranks "
+             f"cannot import {module}): pip install 'mpidist[{OPTIONAL_PACKAGES[module][1]}]'"
+             for module, ranks in zip(modules, lacking) if ranks]
+    if lines:
+        report_once("\n".join(lines))
+    return bool(lines)
 
 
 def cmd_train(args) -> int:
