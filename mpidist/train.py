@@ -6,9 +6,10 @@ embedding) of a bag-of-embeddings click model on synthetic Zipf-distributed ids 
     mpirun -np 3 mpidist train --model embedding --mode ps --ps-mode sync
 
 Data parallel (--mode data): rank 0 shows a progress bar (its own loss and accuracy, the job's
-samples/s) and, after each epoch, the loss and accuracy over all ranks; a checkpoint is written
-every epoch, and the final test accuracy is printed. --resume continues from the latest
-checkpoint.
+samples/s; where standard error is not a terminal, a plain line every --progress-seconds) and,
+after each epoch, the loss and accuracy over all ranks; a checkpoint is written every epoch, and
+the final test accuracy is printed. --resume continues from the latest checkpoint (--resume=auto:
+if there is one).
 
 Parameter server (--mode ps): rank 0 serves, the other ranks train on their shares of the data
 at their own pace; the chief (rank 1) shows its progress; rank 0 checkpoints the weights in ps/
@@ -39,6 +40,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import os
+import sys
 import time
 
 import numpy as np
@@ -112,6 +114,40 @@ def shard_loader(train_set, shard: int, shards: int, args):
     loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, sampler=sampler,
                                          generator=torch.Generator().manual_seed(args.seed))
     return sampler, loader
+
+
+class ProgressLines:
+    """Progress for output that is not a terminal (a batch job's log): a plain line every
+    `seconds`, with the steps done and the latest values, in place of tqdm's bar. The bar redraws
+    itself after a carriage return, which in a file makes one line of every redraw of an epoch."""
+
+    def __init__(self, total: int, desc: str, seconds: float):
+        self.total, self.desc, self.seconds = total, desc, seconds
+        self.done, self.values = 0, {}
+        self.last = time.monotonic()
+
+    def set_postfix(self, **values) -> None:
+        self.values = values
+
+    def update(self, steps: int = 1) -> None:
+        self.done += steps
+        now = time.monotonic()
+        if now - self.last >= self.seconds:
+            self.last = now
+            values = "".join(f", {name} {value}" for name, value in self.values.items())
+            print(f"{self.desc}: step {self.done}/{self.total}{values}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def progress(args, total: int, desc: str, shown: bool):
+    """What shows an epoch's progress on this rank (`shown`, unless --no-progress): tqdm's bar on
+    a terminal, elsewhere a plain line every --progress-seconds (ProgressLines)."""
+    shown = shown and not args.no_progress
+    if shown and not sys.stderr.isatty():
+        return ProgressLines(total, desc, args.progress_seconds)
+    return tqdm(total=total, desc=desc, disable=not shown, leave=True)
 
 
 def train_batch(model, optimizer, apply, x, y):
@@ -240,14 +276,13 @@ def train_data_parallel(args, comm, train_set, test_set, items, say, stop) -> in
             "writes its own beside them (--resume continues the newest)", flush=True)
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
-        progress = tqdm(total=len(loader), desc=f"epoch {epoch + 1}/{args.epochs} (rank 0)",
-                        disable=comm.rank != 0 or args.no_progress, leave=True)
+        bar = progress(args, len(loader), f"epoch {epoch + 1}/{args.epochs} (rank 0)", comm.rank == 0)
         seen, correct, loss_sum, started = 0, 0, 0.0, time.perf_counter()
         for x, y in loader:
             output, batch_loss = train_batch(ddp, optimizer, optimizer.step, x, y)
             step += 1
             if stop.should_stop(comm):
-                progress.close()
+                bar.close()
                 # The sampler has handed out exactly the indices of the steps taken (a DataLoader
                 # without workers), so --resume continues with the next batch of this epoch.
                 path = save_data_parallel(args, comm, model, optimizer, sampler, step, epoch)
@@ -262,10 +297,10 @@ def train_data_parallel(args, comm, train_set, test_set, items, say, stop) -> in
             # Every rank runs as many steps of equal batches, so this rank's count times the
             # ranks is the job's.
             rate = seen * comm.size / (time.perf_counter() - started)
-            progress.set_postfix(loss=f"{batch_loss:.3f}", acc=f"{correct / seen:.3f}",
+            bar.set_postfix(loss=f"{batch_loss:.3f}", acc=f"{correct / seen:.3f}",
                                  samples_per_s=f"{rate:.0f}")
-            progress.update()
-        progress.close()
+            bar.update()
+        bar.close()
         # The bar shows rank 0's own batches; the epoch's line sums every rank's.
         totals = comm.allreduce(np.array([loss_sum, correct, seen], dtype=np.float64))
         elapsed = time.perf_counter() - started
@@ -309,16 +344,15 @@ def train_elastic(args, comm, train_set, test_set) -> int:
     def train(state):
         while state.epoch < args.epochs:
             loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
-            progress = tqdm(total=len(loader), desc=f"epoch {state.epoch + 1}/{args.epochs} (rank 0)",
-                            disable=md.rank() != 0 or args.no_progress, leave=True)
+            bar = progress(args, len(loader), f"epoch {state.epoch + 1}/{args.epochs} (rank 0)", md.rank() == 0)
             for batch, (x, y) in enumerate(loader):
                 _, batch_loss = train_batch(ddp, optimizer, optimizer.step, x, y)
                 sampler.record_batch(batch, args.batch_size)
-                progress.set_postfix(loss=f"{batch_loss:.3f}", ranks=md.size())
-                progress.update()
+                bar.set_postfix(loss=f"{batch_loss:.3f}", ranks=md.size())
+                bar.update()
                 if (batch + 1) % ELASTIC_COMMIT_STEPS == 0:
                     state.commit()
-            progress.close()
+            bar.close()
             state.epoch += 1
             sampler.set_epoch(state.epoch)
             state.commit()
@@ -453,8 +487,7 @@ def train_with_parameter_server(args, comm, train_set, test_set, items, say, sto
         for epoch in range(start_epoch, args.epochs):
             sampler.set_epoch(epoch)
             batches = -(-sampler.remaining() // args.batch_size)
-            progress = tqdm(total=batches, desc=f"epoch {epoch + 1}/{args.epochs} (chief, rank {comm.rank})",
-                            disable=not ps.is_chief or args.no_progress, leave=True)
+            bar = progress(args, batches, f"epoch {epoch + 1}/{args.epochs} (chief, rank {comm.rank})", ps.is_chief)
             seen, correct, epoch_started = 0, 0, time.perf_counter()
             for x, y in loader:
                 if stop.signalled:
@@ -464,12 +497,12 @@ def train_with_parameter_server(args, comm, train_set, test_set, items, say, sto
                 output, batch_loss = train_batch(model, optimizer, ps.step, x, y)
                 seen += len(y)
                 correct += (output.argmax(dim=1) == y).sum().item()
-                progress.set_postfix(loss=f"{batch_loss:.3f}", acc=f"{correct / seen:.3f}",
+                bar.set_postfix(loss=f"{batch_loss:.3f}", acc=f"{correct / seen:.3f}",
                                      own_samples_per_s=f"{seen / (time.perf_counter() - epoch_started):.0f}")
-                progress.update()
+                bar.update()
                 if ps.stopping:
                     break
-            progress.close()
+            bar.close()
             if ps.stopping:
                 break
         ps.close()
@@ -545,8 +578,7 @@ def train_with_pipeline(args, comm, train_set, test_set, say, stop) -> int:
                 f"(step {step})", flush=True)
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
-        progress = tqdm(total=len(loader), desc=f"epoch {epoch + 1}/{args.epochs} (rank 0)",
-                        disable=comm.rank != 0 or args.no_progress, leave=True)
+        bar = progress(args, len(loader), f"epoch {epoch + 1}/{args.epochs} (rank 0)", comm.rank == 0)
         seen, loss_sum, started = 0, 0.0, time.perf_counter()
         for x, y in loader:
             pipe.zero_grad()
@@ -555,7 +587,7 @@ def train_with_pipeline(args, comm, train_set, test_set, say, stop) -> int:
                 optimizer.step()
             step += 1
             if stop.should_stop(comm):
-                progress.close()
+                bar.close()
                 # As in --mode data, the sampler has handed out exactly the indices of the steps taken.
                 os.makedirs(directory, exist_ok=True)
                 path = save_checkpoint(checkpoint_path(directory, epoch, step), pipe, optimizer, step=step, epoch=epoch,
@@ -569,9 +601,9 @@ def train_with_pipeline(args, comm, train_set, test_set, say, stop) -> int:
             loss_sum += loss * len(y)
             # Every replica runs as many steps of equal batches (ShardedSampler).
             rate = seen * pipe.replicas / (time.perf_counter() - started)
-            progress.set_postfix(loss=f"{loss:.3f}", samples_per_s=f"{rate:.0f}")
-            progress.update()
-        progress.close()
+            bar.set_postfix(loss=f"{loss:.3f}", samples_per_s=f"{rate:.0f}")
+            bar.update()
+        bar.close()
         # Each rank holds its replica's mean loss; every rank counts it once per stage.
         loss_sum = comm.allreduce(np.array([loss_sum / pipe.stages]))[0]
         seen *= pipe.replicas

@@ -404,3 +404,32 @@ def test_every_damaged_byte_of_a_data_file_is_refused_naming_the_file(tmp_path, 
                 assert listed is None or f"'{listed.group(1)}'" not in listed.group(2), (offset, exc)
             os.pwrite(file.fileno(), original, offset)
     assert refusals > 0
+
+
+def test_progress_is_plain_lines_where_the_output_is_not_a_terminal(tmp_path, digits):
+    """Standard error captured (a batch job's log): no progress bar redrawn after carriage returns,
+    but a plain line every --progress-seconds, here after every step; on a terminal, tqdm's bar."""
+    args = ["train", "--epochs", "1", "--batch-size", "256", "--progress-seconds", "1e-9", "--data", str(digits),
+            "--checkpoint-dir", str(tmp_path / "ck")]
+    result = run_python(TRAIN.format(args=args), timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "\r" not in result.stderr, result.stderr
+    steps = [int(step) for step in re.findall(r"^epoch 1/1 \(rank 0\): step (\d+)/6, loss \S+, acc \S+, "
+                                              r"samples_per_s \d+$", result.stderr, re.MULTILINE)]
+    assert steps == list(range(1, 7)), result.stderr
+
+    import argparse
+    import io
+
+    from tqdm import tqdm
+
+    from mpidist import train
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    options = argparse.Namespace(no_progress=False, progress_seconds=30.0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("sys.stderr", Terminal())
+        assert isinstance(train.progress(options, 6, "epoch 1/1", True), tqdm)
