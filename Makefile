@@ -10,6 +10,11 @@ TORCH_SPEC ?= torch==2.13.0
 # MPI=wheel (default): Open MPI from PyPI, no root or system packages needed.
 # MPI=system: mpi4py compiled against the `mpicc` on PATH (your cluster's MPI).
 MPI ?= wheel
+# Options of `python -m venv`: VENV_OPTIONS=--system-site-packages lets the venv see the packages
+# of the Python it is made from, such as the torch of a cluster's `module load pytorch`.
+VENV_OPTIONS ?=
+# Options of `make run`'s `mpidist train`, e.g. TRAIN_ARGS="--epochs 2 --no-progress".
+TRAIN_ARGS ?=
 NP ?= 2
 PYTEST_ARGS ?=
 
@@ -29,7 +34,7 @@ MPIRUN := mpirun --oversubscribe --bind-to none -np $(NP)
 install: $(VENV)/.installed
 
 $(VENV)/.installed: setup.py pyproject.toml $(wildcard csrc/*)
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV_OPTIONS) $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel pybind11
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
 ifeq ($(MPI),system)
@@ -42,7 +47,7 @@ endif
 	touch $@
 
 run: install
-	$(MPIRUN) $(PY) -m mpidist.cli train
+	$(MPIRUN) $(PY) -m mpidist.cli train $(TRAIN_ARGS)
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -67,15 +72,18 @@ test-slurm: install
 test-multinode: install
 	bash tests/multinode/cluster.sh run $(PY) -m pytest tests/multinode $(PYTEST_ARGS)
 
-# The cluster route: mpi4py built against the system's mpicc (Debian's openmpi-bin and
-# libopenmpi-dev here) in its own venv, checked with the multi-rank point-to-point and
-# collective tests under the system's mpirun (all but the one that only waits out MPIDIST_TIMEOUT).
+# The cluster route (docs/install.md): mpi4py built against the system's mpicc (Debian's
+# openmpi-bin and libopenmpi-dev here) in its own venv, checked with the multi-rank point-to-point
+# and collective tests under the system's mpirun (all but the one that only waits out
+# MPIDIST_TIMEOUT), then 2 epochs of `mpidist train` on 2 ranks under that mpirun.
 # `make test` already builds the CUDA code, and these tests check results, not speed: this venv
 # builds mpidist CPU-only and mpi4py without optimization (its MPI.c is large; -O0 compiles it
 # in a fraction of the time; mpidist's own -O3 still applies to its extension).
 test-system-mpi:
 	MPIDIST_CUDA=0 CFLAGS=-O0 $(MAKE) test MPI=system VENV=.venv-system \
 		PYTEST_ARGS="tests/test_point_to_point.py tests/test_collectives.py -k 'not never_joins'"
+	MPIDIST_CUDA=0 CFLAGS=-O0 $(MAKE) run MPI=system VENV=.venv-system \
+		TRAIN_ARGS="--epochs 2 --no-progress --checkpoint-dir build/system-mpi-checkpoints"
 
 # The GPU check (docs/gpu.md). On a machine with an NVIDIA GPU and no network, `make gpu-check`
 # installs the missing wheels of GPU_WHEELS, builds the CUDA kernels for that GPU and checks every
