@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from . import bench
+from . import __version__, bench
 from .comm import init
 from .data import add_prepare_data_command, default_digits_path
 from .errors import MpidistError
@@ -208,6 +208,7 @@ class CommandParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(prog="mpidist", description="MPI-based HPC training for PyTorch")
+    parser.add_argument("--version", action="version", version=f"mpidist {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="versions, MPI library, CUDA support, ranks and nodes")
     info.add_argument("--json", action="store_true", help="print the facts as JSON")

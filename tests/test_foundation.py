@@ -1,5 +1,7 @@
 """A single process is a world of size 1; the extension, `mpidist info` and the start-up errors."""
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -116,3 +118,11 @@ def test_bad_ranks_per_node_is_refused(value):
     result = run_python("import mpidist as md; md.init()", env={"MPIDIST_RANKS_PER_NODE": value})
     assert result.returncode != 0
     assert f"MPIDIST_RANKS_PER_NODE={value!r} must be a positive integer" in result.stderr
+
+
+def test_version_option_prints_the_installed_version():
+    from importlib.metadata import version
+    result = subprocess.run([sys.executable, "-m", "mpidist.cli", "--version"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"mpidist {version('mpidist')}\n"
