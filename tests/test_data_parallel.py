@@ -674,14 +674,53 @@ def test_horovod_script_runs_unchanged(mpi_ranks, tmp_path):
 
 
 @pytest.mark.mpi(ranks=[2, 3])
-def test_comm_hooks_other_than_ddps_are_refused(mpi_world):
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+def test_comm_hooks_other_than_ddps_are_refused_naming_ddp_over_the_mpidist_backend(mpi_world):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     ddp = md.DataParallel(make_model())
-    with pytest.raises(md.NotOfferedError, match="register_comm_hook.*mpidist runs DDP's allreduce_hook"):
-        ddp.register_comm_hook(None, lambda state, bucket: None)
+    for hook in (powerSGD_hook.powerSGD_hook, lambda state, bucket: None):
+        with pytest.raises(md.NotOfferedError, match=r"register_comm_hook\(.*\): md.DataParallel runs DDP's "
+                           r"allreduce_hook.*use torch.nn.parallel.DistributedDataParallel over the mpidist backend"):
+            ddp.register_comm_hook(None, hook)
     with pytest.raises(md.InvalidArgumentError, match="state is a torch.distributed process group"):
         ddp.register_comm_hook(object(), default_hooks.fp16_compress_hook)
     ddp.register_comm_hook(None, default_hooks.allreduce_hook)  # the refusals left it without a hook
+
+
+@pytest.mark.mpi(ranks=[2])
+def test_powersgd_runs_in_ddp_over_the_mpidist_backend_as_over_gloo(mpi_world):
+    # The route the refusal above names: torch's DDP over the "mpidist" backend runs PowerSGD's
+    # hook, and trains as the same DDP over gloo does.
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel
+    started_here = not dist.is_initialized()
+    if started_here:
+        dist.init_process_group("mpidist")
+    gloo = dist.new_group(backend="gloo")
+    try:
+        trained = []
+        for group in (None, gloo):  # None: the default group, mpidist's
+            model = make_model().double()
+            ddp = DistributedDataParallel(model, process_group=group)
+            ddp.register_comm_hook(powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=1,
+                                                               start_powerSGD_iter=2, random_seed=0),
+                                   powerSGD_hook.powerSGD_hook)
+            optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            for step in range(4):  # two plain all-reduces, then two compressed exchanges
+                x, y = batch(step, mpi_world.rank)
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(ddp(x.double()), y).backward()
+                optimizer.step()
+            trained.append([p.detach().clone() for p in model.parameters()])
+            del ddp, optimizer
+    finally:
+        gc.collect()  # DDP's reducers before the gloo group (test_distributed_backend.py says why)
+        dist.destroy_process_group(gloo)
+        del gloo
+        if started_here:
+            dist.destroy_process_group()
+    for over_mpidist, over_gloo in zip(*trained):
+        torch.testing.assert_close(over_mpidist, over_gloo, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.mpi(ranks=[2, 3])

@@ -99,17 +99,21 @@ class DataParallel(torch.nn.Module, Joinable):
         """DDP's register_comm_hook for its built-in hooks, which the buckets do themselves:
         allreduce_hook (the default average), fp16_compress_hook and bf16_compress_hook (each
         rank divides its gradients by the rank count, sends them in float16 / bfloat16 and the
-        sum comes back in the gradients' dtype, as torch's hooks do). Other hooks take torch's
-        GradBucket and futures of a torch.distributed process group: refused. As in DDP, call it
-        once, on every rank (it is collective), before the first backward."""
+        sum comes back in the gradients' dtype, as torch's hooks do). Other hooks (PowerSGD, your
+        own) take torch's GradBucket and futures of a torch.distributed process group: refused,
+        naming where they run, torch's DistributedDataParallel over the "mpidist" backend. As in
+        DDP, call it once, on every rank (it is collective), before the first backward."""
         # imported here: torch.distributed is needed only by this call, and is slow to import
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         wire = {default_hooks.allreduce_hook: None, default_hooks.fp16_compress_hook: "fp16",
                 default_hooks.bf16_compress_hook: "bf16"}
         name = getattr(hook, "__qualname__", repr(hook))
         if hook not in wire:
-            raise NotOfferedError(f"register_comm_hook({name}): mpidist runs DDP's allreduce_hook, fp16_compress_hook "
-                                  "and bf16_compress_hook; other hooks need torch.distributed's GradBucket futures")
+            raise NotOfferedError(
+                f"register_comm_hook({name}): md.DataParallel runs DDP's allreduce_hook, fp16_compress_hook and "
+                "bf16_compress_hook itself; other hooks (PowerSGD, your own) work on torch's GradBucket and futures: "
+                "use torch.nn.parallel.DistributedDataParallel over the mpidist backend "
+                "(dist.init_process_group(\"mpidist\")), where every comm hook runs (docs/data-parallel.md)")
         if state is not None:
             raise InvalidArgumentError("register_comm_hook: state is a torch.distributed process group; pass None "
                                        "(the hook runs on this DataParallel's comm)")
