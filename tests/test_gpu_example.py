@@ -13,7 +13,8 @@ CHANCE = 0.1  # ten classes
 def run_example(ranks):
     """[(loss, accuracy)] per epoch printed by the script under `mpirun -np ranks` (0: one process)."""
     code = f"import runpy, sys; sys.argv = [{SCRIPT!r}, '--epochs', '3']; runpy.run_path({SCRIPT!r}, run_name='__main__')"
-    result = run_python(code, ranks=ranks, timeout=300)
+    # One kernel thread per rank: idle OpenMP threads spin, and the ranks share the test machine's cores.
+    result = run_python(code, ranks=ranks, timeout=300, env={"OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout + result.stderr
     epochs = re.findall(r"^epoch \d+: loss ([\d.]+), test accuracy ([\d.]+) \((\d+) ranks on (\w+)\)$",
                         result.stdout, re.M)
