@@ -79,10 +79,6 @@ def pytest_sessionstart(session):
     mpi_shared_launch.register(session.config)
 
 
-# Unit roundoff per dtype: a correctly rounded operation is off by at most u * |result|.
-UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24, "float64": 2.0 ** -53}
-
-
 def run_python(code: str, *, ranks: int = 0, env=None, timeout: int = 120, args=(), mpirun_options=()):
     """Run `code` in a fresh interpreter with `args`, under `mpirun -np ranks` (and
     `mpirun_options`) when ranks > 0."""

@@ -1,13 +1,7 @@
 """Every collective against a float64 NumPy reference, on 1 to 5 ranks under mpirun.
 
-Tolerances are derived from the dtype's unit roundoff u (conftest.UNIT_ROUNDOFF):
-- integers, min and max: exact.
-- sum: at most p-1 additions round once each (half types accumulate in float32 inside a
-  kernel and round once per kernel call), so |error| <= (p-1) * u * sum_i |x_i|.
-- avg: the sum's bound divided by p, plus two roundings of the scaling: + 2u * |result|.
-- prod: p-1 multiplications, each off by a relative u: |error| <= (p-1) * u * |result|.
-The float64 reference rounds too, so u is replaced by u + 2^-53 (this matters for float64).
-A factor 1.01 covers the second-order terms of these first-order bounds.
+Tolerances are derived from the dtype's unit roundoff and the rank count (tolerances.py):
+integers, min and max exact, sums, averages and products within their first-order bounds.
 
 The multi-rank tests of one world size run in one launch (mpi_shared_launch.py), in file order.
 The tests that start an asynchronous engine, turn the call check off or need neither done run
@@ -18,9 +12,10 @@ runs, blocking collectives take its queue too.
 import numpy as np
 import pytest
 import torch
-from conftest import UNIT_ROUNDOFF, make_array, raw_bytes, to_float64
+from conftest import make_array, raw_bytes, to_float64
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tolerances import reduction_bound, reduction_reference
 
 import mpidist as md
 
@@ -43,25 +38,6 @@ def rank_values(seed, rank, count, dtype, op):
     return to_float64(make_array("torch", values, dtype))
 
 
-def reference(inputs, op):
-    stacked = np.stack(inputs)
-    return {"sum": np.sum, "avg": np.mean, "min": np.min, "max": np.max, "prod": np.prod}[op](stacked, axis=0)
-
-
-def tolerance(inputs, op, dtype):
-    p = len(inputs)
-    if dtype in INT_DTYPES or op in ("min", "max"):
-        return 0.0
-    u = UNIT_ROUNDOFF[dtype] + UNIT_ROUNDOFF["float64"]
-    stacked = np.stack(inputs)
-    result = np.abs(reference(inputs, op))
-    if op == "sum":
-        return 1.01 * (p - 1) * u * np.abs(stacked).sum(axis=0)
-    if op == "avg":
-        return 1.01 * ((p - 1) * u * np.abs(stacked).sum(axis=0) / p + 2 * u * result)
-    return 1.01 * (p - 1) * u * result  # prod
-
-
 def check_allreduce(comm, algorithm, dtype, op, count, kind, in_place, seed=0):
     p, r = comm.size, comm.rank
     inputs = [rank_values(seed, k, count, dtype, op) for k in range(p)]
@@ -74,8 +50,8 @@ def check_allreduce(comm, algorithm, dtype, op, count, kind, in_place, seed=0):
         out = make_array(kind, np.zeros(count), dtype)
         result = comm.allreduce(array, op=op, algorithm=algorithm, out=out)
         assert result is out and raw_bytes(array) == before, "out= must leave the input alone"
-    error = np.abs(to_float64(result) - reference(inputs, op))
-    bound = tolerance(inputs, op, dtype)
+    error = np.abs(to_float64(result) - reduction_reference(inputs, op))
+    bound = reduction_bound(inputs, op, dtype)
     where = f"{algorithm} {dtype} {op} n={count} {kind} {'in-place' if in_place else 'out='} p={p}"
     assert (error <= bound).all(), f"{where}: error {error.max()} > bound at {np.argmax(error - bound)}"
     # Every rank holds bitwise the same result.
@@ -273,7 +249,7 @@ def test_reduce_scatter(mpi_world, op):
         mine = inputs[r].copy()
         block = md.reduce_scatter(mine, op=op)
         assert (mine == before).all(), "reduce_scatter must not change its input"
-        full = reference(inputs, op)
+        full = reduction_reference(inputs, op)
         base, extra = divmod(rows, p)
         start = r * base + min(r, extra)
         mine_rows = base + (1 if r < extra else 0)

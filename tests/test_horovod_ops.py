@@ -6,6 +6,7 @@ rebuilt in each process."""
 import numpy as np
 import pytest
 import torch
+from tolerances import assert_within
 
 import mpidist as md
 import mpidist.torch as hvd
@@ -72,7 +73,8 @@ def test_reducescatter_gradient_is_horovods(mpi_world, op, prescale, postscale, 
             sum(local_loss(rank, out) for out in outputs).backward()
             expected = summed_loss_gradients(members, rank, shapes, op, prescale, postscale)
             for mine, reference in zip(inputs, expected):
-                torch.testing.assert_close(mine.grad, len(members) * reference)
+                # The members' own loss gradients, gathered and scaled: a few roundings.
+                assert_within(mine.grad, len(members) * reference, roundings=4)
     finally:
         if subset:
             hvd.remove_process_set(process_set)

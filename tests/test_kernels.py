@@ -20,6 +20,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from tolerances import UNIT_ROUNDOFF
 
 from mpidist import _C, kernels
 from mpidist.errors import InvalidArgumentError, MpidistError, UnsupportedDtypeError
@@ -31,7 +32,6 @@ HALVES = ("float16", "bfloat16")
 # The last size spans several of the kernels' 8 KiB blocks in every dtype and is split over a team
 # of threads (from 65,536 elements read and written, csrc/reduce.cpp), with a tail past both.
 SIZES = (0, 1, 7, 1023, (1 << 16) + 3)
-UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, "float64": 2.0**-53}
 # Smallest positive subnormal: absolute slack where results underflow.
 TINY = {"float16": 2.0**-24, "bfloat16": 2.0**-133, "float32": 2.0**-149, "float64": 5e-324}
 BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
