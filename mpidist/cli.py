@@ -32,7 +32,7 @@ def cmd_info(args) -> int:
 
 # What a command imports beyond mpidist's own dependencies (setup.py's install_requires): by
 # module, the package that provides it and mpidist's extra that installs it.
-OPTIONAL_PACKAGES = {"torch": ("torch", "torch"), "sklearn": ("scikit-learn", "data")}
+OPTIONAL_PACKAGES = {"torch": ("torch", "torch"), "sklearn": ("scikit-learn", "data"), "matplotlib": ("matplotlib", "bench")}
 
 
 def importable(module: str) -> bool:
@@ -79,6 +79,9 @@ def bench_options(args, collective):
 
 def cmd_bench(args) -> int:
     comm = init()
+    # Checked before the measurement, not at its end: torch makes the inputs, matplotlib the plot.
+    if report_missing_packages(comm, "bench", ["torch"] + (["matplotlib"] if args.plot else [])):
+        return 2
     rows = bench.run(comm, bench_options(args, args.collective))
     if comm.rank == 0:
         if args.json:
@@ -92,6 +95,8 @@ def cmd_tune(args) -> int:
     from .collectives import select
 
     comm = init()
+    if report_missing_packages(comm, "tune", ["torch"]):
+        return 2
     table, measurements = bench.tune(comm, bench_options(args, "allreduce"))
     if comm.rank == 0:
         # The cost model is fitted to these times with the layout they were taken on.
