@@ -22,7 +22,7 @@ import numpy as np
 
 from . import buffers, launch
 from .errors import InvalidArgumentError, NotInitializedError
-from .runtime import config, leave, stall
+from .runtime import config, leave, stall, tracing
 from .runtime.abort import install_abort_on_exception
 from .runtime.mpi import fault_tolerant, load_mpi, mpi_library_cuda_aware
 
@@ -215,8 +215,10 @@ class Communicator(Channel):
 
     def allreduce(self, array, op="sum", algorithm="auto", out=None, shape=None):
         collectives = api()
-        if out is None and collectives.small_cpu_allreduce(self, array, op, algorithm):
-            return array  # small CPU messages: straight to MPI_Allreduce (only without the call check)
+        # Small CPU messages go straight to MPI_Allreduce (only without the call check), unless
+        # spans are recorded: the general path has them.
+        if out is None and not tracing.recording() and collectives.small_cpu_allreduce(self, array, op, algorithm):
+            return array
         return collectives.allreduce(self, array, op=op, algorithm=algorithm, out=out, shape=shape)
 
     def allreduce_async(self, array, op="sum", algorithm="auto", out=None, shape=None):
@@ -398,6 +400,9 @@ def init(mpi_comm=None) -> Communicator:
                 leave.install()  # first: its exit handler must run after the others
             stall.open_board(_world.mpi)
             install_abort_on_exception(load_mpi().COMM_WORLD)
+            timeline = config.value("MPIDIST_TIMELINE")
+            if timeline and _world.rank == 0:  # rank 0 writes it, as Horovod's
+                tracing.start_timeline(timeline)
     return _world
 
 

@@ -5,7 +5,8 @@ Each call checks its arguments on this rank (a refusal still joins the call chec
 ranks fail at once), then runs in order on its channel (engine.in_order): the ranks agree on the
 call (callcheck.py), GPU buffers are staged where needed (staging.py), and the algorithm runs.
 The asynchronous forms check their arguments at the call and queue the rest on the
-communicator's engine (engine.py), whose thread runs them in submission order.
+communicator's engine (engine.py), whose thread runs them in submission order. Each run is a
+span in torch.profiler's trace and on the timeline while either records (runtime/tracing.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from .. import buffers
 from ..buffers import BufferInfo
 from ..errors import InvalidArgumentError, MpidistError
 from ..runtime.deadlines import wait_for_collective
+from ..runtime.tracing import traced
 from .broadcast import broadcast as broadcast_algorithm
 from .callcheck import (
     BARRIER_SIGNATURE,
@@ -64,6 +66,7 @@ def prepare_allreduce(array, op, algorithm, out):
     return out, out_info, info
 
 
+@traced("mpidist.allreduce", "ALLREDUCE")
 def _run_allreduce(comm, array, info, op, algorithm, source_info=None, shape=None):
     """All-reduce `array` (described by `info`); with `source_info`, copy that input into it
     first, once the ranks have agreed on the call, so a refused call leaves out= untouched."""
@@ -108,6 +111,7 @@ def _check_broadcast(comm, array, root):
     return array, info, root
 
 
+@traced("mpidist.broadcast", "BROADCAST")
 def _broadcast(comm, array, info, root):
     check_same_call(comm, comm.mpi, signature("broadcast", info, root=root))
     with staged(comm, array, info) as work:
@@ -127,6 +131,7 @@ def _allgather_signature(collective, array, info):
     return signature(collective, BufferInfo(0, 0, info.dtype, info.device, info.kind), row_shape=row_shape), row_shape
 
 
+@traced("mpidist.allgather", "ALLGATHER")
 def _allgather(comm, array, info):
     shape = tuple(array.shape)
     rows = shape[0] if shape else 1
@@ -168,6 +173,7 @@ def _reduce_scatter_signature(collective, array, info, op):
     return signature(collective, info, op, row_shape=row_shape), row_shape
 
 
+@traced("mpidist.reduce_scatter", "REDUCESCATTER")
 def _reduce_scatter(comm, array, info, op):
     shape = tuple(array.shape)
     rows = shape[0] if shape else 1
@@ -199,6 +205,7 @@ def barrier(comm) -> None:
     in_order(comm, _barrier)
 
 
+@traced("mpidist.barrier", "BARRIER")
 def _barrier(comm) -> None:
     if comm.check_calls:
         check_same_call(comm, comm.mpi, BARRIER_SIGNATURE)

@@ -23,7 +23,7 @@ from mpi4py import MPI
 from .. import buffers
 from ..comm import Channel
 from ..errors import DeadlineError
-from ..runtime import deadlines
+from ..runtime import deadlines, tracing
 
 
 class Handle:
@@ -122,7 +122,7 @@ class AsyncEngine(Channel):
         handle = Handle(description)
         with self._counting:
             self._unfinished += 1
-        self._queue.put((handle, work))
+        self._queue.put((handle, work, tracing.inside_span()))
         return handle
 
     def run_in_order(self, work):
@@ -145,9 +145,9 @@ class AsyncEngine(Channel):
             item = self._queue.get()
             if item is None:
                 return
-            handle, work = item
+            handle, work, inside_span = item
             result = error = None
-            with self._running:
+            with self._running, tracing.continuing(inside_span):
                 handle.started = time.perf_counter()
                 try:
                     result = work(self)

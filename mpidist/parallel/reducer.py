@@ -4,6 +4,7 @@ that feed them, with the registry that keeps two reducers off the same parameter
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 
@@ -13,6 +14,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import kernels
 from ..errors import InvalidArgumentError, MpidistError
 from ..memory import keep_freed_memory
+from ..runtime import tracing
 from ..runtime.mpi import fault_tolerant
 from .flat import pack_tensors, shaped_like, tensor_at, tensors_by_kind, unpack_tensors
 
@@ -158,7 +160,10 @@ class GradientBuckets:
     shared window and its all-reduce is advanced by polling from the gradient hooks on the
     caller's thread (collectives/polled.py); otherwise each bucket is handed to the
     communicator's asynchronous engine. `trace`, when set to a list, receives (start, finish)
-    perf_counter times of each bucket's all-reduce.
+    perf_counter times of each bucket's all-reduce. Each bucket's wait is an event in a torch
+    profiler's trace, and each all-reduce, from its launch to its completion, a span on the
+    timeline (runtime/tracing.py), on the row `timeline_rows[index]` ("gradient bucket <index>"
+    unless the owner names them).
 
     For CPU parameters it makes glibc's malloc keep freed memory for reuse, process-wide
     (mpidist/memory.py; MPIDIST_KEEP_FREED_MEMORY=0 turns that off).
@@ -237,6 +242,7 @@ class GradientBuckets:
                 self._count_sum = tensor_at(self.slots.address(len(self.buckets)), 1, torch.float32,
                                               owner=self.slots)
         self.trace = None
+        self.timeline_rows = None
         self.reset()
 
     def _polled(self, params) -> bool:
@@ -374,10 +380,17 @@ class GradientBuckets:
                 self._next_to_launch += 1
             if self._count_handle is None:  # no buckets at all
                 self._launch_count()
-            for bucket in self.buckets:
-                bucket.handle.wait()
+            recording = tracing.recording()
+            for index, bucket in enumerate(self.buckets):
+                with tracing.span(f"mpidist.gradient_bucket.{index}", "ALLREDUCE", on_timeline=False) \
+                        if recording else contextlib.nullcontext():
+                    bucket.handle.wait()
                 if self.trace is not None:
                     self.trace.append((bucket.handle.started, bucket.handle.finished))
+                timeline = tracing.current()
+                if timeline is not None:
+                    row = self.timeline_rows[index] if self.timeline_rows else f"gradient bucket {index}"
+                    timeline.span(row, "ALLREDUCE", bucket.handle.started, bucket.handle.finished)
                 result = bucket.flat if bucket.packed else bucket.params[0].grad
                 if bucket.wire is not None:
                     kernels.cast(result, bucket.wire)

@@ -5,6 +5,7 @@
 - deadlines.py: the one helper every wait for another rank goes through, and its error.
 - stall.py: the stall report of a collective wait, from the records every rank publishes.
 - abort.py: an uncaught exception on one rank aborts the whole job.
+- tracing.py: communication events for torch.profiler and the timeline file.
 - wire.py: the dtype table of the whole package, and typed header+payload messages between ranks.
 
 Importing any of these leaves MPI alone (mpi4py.MPI is not imported), so `import mpidist` can

@@ -87,6 +87,9 @@ VARIABLES = (
              "a rank that has waited this long in a collective prints a stall report: which ranks have not "
              "arrived and what each last called ([Faults](faults.md#stall-report)); the wait goes on until "
              "`MPIDIST_TIMEOUT`"),
+    _package("MPIDIST_TIMELINE", "path", None, "unset", "by `md.init()`",
+             "rank 0 writes a Chrome trace (Horovod's timeline) of every collective and gradient bucket "
+             "all-reduce to this path ([Horovod](horovod.md#timeline))"),
     _package("MPIDIST_SEGMENT_BYTES", "count", 256 * 1024, "`262144` (256 KiB)", "at import of the collectives",
              "segment size of the pipelined ring and tree all-reduce: the reduction of one segment overlaps the "
              "arrival of the next", minimum=1),

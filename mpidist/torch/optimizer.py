@@ -88,17 +88,12 @@ class _DistributedOptimizer:
         if timeline is None:
             self._buckets.wait()
             return
-        # On the timeline: each bucket's all-reduce from its launch during backward to its
-        # completion, and the wait here on a row of its own.
-        self._buckets.trace = spans = []
+        # On the timeline: each bucket's all-reduce on its row (written by the buckets), and
+        # the wait here on a row of its own.
+        self._buckets.timeline_rows = self._bucket_rows
         start = time.perf_counter()
-        try:
-            self._buckets.wait()
-        finally:
-            self._buckets.trace = None
+        self._buckets.wait()
         timeline.span("DistributedOptimizer", "SYNCHRONIZE", start, time.perf_counter())
-        for row, (began, ended) in zip(self._bucket_rows, spans):
-            timeline.span(row, "ALLREDUCE", began, ended)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
