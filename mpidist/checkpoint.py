@@ -183,10 +183,15 @@ def share_failure(comm, failure: Exception | None, what: str, error=MpidistError
         if failure is not None:
             raise failure
         return
-    failures = mpi.allgather(None if failure is None else str(failure))
-    failed = [rank for rank, text in enumerate(failures) if text is not None]
-    if not failed:
+    failed_here = np.array([failure is not None], dtype=np.int64)
+    failed_anywhere = np.empty(mpi.Get_size(), dtype=np.int64)
+    # A collective wait like any other (the stall report, the deadline): a rank that never
+    # comes here must not leave the others waiting silently forever.
+    wait_for_collective(mpi.Iallgather(failed_here, failed_anywhere), mpi, f"agreement on {what}")
+    if not failed_anywhere.any():
         return
+    failures = mpi.allgather(None if failure is None else str(failure))  # every rank is here
+    failed = [rank for rank, text in enumerate(failures) if text is not None]
     first = failures[failed[0]]
     if len(failed) < len(failures) or len(set(failures)) > 1:
         first = f"{what} failed on rank(s) {failed}: {first}"

@@ -20,7 +20,7 @@ LATE_RANK = textwrap.dedent("""
     import torch.distributed as dist
     import mpidist as md
     import mpidist.torch as hvd
-    from mpidist.checkpoint import save_checkpoint
+    from mpidist.checkpoint import load_checkpoint, save_checkpoint
     md.init()
     hvd.init()
     dist.init_process_group("mpidist")
@@ -58,10 +58,13 @@ LATE_RANK = textwrap.dedent("""
     dist.all_reduce(total)
     assert total.eq(size).all()
 
+    path = os.path.join(tempfile.gettempdir(), f"stall-report-{os.getppid()}.h5")
     arrive("save_checkpoint")
-    save_checkpoint(os.path.join(tempfile.gettempdir(), f"stall-report-{os.getppid()}.h5"), horovod, comm=md.world())
+    save_checkpoint(path, horovod, comm=md.world())
+    arrive("load_checkpoint")
+    load_checkpoint(path, model(), comm=md.world())
     if rank == 0:
-        os.remove(os.path.join(tempfile.gettempdir(), f"stall-report-{os.getppid()}.h5"))
+        os.remove(path)
     dist.destroy_process_group()
 """)
 
@@ -72,10 +75,12 @@ def test_every_route_reports_the_rank_that_comes_late():
     assert result.returncode == 0, output
     routes = re.split(r"route: ", result.stderr)[1:]
     assert [route.split("\n")[0] for route in routes] == [
-        "DataParallel", "DistributedOptimizer", "hvd.allreduce", "dist.all_reduce", "save_checkpoint"], output
+        "DataParallel", "DistributedOptimizer", "hvd.allreduce", "dist.all_reduce", "save_checkpoint",
+        "load_checkpoint"], output
     waits = {"DataParallel": "the all-reduce of gradient bucket 0", "DistributedOptimizer": "the all-reduce of "
              "gradient bucket 0", "hvd.allreduce": "the allreduce call check", "dist.all_reduce": "the allreduce "
-             "call check", "save_checkpoint": "the gather of save_checkpoint"}
+             "call check", "save_checkpoint": "the gather of save_checkpoint",
+             "load_checkpoint": "the agreement on loading"}
     for route in routes:
         name = route.split("\n")[0]
         assert route.count("mpidist: stall:") == 1, (name, output)
