@@ -24,7 +24,8 @@ from . import buffers, launch
 from .errors import InvalidArgumentError, NotInitializedError
 from .runtime import config, leave, stall, tracing
 from .runtime.abort import install_abort_on_exception
-from .runtime.mpi import fault_tolerant, load_mpi, mpi_library_cuda_aware
+from .runtime.cuda_aware import mpi_library_cuda_aware
+from .runtime.mpi import fault_tolerant, load_mpi
 
 
 class Channel(abc.ABC):
@@ -137,7 +138,8 @@ class Communicator(Channel):
 
     def is_cuda_aware(self) -> bool:
         if self.cuda_aware is None:
-            self.cuda_aware = mpi_library_cuda_aware()
+            # the probe runs on the GPU this rank's launch gives it, where the rank's buffers live
+            self.cuda_aware = mpi_library_cuda_aware(probe_device=launch.gpu_for_local_rank() or 0)
         return self.cuda_aware
 
     def node_communicators(self) -> tuple:

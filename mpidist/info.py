@@ -30,9 +30,11 @@ def collect(comm) -> dict:
 
     from .collectives import ALGORITHMS
     from .launch import detect, gpu_for_local_rank
+    from .runtime.cuda_aware import library_support
 
     names = ("numpy", "mpi4py", "torch", "h5py", "cupy", "tqdm")
     launch = detect()
+    cuda = library_support()
     hosts = comm.mpi.allgather(MPI.Get_processor_name())
     ranks_per_node = comm.mpi.allgather(comm.local_size)
     return {
@@ -44,7 +46,9 @@ def collect(comm) -> dict:
         "mpi_thread_level": {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
                              MPI.THREAD_SERIALIZED: "serialized",
                              MPI.THREAD_MULTIPLE: "multiple"}[MPI.Query_thread()],
-        "cuda_aware_mpi": comm.is_cuda_aware(),
+        # what the library answers; the probe of a device-to-device send runs at the first GPU buffer
+        "cuda_aware_mpi": cuda.aware,
+        "cuda_aware_mpi_how": f"{cuda.how}; to change it, {cuda.turned_off}" if cuda.turned_off else cuda.how,
         "extension_built_with_cuda": bool(ext.built_with_cuda),
         "cuda_devices_visible": _cuda_devices(ext),
         "launcher": launch.launcher,

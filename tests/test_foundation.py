@@ -106,7 +106,7 @@ def test_info_runs_without_torch():
 
 
 def test_cuda_aware_override(monkeypatch):
-    from mpidist.runtime.mpi import mpi_library_cuda_aware
+    from mpidist.runtime.cuda_aware import mpi_library_cuda_aware
     monkeypatch.setenv("MPIDIST_CUDA_AWARE", "1")
     assert mpi_library_cuda_aware() is True
     monkeypatch.setenv("MPIDIST_CUDA_AWARE", "0")

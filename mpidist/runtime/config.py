@@ -100,8 +100,20 @@ VARIABLES = (
              "make groups of N consecutive ranks act as separate nodes (to try the hierarchical and node-aware "
              "paths on one machine)", minimum=1),
     _package("MPIDIST_CUDA_AWARE", "flag", None,
-             "detected (`MPIX_Query_cuda_support` / `MPIX_GPU_query_support`)", "at the first GPU buffer of a "
-             "Communicator", "`1`: hand GPU buffers to MPI directly; `0`: stage them through pinned host memory"),
+             "detected ([the library's answer](cluster.md#gpu-memory-and-the-mpi-library)), then probed",
+             "at the first GPU buffer of a Communicator",
+             "`1`: hand GPU buffers to MPI directly, without the probe; `0`: stage them through pinned host memory "
+             "(the way out when the probe of a detected library fails)"),
+    *(_package(name, "text", None, "unset", "at the first GPU buffer (detection)", meaning, reader="the MPI library")
+      for name, meaning in (
+          ("OMPI_MCA_opal_cuda_support", "Open MPI 4 built with CUDA: `0` turns its CUDA support off"),
+          ("OMPI_MCA_accelerator", "Open MPI 5: a list without `cuda` turns its CUDA support off"),
+          ("UCX_TLS", "UCX's transports: a list without `cuda_copy`/`cuda_ipc` keeps Open MPI over UCX from GPU "
+                      "memory"),
+          ("MPIR_CVAR_ENABLE_GPU", "MPICH: `0` turns its GPU support off"),
+          ("MPICH_GPU_SUPPORT_ENABLED", "Cray MPICH: `1` turns its GPU support on"),
+          ("MV2_USE_CUDA", "MVAPICH2(-GDR): `1` turns its GPU support on"),
+          ("I_MPI_OFFLOAD", "Intel MPI: `1` turns its GPU support on"))),
     _package("MPIDIST_EAGER_ON_NODE", "flag", True, "`1`", "when a torch.distributed process group is made",
              "a [torch.distributed](distributed-backend.md#asynchronous-operations) collective with `async_op=True` "
              "on CPU tensors, in a group whose ranks share one node, runs at once on the caller's thread (its Work "

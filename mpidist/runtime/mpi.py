@@ -14,7 +14,6 @@ import sys
 import time
 
 from ..errors import MPIUnavailableError
-from . import config
 
 # Open MPI component settings that mpidist needs before MPI_Init reads the environment:
 # the hierarchical all-reduce and the gradient buckets make shared-memory windows (osc/sm);
@@ -46,38 +45,16 @@ def load_mpi():
     return MPI
 
 
-def mpi_library_cuda_aware() -> bool:
-    """Whether the MPI library can read and write GPU memory directly.
-
-    MPIDIST_CUDA_AWARE=0/1 overrides. Otherwise ask Open MPI (MPIX_Query_cuda_support) or MPICH
-    (MPIX_GPU_query_support) through the loaded library; anything else counts as not CUDA-aware,
-    and GPU buffers are then staged through pinned host memory.
-    """
-    forced = config.value("MPIDIST_CUDA_AWARE")
-    if forced is not None:
-        return forced
-    load_mpi()
-    for path in loaded_mpi_libraries():
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        query = getattr(lib, "MPIX_Query_cuda_support", None)
-        if query is not None:
-            return bool(query())
-        gpu_query = getattr(lib, "MPIX_GPU_query_support", None)
-        if gpu_query is not None:
-            supported = ctypes.c_int(0)
-            gpu_query(ctypes.c_int(0), ctypes.byref(supported))  # 0 == MPIX_GPU_SUPPORT_CUDA
-            return bool(supported.value)
-    return False
-
-
 def loaded_mpi_libraries() -> list:
     """The paths of the MPI libraries (libmpi*) loaded in this process."""
+    return [path for path in loaded_libraries() if os.path.basename(path).startswith("libmpi")]
+
+
+def loaded_libraries() -> list:
+    """The paths of the files mapped into this process (its shared libraries among them)."""
     try:
         with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libmpi" in line and "/" in line}
+            paths = {line.split()[-1] for line in maps if len(line.split()) >= 6 and line.split()[-1].startswith("/")}
     except OSError:
         return []
     return sorted(paths)
