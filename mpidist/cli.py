@@ -17,6 +17,7 @@ from .data import add_prepare_data_command, default_digits_path
 from .errors import MpidistError
 from .info import collect, format_report
 from .launch import detect
+from .runtime.wire import COLLECTIVE_DTYPES
 
 # The collectives (tune) and train are imported when their command runs: importing the
 # collectives initializes MPI, and train needs torch, whose import takes seconds.
@@ -71,8 +72,7 @@ def cmd_train(args) -> int:
 
 
 def bench_options(args, collective):
-    return bench.Options(collective=collective, sizes=args.sizes,
-                   dtypes=[d.strip() for d in args.dtype.split(",") if d.strip()],
+    return bench.Options(collective=collective, sizes=args.sizes, dtypes=args.dtype,
                    algorithms=[a.strip() for a in args.algorithms.split(",")] if args.algorithms else None,
                    iters=args.iters, warmup=args.warmup, check_calls=args.check)
 
@@ -115,10 +115,18 @@ def size_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def dtype_list(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in COLLECTIVE_DTYPES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown dtype {', '.join(unknown)}; choose from {', '.join(COLLECTIVE_DTYPES)}")
+    return names
+
+
 def add_measurement_options(parser, sizes: str, default_dtype: str = "float32") -> None:
     parser.add_argument("--sizes", default=sizes, type=size_list,
                         help="comma-separated message sizes in bytes, K/M/G suffixes allowed (default %(default)s)")
-    parser.add_argument("--dtype", default=default_dtype, help="comma-separated dtypes (default %(default)s)")
+    parser.add_argument("--dtype", default=default_dtype, type=dtype_list, help="comma-separated dtypes (default %(default)s)")
     parser.add_argument("--iters", type=int, default=None,
                         help="timed iterations per case (default: 1000 up to 8K, 200 up to 64K, 50 up to 1M, 20 above)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default iters/10, >= 2)")
