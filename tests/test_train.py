@@ -325,8 +325,8 @@ for name, args in {cases!r}:
 
 def test_mistakes_are_one_line_from_rank_0_naming_the_file_with_a_usage_errors_status(tmp_path, digits):
     """Resuming from a missing or empty directory (without --resume=auto) or from another model's
-    checkpoint, a --data file that is not HDF5 or was cut short, a --sizes that is no size, an
-    option of another mode: exit status 2 on every rank, and one line on rank 0 alone (the last
+    checkpoint, a --data file that is not HDF5 or was cut short, a --sizes or --dtype of bench
+    that is none, an option of another mode: exit status 2 on every rank, and one line on rank 0 alone (the last
     line: argparse's usage comes before it) naming the file and the problem."""
     import torch
 
@@ -353,6 +353,8 @@ def test_mistakes_are_one_line_from_rank_0_naming_the_file_with_a_usage_errors_s
          f"{tmp_path / 'cut.h5'} cannot be read as HDF5 (Unable to synchronously open file (truncated file: "),
         ("sizes", ["bench", "allreduce", "--sizes", "8Q"],
          "mpidist bench: error: argument --sizes: cannot read size '8Q': use a number with an optional K, M or G"),
+        ("dtype", ["bench", "allreduce", "--dtype", "float32,float99"],
+         "mpidist bench: error: argument --dtype: unknown dtype float99; choose from float16, bfloat16, float32"),
         ("mode_option", ["train", "--chunks", "2"], "mpidist: error: --chunks: these options go with --mode pipeline"),
     ]
     result = run_python(MISTAKES.format(cases=[(name, args) for name, args, _ in cases]), ranks=2, timeout=300)
@@ -366,7 +368,7 @@ def test_mistakes_are_one_line_from_rank_0_naming_the_file_with_a_usage_errors_s
         assert status == other_status == 2, (name, reports[name, 0], reports[name, 1])
         assert other_stderr == "", (name, other_stderr)
         assert expected in stderr.splitlines()[-1], (name, stderr)
-        assert "Traceback" not in stderr and (name == "sizes" or stderr.count("\n") == 1), (name, stderr)
+        assert "Traceback" not in stderr and (name in ("sizes", "dtype") or stderr.count("\n") == 1), (name, stderr)
 
 
 def test_a_mistake_is_printed_once_by_the_whole_job(tmp_path, digits):
