@@ -1,7 +1,8 @@
 """md.elastic and hvd.elastic: training on 3 ranks under `mpirun --with-ft ulfm`, one rank killed
-with SIGKILL mid-epoch; the 2 survivors must finish with the parameters of an independent
-single-process float64 replay from the commit they restored, on the samples the elastic sampler
-had not yet processed, dealt out over 2 ranks."""
+with SIGKILL mid-epoch; the commit the survivors restore must hold the parameters of an
+independent single-process float64 replay of the 3 ranks' training up to it, and the 2 survivors
+must finish with those of a replay from that commit, on the samples the elastic sampler had not
+yet processed, dealt out over 2 ranks."""
 import os
 import re
 import signal
@@ -11,6 +12,7 @@ import sys
 import pytest
 import torch
 from conftest import REPO, run_python
+from tolerances import assert_within
 
 SAMPLES, FEATURES, BATCH, EPOCHS, LR, MOMENTUM = 24, 3, 2, 3, 0.1, 0.9
 VICTIM, KILL_AFTER_STEPS, COMMIT_EVERY = 1, 7, 2  # killed in epoch 1, one step after the commit at step 6
@@ -80,10 +82,20 @@ torch.save({{"model": model.state_dict(), "steps": steps, "size": md.size(), "re
 """
 
 
-def replay(restored, size=2):
-    """The survivors' training from the restored commit, in one process: SGD with momentum on
-    the average over `size` ranks of each rank's mean-squared-error gradient, rank r taking every
-    size-th sample not yet processed in the epoch (sampler without shuffling), then whole epochs."""
+def initial_state():
+    """Where the 3 ranks start, as a commit: rank 0's weights (the first sync gives every rank
+    rank 0's), no momentum yet, nothing processed."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(FEATURES, 1, dtype=torch.float64)
+    momentum = {k: {"momentum_buffer": torch.zeros_like(p)} for k, p in enumerate(model.parameters())}
+    return {"model": model.state_dict(), "optimizer": {"state": momentum}, "processed": [], "steps": 0, "epoch": 0}
+
+
+def replay(restored, size=2, until_steps=None):
+    """The training from the commit `restored` on `size` ranks, in one process: SGD with momentum
+    on the average over the ranks of each rank's mean-squared-error gradient, rank r taking every
+    size-th sample not yet processed in the epoch (sampler without shuffling), then whole epochs;
+    up to step `until_steps`, by default to the end. Returns (weight, bias, steps)."""
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(SAMPLES, FEATURES, dtype=torch.float64, generator=generator)
     y = torch.randn(SAMPLES, 1, dtype=torch.float64, generator=generator)
@@ -97,6 +109,8 @@ def replay(restored, size=2):
         assert len(remaining) % (size * BATCH) == 0  # no padding in this layout
         shards = [remaining[r::size] for r in range(size)]
         for start in range(0, len(shards[0]), BATCH):
+            if steps == until_steps:
+                return weight, bias, steps
             grads = [torch.zeros_like(weight), torch.zeros_like(bias)]
             for shard in shards:
                 rows = shard[start:start + BATCH]
@@ -140,13 +154,20 @@ def test_elastic_run_survives_a_killed_rank_and_matches_the_replay(api, tmp_path
     committed = torch.load(tmp_path / f"commit-{restored['steps']}.pt")
     assert all(torch.equal(committed[name], restored["model"][name]) for name in committed)
     assert len(restored["processed"]) == (KILL_AFTER_STEPS - 1 - SAMPLES // (3 * BATCH)) * 3 * BATCH
+    prefix = "module." if api == "md" else ""
+    # Per step: each rank's gradient sums its rows' products, the ranks' are averaged, the
+    # momentum and the weights updated; the steps' errors add up.
+    per_step = BATCH * (FEATURES + 1) + 3 + 2
+    weight, bias, steps = replay(initial_state(), size=3, until_steps=restored["steps"])
+    assert steps == restored["steps"]
+    assert_within(restored["model"][prefix + "weight"], weight, roundings=steps * per_step)
+    assert_within(restored["model"][prefix + "bias"], bias, roundings=steps * per_step)
     weight, bias, steps = replay(restored)
     for final in finals:
         assert final["size"] == 2 and final["resets"] == [2] and final["steps"] == steps
         model = final["model"]
-        prefix = "module." if api == "md" else ""
-        torch.testing.assert_close(model[prefix + "weight"], weight, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(model[prefix + "bias"], bias, rtol=1e-12, atol=1e-12)
+        assert_within(model[prefix + "weight"], weight, roundings=steps * per_step)
+        assert_within(model[prefix + "bias"], bias, roundings=steps * per_step)
     # Open MPI's MPI_Finalize sometimes never returns after a death; the survivors then leave it
     # after MPIDIST_FINALIZE_TIMEOUT with their own status (runtime/leave.py).
     assert status == 0, output
