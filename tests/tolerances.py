@@ -29,7 +29,7 @@ REDUCTIONS = {"sum": np.sum, "avg": np.mean, "min": np.min, "max": np.max, "prod
 
 
 def dtype_name(dtype) -> str:
-    """'float64' for torch.float64, np.float64 or 'float64'."""
+    """'float64' for torch.float64, np.dtype('float64') or 'float64'."""
     return str(dtype).removeprefix("torch.")
 
 
