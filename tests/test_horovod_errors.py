@@ -5,6 +5,7 @@ step() after synchronize(), and Horovod's exception names. Each error comes on e
 made the call, at once: MPIDIST_TIMEOUT is set far beyond the tests' own time limit, so none of
 them can pass by waiting it out (except the one that checks the deadline itself)."""
 import gc
+import itertools
 import re
 import warnings
 
@@ -149,6 +150,42 @@ def test_collectives_with_join_fail_at_once_on_the_ranks_that_call_them(mpi_worl
                                                 "out of data and wait in join()")
             last = hvd.join()
             assert hvd.allgather_object(last) == [last] * size
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_joined_rank_takes_part_in_async_allreduces_with_zeros(mpi_world, no_deadline_in_reach):
+    """Horovod's test_horovod_join_allreduce: while one rank waits in join(), the others'
+    allreduce_async + synchronize of a fused pair (average=True, integer and float dtypes, with
+    and without the names already used) average over every rank, the joined one adding zeros;
+    join() returns the rank that joined last, never the first, the same on every rank."""
+    hvd.init()
+    gc.collect()  # no DistributedOptimizer of an earlier test is left for join() to take part for
+    rank, size = hvd.rank(), hvd.size()
+    for dtype, first_to_join, caching in itertools.product((torch.int32, torch.int64, torch.float32, torch.float64),
+                                                           range(size), (False, True)):
+        generator = torch.Generator().manual_seed(1234)  # the same tensors on every rank, as Horovod's test
+        tensor_a = torch.randint(-100, 100, (5, 5), generator=generator).to(dtype)
+        tensor_b = torch.randint(-100, 100, (17, 17), generator=generator).to(dtype)
+
+        def averaged_pair():
+            handles = [hvd.allreduce_async(tensor_a, name="tensor_a", average=True),
+                       hvd.allreduce_async(tensor_b, name="tensor_b", average=True)]
+            return [hvd.synchronize(handle) for handle in handles]
+
+        if caching:
+            averaged_pair()
+        if rank != first_to_join:
+            for averaged, tensor in zip(averaged_pair(), (tensor_a, tensor_b)):
+                # Horovod: the sum of the size - 1 training ranks' tensors over size; an integer
+                # quotient truncated toward zero (ScaleBuffer's conversion)
+                expected = tensor.double() * (size - 1) / size
+                expected = expected.trunc() if not dtype.is_floating_point else expected
+                assert averaged.dtype == dtype
+                assert torch.equal(averaged.double(), expected) if not dtype.is_floating_point \
+                    else torch.allclose(averaged.double(), expected, rtol=1e-6, atol=0)
+        last = hvd.join()
+        assert last != first_to_join
+        assert hvd.allgather_object(last) == [last] * size
 
 
 @pytest.mark.mpi(ranks=[2, 3])

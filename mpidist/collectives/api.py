@@ -14,13 +14,15 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import buffers
-from ..buffers import BufferInfo
+from ..buffers import DTYPES, BufferInfo
 from ..errors import InvalidArgumentError, MpidistError
 from ..runtime.deadlines import wait_for_collective
 from ..runtime.tracing import traced
 from .broadcast import broadcast as broadcast_algorithm
 from .callcheck import (
     BARRIER_SIGNATURE,
+    COLLECTIVES,
+    OPS,
     TAGS,
     check_algorithm,
     check_op,
@@ -28,13 +30,14 @@ from .callcheck import (
     check_same_call,
     checked_here,
     checked_in_order,
+    join_call_check,
     resolve_algorithm,
     share_refusal,
     signature,
 )
 from .common import Context, finish_average, kernel_op, split_counts
 from .engine import Handle, in_order
-from .registry import ALLREDUCE, HOST_MEMORY_ALGORITHMS
+from .registry import ALGORITHMS, ALLREDUCE, HOST_MEMORY_ALGORITHMS
 from .ring import allgather_ring, reduce_scatter_ring
 from .staging import copy_buffer, staged
 
@@ -83,12 +86,17 @@ def _run_allreduce(comm, array, info, op, algorithm, source_info=None, shape=Non
         check_same_call(comm, mpi, signature("allreduce", info, op, name, row_shape=shape), shape)
     if source_info is not None:
         copy_buffer(info, source_info)
+    _reduce_in_place(comm, array, info, op, name)
+    return array
+
+
+def _reduce_in_place(comm, array, info, op, name):
+    """All-reduce `array` with the algorithm `name`, once the ranks have agreed on the call."""
     if info.is_cuda:
         with staged(comm, array, info, host_only=name in HOST_MEMORY_ALGORITHMS) as work:
-            _reduce_with(ALLREDUCE[name], Context(comm, mpi, work, op=kernel_op(op), tag=TAGS["allreduce"]), op)
+            _reduce_with(ALLREDUCE[name], Context(comm, comm.mpi, work, op=kernel_op(op), tag=TAGS["allreduce"]), op)
     else:  # the hot path of small messages: no context manager
-        _reduce_with(ALLREDUCE[name], Context(comm, mpi, info, op=kernel_op(op), tag=TAGS["allreduce"]), op)
-    return array
+        _reduce_with(ALLREDUCE[name], Context(comm, comm.mpi, info, op=kernel_op(op), tag=TAGS["allreduce"]), op)
 
 
 def _reduce_with(algorithm, ctx: Context, op: str) -> None:
@@ -195,6 +203,25 @@ def _reduce_scatter(comm, array, info, op):
     copy_buffer(out_info, BufferInfo(work_info.ptr + chunks[comm.rank][0] * info.itemsize, out_info.count,
                                      info.dtype, info.device, info.kind))
     return out
+
+
+def join_round(comm) -> bool:
+    """One round of a rank waiting in join, on its channel (engine.in_order): it meets the other
+    ranks' next call check (join_call_check) and takes part with zeros in their all-reduce that
+    sums or averages (starting its engine with them at their first asynchronous one), as
+    Horovod's joined ranks do; anything else the others raise at, and it waits on. True once
+    every rank has joined."""
+    called = join_call_check(comm)
+    if called is None:
+        return True
+    if called.get("collective") == COLLECTIVES.index("first allreduce_async"):
+        comm.async_engine()
+    elif called:
+        info = BufferInfo(0, called["count"], DTYPES[called["dtype"]], "cpu", "numpy")
+        zeros = np.zeros(info.nbytes, dtype=np.uint8)  # all-zero bytes: zero in every dtype
+        _reduce_in_place(comm, zeros, info._replace(ptr=zeros.ctypes.data), OPS[called["op"]],
+                         ALGORITHMS[called["algorithm"]])
+    return False
 
 
 def barrier(comm) -> None:

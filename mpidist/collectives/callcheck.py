@@ -6,7 +6,8 @@ allgather with a deadline; any difference raises MismatchError on every rank, na
 what. A rank that refused its own arguments still joins, with a row that says so
 (share_refusal), so the others fail at once instead of waiting out MPIDIST_TIMEOUT. So does a
 rank that has run out of data and waits in join (join_call_check): a rank calling another
-collective meanwhile raises, naming it, while the joined rank waits on.
+collective meanwhile raises, naming it, while the joined rank waits on; in an all-reduce that
+sums or averages it takes part with zeros.
 """
 from __future__ import annotations
 
@@ -99,6 +100,8 @@ def check_same_call(comm, mpi, fields: dict, row_shape: tuple | None = None) -> 
             f"ranks {refused} refused their arguments to this collective (each raised its own error "
             "there: see those ranks' output), so the other ranks cannot run it either")
     joined = [rank for rank in range(len(table)) if table[rank, 0] == JOINED]
+    if joined and _joined_ranks_take_part(table):
+        return
     if joined:  # the joined ranks wait on (join_call_check); the others learn why they cannot go on
         raise MismatchError(
             f"{COLLECTIVES[fields['collective']]} is not supported with join: ranks {joined} have run out of data "
@@ -125,14 +128,38 @@ def exchange_signatures(mpi, fields: dict) -> np.ndarray:
     return table
 
 
-def join_call_check(comm) -> bool:
+def join_call_check(comm) -> dict | None:
     """One round of a rank waiting in join: it takes part in the others' next call check with a
-    row that says "join". True once every rank's row does; else the others called something else
-    (there they raise, see check_same_call) and the joined rank waits for their next call. With
-    the check off (MPIDIST_CHECK=0) there is no exchange: True."""
+    row that says "join". Returns None once every rank's row does (and with the check off,
+    MPIDIST_CHECK=0, where there is no exchange); the signature fields of the others' call when
+    it is one the joined ranks take part in with zeros (an all-reduce that sums or averages, or
+    the first asynchronous one, which starts the engine; the caller runs its side); else {}: the
+    others called something else, raise there (check_same_call), and the joined rank waits for
+    their next call."""
     if not comm.check_calls or comm.size == 1:
-        return True
-    return bool((exchange_signatures(comm.mpi, JOIN_SIGNATURE)[:, 0] == JOINED).all())
+        return None
+    table = exchange_signatures(comm.mpi, JOIN_SIGNATURE)
+    training = table[table[:, 0] != JOINED]
+    if not len(training):
+        return None
+    if not _joined_ranks_take_part(table):
+        return {}
+    return dict(zip(SIGNATURE_FIELDS, training[0].tolist()))
+
+
+# What ranks waiting in join take part in, with zeros, as Horovod's joined ranks do: all-reduces
+# that sum or average (zeros change no sum, and an average still divides by every rank).
+JOINABLE_COLLECTIVES = (COLLECTIVES.index("allreduce"), COLLECTIVES.index("first allreduce_async"))
+JOINABLE_OPS = (OPS.index("sum"), OPS.index("avg"))
+
+
+def _joined_ranks_take_part(table: np.ndarray) -> bool:
+    """Whether the ranks not waiting in join (a row that says "join") all called the same
+    all-reduce, one the joined ranks take part in."""
+    training = table[table[:, 0] != JOINED]
+    first = training[0]
+    return bool((training == first).all()) and first[0] in JOINABLE_COLLECTIVES \
+        and first[SIGNATURE_FIELDS.index("op")] in JOINABLE_OPS
 
 
 def share_refusal(comm) -> None:

@@ -55,8 +55,9 @@ def join(device=-1) -> int:
     """This rank has run out of data (Horovod's hvd.join()): until every rank has called join(),
     take part with zeros in the other ranks' gradient exchanges of the DistributedOptimizer and
     in their all-reduces over all ranks (they still average over every rank, as in Horovod; see
-    the notes above _announce). Returns the rank that joined last (the highest of several joining
-    at the same step)."""
+    the notes above _announce), and in their all-reduce calls (allreduce, allreduce_async) that
+    sum or average. Returns the rank that joined last, the same on every rank (the highest of
+    several joining at the same step)."""
     world = _comm.world()  # not comm_of: the ranks still training call join() once others have
     if any(o._adasum_comm is world for o in _ADASUM_OPTIMIZERS):
         raise NotOfferedError("hvd.join() with a DistributedOptimizer(op=hvd.Adasum): a joined rank has no "
@@ -77,18 +78,22 @@ def join(device=-1) -> int:
             _take_part_while_joined(world, buckets)
         exchanges = buckets.restart_exchange_count()
         buckets.end_join()
-    _wait_for_every_rank_to_join(world)
-    return last_joiner(world, exchanges)
+    # The rank that joined last brought gradients to the most exchanges and waited through the
+    # fewest of the others' all-reduces.
+    return last_joiner(world, exchanges - _wait_for_every_rank_to_join(world))
 
 
-def _wait_for_every_rank_to_join(world) -> None:
-    """Meet the other ranks' call checks until every rank has called join(): a rank that calls
-    another collective meanwhile (one the ranks here do not shadow: an allgather, a broadcast, a
-    barrier, ... as in Horovod) raises there at once, naming it, and this rank waits on."""
-    from ..collectives.callcheck import join_call_check  # imported here: the collectives initialize MPI
+def _wait_for_every_rank_to_join(world) -> int:
+    """Meet the other ranks' call checks until every rank has called join(), taking part with
+    zeros in their all-reduces that sum or average: a rank that calls another collective
+    meanwhile (an allgather, a broadcast, a barrier, ... as in Horovod) raises there at once,
+    naming it, and this rank waits on. Returns how many of the others' calls it waited through."""
+    from ..collectives.api import join_round  # imported here: the collectives initialize MPI
     from ..collectives.engine import in_order
-    while not in_order(world, join_call_check):
-        pass
+    rounds = 0
+    while not in_order(world, join_round):
+        rounds += 1
+    return rounds
 
 
 # Ranks that have joined (run out of data) take part, with zeros, in what the ranks still
