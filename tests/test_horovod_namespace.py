@@ -335,6 +335,113 @@ def test_sparse_allreduce_async_refusals(mpi_world):
         hvd.sparse_allreduce_async(torch.zeros(2), name="dense")
 
 
+def sparse_embedding_lookups(rank):
+    """Horovod's test_sparse_embeddings: the ranks look up different rows, and different numbers of them."""
+    return torch.tensor([[1, 2, 4, 5], [4, 3, 2, 9]]) if rank == 0 else torch.tensor([[1, 3 + rank, 4], [4, 7, 9]])
+
+
+def sparse_embedding():
+    return torch.nn.Embedding(10, 3, sparse=True, _weight=values(0, (10, 3), seed=7))
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_sparse_embeddings_train_with_sparse_adam(mpi_world, sparse_as_dense):
+    """Horovod's test_sparse_embeddings: torch.optim.SparseAdam over nn.Embedding(sparse=True) trains,
+    with the gradient handed back sparse. Against one process stepping SparseAdam on Horovod's
+    sparse average (every rank's rows, values divided by the number of ranks); the loss is
+    linear in the weights, so each step's gradients are those of the first."""
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+
+    def loss(model, k):
+        return (model(sparse_embedding_lookups(k)) * (k + 1)).sum()
+
+    local = []
+    for k in range(size):
+        model = sparse_embedding()
+        loss(model, k).backward()
+        local.append(model.weight.grad.coalesce())
+    average = torch.sparse_coo_tensor(torch.cat([g.indices() for g in local], 1),
+                                      torch.cat([g.values() for g in local]) / size, (10, 3)).coalesce()
+    reference_model = sparse_embedding()
+    reference = torch.optim.SparseAdam(list(reference_model.parameters()), lr=0.1)
+    model = sparse_embedding()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SparseAdam(list(model.parameters()), lr=0.1),
+                                         sparse_as_dense=sparse_as_dense)
+    for _ in range(3):
+        reference_model.weight.grad = average.clone()
+        reference.step()
+        optimizer.zero_grad()
+        loss(model, rank).backward()
+        optimizer.step()
+        assert model.weight.grad.is_sparse
+        torch.testing.assert_close(model.weight.grad.to_dense(), average.to_dense())
+    torch.testing.assert_close(model.weight.detach(), reference_model.weight.detach())
+    del optimizer
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_parameter_names_are_unique_and_equal_on_every_rank(mpi_world):
+    """Horovod's test_optimizer_no_named_parameters: without named_parameters, over several
+    parameter groups, optimizer._parameter_names ({parameter: name}) are unique and the same on
+    every rank; with them, the names given."""
+    hvd.init()
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 10))
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD([{"params": model[0].parameters()},
+                                                          {"params": model[1].parameters()}], lr=0.001))
+    names = set(optimizer._parameter_names.values())
+    assert len(names) == len(optimizer._parameter_names) == 4
+    assert hvd.allgather_object(names) == [names] * hvd.size()
+    del optimizer
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.001),
+                                         named_parameters=model.named_parameters())
+    assert optimizer._parameter_names == {p: name for name, p in model.named_parameters()}
+    del optimizer
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_optimizer_state_broadcasts_with_a_frozen_parameter(mpi_world):
+    """Horovod's test_broadcast_state_no_grad: a model with a frozen integer parameter (its
+    gradient stays None); after broadcast_optimizer_state the other's gradient holds zeros that
+    scripts broadcast, and the state is the root's."""
+    hvd.init()
+    rank = hvd.rank()
+
+    class FrozenIndex(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Parameter(torch.tensor([1, 3], dtype=torch.int32), requires_grad=False)
+            self.b = torch.nn.Parameter(values(rank, (4,)))
+
+        def forward(self, x):
+            return torch.index_select(self.b, 0, self.a.long()) * x
+
+    model = FrozenIndex()
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.001, weight_decay=1e-6, momentum=0.9, nesterov=True),
+        named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    grad = optimizer.param_groups[0]["params"][1].grad
+    assert optimizer.param_groups[0]["params"][0].grad is None
+    assert torch.equal(hvd.broadcast(grad, root_rank=0), grad) and not grad.any()
+    assert torch.equal(model.b.detach(), values(0, (4,)))
+    del optimizer
+
+
+def test_duplicate_parameter_names_are_refused_before_anything_else(monkeypatch):
+    """Horovod's test_duplicate_names, which runs before hvd.init(): a ValueError naming them."""
+    import mpidist.comm
+    monkeypatch.setattr(mpidist.comm, "_world", None)  # not initialized
+    first, second = torch.nn.Conv2d(1, 1, 1), torch.nn.Conv2d(1, 1, 1)
+    optimizer = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.1)
+    with pytest.raises(ValueError, match="must be unique. Found duplicates: bias, weight"):
+        hvd.DistributedOptimizer(optimizer, named_parameters=[*first.named_parameters(), *second.named_parameters()])
+    with pytest.raises(ValueError, match="sequence of tuples"):
+        hvd.DistributedOptimizer(optimizer, named_parameters=[["weight", first.weight]])
+
+
 @pytest.mark.mpi(ranks=[2])
 def test_synchronize_twice_finishes_once(mpi_world):
     hvd.init()

@@ -198,6 +198,9 @@ class GradientBuckets:
         self.op = op
         self.predivide = float(predivide)
         self.passes_per_step = passes_per_step
+        # id(param) -> (param, sparse_dim): the gradients backward made sparse since the owner last
+        # took them (the DistributedOptimizer hands them back sparse, as Horovod does).
+        self.sparse_gradients = {}
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         if any(p.device.type == "cpu" for p in params):
             # Each step frees and reallocates the gradients: reuse the memory rather than fault
@@ -336,6 +339,7 @@ class GradientBuckets:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             elif param.grad.is_sparse:  # nn.Embedding(sparse=True): averaged as a dense tensor
+                self.sparse_gradients[id(param)] = (param, param.grad.sparse_dim())
                 param.grad = param.grad.to_dense()
         grads = [param.grad for param in bucket.params]
         op = self.op

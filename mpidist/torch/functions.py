@@ -36,7 +36,8 @@ def broadcast_optimizer_state(optimizer, root_rank=0):
 
     A rank whose optimizer has no state yet (no step taken) first makes it as Horovod does, by
     one step of the wrapped optimizer with zero gradients; unlike Horovod, the parameters and
-    gradients are then put back as they were, so that weight decay does not move them. State
+    gradients are then put back as they were, so that weight decay does not move them, except
+    that a gradient that was None stays zeros, as in Horovod (scripts broadcast it). State
     the root has and a rank still lacks arrives into zeros of the root's layout; hyperparameters
     and the layout travel by broadcast_object.
     """
@@ -73,7 +74,7 @@ def broadcast_optimizer_state(optimizer, root_rank=0):
 
 def _make_state(optimizer) -> None:
     """Step the wrapped optimizer (exchanging nothing) on zero gradients, so that it makes its
-    state; the parameters and gradients are restored afterwards."""
+    state; the parameters and the gradients that were not None are restored afterwards."""
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     saved = [(p.detach().clone(), p.grad) for p in params]
     for param in params:
@@ -84,7 +85,8 @@ def _make_state(optimizer) -> None:
         with torch.no_grad():
             for param, (value, grad) in zip(params, saved):
                 param.copy_(value)
-                param.grad = grad
+                if grad is not None:
+                    param.grad = grad
 
 
 def _pickled(obj):

@@ -35,20 +35,10 @@ class _DistributedOptimizer:
     """Mixed into the wrapped optimizer's class: gradients are all-reduced in buckets during
     backward (after `backward_passes_per_step` passes) and waited for in step()/synchronize()."""
 
-    def _setup_distributed(self, named_parameters, compression, backward_passes_per_step, op,
-                           gradient_predivide_factor, groups, comm):
+    def _setup_distributed(self, compression, backward_passes_per_step, op, gradient_predivide_factor, groups,
+                           comm):
         params = [p for group in self.param_groups for p in group["params"]]
-        labels = {id(p): f"param.{index}" for index, p in enumerate(params)}  # for the timeline
-        if named_parameters is not None:
-            named = list(named_parameters)
-            names = [n for n, _ in named]
-            if len(set(names)) != len(names):
-                raise InvalidArgumentError("named_parameters contains duplicate names")
-            known = {id(p) for _, p in named}
-            missing = [i for i, p in enumerate(params) if id(p) not in known]
-            if missing:
-                raise InvalidArgumentError(f"named_parameters does not name optimizer parameters {missing}")
-            labels.update((id(p), n) for n, p in named)
+        labels = {id(p): name for p, name in self._parameter_names.items()}  # for the timeline
         op = resolve_op(op)
         if gradient_predivide_factor != 1.0 and op != Average:
             raise InvalidArgumentError("gradient_predivide_factor needs op=hvd.Average")
@@ -87,13 +77,22 @@ class _DistributedOptimizer:
         timeline = current_timeline()
         if timeline is None:
             self._buckets.wait()
-            return
-        # On the timeline: each bucket's all-reduce on its row (written by the buckets), and
-        # the wait here on a row of its own.
-        self._buckets.timeline_rows = self._bucket_rows
-        start = time.perf_counter()
-        self._buckets.wait()
-        timeline.span("DistributedOptimizer", "SYNCHRONIZE", start, time.perf_counter())
+        else:
+            # On the timeline: each bucket's all-reduce on its row (written by the buckets), and
+            # the wait here on a row of its own.
+            self._buckets.timeline_rows = self._bucket_rows
+            start = time.perf_counter()
+            self._buckets.wait()
+            timeline.span("DistributedOptimizer", "SYNCHRONIZE", start, time.perf_counter())
+        self._restore_sparse_gradients()
+
+    def _restore_sparse_gradients(self):
+        """A gradient backward made sparse (nn.Embedding(sparse=True)) is averaged as a dense
+        tensor (with sparse_as_dense True or False alike) and handed back sparse, in its rows
+        that are not all zero, as Horovod hands it back, so that torch.optim.SparseAdam takes it."""
+        for param, sparse_dim in self._buckets.sparse_gradients.values():
+            param.grad = param.grad.to_sparse(sparse_dim)
+        self._buckets.sparse_gradients.clear()
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -107,10 +106,10 @@ class _DistributedOptimizer:
         if not self._skip_sync:
             if self._synchronized:
                 # Horovod warns here too: step() after an explicit synchronize() synchronizes again.
-                warnings.warn("optimizer.step() was called after optimizer.synchronize() without "
-                              "optimizer.skip_synchronize(): step() waits for the gradients' all-reduces a "
-                              "second time, for nothing; after synchronize(), call step() inside "
-                              "`with optimizer.skip_synchronize():`", UserWarning, stacklevel=2)
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                              "consider using optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.", UserWarning, stacklevel=2)
             self.synchronize()
         self._synchronized = False
         return super().step(closure)
@@ -244,10 +243,37 @@ def _explicit_groups(groups, params, trainable) -> list:
     return result
 
 
+def _parameter_names(optimizer, named_parameters) -> dict:
+    """Horovod's optimizer._parameter_names, {parameter: name}: the names given, or
+    allreduce.noname.<group>.<index in group>, unique and the same on every rank. Checked before
+    anything else, as in Horovod (hvd.init() need not have run)."""
+    if named_parameters is None:
+        named = [(f"allreduce.noname.{g}.{i}", p) for g, group in enumerate(optimizer.param_groups)
+                 for i, p in enumerate(group["params"])]
+    else:
+        named = list(named_parameters)
+        if not all(isinstance(item, tuple) and len(item) == 2 for item in named):
+            raise InvalidArgumentError("named_parameters should be a sequence of tuples (name, parameter), usually "
+                                       "produced by model.named_parameters()")
+    names = [name for name, _ in named]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise InvalidArgumentError(f"Parameter names in named_parameters must be unique. Found duplicates: "
+                                   f"{', '.join(duplicates)}")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    known = {id(p) for _, p in named}
+    missing = [i for i, p in enumerate(params) if id(p) not in known]
+    if missing:
+        raise InvalidArgumentError(f"named_parameters was specified, but one or more model parameters were not "
+                                   f"named: optimizer parameters {missing}")
+    return {p: name for name, p in named}
+
+
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False, process_set=None):
     """Wrap a torch optimizer the way horovod.torch.DistributedOptimizer does."""
+    parameter_names = _parameter_names(optimizer, named_parameters)
     outside = (isinstance(process_set, ProcessSet) and process_set._registered().process_set_id != 0
                and not process_set.included())
     comm = None if outside else comm_of(process_set)
@@ -263,11 +289,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     cls = type(optimizer.__class__.__name__, (mixin, optimizer.__class__), {})
     distributed = cls.__new__(cls)
     distributed.__dict__.update(optimizer.__dict__)
+    distributed._parameter_names = parameter_names
     if outside:
         distributed._setup_outside()
     elif adasum:
         distributed._setup_adasum(compression, comm)
     else:
-        distributed._setup_distributed(named_parameters, compression, backward_passes_per_step, op,
-                                       gradient_predivide_factor, groups, comm)
+        distributed._setup_distributed(compression, backward_passes_per_step, op, gradient_predivide_factor,
+                                       groups, comm)
     return distributed
