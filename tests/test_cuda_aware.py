@@ -25,6 +25,9 @@ INTEL = "Intel(R) MPI Library 2021.12 for Linux* OS"
 STUBS = {
     "openmpi_yes": "int MPIX_Query_cuda_support(void) { return 1; }",
     "openmpi_no": "int MPIX_Query_cuda_support(void) { return 0; }",
+    # Open MPI 4 built with CUDA, whose libopen-pal turned the support off (no libcuda.so.1)
+    "openmpi_off": "int MPIX_Query_cuda_support(void) { return 1; }\n_Bool opal_cuda_support = 0;",
+    "openmpi_on": "int MPIX_Query_cuda_support(void) { return 1; }\n_Bool opal_cuda_support = 1;",
     "mpich_yes": "int MPIX_GPU_query_support(int type, int *ok) { *ok = type == 0; return 0; }",
     "mpich_no": "int MPIX_GPU_query_support(int type, int *ok) { *ok = 0; return 0; }",
     "old_mpich": "int MPI_Init(int *argc, char ***argv) { return 0; }",
@@ -61,6 +64,12 @@ def test_open_mpi_answers_with_mpix_query_cuda_support(stub):
         True, "Open MPI's MPIX_Query_cuda_support() = 1")
     found = detect(OPEN_MPI, [stub("openmpi_no")], [], {})
     assert not found.aware and "MPIX_Query_cuda_support() = 0" in found.how and not found.turned_off
+
+
+def test_open_mpi_4_says_whether_its_cuda_support_is_on_in_this_run(stub):
+    assert detect(OPEN_MPI, [stub("openmpi_on")], [], {}).aware
+    found = detect(OPEN_MPI, [stub("openmpi_off")], [], {})
+    assert not found.aware and "opal_cuda_support = 0" in found.how and "libcuda.so.1" in found.turned_off
 
 
 def test_open_mpi_built_with_cuda_but_turned_off(stub):

@@ -62,6 +62,16 @@ def _symbol(libraries, name):
     return None
 
 
+def _flag(libraries, name):
+    """The value of the bool variable `name` that one of `libraries` exports, or None."""
+    for library in libraries:
+        try:
+            return bool(ctypes.c_bool.in_dll(library, name).value)
+        except ValueError:  # not exported by this one
+            continue
+    return None
+
+
 def _gpu_query(libraries):
     """MPIX_GPU_query_support(CUDA)'s answer, or None where no library exports it."""
     query = _symbol(libraries, "MPIX_GPU_query_support")
@@ -98,10 +108,17 @@ def _open_mpi(libraries, loaded_paths, environ) -> CudaSupport:
     query = _symbol(libraries, "MPIX_Query_cuda_support")
     answer = bool(query()) if query is not None else False
     switch = environ.get("OMPI_MCA_opal_cuda_support")
+    # Open MPI 4's answer is how it was built; its libopen-pal's opal_cuda_support says whether
+    # the support is on in this run (off when OMPI_MCA_opal_cuda_support=0, or libcuda.so.1 could
+    # not be loaded).
+    running = _flag(libraries, "opal_cuda_support")
     if answer and _is_off(switch):
-        # Open MPI 4's answer is how it was built; opal_cuda_support turns it off at run time.
         return CudaSupport(False, f"Open MPI's MPIX_Query_cuda_support() = 1, but OMPI_MCA_opal_cuda_support={switch}",
                            "unset OMPI_MCA_opal_cuda_support (or set it to 1)")
+    if answer and running is False:
+        return CudaSupport(False, "Open MPI's MPIX_Query_cuda_support() = 1, but its CUDA support is off in this run "
+                           "(opal_cuda_support = 0: it could not load libcuda.so.1)",
+                           "make the CUDA driver's libcuda.so.1 loadable (LD_LIBRARY_PATH)")
     if answer:
         return CudaSupport(True, "Open MPI's MPIX_Query_cuda_support() = 1")
     said = "Open MPI's MPIX_Query_cuda_support() = 0" if query is not None else "Open MPI without MPIX_Query_cuda_support"
@@ -194,7 +211,8 @@ def library_support() -> CudaSupport:
         return CudaSupport(forced, f"MPIDIST_CUDA_AWARE={os.environ['MPIDIST_CUDA_AWARE'].strip()}")
     MPI = load_mpi()
     handles = []
-    for path in loaded_mpi_libraries():
+    # libopen-pal: Open MPI 4's run-time switch of its CUDA support
+    for path in loaded_mpi_libraries() + [p for p in loaded_libraries() if os.path.basename(p).startswith("libopen-pal")]:
         try:
             handles.append(ctypes.CDLL(path))
         except OSError:
@@ -203,10 +221,10 @@ def library_support() -> CudaSupport:
 
 
 def mpi_library_cuda_aware(probe_device: int = 0) -> bool:
-    """Whether GPU buffers go to MPI as they are (the probe runs on GPU `probe_device`). A library that could read GPU memory but is
+    """Whether GPU buffers go to MPI as they are. A library that could read GPU memory but is
     kept from it gets a warning that says what to set; one that detection says reads GPU memory
-    must pass the probe (once per process), else MPIUnavailableError says what happened and
-    that MPIDIST_CUDA_AWARE=0 avoids it. MPIDIST_CUDA_AWARE=1 skips the probe."""
+    must pass the probe on GPU `probe_device` (once per process), else MPIUnavailableError says
+    what happened and that MPIDIST_CUDA_AWARE=0 avoids it. MPIDIST_CUDA_AWARE=1 skips the probe."""
     support = library_support()
     if support.turned_off:
         warnings.warn(f"GPU buffers are staged through host memory: {support.how}; to hand them to MPI directly, "
