@@ -106,6 +106,69 @@ gpu-wheels:
 		-d $(GPU_WHEELS) -r benchmarks/gpu-wheels.txt
 	du -sh $(GPU_WHEELS)
 
+# A CUDA-aware Open MPI that travels with the working tree to a GPU machine without a package
+# registry (docs/gpu.md): Debian's source package, built --with-cuda against this machine's CUDA
+# headers (Open MPI opens libcuda when it starts), trimmed to what mpirun and the mpi4py wheel
+# need and stripped, in CUDA_MPI. It is used from anywhere with OPAL_PREFIX and LD_LIBRARY_PATH
+# pointing at it (`make gpu-check` does so). The source comes through an apt sources list of its
+# own, so the machine's is left alone. Half an hour or more on 2 cores: run where a GPU check
+# needs it, not in CI. `make test-cuda-mpi` checks it on the CPU.
+.PHONY: cuda-mpi test-cuda-mpi
+CUDA_MPI ?= .cuda-mpi
+CUDA_MPI_SOURCE ?= openmpi=4.1.4-3
+CUDA_MPI_CUDA ?= /usr/local/cuda
+CUDA_MPI_BUILD := $(abspath build/cuda-mpi-build)
+CUDA_MPI_APT := -o Dir::Etc::SourceList=$(CUDA_MPI_BUILD)/sources.list -o Dir::Etc::SourceParts=/dev/null \
+	-o Dir::State::Lists=$(CUDA_MPI_BUILD)/lists -o Dir::Cache=$(CUDA_MPI_BUILD)/cache -o APT::Sandbox::User=root
+# No Fortran, Java, OpenSHMEM or MPI-IO (mpidist uses none), the bundled hwloc, libevent and PMIx
+# (nothing needed on the GPU machine), no network or scheduler libraries this check has no use for.
+CUDA_MPI_CONFIGURE := --with-cuda=$(CUDA_MPI_CUDA) --disable-mpi-fortran --disable-oshmem --disable-mpi-java \
+	--disable-io-romio --disable-static --with-hwloc=internal --with-libevent=internal --with-pmix=internal \
+	--without-verbs --without-ucx --without-ofi --without-psm --without-psm2 --without-portals4 \
+	--without-slurm --without-tm --without-lsf --without-sge --without-alps --without-lustre --without-gpfs \
+	--without-ime --enable-mca-no-build=io,fs,fbtl,fcoll,sharedfp,topo-treematch,vprotocol,coll-han,coll-adapt,coll-monitoring,pml-monitoring,osc-monitoring,common-monitoring,crs,btl-openib,btl-usnic,btl-uct,pml-ucx,osc-ucx \
+	CFLAGS=-O2
+cuda-mpi: $(CUDA_MPI)/bin/mpirun
+
+$(CUDA_MPI)/bin/mpirun:
+	test -f $(CUDA_MPI_CUDA)/include/cuda.h || { echo "cuda-mpi: no CUDA headers in $(CUDA_MPI_CUDA)" >&2; exit 1; }
+	rm -rf $(CUDA_MPI_BUILD) $(CUDA_MPI)
+	mkdir -p $(CUDA_MPI_BUILD)/lists/partial $(CUDA_MPI_BUILD)/cache/archives/partial
+	echo "deb-src [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian $$(. /etc/os-release && echo $$VERSION_CODENAME) main" > $(CUDA_MPI_BUILD)/sources.list
+	cd $(CUDA_MPI_BUILD) && apt-get $(CUDA_MPI_APT) -qq update && apt-get $(CUDA_MPI_APT) -qq source --download-only $(CUDA_MPI_SOURCE)
+	cd $(CUDA_MPI_BUILD) && tar xf openmpi_*.orig.tar.*
+	cd $(CUDA_MPI_BUILD)/openmpi-* && nice -n 19 ./configure --prefix=$(abspath $(CUDA_MPI)) $(CUDA_MPI_CONFIGURE) > ../configure.log 2>&1 \
+		&& nice -n 19 env -u MAKEFLAGS -u MAKELEVEL make -j$$(nproc) > ../make.log 2>&1 \
+		&& env -u MAKEFLAGS -u MAKELEVEL make install > ../install.log 2>&1
+	@# What neither mpirun nor mpi4py's wheel reads: headers, compiler wrappers, libtool and
+	@# pkg-config files, manual pages.
+	cd $(CUDA_MPI) && rm -rf include share/man share/doc lib/pkgconfig lib/*.la lib/openmpi/*.la \
+		bin/mpicc bin/mpic++ bin/mpiCC bin/mpicxx bin/mpif77 bin/mpif90 bin/mpifort bin/ortecc bin/opal_wrapper \
+		bin/ompi-clean bin/ompi-server bin/orte-clean bin/orte-server bin/orte-info share/openmpi/*wrapper-data.txt
+	@# Real files under the names that are looked up (the libraries' sonames, mpirun and mpiexec)
+	@# and no symbolic links, which a copy of the tree need not keep.
+	cd $(CUDA_MPI)/lib && for link in $$(find . -maxdepth 1 -type l -name 'lib*.so.*'); do mv -f "$$(readlink $$link)" $$link; done
+	cd $(CUDA_MPI)/bin && for name in mpirun mpiexec; do cp --remove-destination orterun $$name; done
+	find $(CUDA_MPI) -type l -delete
+	@# strip refuses the few files that are not ELF (scripts, data); it strips the rest.
+	find $(CUDA_MPI)/bin $(CUDA_MPI)/lib -type f -exec strip --strip-unneeded {} + 2>/dev/null || true
+	du -sh $(CUDA_MPI)
+
+# The carried MPI on the CPU: it says it was built with CUDA (ompi_info, and what mpidist info
+# detects: without a CUDA driver here, Open MPI turns that support off for the run), and the
+# multi-rank point-to-point and collective tests pass under its mpirun with the venv's mpi4py
+# wheel loading it. Open MPI's banner about the missing libcuda.so.1 is silenced.
+CUDA_MPI_ENV = env PATH=$(abspath $(CUDA_MPI))/bin:$$PATH OPAL_PREFIX=$(abspath $(CUDA_MPI)) \
+	LD_LIBRARY_PATH=$(abspath $(CUDA_MPI))/lib MPI4PY_LIBMPI=$(abspath $(CUDA_MPI))/lib \
+	OMPI_MCA_opal_warn_on_missing_libcuda=0
+test-cuda-mpi: install
+	test -x $(CUDA_MPI)/bin/mpirun || { echo "test-cuda-mpi: no $(CUDA_MPI): run make cuda-mpi" >&2; exit 1; }
+	$(CUDA_MPI_ENV) ompi_info --parsable --all | grep -x "mca:opal:base:param:opal_built_with_cuda_support:value:true"
+	$(CUDA_MPI_ENV) $(PY) -m mpidist.cli info --json | $(PY) -c "import json, sys; facts = json.load(sys.stdin); \
+		assert 'MPIX_Query_cuda_support() = 1' in facts['cuda_aware_mpi_how'], facts; \
+		print(facts['mpi_library'], '|', facts['cuda_aware_mpi'], '|', facts['cuda_aware_mpi_how'])"
+	$(CUDA_MPI_ENV) $(PY) -m pytest tests/test_point_to_point.py tests/test_collectives.py -k 'not never_joins' $(PYTEST_ARGS)
+
 # The documentation site (mkdocs.yml, docs/) built into site/, in a venv of its own (the build
 # needs neither torch nor MPI). --strict turns every warning (a broken link or anchor, a page
 # left out of the nav) into a failure.
