@@ -98,7 +98,7 @@ GPU_PYTHON_VERSION ?= 3.12
 GPU_PLATFORMS ?= manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_5_x86_64 manylinux1_x86_64
 
 gpu-check:
-	$(GPU_PYTHON) benchmarks/gpu_check.py --wheels $(GPU_WHEELS) $(if $(filter-out 0,$(GPU_DRY_RUN)),--dry-run) $(GPU_CHECK_ARGS)
+	$(GPU_PYTHON) benchmarks/gpu_check.py --wheels $(GPU_WHEELS) --cuda-mpi $(CUDA_MPI) $(if $(filter-out 0,$(GPU_DRY_RUN)),--dry-run) $(GPU_CHECK_ARGS)
 
 gpu-wheels:
 	$(GPU_PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --implementation cp \

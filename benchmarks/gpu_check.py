@@ -9,12 +9,16 @@ One command, in this order (docs/gpu.md):
   2. the wheels of benchmarks/gpu-wheels.txt that this Python lacks, installed from the wheels
      folder (`make gpu-wheels`) into build/gpu-site, without touching the Python's own packages;
   3. mpidist._C built with CUDA for this GPU's architecture only (CPU-only, or as built, in a dry run);
-  4. the CUDA tests of tests/ (kernels against torch, host staging, Adasum) in one pytest run;
-  5. real mpirun launches of 2 and 4 ranks sharing the GPU (benchmarks/gpu_check_ranks.py): every
+  4. where the MPI library is not CUDA-aware, the CUDA-aware Open MPI carried with the tree
+     (`make cuda-mpi`, .cuda-mpi) takes its place, launcher included, for every later step; where
+     the library is CUDA-aware, a device-to-device send and receive through it must deliver the
+     bytes sent (mpidist's own probe, mpidist/runtime/cuda_aware.py);
+  5. the CUDA tests of tests/ (kernels against torch, host staging, Adasum) in one pytest run;
+  6. real mpirun launches of 2 and 4 ranks sharing the GPU (benchmarks/gpu_check_ranks.py): every
      all-reduce algorithm, broadcast, allgather and reduce_scatter on torch and CuPy GPU arrays,
      through host staging and, where `mpidist info` reports a CUDA-aware MPI, straight from GPU
      memory; DataParallel, Pipeline and ParameterServer on a CUDA module against CPU training;
-  6. benchmarks/kernels.py --device cuda, 1 MiB to 1 GiB, against the device-to-device copy and
+  7. benchmarks/kernels.py --device cuda, 1 MiB to 1 GiB, against the device-to-device copy and
      torch's own ops, and the targets: reduce and reduce_scale reach 0.8 of the copy's bandwidth
      from 64 MiB on (float32, bfloat16), and bfloat16 reduce is at least as fast as torch's add_.
 
@@ -41,6 +45,7 @@ import time
 import xml.etree.ElementTree as ElementTree
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CUDA_MPI = os.path.join(REPO, ".cuda-mpi")  # `make cuda-mpi` builds it
 WHEEL_LIST = os.path.join(REPO, "benchmarks", "gpu-wheels.txt")
 SITE = os.path.join(REPO, "build", "gpu-site")
 MIB = 1 << 20
@@ -66,8 +71,10 @@ class Step:
 class GpuCheck:
     """One run: its settings, the facts it learned, its steps and its log."""
 
-    def __init__(self, out: str, wheels: str, dry_run: bool, require_targets: bool = False):
+    def __init__(self, out: str, wheels: str, dry_run: bool, require_targets: bool = False, cuda_mpi: str = CUDA_MPI):
         self.out, self.wheels, self.dry_run, self.require_targets = out, wheels, dry_run, require_targets
+        self.cuda_mpi = cuda_mpi  # the carried CUDA-aware Open MPI, used where the machine's is not
+        self.carried = False  # whether it is in use
         self.device = "cpu" if dry_run else "cuda"
         self.steps: list[Step] = []
         self.facts: dict = {}
@@ -93,6 +100,16 @@ class GpuCheck:
         if self.mpi_prefix:
             env["PATH"] = os.path.join(self.mpi_prefix, "bin") + os.pathsep + env.get("PATH", "")
             env["MPI4PY_LIBMPI"] = os.path.join(self.mpi_prefix, "lib")
+        if self.carried:
+            # Open MPI finds its components and help files under OPAL_PREFIX; its libraries, and
+            # mpi4py's libmpi, come from the carried tree before the machine's own.
+            lib = os.path.join(self.cuda_mpi, "lib")
+            env["PATH"] = os.path.join(self.cuda_mpi, "bin") + os.pathsep + env.get("PATH", "")
+            env["LD_LIBRARY_PATH"] = os.pathsep.join([lib] + [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p])
+            env["OPAL_PREFIX"] = self.cuda_mpi
+            env["MPI4PY_LIBMPI"] = lib
+            if self.dry_run:  # no CUDA driver: Open MPI's banner saying so is expected
+                env["OMPI_MCA_opal_warn_on_missing_libcuda"] = "0"
         env.setdefault("HOME", tempfile.gettempdir())  # Open MPI will not start without one
         if os.geteuid() == 0:  # Open MPI refuses root unless told
             env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
@@ -285,7 +302,44 @@ class GpuCheck:
             return "failed", f"mpidist info failed: {tail(result)}"
         info = json.loads(result.stdout[result.stdout.index("{"):])
         self.facts["mpidist_info"] = info
-        return "passed", f"cuda_aware_mpi={info['cuda_aware_mpi']}, mpi library {info['mpi_library']}"
+        return "passed", (f"cuda_aware_mpi={info['cuda_aware_mpi']} ({info.get('cuda_aware_mpi_how', '-')}), "
+                          f"mpi library {info['mpi_library']}")
+
+    def carried_mpi(self):
+        """Where the library is not CUDA-aware: the carried CUDA-aware Open MPI instead, its
+        launcher and what mpidist detects in it."""
+        if self.facts.get("mpidist_info", {}).get("cuda_aware_mpi"):
+            return "skipped", "the machine's MPI library is CUDA-aware"
+        if not os.path.exists(os.path.join(self.cuda_mpi, "bin", "mpirun")):
+            return "skipped", f"no carried MPI in {self.cuda_mpi} (`make cuda-mpi` builds it)"
+        self.carried = True
+        self.facts["mpi_carried"] = self.cuda_mpi
+        status, detail = self.mpi()
+        if status != "passed":
+            return status, f"the carried MPI in {self.cuda_mpi}: {detail}"
+        status, detail = self.info()
+        if status != "passed":
+            return status, f"the carried MPI in {self.cuda_mpi}: {detail}"
+        if self.dry_run:
+            # Without a CUDA driver Open MPI turns its CUDA support off: built with it is what counts.
+            built = "MPIX_Query_cuda_support() = 1" in self.facts["mpidist_info"].get("cuda_aware_mpi_how", "")
+            return ("passed" if built else "failed"), f"{self.cuda_mpi} (dry run: the launch uses it): {detail}"
+        if not self.facts["mpidist_info"]["cuda_aware_mpi"]:
+            return "failed", f"the carried MPI in {self.cuda_mpi} is not CUDA-aware: {detail}"
+        return "passed", f"{self.cuda_mpi}: {detail}"
+
+    def probe(self):
+        """mpidist's probe of a CUDA-aware library: a device-to-device send and receive."""
+        if not self.facts.get("mpidist_info", {}).get("cuda_aware_mpi"):
+            return "skipped", "the MPI library is not CUDA-aware"
+        if self.dry_run:
+            return "skipped", "no GPU to probe"
+        result = self.python("import json; from mpidist.runtime.cuda_aware import probe; print(json.dumps(probe(0)))",
+                             timeout=180, env=self.env(MPIDIST_CUDA_AWARE=None))
+        if result.returncode != 0:
+            return "failed", f"the probe did not run: {tail(result)}"
+        failure = json.loads(result.stdout.strip().splitlines()[-1])
+        return ("failed", failure) if failure else ("passed", "the bytes sent from GPU memory arrived intact")
 
     # ---- 5. the CUDA tests --------------------------------------------------------------------
 
@@ -373,6 +427,8 @@ class GpuCheck:
         if built.status == "failed":
             return self.finish()
         self.step("mpidist info", self.info)
+        self.step("CUDA-aware MPI carried with the tree", self.carried_mpi)
+        self.step("CUDA-aware MPI probe: a device-to-device send and receive", self.probe)
         self.step("CUDA tests of tests/", self.cuda_tests)
         if self.launcher is None:
             self.steps.append(Step("multi-rank checks", "failed", "no launcher for the MPI library (see above)"))
@@ -660,9 +716,10 @@ def summary_markdown(results: dict) -> str:
              f"| CuPy | {facts.get('cupy', '-')} |",
              f"| Python | {facts.get('python', '-')} |",
              f"| MPI library | {facts.get('mpi_library', '-')} (mpi4py {facts.get('mpi4py', '-')}"
-             f"{', from ' + facts['mpi_installed_from_wheel'] if facts.get('mpi_installed_from_wheel') else ''}) |",
+             f"{', from ' + facts['mpi_installed_from_wheel'] if facts.get('mpi_installed_from_wheel') else ''}"
+             f"{', carried in ' + facts['mpi_carried'] if facts.get('mpi_carried') else ''}) |",
              f"| launcher | {facts.get('launcher', '-')} N |",
-             f"| CUDA-aware MPI | {info.get('cuda_aware_mpi', '-')} |", "",
+             f"| CUDA-aware MPI | {info.get('cuda_aware_mpi', '-')} ({info.get('cuda_aware_mpi_how', '-')}) |", "",
              "## Checks", "", "| step | result | seconds | detail |", "| --- | --- | --- | --- |"]
     for step in results["steps"]:
         detail = step["detail"].replace("|", "/").replace("\n", " ")
@@ -706,9 +763,11 @@ def main(argv=None) -> int:
     parser.add_argument("--wheels", default=os.path.join(REPO, "build", "gpu-wheels"),
                         help="folder of the wheels of benchmarks/gpu-wheels.txt (`make gpu-wheels`)")
     parser.add_argument("--require-targets", action="store_true", help="a missed speed target fails the run too")
+    parser.add_argument("--cuda-mpi", default=CUDA_MPI,
+                        help="the CUDA-aware Open MPI to use where the machine's is not (`make cuda-mpi`)")
     args = parser.parse_args(argv)
     check = GpuCheck(os.path.abspath(args.out or default_out(args.dry_run)), os.path.abspath(args.wheels),
-                     args.dry_run, args.require_targets)
+                     args.dry_run, args.require_targets, os.path.abspath(args.cuda_mpi))
     return check.run()
 
 

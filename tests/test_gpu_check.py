@@ -175,3 +175,21 @@ def test_wheel_list_and_launchers():
     assert prefix == ["/usr/bin/mpiexec", "-n"]
     assert gpu_check.pytest_mpi_options(prefix) == ["-o", "mpi_executable=/usr/bin/mpiexec", "-o",
                                                     "mpi_command_line_args=", "-o", "mpi_option_for_processes=-n"]
+
+
+def test_the_carried_mpi_stands_in_only_for_a_library_that_is_not_cuda_aware(tmp_path, monkeypatch):
+    tree = tmp_path / "cuda-mpi"
+    check = gpu_check.GpuCheck(str(tmp_path / "out"), str(tmp_path / "wheels"), dry_run=False, cuda_mpi=str(tree))
+    check.facts["mpidist_info"] = {"cuda_aware_mpi": True}
+    assert check.carried_mpi() == ("skipped", "the machine's MPI library is CUDA-aware")
+    check.facts["mpidist_info"] = {"cuda_aware_mpi": False}
+    status, detail = check.carried_mpi()
+    assert status == "skipped" and "make cuda-mpi" in detail and not check.carried
+    assert check.probe() == ("skipped", "the MPI library is not CUDA-aware")
+    # In use, the carried tree comes first: its launcher, its libraries (also for mpi4py), its components.
+    check.carried = True
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/usr/lib/elsewhere")
+    env = check.env()
+    assert env["PATH"].split(os.pathsep)[0] == str(tree / "bin")
+    assert env["LD_LIBRARY_PATH"] == os.pathsep.join([str(tree / "lib"), "/usr/lib/elsewhere"])
+    assert env["OPAL_PREFIX"] == str(tree) and env["MPI4PY_LIBMPI"] == str(tree / "lib")
