@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from conftest import make_array, raw_bytes, to_float64
 from mpi4py import MPI
-from test_collectives import FLOAT_DTYPES, INT_DTYPES, OPS, rank_values, reference, size_classes, tolerance
+from test_collectives import FLOAT_DTYPES, INT_DTYPES, OPS, rank_values, size_classes
+from tolerances import reduction_bound, reduction_reference
 
 import mpidist as md
 from mpidist.collectives import hierarchical
@@ -26,9 +27,9 @@ def check(comm, dtype, op, count, kind, seed=0):
     inputs = [rank_values(seed, k, count, dtype, op) for k in range(p)]
     array = make_array(kind, inputs[r], dtype)
     assert comm.allreduce(array, op=op, algorithm="hierarchical") is array
-    error = np.abs(to_float64(array) - reference(inputs, op))
+    error = np.abs(to_float64(array) - reduction_reference(inputs, op))
     where = f"hierarchical {dtype} {op} n={count} p={p} nodes={comm.num_nodes}"
-    assert (error <= tolerance(inputs, op, dtype)).all(), f"{where}: error {error.max()}"
+    assert (error <= reduction_bound(inputs, op, dtype)).all(), f"{where}: error {error.max()}"
     everyone = comm.mpi.allgather(raw_bytes(array))
     assert all(b == everyone[0] for b in everyone), f"{where}: ranks differ"
     return array
@@ -130,5 +131,5 @@ def test_back_to_back_calls_of_changing_sizes(mpi_ranks, comm, monkeypatch):
     # Back to back, for the same reason: each result is checked afterwards.
     results = [comm.allreduce(values[comm.rank].astype(np.float32), algorithm="hierarchical") for values in inputs]
     for call, (values, result) in enumerate(zip(inputs, results)):
-        error = np.abs(result.astype(np.float64) - reference(values, "sum"))
-        assert (error <= tolerance(values, "sum", "float32")).all(), f"call {call} (n={counts[call]}): {error.max()}"
+        error = np.abs(result.astype(np.float64) - reduction_reference(values, "sum"))
+        assert (error <= reduction_bound(values, "sum", "float32")).all(), f"call {call} (n={counts[call]}): {error.max()}"

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_array, raw_bytes, to_float64
-from test_collectives import FLOAT_DTYPES, INT_DTYPES, OPS, rank_values, reference, tolerance
+from test_collectives import FLOAT_DTYPES, INT_DTYPES, OPS, rank_values
+from tolerances import reduction_bound, reduction_reference
 
 import mpidist as md
 from mpidist.collectives.polled import OWN_CORE_YIELD_SECONDS, YIELD_SECONDS, NodeSlots, yield_seconds
@@ -59,8 +60,8 @@ def test_polled_buckets_match_reference(own_comm, results_in_slots, dtype):
             flats = in_slot
         for index, flat in enumerate(flats):
             where = f"polled {dtype} {op} bucket {index} p={p} results_in_slots={results_in_slots}"
-            error = np.abs(to_float64(flat) - reference(inputs[index], op))
-            assert (error <= tolerance(inputs[index], op, dtype)).all(), f"{where}: error {error.max()}"
+            error = np.abs(to_float64(flat) - reduction_reference(inputs[index], op))
+            assert (error <= reduction_bound(inputs[index], op, dtype)).all(), f"{where}: error {error.max()}"
             everyone = comm.mpi.allgather(raw_bytes(flat))
             assert all(b == everyone[0] for b in everyone), f"{where}: ranks differ"
     slots.free()
