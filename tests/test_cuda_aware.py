@@ -153,6 +153,12 @@ def test_verdict_of_the_probe():
     assert verdict(0, "", "") is not None  # the child must say "intact"
 
 
+def test_verdict_of_a_child_that_really_crashes():
+    # What a library that dereferences a device pointer in host code does: the child dies of SIGSEGV.
+    child = subprocess.run([sys.executable, "-c", "import ctypes; ctypes.string_at(0)"], capture_output=True, text=True)
+    assert "crashed (SIGSEGV)" in verdict(child.returncode, child.stdout, child.stderr)
+
+
 def test_the_probe_s_child_starts_mpi_on_its_own():
     environ = {"PATH": "/usr/bin", "OPAL_PREFIX": "/opt/ompi", "PMIX_RANK": "1", "PMI_FD": "5",
                "OMPI_COMM_WORLD_RANK": "1", "OMPI_MCA_ess_base_vpid": "1", "OMPI_MCA_orte_hnp_uri": "x",
