@@ -210,14 +210,15 @@ def library_support() -> CudaSupport:
     if forced is not None:
         return CudaSupport(forced, f"MPIDIST_CUDA_AWARE={os.environ['MPIDIST_CUDA_AWARE'].strip()}")
     MPI = load_mpi()
+    loaded = loaded_libraries()
     handles = []
     # libopen-pal: Open MPI 4's run-time switch of its CUDA support
-    for path in loaded_mpi_libraries() + [p for p in loaded_libraries() if os.path.basename(p).startswith("libopen-pal")]:
+    for path in loaded_mpi_libraries() + [p for p in loaded if os.path.basename(p).startswith("libopen-pal")]:
         try:
             handles.append(ctypes.CDLL(path))
         except OSError:
             continue
-    return detect(MPI.Get_library_version(), handles, loaded_libraries(), os.environ)
+    return detect(MPI.Get_library_version(), handles, loaded, os.environ)
 
 
 def mpi_library_cuda_aware(probe_device: int = 0) -> bool:
@@ -286,18 +287,33 @@ def verdict(returncode, stdout: str, stderr: str) -> str | None:
             f"two GPU buffers {what}; {WAY_OUT}")
 
 
-def _probe_child(device: int) -> None:
-    """The probe's child: start MPI, send PROBE_BYTES between two GPU buffers on COMM_SELF,
-    print "intact" or where the bytes differ."""
-    import torch
+def _device_buffers(device: int):
+    """Two GPU buffers of PROBE_BYTES's length on GPU `device`, the first holding PROBE_BYTES,
+    made by torch or, where it is missing, CuPy; and a function that reads one back as bytes."""
+    try:
+        import torch
+    except ImportError:
+        import cupy
+        import numpy
 
-    MPI = load_mpi()
+        with cupy.cuda.Device(device):
+            sent = cupy.asarray(numpy.frombuffer(PROBE_BYTES, dtype=numpy.uint8))
+            received = cupy.zeros_like(sent)
+        cupy.cuda.Device(device).synchronize()
+        return sent, received, lambda array: bytes(cupy.asnumpy(array).tobytes())
     sent = torch.tensor(list(PROBE_BYTES), dtype=torch.uint8, device=f"cuda:{device}")
     received = torch.zeros_like(sent)
     torch.cuda.synchronize(device)
+    return sent, received, lambda array: bytes(array.cpu().numpy().tobytes())
+
+
+def _probe_child(device: int) -> None:
+    """The probe's child: start MPI, send PROBE_BYTES between two GPU buffers on COMM_SELF,
+    print "intact" or where the bytes differ."""
+    MPI = load_mpi()
+    sent, received, read = _device_buffers(device)
     MPI.COMM_SELF.Sendrecv(sent, dest=0, recvbuf=received, source=0)
-    torch.cuda.synchronize(device)
-    got = bytes(received.cpu().numpy().tobytes())
+    got = read(received)  # the copy to the host waits for the receive's device work
     if got == PROBE_BYTES:
         print("intact")
     else:
