@@ -1,4 +1,4 @@
-"""ParameterServer when a rank dies (parallel/ps_survival.py): one job of 8 ranks under
+"""ParameterServer when a rank dies (parallel/ps/survival.py): one job of 8 ranks under
 `mpirun --with-ft ulfm` runs eight parameter servers one after another, each on its own
 communicator of ranks still alive, and in seven of them a rank kills itself with SIGKILL:
 

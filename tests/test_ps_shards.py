@@ -1,11 +1,11 @@
-"""A server's own range of the parameters (ps_shards.OwnedRange) against the user's optimizer
+"""A server's own range of the parameters (ps.shards.OwnedRange) against the user's optimizer
 stepping the whole tensors in one process: the same rows, bit for bit, with state the optimizer
 had before (a resumed one), learning rates a scheduler changes between updates, and the
 staleness scale of one update; a sparse table's rows the same way, with their state alone."""
 import pytest
 import torch
 
-from mpidist.parallel.ps_shards import OwnedRange
+from mpidist.parallel.ps.shards import OwnedRange
 
 SHAPES = [(4, 3), (5,), (3, 2)]  # 23 elements; the range below cuts the first two tensors' rows
 

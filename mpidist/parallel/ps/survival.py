@@ -1,4 +1,4 @@
-"""What a parameter server (ps.py) does when one of its ranks dies, under the MPI library's fault
+"""What a parameter server does when one of its ranks dies, under the MPI library's fault
 tolerance (ULFM: `mpirun --with-ft ulfm`; runtime/mpi.py says whether it is on).
 
 A worker's death reaches the coordinating server as MPI_ERR_PROC_FAILED on the receive it keeps
@@ -33,8 +33,8 @@ import functools
 import sys
 import time
 
-from ..errors import RankDiedError
-from ..runtime.mpi import failed_ranks, fault_tolerant, is_process_failure
+from ...errors import RankDiedError
+from ...runtime.mpi import failed_ranks, fault_tolerant, is_process_failure
 
 # How long a rank whose call failed on a revoked communicator waits to hear which rank died.
 NAMING_SECONDS = 5.0
@@ -93,7 +93,7 @@ def wait_last_sends(ps, sends: list) -> None:
     gone = set()
     for outgoing in sends:
         try:
-            outgoing.wait(ps._who, f"the message sent to rank {outgoing.dest}", f"rank {outgoing.dest}")
+            outgoing.wait(ps.who, f"the message sent to rank {outgoing.dest}", f"rank {outgoing.dest}")
         except Exception as error:
             if outgoing.dest in ps.servers or ps.mpi.Is_revoked() or \
                     not (fault_tolerant() and is_process_failure(error, [ps.mpi])):
@@ -170,6 +170,6 @@ def ending(ps) -> RankDiedError:
             "servers could not drop it together"
     else:
         named, why = "a rank (which one could not be learnt)", "the parameter server's communicator was revoked"
-    return RankDiedError(f"{ps._who}: {named} died, and the parameter server cannot go on without "
+    return RankDiedError(f"{ps.who}: {named} died, and the parameter server cannot go on without "
                          f"{'them' if len(servers or dead) > 1 else 'it'}: {why}. It ends here; `mpidist train "
                          "--resume` continues from the newest checkpoint", ranks=dead)

@@ -9,8 +9,8 @@ import dataclasses
 
 import torch
 
-from ..errors import InvalidArgumentError
-from .ps_shards import optimizer_like
+from ...errors import InvalidArgumentError
+from .shards import optimizer_like
 
 EMBEDDINGS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 

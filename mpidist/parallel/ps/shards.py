@@ -12,7 +12,7 @@ import zlib
 
 import torch
 
-from ..errors import InvalidArgumentError
+from ...errors import InvalidArgumentError
 
 
 def row_boundaries(shapes) -> list:

@@ -1,0 +1,88 @@
+"""A parameter server's weights and optimizer state between its servers: each server's part
+gathered on the coordinator for a checkpoint (gather_state), and every server's range shared
+with the others at the end, so that every server ends with the whole model.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from ...runtime import wire
+from . import shards
+from .protocol import Tag, text, words
+from .server import load, receive_from_server, send_table_ranges
+
+
+def share_final_weights(ps) -> list:
+    """Every server sends its range of the final weights to the others and takes theirs."""
+    if len(ps.servers) == 1:
+        return []
+    start, end = ps.own_range
+    weights = torch.empty(ps.numel, dtype=ps.dtype)
+    weights[start:end] = ps.server_role.owned.weights()
+    others = [s for s in ps.servers if s != ps.comm.rank]
+    sends = [wire.send(ps.mpi, weights[start:end], other, Tag.SHARE) for other in others]
+    for other in others:
+        sends += send_table_ranges(ps, other, Tag.SHARE)
+    for index, (other, (low, high)) in enumerate(zip(ps.servers, ps.ranges)):
+        if other != ps.comm.rank:
+            what = f"the final weights of server {other}"
+            weights[low:high], _ = receive_from_server(ps, other, Tag.SHARE, what)
+            for table in ps.tables:
+                rows, _ = receive_from_server(ps, other, Tag.SHARE, what)
+                with torch.no_grad():
+                    table.weight[slice(*table.row_range(index))] = rows.to(table.weight.device)
+    load(ps, weights)
+    return sends
+
+
+def gather(ps, weights: bool) -> list:
+    """The optimizers' state (and, with `weights`, the weights) of every server on the
+    coordinator: another server starts sending its part and returns the sends."""
+    if len(ps.servers) == 1:
+        return []
+    if ps.comm.rank != ps.server:
+        return send_part(ps, weights)
+    pieces = ps.server_role.owned.state_pieces()
+    flat = torch.empty(ps.numel, dtype=ps.dtype)
+    if weights:
+        flat[slice(*ps.own_range)] = ps.server_role.owned.weights()
+    for other, (low, high) in zip(ps.servers[1:], ps.ranges[1:]):
+        what = f"the state of server {other}"
+        if weights:
+            flat[low:high], _ = receive_from_server(ps, other, Tag.STATE, what)
+            for table in ps.tables:
+                rows, _ = receive_from_server(ps, other, Tag.STATE, what)
+                with torch.no_grad():
+                    table.weight[slice(*table.row_range(ps.servers.index(other)))] = rows.to(table.weight.device)
+        said, _ = receive_from_server(ps, other, Tag.STATE, what)
+        contents = json.loads(text(said))
+        count = sum(spread is not None for *_, named in contents for spread, _ in named.values())
+        tensors = [receive_from_server(ps, other, Tag.STATE, what)[0] for _ in range(count)]
+        pieces += [(optimizer, position, tuple(span),
+                    {name: (bool(spread), value if spread is None else tensors[value])
+                     for name, (spread, value) in named.items()})
+                   for optimizer, position, span, named in contents]
+    if weights:
+        load(ps, flat)
+    shards.assemble_state(ps.optimizers, pieces)
+    return []
+
+
+def send_part(ps, weights: bool) -> list:
+    """Start sending this server's part of the state to the coordinator: the weights of its
+    range (with `weights`), a JSON list of its optimizers' state pieces, then their tensors."""
+    index = ps.servers.index(ps.comm.rank)
+    owned = ps.server_role.owned
+    parts = [owned.weights()] + [table.weight.detach()[slice(*table.row_range(index))].clone()
+                                 for table in ps.tables] if weights else []
+    contents, tensors = [], []
+    for optimizer, position, span, state in owned.state_pieces():
+        named = {}
+        for name, (spread, value) in state.items():
+            named[name] = [spread, len(tensors)] if torch.is_tensor(value) else [None, value]
+            if torch.is_tensor(value):
+                tensors.append(value)
+        contents.append([optimizer, position, list(span), named])
+    return [wire.send(ps.mpi, part, ps.server, Tag.STATE) for part in [*parts, words(json.dumps(contents)), *tensors]]
