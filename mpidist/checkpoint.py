@@ -20,10 +20,13 @@ With a communicator, ``save_checkpoint`` is collective: rank 0 writes the model,
 sampler (identical on every data-parallel rank) and every rank's RNG state, which it gathers,
 so each rank resumes its own dropout stream. Modes where ranks hold different models
 (pipeline stages, parameter servers) save one file per rank with ``comm=None``.
+BackgroundCheckpoints writes them from a thread of its own, from copies taken when asked.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import copy
 import json
 import os
 import random
@@ -572,3 +575,39 @@ def _load_part(path, part: str, target, state) -> None:
     except (RuntimeError, ValueError, KeyError, TypeError) as exc:
         reason = " ".join(str(exc).split())
         raise CheckpointError(f"{path}: its {part} state does not fit this {part} ({reason})") from exc
+
+
+class BackgroundCheckpoints:
+    """Checkpoints written by a thread of their own from copies of the weights and the optimizer
+    state, so that the parameter server goes on answering its workers while a file is written.
+    One write at a time, in order; a failed write raises at the next save() or at close()."""
+
+    def __init__(self):
+        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpidist-checkpoint")
+        self._pending = None
+
+    def save(self, path, model, optimizer, **fields) -> None:
+        snapshot = (_Snapshot(copy.deepcopy(model.state_dict())), _Snapshot(copy.deepcopy(optimizer.state_dict())))
+        self._finish_pending()
+        self._pending = self._writer.submit(save_checkpoint, path, *snapshot, **fields)
+
+    def close(self) -> None:
+        try:
+            self._finish_pending()
+        finally:
+            self._writer.shutdown()
+
+    def _finish_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()  # the earlier write's error, if any, is this rank's now
+
+
+class _Snapshot:
+    """Something with the state_dict() save_checkpoint asks for: a copy taken earlier."""
+
+    def __init__(self, state):
+        self._state = state
+
+    def state_dict(self):
+        return self._state

@@ -34,25 +34,24 @@ at the end.
 --model embedding trains with Adagrad (the MLP with SGD and momentum) in --mode data, ddp and
 ps; under --mode data and ddp its table's gradient is dense (all-reduced whole), under --mode ps the table
 has sparse gradients and each worker pulls the rows of its batch before the forward pass.
+
+Every mode trains in one loop (run_epochs) and plugs into it a Mode (training.py): how a step
+runs, what a stop signal's step and an epoch's end do (the mode's checkpoints), what the
+progress shows; --mode ps's and pipeline's are in train_ps.py and train_pipeline.py.
 """
 from __future__ import annotations
 
-import concurrent.futures
-import copy
 import os
-import sys
 import time
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 import mpidist as md
 
 from . import clicks
 from .checkpoint import (
     CHECKPOINT_NAME,
-    CheckpointError,
     checkpoint_path,
     latest_checkpoint,
     load_checkpoint,
@@ -63,10 +62,9 @@ from .checkpoint import (
 from .data import DataFileError, HDF5Dataset, ShardedSampler, ensure_digits
 from .errors import InvalidArgumentError, MpidistError
 from .stopping import GracefulStop
-
-# The first words of the line `mpidist train` prints when a stop signal ended it early (slurm/train.sbatch
-# looks for them to requeue the job).
-STOPPED_EARLY = "mpidist train: stopped early"
+from .train_pipeline import PipelineMode, common_checkpoint
+from .train_ps import WorkerMode, say_what_survives, serve_and_checkpoint
+from .training import Mode, nothing_to_resume, progress, stopped_line
 
 
 def build_model(hidden: int = 128) -> torch.nn.Module:
@@ -116,40 +114,6 @@ def shard_loader(train_set, shard: int, shards: int, args):
     return sampler, loader
 
 
-class ProgressLines:
-    """Progress for output that is not a terminal (a batch job's log): a plain line every
-    `seconds`, with the steps done and the latest values, in place of tqdm's bar. The bar redraws
-    itself after a carriage return, which in a file makes one line of every redraw of an epoch."""
-
-    def __init__(self, total: int, desc: str, seconds: float):
-        self.total, self.desc, self.seconds = total, desc, seconds
-        self.done, self.values = 0, {}
-        self.last = time.monotonic()
-
-    def set_postfix(self, **values) -> None:
-        self.values = values
-
-    def update(self, steps: int = 1) -> None:
-        self.done += steps
-        now = time.monotonic()
-        if now - self.last >= self.seconds:
-            self.last = now
-            values = "".join(f", {name} {value}" for name, value in self.values.items())
-            print(f"{self.desc}: step {self.done}/{self.total}{values}", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        pass
-
-
-def progress(args, total: int, desc: str, shown: bool):
-    """What shows an epoch's progress on this rank (`shown`, unless --no-progress): tqdm's bar on
-    a terminal, elsewhere a plain line every --progress-seconds (ProgressLines)."""
-    shown = shown and not args.no_progress
-    if shown and not sys.stderr.isatty():
-        return ProgressLines(total, desc, args.progress_seconds)
-    return tqdm(total=total, desc=desc, disable=not shown, leave=True)
-
-
 def train_batch(model, optimizer, apply, x, y):
     """Forward, loss and backward of one batch, then `apply` (the optimizer's step, or the
     parameter server's). Returns the output and the loss."""
@@ -169,6 +133,35 @@ def evaluate(model, dataset) -> float:
         correct = (predictions == torch.as_tensor(y)).sum().item()
     model.train()
     return correct / len(y)
+
+
+def run_epochs(args, mode: Mode, sampler, loader, start_epoch: int, step: int):
+    """The training loop of every mode: epochs of steps with a progress bar, from `start_epoch`
+    after `step` steps. Returns the steps taken in all, or None when a stop signal ended the run
+    (the mode has checkpointed)."""
+    for epoch in range(start_epoch, args.epochs):
+        sampler.set_epoch(epoch)
+        bar = progress(args, mode.batches(loader), f"epoch {epoch + 1}/{args.epochs} ({mode.who})", mode.shown)
+        seen, correct, loss_sum, started = 0, 0, 0.0, time.perf_counter()
+        for x, y in loader:
+            output, batch_loss = mode.run_step(x, y, train_batch)
+            step += 1
+            if mode.interrupted(step, epoch):
+                bar.close()
+                return None
+            seen += len(y)
+            loss_sum += batch_loss * len(y)
+            if output is not None:
+                correct += (output.argmax(dim=1) == y).sum().item()
+            bar.set_postfix(**mode.postfix(batch_loss, seen, correct, time.perf_counter() - started))
+            bar.update()
+            if mode.finished():
+                break
+        bar.close()
+        if mode.finished():
+            break
+        mode.end_epoch(epoch, step, (loss_sum, correct, seen), time.perf_counter() - started)
+    return step
 
 
 EMBEDDING_ROWS = 100_000  # --model embedding's table, unless --embedding-rows says otherwise
@@ -224,19 +217,6 @@ def cmd_train(args, stop: GracefulStop | None = None) -> int:
     return train_data_parallel(args, comm, train_set, test_set, items, say, stop)
 
 
-def nothing_to_resume(args, directory, say, which: str = "") -> None:
-    """--resume found no checkpoint in `directory` (every rank alike): an error, unless
-    --resume=auto, which starts from scratch. A mistyped --checkpoint-dir would otherwise throw
-    away the progress of the run it was to continue."""
-    if args.resume == "auto":
-        say(f"no checkpoint {which}in {directory}: starting from scratch (--resume=auto)", flush=True)
-        return
-    found = "does not exist" if not os.path.exists(directory) else f"holds no checkpoint {which}".rstrip()
-    raise on_every_rank(CheckpointError(
-        f"--resume: {directory} {found}; check --checkpoint-dir, or pass --resume=auto to start from scratch "
-        "when there is no checkpoint yet (the first run of a requeued job)"))
-
-
 def save_data_parallel(args, comm, model, optimizer, sampler, step: int, epoch: int) -> str:
     """Checkpoint of the data-parallel run after `step` steps, in epoch `epoch` (complete when
     the sampler has handed out all its indices)."""
@@ -244,6 +224,43 @@ def save_data_parallel(args, comm, model, optimizer, sampler, step: int, epoch: 
         optimizer.consolidate_state_dict(to=0)
     return save_checkpoint(checkpoint_path(args.checkpoint_dir, epoch, step), model, optimizer,
                            step=step, epoch=epoch, sampler=sampler, comm=comm)
+
+
+class DataParallelMode(Mode):
+    """--mode data and ddp: every rank steps alike; rank 0 shows its progress; a checkpoint every
+    epoch and at a stop signal's step."""
+
+    def __init__(self, args, comm, model, ddp, optimizer, sampler, say, stop):
+        self.args, self.comm, self.model, self.ddp, self.optimizer = args, comm, model, ddp, optimizer
+        self.sampler, self.say, self.stop = sampler, say, stop
+        self.shown = comm.rank == 0
+
+    def run_step(self, x, y, train_batch) -> tuple:
+        return train_batch(self.ddp, self.optimizer, self.optimizer.step, x, y)
+
+    def interrupted(self, step: int, epoch: int) -> bool:
+        if not self.stop.should_stop(self.comm):
+            return False
+        # The sampler has handed out exactly the indices of the steps taken (a DataLoader
+        # without workers), so --resume continues with the next batch of this epoch.
+        path = save_data_parallel(self.args, self.comm, self.model, self.optimizer, self.sampler, step, epoch)
+        self.say(f"{stopped_line(self.stop, step, epoch, self.args.epochs, path)}; --resume continues from it",
+                 flush=True)
+        self.stop.close()
+        return True
+
+    def postfix(self, loss: float, seen: int, correct: int, elapsed: float) -> dict:
+        # Every rank runs as many steps of equal batches, so this rank's count times the ranks is the job's.
+        return {"loss": f"{loss:.3f}", "acc": f"{correct / seen:.3f}",
+                "samples_per_s": f"{seen * self.comm.size / elapsed:.0f}"}
+
+    def end_epoch(self, epoch: int, step: int, counts: tuple, elapsed: float) -> None:
+        # The bar shows rank 0's own batches; the epoch's line sums every rank's.
+        totals = self.comm.allreduce(np.array(counts, dtype=np.float64))
+        self.say(f"epoch {epoch + 1}/{self.args.epochs}: loss {totals[0] / max(totals[2], 1):.4f}, train accuracy "
+                 f"{totals[1] / max(totals[2], 1):.4f} ({int(totals[2])} samples on {self.comm.size} ranks, "
+                 f"{totals[2] / elapsed:.0f} samples/s)", flush=True)
+        save_data_parallel(self.args, self.comm, self.model, self.optimizer, self.sampler, step, epoch + 1)
 
 
 def train_data_parallel(args, comm, train_set, test_set, items, say, stop) -> int:
@@ -274,40 +291,9 @@ def train_data_parallel(args, comm, train_set, test_set, items, say, stop) -> in
     elif os.path.isdir(args.checkpoint_dir) and any(map(CHECKPOINT_NAME.match, os.listdir(args.checkpoint_dir))):
         say(f"{args.checkpoint_dir} holds checkpoints of an earlier run: this run starts from scratch and "
             "writes its own beside them (--resume continues the newest)", flush=True)
-    for epoch in range(start_epoch, args.epochs):
-        sampler.set_epoch(epoch)
-        bar = progress(args, len(loader), f"epoch {epoch + 1}/{args.epochs} (rank 0)", comm.rank == 0)
-        seen, correct, loss_sum, started = 0, 0, 0.0, time.perf_counter()
-        for x, y in loader:
-            output, batch_loss = train_batch(ddp, optimizer, optimizer.step, x, y)
-            step += 1
-            if stop.should_stop(comm):
-                bar.close()
-                # The sampler has handed out exactly the indices of the steps taken (a DataLoader
-                # without workers), so --resume continues with the next batch of this epoch.
-                path = save_data_parallel(args, comm, model, optimizer, sampler, step, epoch)
-                say(f"{STOPPED_EARLY}: a stop signal ({stop.signalled or 'on another rank'}) came; every rank "
-                    f"stopped after step {step} (epoch {epoch + 1}/{args.epochs}); checkpoint {path}; --resume "
-                    "continues from it", flush=True)
-                stop.close()
-                return 0
-            seen += len(y)
-            loss_sum += batch_loss * len(y)
-            correct += (output.argmax(dim=1) == y).sum().item()
-            # Every rank runs as many steps of equal batches, so this rank's count times the
-            # ranks is the job's.
-            rate = seen * comm.size / (time.perf_counter() - started)
-            bar.set_postfix(loss=f"{batch_loss:.3f}", acc=f"{correct / seen:.3f}",
-                                 samples_per_s=f"{rate:.0f}")
-            bar.update()
-        bar.close()
-        # The bar shows rank 0's own batches; the epoch's line sums every rank's.
-        totals = comm.allreduce(np.array([loss_sum, correct, seen], dtype=np.float64))
-        elapsed = time.perf_counter() - started
-        say(f"epoch {epoch + 1}/{args.epochs}: loss {totals[0] / max(totals[2], 1):.4f}, train accuracy "
-            f"{totals[1] / max(totals[2], 1):.4f} ({int(totals[2])} samples on {comm.size} ranks, "
-            f"{totals[2] / elapsed:.0f} samples/s)", flush=True)
-        save_data_parallel(args, comm, model, optimizer, sampler, step, epoch + 1)
+    if run_epochs(args, DataParallelMode(args, comm, model, ddp, optimizer, sampler, say, stop), sampler, loader,
+                  start_epoch, step) is None:
+        return 0
     stop.close()
     accuracy = evaluate(model, test_set)
     say(f"final test accuracy: {accuracy:.4f} ({len(test_set)} test {items}, {comm.size} ranks)", flush=True)
@@ -364,42 +350,6 @@ def train_elastic(args, comm, train_set, test_set) -> int:
     return 0
 
 
-class BackgroundCheckpoints:
-    """Checkpoints written by a thread of their own from copies of the weights and the optimizer
-    state, so that the parameter server goes on answering its workers while a file is written.
-    One write at a time, in order; a failed write raises at the next save() or at close()."""
-
-    def __init__(self):
-        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpidist-checkpoint")
-        self._pending = None
-
-    def save(self, path, model, optimizer, **fields) -> None:
-        snapshot = (_Snapshot(copy.deepcopy(model.state_dict())), _Snapshot(copy.deepcopy(optimizer.state_dict())))
-        self._finish_pending()
-        self._pending = self._writer.submit(save_checkpoint, path, *snapshot, **fields)
-
-    def close(self) -> None:
-        try:
-            self._finish_pending()
-        finally:
-            self._writer.shutdown()
-
-    def _finish_pending(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()  # the earlier write's error, if any, is this rank's now
-
-
-class _Snapshot:
-    """Something with the state_dict() save_checkpoint asks for: a copy taken earlier."""
-
-    def __init__(self, state):
-        self._state = state
-
-    def state_dict(self):
-        return self._state
-
-
 def train_with_parameter_server(args, comm, train_set, test_set, items, say, stop) -> int:
     """--mode ps: rank 0 (ranks 0 .. k-1 with --servers k) applies the workers' gradients; each
     worker trains on its share of the data, at its own pace (no collective among workers while
@@ -438,73 +388,15 @@ def train_with_parameter_server(args, comm, train_set, test_set, items, say, sto
     ps = md.ParameterServer(model, optimizer, comm=comm, mode=mode, softsync=args.softsync,
                             max_staleness=args.max_staleness, staleness_lr=args.staleness_lr, version=version,
                             servers=servers)
-    started = time.perf_counter()
     if ps.is_server:
-        os.makedirs(directory, exist_ok=True)
-        checkpoints = BackgroundCheckpoints()
-
-        def save(write, version: int):
-            """The checkpoint of update `version`, which rank 0's model and optimizer hold, by `write`."""
-            return write(checkpoint_path(directory, version // len(loader), version), model, optimizer, step=version,
-                         epoch=version // len(loader),
-                         extra={"version": version, "applied": {str(w): n for w, n in applied.items()}})
-
-        def checkpoint(update):
-            for worker, _step, _version in update.gradients:
-                applied[worker] += 1
-            if stop.signalled:
-                ps.request_stop()  # on the coordinator, rank 0; the other servers leave it to it
-            if update.version % len(loader) == 0:
-                ps.gather_state()  # with several servers, onto rank 0, the coordinator
-                if comm.rank == 0:
-                    save(checkpoints.save, update.version)
-
-        try:
-            updates = ps.serve(on_update=checkpoint)
-        finally:
-            checkpoints.close()
-            stop.close()
-        gradients = sum(len(u.gradients) for u in updates)
-        staleness = [u.version - 1 - held for u in updates for _, _, held in u.gradients] or [0]
-        placement = f"{servers} servers, " if servers > 1 else ""
-        say(f"parameter server ({mode}, {placement}{len(ps.workers)} workers): {len(updates)} updates of "
-            f"{gradients} gradients in {time.perf_counter() - started:.1f} s; staleness mean "
-            f"{np.mean(staleness):.2f}, max {max(staleness)}", flush=True)
-        if ps.stopping:  # rank 0 (the coordinator), which holds the whole state since serve() ended
-            path = save(save_checkpoint, ps.version)
-            say(f"{STOPPED_EARLY}: a stop signal ({stop.signalled or 'on a worker'}) came; the workers stopped after "
-                f"update {ps.version} (gradients per worker {list(applied.values())}); checkpoint {path}; --resume "
-                "continues from it", flush=True)
+        if serve_and_checkpoint(args, comm, ps, model, optimizer, len(loader), applied, say, stop):
             return 0
-        if comm.rank == 0:
-            save_checkpoint(os.path.join(args.checkpoint_dir, "ps-final.h5"), model, optimizer, step=ps.version,
-                            epoch=args.epochs)
     else:
         # The sampler continues after the batches the weights already hold (it resumes mid-epoch).
         start_epoch, skip = divmod(applied[comm.rank], len(loader))
         sampler.set_epoch(start_epoch)
         sampler.load_state_dict(sampler.state_dict(consumed=skip * args.batch_size))
-        for epoch in range(start_epoch, args.epochs):
-            sampler.set_epoch(epoch)
-            batches = -(-sampler.remaining() // args.batch_size)
-            bar = progress(args, batches, f"epoch {epoch + 1}/{args.epochs} (chief, rank {comm.rank})", ps.is_chief)
-            seen, correct, epoch_started = 0, 0, time.perf_counter()
-            for x, y in loader:
-                if stop.signalled:
-                    ps.request_stop()  # goes with this step's gradient
-                if args.model == "embedding":
-                    ps.pull_rows(model.embedding, x)
-                output, batch_loss = train_batch(model, optimizer, ps.step, x, y)
-                seen += len(y)
-                correct += (output.argmax(dim=1) == y).sum().item()
-                bar.set_postfix(loss=f"{batch_loss:.3f}", acc=f"{correct / seen:.3f}",
-                                     own_samples_per_s=f"{seen / (time.perf_counter() - epoch_started):.0f}")
-                bar.update()
-                if ps.stopping:
-                    break
-            bar.close()
-            if ps.stopping:
-                break
+        run_epochs(args, WorkerMode(args, comm, ps, model, optimizer, sampler, stop), sampler, loader, start_epoch, 0)
         ps.close()
         stop.close()
     # Every rank now holds the final weights.
@@ -513,44 +405,6 @@ def train_with_parameter_server(args, comm, train_set, test_set, items, say, sto
     say(f"final test accuracy: {accuracy:.4f} ({len(test_set)} test {items}, parameter server and "
         f"{len(workers)} workers{died})", flush=True)
     return 0
-
-
-def say_what_survives(mode: str, servers: int, say) -> None:
-    """--elastic --mode ps: what a death does to this run, said at the start (with ULFM, whether
-    the mode survives a dead worker; without it, what a death loses)."""
-    from .runtime.mpi import fault_tolerance_missing
-    missing = fault_tolerance_missing()
-    newest = "--resume continues from the newest checkpoint in ps/" if servers == 1 else \
-        "with --servers > 1 there is no checkpoint on the way to resume from"
-    if missing is not None:
-        say(f"mpidist train --elastic: {missing}. A rank that dies ends the whole job, and what the servers applied "
-            f"since the newest checkpoint is lost ({newest})", flush=True)
-    elif mode == "sync":
-        say("mpidist train --elastic: plain sync mode waits for every worker: a worker that dies ends the job, as a "
-            f"server that dies does ({newest}); --ps-mode async or softsync go on without a dead worker", flush=True)
-    else:
-        say(f"mpidist train --elastic: a worker that dies is dropped and the others go on; a server that dies ends "
-            f"the job ({newest})", flush=True)
-
-
-def common_checkpoint(directory, comm):
-    """(epoch, step) of the newest checkpoint that every rank has in its own `directory`, or None
-    when a rank has none. Where ranks' newest differ (a job stopped while some ranks were writing
-    an epoch's files), the oldest of them, if every rank has it; otherwise every rank raises."""
-    latest = latest_checkpoint(directory)
-    match = CHECKPOINT_NAME.match(os.path.basename(latest)) if latest else None
-    mine = [int(match.group(1)), int(match.group(2))] if match else [-1, -1]
-    table = comm.allgather(np.array(mine, dtype=np.int64)).reshape(comm.size, 2)
-    if (table[:, 0] < 0).any():
-        return None
-    epoch, step = min(map(tuple, table.tolist()))
-    have = comm.allreduce(np.array([os.path.exists(checkpoint_path(directory, epoch, step))], dtype=np.int64),
-                          op="min")
-    if not have[0]:
-        newest = ", ".join(f"rank {r}: epoch {e}" for r, (e, _) in enumerate(table.tolist()))
-        raise CheckpointError(f"the ranks' newest pipeline checkpoints differ ({newest}) and not every rank has "
-                              f"epoch {epoch}'s; start again without --resume")
-    return epoch, step
 
 
 def train_with_pipeline(args, comm, train_set, test_set, say, stop) -> int:
@@ -576,43 +430,10 @@ def train_with_pipeline(args, comm, train_set, test_set, say, stop) -> int:
             step, start_epoch = state["step"], state["epoch"]
             say(f"resumed from {checkpoint_path(directory, *found)} and the other ranks' of epoch {start_epoch} "
                 f"(step {step})", flush=True)
-    for epoch in range(start_epoch, args.epochs):
-        sampler.set_epoch(epoch)
-        bar = progress(args, len(loader), f"epoch {epoch + 1}/{args.epochs} (rank 0)", comm.rank == 0)
-        seen, loss_sum, started = 0, 0.0, time.perf_counter()
-        for x, y in loader:
-            pipe.zero_grad()
-            loss = pipe.train_step(x, y)  # the batch's mean loss, on every rank
-            if optimizer is not None:
-                optimizer.step()
-            step += 1
-            if stop.should_stop(comm):
-                bar.close()
-                # As in --mode data, the sampler has handed out exactly the indices of the steps taken.
-                os.makedirs(directory, exist_ok=True)
-                path = save_checkpoint(checkpoint_path(directory, epoch, step), pipe, optimizer, step=step, epoch=epoch,
-                                       sampler=sampler)
-                say(f"{STOPPED_EARLY}: a stop signal ({stop.signalled or 'on another rank'}) came; every rank "
-                    f"stopped after step {step} (epoch {epoch + 1}/{args.epochs}); checkpoint {path} and the other "
-                    "ranks' of the same step; --resume continues from them", flush=True)
-                stop.close()
-                return 0
-            seen += len(y)
-            loss_sum += loss * len(y)
-            # Every replica runs as many steps of equal batches (ShardedSampler).
-            rate = seen * pipe.replicas / (time.perf_counter() - started)
-            bar.set_postfix(loss=f"{loss:.3f}", samples_per_s=f"{rate:.0f}")
-            bar.update()
-        bar.close()
-        # Each rank holds its replica's mean loss; every rank counts it once per stage.
-        loss_sum = comm.allreduce(np.array([loss_sum / pipe.stages]))[0]
-        seen *= pipe.replicas
-        say(f"epoch {epoch + 1}/{args.epochs}: loss {loss_sum / seen:.4f} ({seen} samples through "
-            f"{pipe.replicas} x {pipe.stages} stages, {seen / (time.perf_counter() - started):.0f} samples/s)",
-            flush=True)
-        os.makedirs(directory, exist_ok=True)
-        save_checkpoint(checkpoint_path(directory, epoch + 1, step), pipe, optimizer, step=step, epoch=epoch + 1,
-                        sampler=sampler)
+    step = run_epochs(args, PipelineMode(args, comm, pipe, optimizer, sampler, directory, say, stop), sampler,
+                      loader, start_epoch, step)
+    if step is None:
+        return 0
     stop.close()
     os.makedirs(args.checkpoint_dir, exist_ok=True)
     save_checkpoint(os.path.join(args.checkpoint_dir, f"pipeline-final-rank{comm.rank}.h5"), pipe, optimizer,

@@ -361,7 +361,7 @@ def test_a_collective_save_called_by_one_rank_fails_instead_of_hanging(tmp_path)
 
 
 def test_background_checkpoints_write_the_state_of_the_moment_they_were_asked(tmp_path):
-    from mpidist.train import BackgroundCheckpoints
+    from mpidist.checkpoint import BackgroundCheckpoints
     model = nn.Linear(300, 200)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(4, 300)).sum().backward()

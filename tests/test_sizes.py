@@ -11,9 +11,7 @@ PACKAGE = os.path.join(REPO, "mpidist")
 MODULE_LINES, FUNCTION_LINES = 500, 60
 # Still over the limits (paths relative to mpidist/; functions as path:name).
 EXCEEDING = {
-    "checkpoint.py", "train.py", "distributed/backend.py", "torch/mpi_ops.py",
-    "train.py:train_data_parallel", "train.py:train_with_parameter_server", "train.py:train_with_pipeline",
-    "parallel/reducer.py:__init__",
+    "checkpoint.py", "distributed/backend.py", "torch/mpi_ops.py", "parallel/reducer.py:__init__",
 }
 
 
