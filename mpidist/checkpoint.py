@@ -20,24 +20,24 @@ With a communicator, ``save_checkpoint`` is collective: rank 0 writes the model,
 sampler (identical on every data-parallel rank) and every rank's RNG state, which it gathers,
 so each rank resumes its own dropout stream. Modes where ranks hold different models
 (pipeline stages, parameter servers) save one file per rank with ``comm=None``.
-BackgroundCheckpoints writes them from a thread of its own, from copies taken when asked.
+BackgroundCheckpoints writes them from a thread of its own, from copies taken when asked. Files
+appear atomically (checkpoint_files.py); the ranks' RNG states are checkpoint_rng.py's.
 """
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import copy
 import json
 import os
-import random
 import re
-import socket
 import time
 import warnings
 from collections import OrderedDict
 
 import numpy as np
 
+from . import checkpoint_rng
+from .checkpoint_files import atomic_hdf5
 from .comm import is_initialized, world
 from .errors import MpidistError
 from .runtime.deadlines import wait_for_collective
@@ -55,81 +55,7 @@ class CheckpointError(MpidistError):
     """A checkpoint cannot be written or read (unsupported value, not a checkpoint, rank 0 failed)."""
 
 
-# ---- atomic files and rank 0 work ---------------------------------------------------------------
-
-TEMPORARY = re.compile(r"^(?P<target>.+)\.tmp-(?P<host>.+)-(?P<pid>\d+)$")
-
-
-@contextlib.contextmanager
-def atomic_hdf5(path):
-    """Yield an h5py.File that appears at ``path`` only once completely written and on disk.
-
-    The file is written to ``<path>.tmp-<host>-<pid>``, flushed, fsynced and renamed over
-    ``path`` (``os.replace`` is atomic), so a crash at any moment leaves either the old file or
-    the new one, never a torn one. On an error the temporary file is removed; one left by a
-    killed writer (its process on this host no longer exists) is removed by the next write into
-    the same directory.
-    """
-    import h5py
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    remove_stale_temporaries(directory)
-    tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"
-    try:
-        with h5py.File(tmp, "w") as f:
-            yield f
-            f.flush()
-        descriptor = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
-    _fsync_directory(directory)
-
-
-def remove_stale_temporaries(directory) -> list:
-    """Remove the temporary files of writes on this host whose process is gone (killed mid-write);
-    returns their paths. Files of other hosts, or of a process still running, are left alone."""
-    host, removed = socket.gethostname(), []
-    for name in os.listdir(directory):
-        match = TEMPORARY.match(name)
-        if match is None or match.group("host") != host or _process_exists(int(match.group("pid"))):
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(directory, name))
-            removed.append(os.path.join(directory, name))
-    return removed
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # somebody else's process
-        return True
-    return True
-
-
-def _fsync_directory(directory):
-    # The rename is durable only once the directory entry is on disk.
-    try:
-        descriptor = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass  # some file systems refuse fsync on directories
-    finally:
-        os.close(descriptor)
-
+# ---- rank 0 work ------------------------------------------------------------------------------
 
 def _mpi_comm(comm):
     """The mpi4py communicator behind an mpidist Communicator, an mpi4py communicator, or None."""
@@ -298,89 +224,6 @@ def _read_tree(group):
     return _decode(json.loads(group.attrs["tree"]), group)
 
 
-# ---- RNG states ---------------------------------------------------------------------------------
-
-def _rng_snapshot() -> dict:
-    import torch
-    name, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
-    version, internal, gauss_next = random.getstate()
-    cuda = []
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        cuda = [state.numpy() for state in torch.cuda.get_rng_state_all()]
-    return {
-        "torch_cpu": torch.get_rng_state().numpy(),
-        "torch_cuda": cuda,
-        "numpy": {"bit_generator": name, "keys": [int(k) for k in keys], "pos": int(position),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
-        "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
-    }
-
-
-def _pack_rng(snapshot) -> np.ndarray:
-    """One rank's RNG snapshot as bytes, to be gathered with a typed buffer (no pickle)."""
-    header = {"numpy": snapshot["numpy"], "python": snapshot["python"],
-              "torch_cpu": len(snapshot["torch_cpu"]), "torch_cuda": [len(s) for s in snapshot["torch_cuda"]]}
-    head = np.frombuffer(json.dumps(header).encode() + b"\n", dtype=np.uint8)
-    return np.concatenate([head, snapshot["torch_cpu"], *snapshot["torch_cuda"]]).astype(np.uint8)
-
-
-def _unpack_rng(blob: np.ndarray) -> dict:
-    raw = blob.tobytes()
-    end = raw.index(b"\n")
-    header = json.loads(raw[:end])
-    offset = end + 1
-    pieces = []
-    for length in [header["torch_cpu"], *header["torch_cuda"]]:
-        pieces.append(np.frombuffer(raw, dtype=np.uint8, count=length, offset=offset).copy())
-        offset += length
-    return {"numpy": header["numpy"], "python": header["python"], "torch_cpu": pieces[0], "torch_cuda": pieces[1:]}
-
-
-def _gather_rng(mpi):
-    """Every rank's RNG snapshot on rank 0 (a list by rank), None elsewhere."""
-    snapshot = _rng_snapshot()
-    if mpi is None:
-        return [snapshot]
-    from mpi4py import MPI  # here, not at import: importing mpi4py's MPI initializes MPI
-    blob = _pack_rng(snapshot)
-    lengths = np.zeros(mpi.Get_size(), dtype=np.int64)
-    # The first exchange of save_checkpoint: a rank that calls it alone (rank 0 only, as some
-    # Horovod scripts save) gets an error after MPIDIST_TIMEOUT instead of waiting forever. An
-    # allgather, not a gather: every rank waits here, with the stall report, until all have come.
-    wait_for_collective(mpi.Iallgather(np.array([blob.size], dtype=np.int64), lengths), mpi,
-                       "gather of save_checkpoint (every rank must call it when comm is given; with "
-                       "comm=None a rank saves alone)")
-    if mpi.Get_rank() != 0:
-        mpi.Gatherv(blob, None, root=0)
-        return None
-    received = np.empty(int(lengths.sum()), dtype=np.uint8)
-    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    mpi.Gatherv(blob, [received, lengths.tolist(), offsets.tolist(), MPI.BYTE], root=0)
-    return [_unpack_rng(received[start:start + length]) for start, length in zip(offsets, lengths)]
-
-
-def _write_rng(group, snapshot):
-    group.create_dataset("torch_cpu", data=snapshot["torch_cpu"])
-    for device, state in enumerate(snapshot["torch_cuda"]):
-        group.create_dataset(f"torch_cuda/{device}", data=state)
-    group.attrs["numpy"] = json.dumps(snapshot["numpy"])
-    group.attrs["python"] = json.dumps(snapshot["python"])
-
-
-def _restore_rng(group):
-    import torch
-    torch.set_rng_state(torch.from_numpy(np.asarray(group["torch_cpu"][()], dtype=np.uint8)))
-    if "torch_cuda" in group and torch.cuda.is_available():
-        states = [torch.from_numpy(group["torch_cuda"][str(d)][()]) for d in range(len(group["torch_cuda"]))]
-        if len(states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(states)
-    state = json.loads(group.attrs["numpy"])
-    np.random.set_state((state["bit_generator"], np.array(state["keys"], dtype=np.uint32), state["pos"],
-                         state["has_gauss"], state["cached_gaussian"]))
-    state = json.loads(group.attrs["python"])
-    random.setstate((state["version"], tuple(state["state"]), state["gauss_next"]))
-
-
 # ---- public API ---------------------------------------------------------------------------------
 
 def checkpoint_path(directory, epoch: int, step: int) -> str:
@@ -444,7 +287,7 @@ def save_checkpoint(path, model, optimizer=None, step: int = 0, epoch: int = 0, 
     ``sampler.state_dict(consumed=batches_done * batch_size)``.
     """
     mpi = _mpi_comm(comm)
-    rng = _gather_rng(mpi)
+    rng = checkpoint_rng.gather(mpi)
 
     def write():
         import torch
@@ -472,7 +315,7 @@ def save_checkpoint(path, model, optimizer=None, step: int = 0, epoch: int = 0, 
             if optimizer is not None:
                 _write_tree(f.create_group("optimizer"), optimizer.state_dict())
             for rank, snapshot in enumerate(rng):
-                _write_rng(f.create_group(f"rng/{rank}"), snapshot)
+                checkpoint_rng.write(f.create_group(f"rng/{rank}"), snapshot)
         return path
 
     on_root(comm, write, f"writing checkpoint {path}", CheckpointError)
@@ -540,7 +383,7 @@ def _load(path, model, optimizer, sampler, restore_rng, comm) -> dict:
             _load_part(path, "sampler", sampler, json.loads(f.attrs["sampler"]))
         if restore_rng and "rng" in f:
             rank = str(_rank_of(comm))
-            _restore_rng(f["rng"][rank if rank in f["rng"] else "0"])
+            checkpoint_rng.restore(f["rng"][rank if rank in f["rng"] else "0"])
         return {"step": int(f.attrs["step"]), "epoch": int(f.attrs["epoch"]),
                 "extra": json.loads(f.attrs["extra"])}
 
