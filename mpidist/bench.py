@@ -312,7 +312,7 @@ def measure(comm, options, algorithms, gloo, printer) -> list[dict]:
             wrong = np.zeros(len(active), dtype=np.int64)
             for iteration in range(warmup + iters):
                 # A call measures differently depending on which collective ran just before it
-                # (identical code paths measured up to 1.6x apart at 8 bytes in a fixed order),
+                # (identical code paths measured far apart at 8 bytes in a fixed order),
                 # so each iteration shuffles the order; the seed is the iteration, so every
                 # rank calls the same algorithm at the same time.
                 for index in np.random.default_rng(iteration).permutation(len(active)):

@@ -67,8 +67,8 @@ NAP_SECONDS = 50e-6  # then the sleep between polls
 def yield_seconds(affinities, local_size: int) -> float:
     """How long a waiting rank polls before napping, from the CPUs each local rank may run on.
 
-    A nap of 50 us sleeps 120-140 us on Linux (timer slack), so a rank that naps reacts late to
-    its peer; polling costs nothing where the peer has a core of its own, and takes the core
+    A short nap sleeps more than twice as long as asked on Linux (timer slack), so a rank that
+    naps reacts late to its peer; polling costs nothing where the peer has a core of its own, and takes the core
     the peer needs where it has not (training-cpu.md, 3 ranks on 2 cores)."""
     cpus = set().union(*affinities)
     return OWN_CORE_YIELD_SECONDS if len(cpus) >= local_size else YIELD_SECONDS
@@ -284,9 +284,9 @@ class PolledAllreduce:
 
     def wait(self) -> None:
         # Yield, then nap: with more ranks than cores a spinning rank takes the core its peer
-        # needs to catch up. benchmarks/training.py with 3 ranks on 2 cores (25 MB buckets):
-        # 32.7 ms per step yielding only, 27.1 ms with naps (training-cpu.md). With a core per
-        # rank the yielding lasts longer (yield_seconds).
+        # needs to catch up: with more ranks than cores, naps made benchmarks/training.py's steps
+        # shorter than yielding alone (benchmarks/results/training-cpu.md). With a core per rank
+        # the yielding lasts longer (yield_seconds).
         if self.progress():  # finished already, in the gradient hooks: no wait to publish
             return
         what = f"the all-reduce of gradient bucket {self.index}"

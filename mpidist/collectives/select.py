@@ -63,12 +63,12 @@ TWO_RANK_TABLE = (
 )
 # One rank per node, across nodes: nothing to share in a node, so the hierarchical algorithm is
 # only the all-reduce between the nodes. MPI's own was ahead of recursive doubling (our fastest
-# there) from 4 to 64 KiB, 1.2-1.3x on 2 x 1 and 1.04-1.7x on 4 x 1 at 10 Gbit/s, and as fast as
-# any of ours up to 1 MiB. Between 2 nodes, from a few MiB, recursive doubling (one whole
-# message each way) sends what MPI's own does in fewer messages: 0.96-1.17x it at 10 Gbit/s and
-# 1.17-1.23x at 500 Mbit/s from 4 MiB. On more nodes it sends log2(N)·n bytes per node against
-# MPI's 2(N-1)/N·n, so MPI's own keeps every size there (benchmarks/results/multinode-cpu.md,
-# multinode-cpu-500mbit.md, multinode-cpu-one-per-node-small.md).
+# there) for small messages, and as fast as any of ours up to about 1 MiB. Between 2 nodes, from
+# a few MiB, recursive doubling (one whole message each way) sends what MPI's own does in fewer
+# messages and pulls ahead, more so on a slow link. On more nodes it sends log2(N)·n bytes per
+# node against MPI's 2(N-1)/N·n, so MPI's own keeps every size there. The measurements behind
+# these bounds: benchmarks/results/multinode-cpu.md, multinode-cpu-500mbit.md and
+# multinode-cpu-one-per-node-small.md.
 TWO_NODES_ONE_PER_NODE_TABLE = (
     (2 * 1024 * 1024, "mpi"),
     (float("inf"), "recursive_doubling"),
@@ -77,8 +77,8 @@ MANY_NODES_ONE_PER_NODE_TABLE = (
     (float("inf"), "mpi"),
 )
 # Several ranks per node, across nodes: the hierarchical algorithm's node barriers and copies
-# cost more than they save until messages are a few hundred KiB. On 2 x 2 at 10 Gbit/s MPI's own
-# was 2x ahead at 4 KiB and 1.7x at 32 KiB, level at 256 KiB, and 1.5-4.8x behind from 1 MiB
+# cost more than they save until messages are a few hundred KiB: on 2 x 2 MPI's own was ahead
+# for small messages, level around the bound below, and behind from 1 MiB
 # (benchmarks/results/multinode-cpu.md).
 SEVERAL_PER_NODE_TABLE = (
     (256 * 1024, "mpi"),
