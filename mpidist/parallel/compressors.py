@@ -1,0 +1,473 @@
+"""Gradient compressors for the reducer's buckets: PowerSGD, int8 with a scale per chunk, top-k,
+and the float16 / bfloat16 casts; the spelling `mpidist train --compression` takes.
+
+A compressor is a small immutable settings object. For each gradient bucket the reducer asks it
+for a BucketCompressor, which keeps that bucket's state on this rank and exchanges the bucket:
+start(flat, op) compresses the bucket's flat gradient and launches the first exchange; the
+returned Exchange's wait() finishes it and leaves the reduced gradient ("sum" or "avg") in
+`flat`. The exchanges are mpidist's own collectives on the bucket's communicator.
+
+Error feedback (PowerSGD, int8, top-k): before compressing, a bucket adds to its gradient the
+residual of the step before, and keeps as the new residual what it meant to send minus what its
+share of the result is. So nothing is lost, only delayed: over any number of steps, the sum of
+the results plus every rank's residual is the sum of every rank's gradients.
+
+Every rank gets the same bits: each reduces the same exchanged data in rank order, and
+PowerSGD orthogonalizes the same all-reduced matrix on every rank.
+
+- PowerSGD (Vogels et al., as torch's powerSGD_hook defines it): each gradient of two or more
+  dimensions, seen as an n x m matrix M (its first dimension by the rest), is sent as the rank r
+  factors P = M Q (n x r) and, after P is summed and orthogonalized, Q = M^T P (m x r). A
+  matrix where (n + m) r * min_compression_rate >= n m, and every vector, goes whole, with
+  the first all-reduce. The first `start_iter` steps are plain all-reduces without error
+  feedback (torch's start_powerSGD_iter). With warm_start, Q is the last step's summed Q;
+  otherwise a new random one each step (from a generator seeded with `seed`, the same on every
+  rank). Each rank's share of the result is P Q_rank^T, so its residual is M - P Q_rank^T: the
+  same in sum over the ranks as torch's M - P Q_average^T.
+- Int8: the bucket is cut into one part per rank; each rank quantizes its gradient to int8 with
+  one float32 scale (its largest magnitude / 127) per `chunk` elements and sends part k to rank
+  k (all-to-all); rank k sums the parts in rank order in float32 (float64 for float64
+  gradients), quantizes the sum the same way and every rank gathers the sums (allgather). The
+  int8 values are never added in int8; the sum's own rounding error joins its owner's residual.
+  Bytes on the wire: those of a ring all-reduce at one byte per element, plus the scales.
+- Top-k: each rank sends its ceil(fraction * n) largest-magnitude elements as (int32 index,
+  value) pairs to every rank (allgather); every rank adds them up in rank order.
+- Fp16 / bf16: the bucket goes in that dtype and comes back in the gradients' (the reducer
+  casts; no error feedback, as DDP's fp16_compress_hook and Horovod's Compression.fp16).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import torch
+
+from ..errors import InvalidArgumentError
+
+CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+REDUCE_OPS = ("sum", "avg")
+
+
+class Compressor:
+    """The settings of a gradient compression. `wire_dtype`: the dtype a cast sends the bucket in
+    (None for the others, which make a BucketCompressor per bucket)."""
+
+    name = "none"
+    wire_dtype = None
+
+    def check(self, params) -> None:
+        """Refuse parameters this compression cannot send (it compresses floating point)."""
+        for index, param in enumerate(params):
+            if not param.dtype.is_floating_point:
+                raise InvalidArgumentError(f"compression={str(self)!r} compresses floating-point gradients; "
+                                           f"parameter {index} is {param.dtype}")
+
+    def for_bucket(self, params, comm, algorithm) -> BucketCompressor:
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclasses.dataclass(frozen=True)
+class NoCompression(Compressor):
+    """Gradients go as they are."""
+
+    name = "none"
+
+    def check(self, params) -> None:
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Cast(Compressor):
+    """The bucket travels in float16 or bfloat16 and comes back in the gradients' dtype."""
+
+    dtype_name: str = "fp16"
+
+    def __post_init__(self):
+        if self.dtype_name not in CAST_DTYPES:
+            raise InvalidArgumentError(f"compression cast {self.dtype_name!r}: choose 'fp16' or 'bf16'")
+
+    @property
+    def name(self) -> str:
+        return self.dtype_name
+
+    @property
+    def wire_dtype(self):
+        return CAST_DTYPES[self.dtype_name]
+
+
+@dataclasses.dataclass(frozen=True)
+class PowerSGD(Compressor):
+    """Rank-`rank` PowerSGD with error feedback (module docstring); the arguments mean what
+    torch's PowerSGDState's matrix_approximation_rank, start_powerSGD_iter,
+    min_compression_rate, use_error_feedback, warm_start, orthogonalization_epsilon and
+    random_seed mean."""
+
+    rank: int = 1
+    start_iter: int = 10
+    min_compression_rate: float = 2.0
+    error_feedback: bool = True
+    warm_start: bool = True
+    epsilon: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
+            raise InvalidArgumentError(f"PowerSGD rank={self.rank!r}: give a whole number >= 1")
+        if not isinstance(self.start_iter, int) or self.start_iter < 0:
+            raise InvalidArgumentError(f"PowerSGD start_iter={self.start_iter!r}: give a whole number >= 0")
+        if not self.min_compression_rate > 0:
+            raise InvalidArgumentError(f"PowerSGD min_compression_rate={self.min_compression_rate!r}: give a "
+                                       "number > 0")
+        if not self.epsilon >= 0:
+            raise InvalidArgumentError(f"PowerSGD epsilon={self.epsilon!r}: give a number >= 0")
+
+    @property
+    def name(self) -> str:
+        return f"powersgd:{self.rank}"
+
+    def for_bucket(self, params, comm, algorithm):
+        return PowerSGDBucket(self, params, comm, algorithm)
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8(Compressor):
+    """Int8 values with one float32 scale per `chunk` elements, summed in float32."""
+
+    chunk: int = 1024
+
+    def __post_init__(self):
+        if not isinstance(self.chunk, int) or self.chunk < 1:
+            raise InvalidArgumentError(f"int8 chunk={self.chunk!r}: give a whole number >= 1")
+
+    name = "int8"
+
+    def for_bucket(self, params, comm, algorithm):
+        return Int8Bucket(self, params, comm, algorithm)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopK(Compressor):
+    """The `fraction` of each bucket's elements largest in magnitude, as (index, value) pairs."""
+
+    fraction: float = 0.01
+
+    def __post_init__(self):
+        if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)) \
+                or not 0 < self.fraction <= 1:
+            raise InvalidArgumentError(f"top-k fraction={self.fraction!r}: give a number in (0, 1]")
+
+    @property
+    def name(self) -> str:
+        return f"topk:{self.fraction:g}"
+
+    def for_bucket(self, params, comm, algorithm):
+        return TopKBucket(self, params, comm, algorithm)
+
+
+SPELLINGS = "none, fp16, bf16, int8, powersgd:<rank>, topk:<fraction>"
+
+
+def parse_compression(text: str) -> Compressor:
+    """The compressor `text` names: "none", "fp16", "bf16", "int8", "powersgd:<rank>" (rank 1
+    without it), "topk:<fraction>" (0.01 without it)."""
+    if not isinstance(text, str):
+        raise InvalidArgumentError(f"compression={text!r}: give one of {SPELLINGS}, or a compressor")
+    name, _, setting = text.strip().lower().partition(":")
+    try:
+        if name in ("none", "fp16", "bf16", "int8") and setting:
+            raise InvalidArgumentError(f"{name} takes no setting")
+        if name == "none":
+            return NoCompression()
+        if name in CAST_DTYPES:
+            return Cast(name)
+        if name == "int8":
+            return Int8()
+        if name == "powersgd":
+            return PowerSGD(rank=_number(setting, int, "rank") if setting else 1)
+        if name == "topk":
+            return TopK(fraction=_number(setting, float, "fraction") if setting else 0.01)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"compression {text!r}: {exc}") from None
+    raise InvalidArgumentError(f"compression {text!r} is unknown; choose {SPELLINGS}")
+
+
+def _number(text, kind, what):
+    try:
+        return kind(text)
+    except ValueError:
+        raise InvalidArgumentError(f"its {what} {text!r} is not a number") from None
+
+
+def resolve_compression(compression) -> Compressor:
+    """A Compressor for `compression`: None, a spelling (parse_compression) or a Compressor."""
+    if compression is None:
+        return NoCompression()
+    if isinstance(compression, Compressor):
+        return compression
+    return parse_compression(compression)
+
+
+class Exchange:
+    """A bucket's exchange under way: wait() finishes it (once). `started` and `finished` are
+    perf_counter times, as the reducer's trace and timeline read from a collective's handle."""
+
+    def __init__(self, finish):
+        self._finish = finish
+        self.started = time.perf_counter()
+        self.finished = None
+
+    def wait(self):
+        if self.finished is None:
+            self._finish()
+            self.finished = time.perf_counter()
+
+    def progress(self) -> None:
+        """Nothing to advance: the exchanges run on the communicator's engine."""
+
+
+class BucketCompressor:
+    """One bucket's compressed exchange and its error-feedback state, on this rank."""
+
+    def __init__(self, settings, params, comm, algorithm):
+        self.settings = settings
+        self.comm = comm
+        self.algorithm = algorithm
+        self.numel = sum(p.numel() for p in params)
+        first = params[0]
+        self.residual = torch.zeros(self.numel, dtype=first.dtype, device=first.device)
+        self.steps = 0
+
+    def start(self, flat, op: str) -> Exchange:
+        if op not in REDUCE_OPS:
+            raise InvalidArgumentError(f"compression={str(self.settings)!r} reduces with sum or average, not {op!r}")
+        return self._start(flat, op)
+
+    def _start(self, flat, op) -> Exchange:
+        raise NotImplementedError
+
+    def _finish_step(self, flat, op) -> None:
+        if op == "avg":
+            flat.div_(self.comm.size)
+        self.steps += 1
+
+    def state_dict(self) -> dict:
+        """This rank's state of the bucket (tensors), for a checkpoint."""
+        return {"residual": self.residual.clone(), "steps": torch.tensor(self.steps, dtype=torch.int64)}
+
+    def load_state_dict(self, state: dict) -> None:
+        expected = self.state_dict()
+        if set(state) != set(expected):
+            raise InvalidArgumentError(f"compression state with entries {sorted(state)}; "
+                                       f"{self.settings} keeps {sorted(expected)}")
+        for key, value in state.items():
+            if tuple(value.shape) != tuple(expected[key].shape):
+                raise InvalidArgumentError(f"compression state {key!r} of shape {list(value.shape)}; this bucket's "
+                                           f"is {list(expected[key].shape)}")
+        self.residual.copy_(state["residual"])
+        self.steps = int(state["steps"])
+
+
+def orthogonalize(matrix, epsilon: float = 0.0) -> None:
+    """Gram-Schmidt on the columns of `matrix` (n x r), in place, as torch's PowerSGD does (each
+    column divided by its norm + epsilon); an all-zero column stays zero."""
+    for i in range(matrix.shape[1]):
+        column = matrix[:, i:i + 1]
+        norm = float(torch.linalg.vector_norm(column)) + epsilon
+        if norm > 0:
+            column.div_(norm)
+        else:
+            column.zero_()
+        if i + 1 < matrix.shape[1]:
+            rest = matrix[:, i + 1:]
+            rest.sub_((column * rest).sum(dim=0, keepdim=True) * column)
+
+
+class PowerSGDBucket(BucketCompressor):
+    """PowerSGD of one bucket: which of its gradients go as factors and where each lies."""
+
+    def __init__(self, settings, params, comm, algorithm):
+        super().__init__(settings, params, comm, algorithm)
+        self.matrices, self.whole = [], []  # (offset, n, m, r) and (offset, numel)
+        offset = p_size = q_size = 0
+        for param in params:
+            numel = param.numel()
+            if param.dim() >= 2:
+                n, m = param.shape[0], numel // param.shape[0]
+                r = min(n, m, settings.rank)
+                if (n + m) * r * settings.min_compression_rate < n * m:
+                    self.matrices.append((offset, n, m, r, p_size, q_size))
+                    p_size += n * r
+                    q_size += m * r
+                    offset += numel
+                    continue
+            self.whole.append((offset, numel))
+            offset += numel
+        self.whole_size = sum(numel for _, numel in self.whole)
+        first = params[0]
+        self.q = torch.zeros(q_size, dtype=first.dtype, device=first.device)
+        self.has_q = False
+        self.generator = torch.Generator().manual_seed(settings.seed)
+        self.sent = torch.empty(self.whole_size + p_size, dtype=first.dtype, device=first.device)
+
+    def _views(self, flat, p):
+        for offset, n, m, r, p_at, q_at in self.matrices:
+            yield (offset, flat[offset:offset + n * m].view(n, m), p[p_at:p_at + n * r].view(n, r),
+                   self.q[q_at:q_at + m * r].view(m, r))
+
+    def _new_q(self) -> None:
+        random = torch.randn(self.q.numel(), generator=self.generator, dtype=torch.float32)
+        self.q.copy_(random)
+
+    def _start(self, flat, op):
+        settings = self.settings
+        if self.steps < settings.start_iter or not self.matrices:
+            handle = self.comm.allreduce_async(flat, op=op, algorithm=self.algorithm)
+
+            def plain():
+                handle.wait()
+                self.steps += 1
+            return Exchange(plain)
+        if settings.error_feedback:
+            flat.add_(self.residual)
+        if not (settings.warm_start and self.has_q):
+            self._new_q()
+        self.has_q = True
+        at = 0
+        for offset, numel in self.whole:
+            self.sent[at:at + numel] = flat[offset:offset + numel]
+            at += numel
+        p = self.sent[self.whole_size:]
+        for offset, matrix, p_part, q_part in self._views(flat, p):
+            orthogonalize(q_part, settings.epsilon)
+            torch.matmul(matrix, q_part, out=p_part)
+        handle = self.comm.allreduce_async(self.sent, op="sum", algorithm=self.algorithm)
+
+        def finish():
+            handle.wait()
+            at = 0
+            for offset, numel in self.whole:
+                flat[offset:offset + numel] = self.sent[at:at + numel]
+                self.residual[offset:offset + numel] = 0
+                at += numel
+            for offset, matrix, p_part, q_part in self._views(flat, p):
+                orthogonalize(p_part, settings.epsilon)
+                torch.matmul(matrix.t(), p_part, out=q_part)
+                if settings.error_feedback:  # what this rank meant to send, less its share P Q_rank^T
+                    self.residual[offset:offset + matrix.numel()] = (matrix - p_part @ q_part.t()).reshape(-1)
+            self.comm.allreduce(self.q, op="sum", algorithm=self.algorithm)
+            for offset, matrix, p_part, q_part in self._views(flat, p):
+                torch.matmul(p_part, q_part.t(), out=matrix)
+            self._finish_step(flat, op)
+        return Exchange(finish)
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["q"] = self.q.clone()
+        state["has_q"] = torch.tensor(int(self.has_q), dtype=torch.int64)
+        state["generator"] = self.generator.get_state()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.q.copy_(state["q"])
+        self.has_q = bool(int(state["has_q"]))
+        self.generator.set_state(state["generator"])
+
+
+class Int8Bucket(BucketCompressor):
+    """Int8 of one bucket: its cut into one part per rank, and each part's chunks."""
+
+    def __init__(self, settings, params, comm, algorithm):
+        super().__init__(settings, params, comm, algorithm)
+        self.part = -(-self.numel // comm.size)
+        self.chunks = -(-self.part // settings.chunk)
+        dtype = params[0].dtype
+        self.compute_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+
+    def _quantize(self, rows):
+        """(int8 values, float32 scales (rows, chunks)) of `rows` (rows x part, compute dtype)."""
+        chunk = self.settings.chunk
+        padded = rows.new_zeros(rows.shape[0], self.chunks * chunk)
+        padded[:, :self.part] = rows
+        blocks = padded.view(rows.shape[0], self.chunks, chunk)
+        scales = (blocks.abs().amax(dim=2) / 127).float()
+        divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).to(rows.dtype)
+        values = torch.round(blocks / divisor[:, :, None]).clamp_(-127, 127).to(torch.int8)
+        return values.view(rows.shape[0], -1)[:, :self.part], scales
+
+    def _dequantize(self, values, scales):
+        chunk = self.settings.chunk
+        padded = torch.zeros(values.shape[0], self.chunks * chunk, dtype=self.compute_dtype, device=values.device)
+        padded[:, :self.part] = values
+        blocks = padded.view(values.shape[0], self.chunks, chunk) * scales.to(self.compute_dtype)[:, :, None]
+        return blocks.view(values.shape[0], -1)[:, :self.part]
+
+    def _payload(self, values, scales):
+        """Each row's int8 values and float32 scales as one row of bytes."""
+        return torch.cat([values.view(torch.uint8), scales.contiguous().view(torch.uint8)], dim=1)
+
+    def _unpack(self, payload):
+        values = payload[:, :self.part].view(torch.int8)
+        scales = _as(payload[:, self.part:], torch.float32)
+        return values, scales
+
+    def _start(self, flat, op):
+        size, part = self.comm.size, self.part
+        flat.add_(self.residual)
+        rows = torch.zeros(size * part, dtype=self.compute_dtype, device=flat.device)
+        rows[:self.numel] = flat
+        rows = rows.view(size, part)
+        values, scales = self._quantize(rows)
+        # What this rank meant to send, less what it sent; its part's sum adds its own error below.
+        residual = rows - self._dequantize(values, scales)
+        payload = self._payload(values, scales)
+
+        def finish():
+            received, _ = self.comm.alltoall(payload)
+            total = torch.zeros(1, part, dtype=self.compute_dtype, device=flat.device)
+            values_in, scales_in = self._unpack(received)
+            for rank in range(size):  # in rank order
+                total += self._dequantize(values_in[rank:rank + 1], scales_in[rank:rank + 1])
+            sum_values, sum_scales = self._quantize(total)
+            residual[self.comm.rank] += (total - self._dequantize(sum_values, sum_scales))[0]
+            self.residual.copy_(residual.view(-1)[:self.numel])
+            gathered = self.comm.allgather(self._payload(sum_values, sum_scales))
+            result = self._dequantize(*self._unpack(gathered.view(size, -1)))
+            flat.copy_(result.reshape(-1)[:self.numel])
+            self._finish_step(flat, op)
+        return Exchange(finish)
+
+
+def _as(data, dtype):
+    """The bytes `data` (uint8, last dimension) read as `dtype`, from a copy aligned for it."""
+    return data.clone(memory_format=torch.contiguous_format).view(dtype)
+
+
+class TopKBucket(BucketCompressor):
+    """Top-k of one bucket: how many elements each rank sends."""
+
+    def __init__(self, settings, params, comm, algorithm):
+        super().__init__(settings, params, comm, algorithm)
+        self.k = max(1, math.ceil(settings.fraction * self.numel))
+
+    def _start(self, flat, op):
+        flat.add_(self.residual)
+        indices = torch.topk(flat.abs(), self.k, sorted=False).indices.to(torch.int32)
+        values = flat[indices.long()]
+        self.residual.copy_(flat)
+        self.residual[indices.long()] = 0
+        payload = torch.cat([indices.view(torch.uint8), values.view(torch.uint8)])
+        handle = self.comm.allgather_async(payload)
+
+        def finish():
+            gathered = handle.wait().view(self.comm.size, -1)
+            flat.zero_()
+            for row in gathered:  # in rank order
+                rank_indices = _as(row[:4 * self.k], torch.int32).long()
+                flat.index_add_(0, rank_indices, _as(row[4 * self.k:], flat.dtype))
+            self._finish_step(flat, op)
+        return Exchange(finish)
