@@ -11,6 +11,7 @@ import torch
 
 from ..comm import init
 from ..errors import InvalidArgumentError, MpidistError, NotOfferedError
+from .compressors import PowerSGD, resolve_compression
 from .join import Join, Joinable, last_joiner
 from .model_state import broadcast_in_place, broadcast_module_state
 from .reducer import GradientBuckets, check_not_synchronized, register_gradient_hooks, trainable_parameters
@@ -24,6 +25,21 @@ def _ddp_bucket_size(bucket_mb, bucket_cap_mb):
         raise InvalidArgumentError(f"bucket_mb={bucket_mb} and bucket_cap_mb={bucket_cap_mb} disagree; "
                                    "bucket_cap_mb is DDP's name for bucket_mb, give one of them")
     return bucket_cap_mb
+
+
+def _powersgd_of(state):
+    """The compressors.PowerSGD of torch's PowerSGDState: its settings mean the same."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+    if not isinstance(state, PowerSGDState):
+        raise InvalidArgumentError(f"register_comm_hook(powerSGD_hook) takes a PowerSGDState, not {type(state).__name__}")
+    if state.process_group is not None:
+        raise InvalidArgumentError("register_comm_hook(powerSGD_hook): give PowerSGDState(process_group=None); the "
+                                   "hook runs on this DataParallel's comm")
+    return PowerSGD(rank=state.matrix_approximation_rank, start_iter=state.start_powerSGD_iter,
+                    min_compression_rate=state.min_compression_rate, error_feedback=state.use_error_feedback,
+                    warm_start=state.warm_start, epsilon=state.orthogonalization_epsilon,
+                    # torch draws its first Q's seed from the state's generator too
+                    seed=int(state.rng.randint(1_000_000_000)))
 
 
 def _check_ddp_devices(module, device_ids, output_device) -> None:
@@ -60,10 +76,16 @@ class DataParallel(torch.nn.Module, Joinable):
     slots). Like DDP's option, a gradient tensor kept from an earlier step changes when a later
     step's all-reduce runs; zero_grad() with or without set_to_none works, and so do in-place
     changes to .grad (clipping).
+
+    compression: None, "fp16", "bf16", "int8", "powersgd:<rank>", "topk:<fraction>" or a
+    compressor object (mpidist.parallel.compressors: PowerSGD, Int8, TopK, Cast). The casts send
+    the gradients in half precision; the others keep each rank's error feedback, which
+    compression_state_dict() gives for a checkpoint (each rank its own) and
+    load_compression_state_dict() restores.
     """
 
     def __init__(self, module: torch.nn.Module, comm=None, bucket_mb: float = 25,
-                 compression: str | None = None, algorithm: str = "auto", broadcast_buffers: bool = True,
+                 compression=None, algorithm: str = "auto", broadcast_buffers: bool = True,
                  gradient_as_bucket_view: bool = False, *, device_ids=None, output_device=None,
                  find_unused_parameters: bool = False, static_graph: bool = False, bucket_cap_mb=None,
                  process_group=None):
@@ -89,9 +111,10 @@ class DataParallel(torch.nn.Module, Joinable):
         # communicator).
         self._bucket_options = functools.partial(GradientBuckets, params, bucket_mb=bucket_mb, algorithm=algorithm,
                                                  gradient_as_bucket_view=gradient_as_bucket_view)
+        resolve_compression(compression)  # a bad spelling is refused before any exchange
         self._compression = compression
         self._comm_hook = None
-        self._hook_wire = None
+        self._hook_compression = None
         self.buckets = self._new_buckets(compression=compression)
         register_gradient_hooks(self, "_gradient_ready", params, "DataParallel")
 
@@ -99,24 +122,36 @@ class DataParallel(torch.nn.Module, Joinable):
         """DDP's register_comm_hook for its built-in hooks, which the buckets do themselves:
         allreduce_hook (the default average), fp16_compress_hook and bf16_compress_hook (each
         rank divides its gradients by the rank count, sends them in float16 / bfloat16 and the
-        sum comes back in the gradients' dtype, as torch's hooks do). Other hooks (PowerSGD, your
-        own) take torch's GradBucket and futures of a torch.distributed process group: refused,
-        naming where they run, torch's DistributedDataParallel over the "mpidist" backend. As in
-        DDP, call it once, on every rank (it is collective), before the first backward."""
+        sum comes back in the gradients' dtype, as torch's hooks do), and powerSGD_hook with its
+        PowerSGDState, whose settings become a compressors.PowerSGD (as compression= gives it).
+        batched_powerSGD_hook is refused, naming compression="powersgd:<rank>"; other hooks
+        (your own) take torch's GradBucket and futures of a torch.distributed process group:
+        refused, naming where they run, torch's DistributedDataParallel over the "mpidist"
+        backend. As in DDP, call it once, on every rank (it is collective), before the first
+        backward."""
         # imported here: torch.distributed is needed only by this call, and is slow to import
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
         wire = {default_hooks.allreduce_hook: None, default_hooks.fp16_compress_hook: "fp16",
                 default_hooks.bf16_compress_hook: "bf16"}
         name = getattr(hook, "__qualname__", repr(hook))
-        if hook not in wire:
+        if hook is powerSGD_hook.batched_powerSGD_hook:
             raise NotOfferedError(
-                f"register_comm_hook({name}): md.DataParallel runs DDP's allreduce_hook, fp16_compress_hook and "
-                "bf16_compress_hook itself; other hooks (PowerSGD, your own) work on torch's GradBucket and futures: "
-                "use torch.nn.parallel.DistributedDataParallel over the mpidist backend "
+                f"register_comm_hook({name}): md.DataParallel runs PowerSGD layer by layer, as powerSGD_hook does "
+                "(torch recommends it over the batched form): pass powerSGD_hook, or "
+                f"compression=\"powersgd:{getattr(state, 'matrix_approximation_rank', 1)}\"")
+        if hook is powerSGD_hook.powerSGD_hook:
+            compression = _powersgd_of(state)
+        elif hook in wire:
+            if state is not None:
+                raise InvalidArgumentError("register_comm_hook: state is a torch.distributed process group; pass "
+                                           "None (the hook runs on this DataParallel's comm)")
+            compression = wire[hook]
+        else:
+            raise NotOfferedError(
+                f"register_comm_hook({name}): md.DataParallel runs DDP's allreduce_hook, fp16_compress_hook, "
+                "bf16_compress_hook and powerSGD_hook itself; other hooks (your own) work on torch's GradBucket and "
+                "futures: use torch.nn.parallel.DistributedDataParallel over the mpidist backend "
                 "(dist.init_process_group(\"mpidist\")), where every comm hook runs (docs/data-parallel.md)")
-        if state is not None:
-            raise InvalidArgumentError("register_comm_hook: state is a torch.distributed process group; pass None "
-                                       "(the hook runs on this DataParallel's comm)")
         if self._comm_hook is not None:
             raise MpidistError(f"register_comm_hook can only be called once (already {self._comm_hook})")
         if self.buckets.exchanges_with_gradients or self.buckets.active:
@@ -125,15 +160,27 @@ class DataParallel(torch.nn.Module, Joinable):
             raise InvalidArgumentError(f"register_comm_hook({name}) with compression={self._compression!r}: "
                                        "choose one")
         self._comm_hook = name
-        self._hook_wire = wire[hook]
-        if self._hook_wire is not None:  # the default average needs no new buckets
+        self._hook_compression = compression
+        if compression is not None:  # the default average needs no new buckets
             self.buckets = None  # the old buckets' shared memory can be given back first
             self.buckets = self._new_buckets()
 
     def _new_buckets(self, compression=None):
-        if self._hook_wire is not None:  # a compress hook: each rank divides by the rank count first
-            return self._bucket_options(self.comm, compression=self._hook_wire, predivide=self.comm.size)
+        if isinstance(self._hook_compression, PowerSGD):
+            return self._bucket_options(self.comm, compression=self._hook_compression)
+        if self._hook_compression is not None:  # a compress hook: each rank divides by the rank count first
+            return self._bucket_options(self.comm, compression=self._hook_compression, predivide=self.comm.size)
         return self._bucket_options(self.comm, compression=compression)
+
+    def compression_state_dict(self) -> dict:
+        """This rank's error-feedback state of the compression (name -> tensor; empty without
+        one): its residuals, PowerSGD's warm-start Q and random generator, its step count.
+        Each rank keeps its own, so each checkpoints its own."""
+        return self.buckets.compression_state_dict()
+
+    def load_compression_state_dict(self, state: dict) -> None:
+        """Restore this rank's compression_state_dict() (same compression, same model)."""
+        self.buckets.load_compression_state_dict(state)
 
     def reconnect(self, comm) -> None:
         """Go on on `comm`, the survivors' communicator after a rank died (md.elastic.run does

@@ -16,6 +16,7 @@ from ..errors import InvalidArgumentError, MpidistError
 from ..memory import keep_freed_memory
 from ..runtime import tracing
 from ..runtime.mpi import fault_tolerant
+from .compressors import NoCompression, resolve_compression
 from .flat import pack_tensors, shaped_like, tensor_at, tensors_by_kind, unpack_tensors
 
 FIRST_BUCKET_BYTES = 1024 * 1024
@@ -46,6 +47,7 @@ class _Bucket:
         self.handle = None
         self.sources = None  # the arrays an all-reduce through the shared slots reads or writes
         self.views = None  # with gradient_as_bucket_view: each parameter's gradient inside the bucket
+        self.compressor = None  # the BucketCompressor of a compression that is not a cast
 
     @property
     def flat(self):
@@ -181,12 +183,16 @@ class GradientBuckets:
     `groups` (Horovod's explicit grouping) is a list of lists of parameters: each group is
     all-reduced as one bucket of its own (one per dtype and device in it) once all its gradients
     are ready, whatever its size; the parameters in no group are bucketed as above.
+
+    `compression` is None, a spelling or a Compressor (compressors.py): a cast sends each bucket
+    in float16 / bfloat16; the others give each bucket a compressor of its own, which keeps its
+    error feedback (compression_state_dict) and exchanges it through the communicator's engine.
     """
 
     def __init__(self, params, comm, bucket_mb=25, compression=None, algorithm="auto", op="avg",
                  predivide=1.0, passes_per_step=1, gradient_as_bucket_view=False, groups=()):
-        if compression not in COMPRESSION_DTYPES:
-            raise InvalidArgumentError(f"compression={compression!r}; choose None, 'fp16' or 'bf16'")
+        compressor = resolve_compression(compression)
+        compressor.check(params)
         if bucket_mb <= 0:
             raise InvalidArgumentError(f"bucket_mb must be positive, got {bucket_mb}")
         if passes_per_step < 1:
@@ -206,11 +212,15 @@ class GradientBuckets:
             # Each step frees and reallocates the gradients: reuse the memory rather than fault
             # it in afresh every step (mpidist/memory.py).
             keep_freed_memory()
+        self.compressor = compressor
         polled = self._polled(params)
         limit = int(bucket_mb * 1024 * 1024)
         if polled:
             limit = min(limit, SHARED_SLOTS_BUCKET_BYTES)
-        self.buckets = self._make_buckets(params, limit, COMPRESSION_DTYPES[compression], groups)
+        self.buckets = self._make_buckets(params, limit, compressor.wire_dtype, groups)
+        if compressor.wire_dtype is None and not isinstance(compressor, NoCompression):
+            for bucket in self.buckets:
+                bucket.compressor = compressor.for_bucket(bucket.params, comm, algorithm)
         self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self._passes = {id(p): 0 for bucket in self.buckets for p in bucket.params}
         self._next_to_launch = 0
@@ -254,6 +264,8 @@ class GradientBuckets:
         return (comm.size > 1 and comm.local_size == comm.size and self.algorithm in ("auto", "hierarchical")
                 and not fault_tolerant()  # no shared-memory windows then (runtime/mpi.py)
                 and comm.forced_algorithm in (None, "hierarchical")
+                # a compressor exchanges its bucket with collectives of its own
+                and (self.compressor.wire_dtype is not None or isinstance(self.compressor, NoCompression))
                 and all(p.device.type == "cpu" for p in params))
 
     @staticmethod
@@ -359,7 +371,8 @@ class GradientBuckets:
             bucket.handle = self.slots.start(index, grads, op)
             return
         # One contiguous gradient needs no packing: it is all-reduced where it lies.
-        bucket.packed = len(grads) > 1 or bucket.wire_dtype is not None or not grads[0].is_contiguous()
+        bucket.packed = (len(grads) > 1 or bucket.wire_dtype is not None or bucket.compressor is not None
+                         or not grads[0].is_contiguous())
         buffer = bucket.flat if bucket.packed else grads[0]
         if bucket.packed:
             if self.gradient_as_bucket_view:
@@ -371,7 +384,9 @@ class GradientBuckets:
         if bucket.wire is not None:
             kernels.cast(bucket.wire, buffer)
             buffer = bucket.wire
-        if self.slots is not None:
+        if bucket.compressor is not None:
+            bucket.handle = bucket.compressor.start(buffer, op)
+        elif self.slots is not None:
             bucket.handle = self.slots.start(index, [buffer], op)
         else:
             bucket.handle = self.comm.allreduce_async(buffer, op=op, algorithm=self.algorithm)
@@ -412,6 +427,25 @@ class GradientBuckets:
                 self._exchanges_with_gradients += 1
         finally:
             self.reset()
+
+    def compression_state_dict(self) -> dict:
+        """This rank's error-feedback state (compressors.py), "bucket<index>.<name>" -> tensor;
+        empty without such a compression. Ranks differ: each keeps its own."""
+        return {f"bucket{index}.{name}": value for index, bucket in enumerate(self.buckets)
+                if bucket.compressor is not None for name, value in bucket.compressor.state_dict().items()}
+
+    def load_compression_state_dict(self, state: dict) -> None:
+        """Restore what compression_state_dict gave (on the same rank of the same layout)."""
+        expected = self.compression_state_dict()
+        if set(state) != set(expected):
+            missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+            raise InvalidArgumentError(f"compression state for {self.compressor}: missing {missing[:3]}, "
+                                       f"unexpected {unexpected[:3]} (another compression or bucket layout?)")
+        for index, bucket in enumerate(self.buckets):
+            if bucket.compressor is not None:
+                prefix = f"bucket{index}."
+                bucket.compressor.load_state_dict({name[len(prefix):]: value for name, value in state.items()
+                                                   if name.startswith(prefix)})
 
     def check_idle(self) -> None:
         """Refuse to join in the middle of a step."""
