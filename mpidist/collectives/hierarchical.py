@@ -1,4 +1,6 @@
-"""Hierarchical (node-aware) all-reduce through an MPI-3 shared-memory window.
+"""Hierarchical (node-aware) all-reduce through the node window (node_window.py) in host memory:
+an MPI-3 shared-memory window, its steps ordered by the window's flags (sync). CUDA buffers on
+one node run the same one-node protocol in GPU memory (device_window.py).
 
 The L ranks of a node share a window in which each has a slot as large as the message. The
 buffer is cut into L slices (split_counts); local rank i reduces slice i, its operands always in
@@ -7,15 +9,15 @@ local-rank order, in one k-way pass (reduce_many), so every rank ends with the s
 When the whole communicator is one node:
 1. Every rank copies into its slot the L-1 slices that the other ranks reduce; its own slice
    stays in its own buffer.
-2. Node barrier.
+2. Sync.
 3. Each rank reduces its slice of its own buffer and of the other ranks' slots into its own
    buffer (for op="avg" it divides the slice right away, while it is in cache), and publishes
    the result in its slot's own-slice region, which step 1 left free.
-4. Node barrier.
+4. Sync.
 5. Each rank copies the other ranks' result slices out of their slots.
 Per rank (n = message bytes): (L-1)/L·n read and written (copy in), n read and n/L written (its
 reduction), n/L read and written (publishing), (L-1)/L·n read and written (copy out): 4.5n bytes
-for L = 2, two node barriers, no MPI messages. With two ranks each publishes its result into the
+for L = 2, two syncs, no MPI messages. With two ranks each publishes its result into the
 other's slot instead, over the other's copy of its slice, which its reduction has just read (block
 by block, each block read before it is overwritten), and copies the other's result out of its own
 slot: each slot then only ever holds the other rank's half, and the lines written are the ones
@@ -24,15 +26,15 @@ of 3.0 ms, benchmarks/results/hierarchical-two-ranks-cpu.md).
 
 With more than one node, every node has `lanes` ranks that talk across nodes (its first local
 ranks; as many as the smallest node has), and lane k carries slice k of split_counts(count, lanes):
-1. every rank copies its whole buffer into its slot; node barrier;
+1. every rank copies its whole buffer into its slot; sync;
 2. each rank reduces its slice of all L slots into the result region (with lanes = L, the slice
-   that its lane carries; otherwise a node barrier follows, as its lane's slice is someone else's);
+   that its lane carries; otherwise a sync follows, as its lane's slice is someone else's);
 3. the ranks of lane k, one per node, all-reduce slice k of the result region across nodes
    (between 2 nodes recursive doubling, one exchange; on more, recursive halving, or the ring for
-   large messages on a node count that is not a power of two); node barrier;
+   large messages on a node count that is not a power of two); sync;
 4. every rank copies the whole result out.
 Per rank that is 2n (copy in) + n + n/L (reduction) + 2n (copy out) inside the node and two
-node barriers (three with fewer lanes than ranks); between nodes each lane rank sends
+syncs (three with fewer lanes than ranks); between nodes each lane rank sends
 2(N-1)/N · n/lanes bytes for N nodes. The lanes share the node's link, so a node sends what a
 single leader would, but over `lanes` connections driven by as many processes: one process
 alone, polling TCP between its reductions, drove a 500 Mbit/s link at about half its rate on a
@@ -51,7 +53,8 @@ from mpi4py import MPI
 
 from .. import kernels
 from ..buffers import BufferInfo
-from .common import Context, reduce_and_publish, result_slot, segments, split_counts
+from .common import Context, segments, split_counts
+from .node_window import HostMemory, NodeWindow, allreduce_on_node
 from .recursive_doubling import recursive_doubling_allreduce
 from .recursive_halving import recursive_halving_allreduce
 from .ring import ring_allreduce
@@ -61,87 +64,23 @@ from .ring import ring_allreduce
 RING_ACROSS_NODES_BYTES = 1024 * 1024
 
 
-class NodeWindow:
-    """The shared window of one node. On one node of more than two ranks every local rank has two
-    slots of `capacity` bytes, one in each half of the window; with two ranks, or with several
-    nodes, it has one slot, and with several nodes local rank 0 also holds a result region. With
-    several nodes it also owns the lane communicator of this rank (None for a rank beyond the
-    lanes)."""
+class HierarchicalWindow(NodeWindow):
+    """The node window (node_window.py) in host memory: on one node of more than two ranks every
+    local rank has two slots, with two ranks, or with several nodes, one, and with several nodes
+    local rank 0 also holds a result region. With several nodes it also owns the lane
+    communicator of this rank (None for a rank beyond the lanes)."""
 
     def __init__(self, node_comm, comm, spans_nodes: bool):
-        self.node_comm = node_comm
+        local_size = node_comm.Get_size()
+        super().__init__(node_comm, HostMemory(node_comm), alternates=not spans_nodes and local_size > 2,
+                         result_region=spans_nodes)
         self.spans_nodes = spans_nodes
-        self.local_rank = node_comm.Get_rank()
-        self.local_size = node_comm.Get_size()
-        self.lanes, self.lane_comm = lane_communicator(comm, self.local_rank, self.local_size) if spans_nodes \
+        self.lanes, self.lane_comm = lane_communicator(comm, self.local_rank, local_size) if spans_nodes \
             else (1, None)
-        self.win = None
-        self.capacity = 0
-        self.calls = 0
-        # Alternating slots (next_slots) on one node of more than two ranks; see there.
-        self.alternates = not spans_nodes and self.local_size > 2
-
-    def next_slots(self, nbytes: int) -> list:
-        """The slot addresses (in local-rank order) this call uses: consecutive calls alternate
-        between the two halves of the window.
-
-        On one node a rank leaves the call as soon as it has copied the results out of the other
-        ranks' slots, with no barrier behind it, so a fast rank starts its next call while a slow
-        one may still be copying. Had the next call the same slots and another message size,
-        its slices would lie elsewhere and the fast rank's copy-in could overwrite a result the
-        slow rank has not read yet. The next call uses the other half; the one after it comes
-        back to this half only after every rank has passed the barriers of the call between,
-        so after every rank has finished reading this one. Every rank makes the same calls in
-        the same order, so all agree on the half.
-
-        Two ranks need no second half: each reads the results out of its own slot, so a rank's
-        next copy-in overwrites only what it has read itself, and its peer writes there again
-        only after the next call's first barrier. Across nodes the slots are read only before the
-        second barrier, and the result region is rewritten only after the next call's first
-        barrier, which every rank reaches only once it has copied the result out."""
-        self.ensure(nbytes)
-        if not self.alternates:
-            return list(self.bases)
-        half = self.calls % 2 * self.capacity
-        self.calls += 1
-        return [base + half for base in self.bases]
-
-    def ensure(self, nbytes: int) -> None:
-        """Grow the window to hold `nbytes` per slot (collective over the node; every local rank
-        has the same message size, so all decide alike)."""
-        if nbytes <= self.capacity:
-            return
-        capacity = max(nbytes, 2 * self.capacity, 4096)
-        capacity = (capacity + 63) // 64 * 64
-        if self.win is not None:
-            self.node_comm.Barrier()  # nobody may still be copying out of the old window
-        self.free_window()
-        if self.spans_nodes:  # one slot, and the result region after local rank 0's slot
-            mine = 2 * capacity if self.local_rank == 0 else capacity
-        else:
-            mine = 2 * capacity if self.alternates else capacity
-        self.win = MPI.Win.Allocate_shared(mine, 1, comm=self.node_comm)
-        self.win.Lock_all(MPI.MODE_NOCHECK)
-        self.bases = [self.win.Shared_query(k)[0].address for k in range(self.local_size)]
-        self.result = self.bases[0] + capacity if self.spans_nodes else None
-        self.capacity = capacity
-
-    def sync(self) -> None:
-        """Every local rank's stores are visible to every other one after this."""
-        self.win.Sync()
-        self.node_comm.Barrier()
-        self.win.Sync()
-
-    def free_window(self) -> None:
-        if self.win is not None:
-            self.win.Unlock_all()
-            self.win.Free()
-            self.win = None
-            self.capacity = 0
 
     def free(self) -> None:
         """Free the window and the lane communicator (collective over the channel's ranks)."""
-        self.free_window()
+        super().free()
         if self.lane_comm is not None:
             self.lane_comm.Free()
             self.lane_comm = None
@@ -157,13 +96,13 @@ def lane_communicator(comm, local_rank: int, local_size: int) -> tuple:
     return lanes, (None if lane == MPI.COMM_NULL else lane)
 
 
-def node_window(ctx: Context) -> NodeWindow:
+def node_window(ctx: Context) -> HierarchicalWindow:
     """The window of ctx's channel (comm.Channel), made on first use over the channel's node
     communicators; the channel frees it."""
     channel = ctx.comm
     if channel.node_window is None:
         node, _ = channel.node_communicators()
-        channel.node_window = NodeWindow(node, ctx.mpi, spans_nodes=node.Get_size() < ctx.size)
+        channel.node_window = HierarchicalWindow(node, ctx.mpi, spans_nodes=node.Get_size() < ctx.size)
     return channel.node_window
 
 
@@ -210,39 +149,15 @@ def hierarchical_allreduce(ctx: Context) -> None:
     if window.local_size == 1:
         across_nodes(ctx, window.lane_comm, info)  # one rank per node: nothing to share
         return
-    slots = window.next_slots(info.nbytes)
     if window.spans_nodes:
-        reduce_across_nodes(ctx, window, slots)
-    else:
-        reduce_on_one_node(ctx, window, slots)
-
-
-def reduce_on_one_node(ctx: Context, window: NodeWindow, slots: list) -> None:
-    info, me = ctx.info, window.local_rank
-    itemsize = info.itemsize
-    slices = [(offset * itemsize, count * itemsize)
-              for offset, count in split_counts(info.count, window.local_size)]
-    start, length = slices[me]
-    end = start + length
-    # The other ranks' slices lie before and after this rank's own.
-    ctypes.memmove(slots[me], info.ptr, start)
-    ctypes.memmove(slots[me] + end, info.ptr + end, info.nbytes - end)
-    window.sync()
-    # reduce_many loads every operand of an element before storing it, so its destination may be
-    # one of its sources: this rank's own buffer, or (two ranks) the peer's slot.
-    sources = [info.ptr + start if k == me else slot + start for k, slot in enumerate(slots)]
-    # Divide the slice now, while it is in cache, not the whole buffer later.
-    scale = 1.0 / ctx.size if ctx.average else 1.0
-    reduce_and_publish(info.ptr + start, sources, length, info.dtype, ctx.op, scale,
-                       [result_slot(slots, me) + start])
+        reduce_across_nodes(ctx, window, window.next_slots(info.nbytes))
+        return
+    # Divide each slice as it is reduced, while it is in cache, not the whole buffer later.
+    allreduce_on_node(window, info, ctx.op, 1.0 / ctx.size if ctx.average else 1.0)
     ctx.average = False
-    window.sync()
-    for k, (offset, size) in enumerate(slices):
-        if k != me:
-            ctypes.memmove(info.ptr + offset, result_slot(slots, k) + offset, size)
 
 
-def reduce_across_nodes(ctx: Context, window: NodeWindow, slots: list) -> None:
+def reduce_across_nodes(ctx: Context, window: HierarchicalWindow, slots: list) -> None:
     info = ctx.info
     itemsize = info.itemsize
     ctypes.memmove(slots[window.local_rank], info.ptr, info.nbytes)
