@@ -10,6 +10,13 @@ A checkpoint file holds (``h5ls -r`` shows it all)::
                       group torch_cuda/<device> (when CUDA was in use),
                       attrs numpy (JSON of NumPy's global MT19937 state), python (JSON of random)
 
+The file is sealed (checkpoint_files.py): its first 512 bytes, which HDF5 skips, hold the size
+and SHA-256 of the rest, and loading checks them before HDF5 reads the file. A truncated or
+altered file, a file that is not a checkpoint, the state of another model or optimizer (the
+optimizer's class is stored too), tensors of absurd shapes or non-numeric types, step or epoch
+counters that are not integers of at least 0 and RNG states of the wrong size are each refused,
+before anything is loaded, with a CheckpointError naming the file and the problem.
+
 Tensors are datasets with a ``torch_dtype`` attribute; types NumPy lacks (bfloat16, float8)
 are stored as unsigned integers of the same width and viewed back, so every value round-trips
 bit for bit. Everything that is not a tensor (optimizer hyperparameters, the sampler position,
@@ -37,22 +44,18 @@ from collections import OrderedDict
 import numpy as np
 
 from . import checkpoint_rng
-from .checkpoint_files import atomic_hdf5
+from .checkpoint_files import atomic_hdf5, read_seal, verify
 from .comm import is_initialized, world
-from .errors import MpidistError
+from .errors import CheckpointError, MpidistError
 from .runtime.deadlines import wait_for_collective
 
 # torch and h5py are imported in the functions that use them: `mpidist prepare-data` writes
 # its HDF5 file without torch, and each takes a noticeable part of a second to import.
 
 FORMAT = "mpidist-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: sealed with a checksum, the optimizer's class stored
 CHECKPOINT_NAME = re.compile(r"^ckpt-(\d+)-(\d+)\.h5$")
 _TENSOR, _TUPLE, _ITEMS = "__tensor__", "__tuple__", "__items__"
-
-
-class CheckpointError(MpidistError):
-    """A checkpoint cannot be written or read (unsupported value, not a checkpoint, rank 0 failed)."""
 
 
 # ---- rank 0 work ------------------------------------------------------------------------------
@@ -141,6 +144,12 @@ def _write_tensor(group, name: str, tensor):
 
 def _read_tensor(dataset):
     import torch
+    if dataset.dtype.kind not in "biufc":
+        raise CheckpointError(f"{dataset.name} holds {dataset.dtype} values, not numbers")
+    claimed, stored = dataset.size * dataset.dtype.itemsize, dataset.id.get_storage_size()
+    if claimed != stored:  # save_checkpoint writes every element; shape attributes can claim anything
+        raise CheckpointError(f"{dataset.name}: its shape {list(dataset.shape)} claims {claimed} bytes, the file "
+                              f"stores {stored}")
     value = dataset[()]
     array = value if isinstance(value, np.ndarray) else np.array(value)
     name = dataset.attrs.get("torch_dtype")
@@ -149,6 +158,8 @@ def _read_tensor(dataset):
     dtype = getattr(torch, str(name), None)
     if not isinstance(dtype, torch.dtype):
         raise CheckpointError(f"{dataset.name}: unknown torch_dtype {name!r}")
+    if dtype.itemsize != array.dtype.itemsize:
+        raise CheckpointError(f"{dataset.name}: torch_dtype {name} does not fit its {array.dtype} values")
     tensor = torch.from_numpy(array)
     return tensor if tensor.dtype == dtype else tensor.view(dtype)
 
@@ -232,13 +243,14 @@ def checkpoint_path(directory, epoch: int, step: int) -> str:
 
 
 def latest_checkpoint(directory, comm=None):
-    """The path of the newest checkpoint in ``directory``; None when there is none.
+    """The path of the newest intact checkpoint in ``directory``; None when there is none.
 
-    Among the files named ``ckpt-<epoch>-<step>.h5`` it is the one written last (the
-    ``created_unix`` time save_checkpoint stores in the file; then the highest step and epoch), so
-    after a fresh run into a directory that still holds an earlier run's files, resuming continues
-    the fresh run. A file that cannot be read as an mpidist checkpoint is skipped with a warning
-    naming it. Temporary files of unfinished writes never match.
+    Among the files named ``ckpt-<epoch>-<step>.h5`` it is the one written last (the time sealed
+    in the file; then the highest step and epoch), so after a fresh run into a directory that
+    still holds an earlier run's files, resuming continues the fresh run. A file that is not an
+    mpidist checkpoint, or whose content does not match the checksum sealed in it (truncated,
+    damaged), is skipped with a warning naming it and the problem: the newest intact one is
+    returned. Temporary files of unfinished writes never match.
 
     With ``comm`` (every rank must call) rank 0 looks and every rank gets its answer, so all
     ranks resume from the same file.
@@ -251,7 +263,6 @@ def latest_checkpoint(directory, comm=None):
 
 
 def _find_latest(directory):
-    import h5py
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
@@ -259,19 +270,23 @@ def _find_latest(directory):
     found = []
     for name in names:
         match = CHECKPOINT_NAME.match(name)
-        if not match:
-            continue
-        path = os.path.join(directory, name)
+        if match:
+            path = os.path.join(directory, name)
+            try:
+                found.append((float(read_seal(path)["created_unix"]), int(match.group(2)), int(match.group(1)), path))
+            except CheckpointError as exc:
+                _skip(exc)
+    for *_, path in sorted(found, reverse=True):
         try:
-            with h5py.File(path, "r") as f:
-                if f.attrs.get("format") != FORMAT:
-                    raise CheckpointError("not an mpidist checkpoint")
-                created = float(f.attrs.get("created_unix", 0.0))
-        except (OSError, KeyError, ValueError, CheckpointError) as exc:
-            warnings.warn(f"skipping {path}: it cannot be read as an mpidist checkpoint ({exc})", stacklevel=3)
-            continue
-        found.append((created, int(match.group(2)), int(match.group(1)), path))
-    return max(found)[3] if found else None
+            verify(path)
+            return path
+        except CheckpointError as exc:
+            _skip(exc)
+    return None
+
+
+def _skip(problem: CheckpointError) -> None:
+    warnings.warn(f"skipping it: {problem}", stacklevel=4)
 
 
 def save_checkpoint(path, model, optimizer=None, step: int = 0, epoch: int = 0, sampler=None, extra=None,
@@ -295,7 +310,7 @@ def save_checkpoint(path, model, optimizer=None, step: int = 0, epoch: int = 0, 
         if sampler is not None:
             state = sampler if isinstance(sampler, dict) else sampler.state_dict()
             header["sampler"] = _to_json(state, "sampler state")
-        with atomic_hdf5(path) as f:
+        with atomic_hdf5(path, sealed=True) as f:
             f.attrs["format"] = FORMAT
             f.attrs["format_version"] = FORMAT_VERSION
             f.attrs["step"] = int(step)
@@ -313,13 +328,21 @@ def save_checkpoint(path, model, optimizer=None, step: int = 0, epoch: int = 0, 
                 if metadata is not None:
                     group.attrs["metadata"] = json.dumps(metadata)
             if optimizer is not None:
-                _write_tree(f.create_group("optimizer"), optimizer.state_dict())
+                group = f.create_group("optimizer")
+                _write_tree(group, optimizer.state_dict())
+                group.attrs["class"] = _optimizer_class(optimizer).__name__
             for rank, snapshot in enumerate(rng):
                 checkpoint_rng.write(f.create_group(f"rng/{rank}"), snapshot)
         return path
 
     on_root(comm, write, f"writing checkpoint {path}", CheckpointError)
     return os.fspath(path)
+
+
+def _optimizer_class(optimizer) -> type:
+    """The optimizer class whose state ``optimizer.state_dict()`` is: a ZeroRedundancyOptimizer's
+    (and a BackgroundCheckpoints copy's) is its ``optimizer_class``."""
+    return getattr(optimizer, "optimizer_class", type(optimizer))
 
 
 def _to_json(value, what: str) -> str:
@@ -360,32 +383,58 @@ def load_checkpoint(path, model=None, optimizer=None, sampler=None, restore_rng:
 
 def _load(path, model, optimizer, sampler, restore_rng, comm) -> dict:
     import h5py
+    verify(path)
     with h5py.File(path, "r") as f:
         if f.attrs.get("format") != FORMAT:
             raise CheckpointError(f"{path} is not an mpidist checkpoint")
         if int(f.attrs["format_version"]) > FORMAT_VERSION:
             raise CheckpointError(f"{path} has format version {f.attrs['format_version']}; "
                                   f"this mpidist reads up to {FORMAT_VERSION}")
+        result = {"step": _counter(path, f.attrs, "step"), "epoch": _counter(path, f.attrs, "epoch"),
+                  "extra": json.loads(f.attrs["extra"])}
+        # Everything is read and checked before anything is loaded, the optimizer (whose own
+        # load checks its groups before it changes) first: a refused file changes nothing.
+        parts = []
+        if optimizer is not None:
+            _require(f, "optimizer", path)
+            saved_class, own_class = f["optimizer"].attrs.get("class"), _optimizer_class(optimizer).__name__
+            if saved_class != own_class:
+                raise CheckpointError(f"{path} holds the state of a {saved_class} optimizer, not of this {own_class}")
+            parts.append(("optimizer", optimizer, _read_tree(f["optimizer"])))
         if model is not None:
             _require(f, "model", path)
-            state = _read_tree(f["model"])
+            tree = json.loads(f["model"].attrs["tree"])
+            _require_same_entries(path, _saved_datasets(path, tree, f["model"]), model.state_dict())
+            state = _decode(tree, f["model"])
             if "metadata" in f["model"].attrs:
                 state = OrderedDict(state)
                 state._metadata = json.loads(f["model"].attrs["metadata"])
-            _require_same_entries(path, state, model.state_dict())
-            _load_part(path, "model", model, state)
-        if optimizer is not None:
-            _require(f, "optimizer", path)
-            _load_part(path, "optimizer", optimizer, _read_tree(f["optimizer"]))
+            parts.append(("model", model, state))
         if sampler is not None:
             if "sampler" not in f.attrs:
                 raise CheckpointError(f"{path} holds no sampler state")
-            _load_part(path, "sampler", sampler, json.loads(f.attrs["sampler"]))
+            parts.append(("sampler", sampler, json.loads(f.attrs["sampler"])))
+        rng = None
         if restore_rng and "rng" in f:
             rank = str(_rank_of(comm))
-            checkpoint_rng.restore(f["rng"][rank if rank in f["rng"] else "0"])
-        return {"step": int(f.attrs["step"]), "epoch": int(f.attrs["epoch"]),
-                "extra": json.loads(f.attrs["extra"])}
+            rank = rank if rank in f["rng"] else "0"
+            try:
+                rng = checkpoint_rng.read(f["rng"][rank])
+            except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as exc:
+                raise CheckpointError(f"{path}: the RNG states saved for rank {rank} do not fit the generators "
+                                      f"({type(exc).__name__}: {exc})") from exc
+    for part, target, state in parts:
+        _load_part(path, part, target, state)
+    if rng is not None:
+        checkpoint_rng.restore(rng)
+    return result
+
+
+def _counter(path, attrs, name: str) -> int:
+    value = attrs[name]
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise CheckpointError(f"{path}: its {name} counter {value!r} is not an integer of at least 0")
+    return int(value)
 
 
 def _require(f, name, path):
@@ -393,20 +442,41 @@ def _require(f, name, path):
         raise CheckpointError(f"{path} holds no {name} state")
 
 
+def _saved_datasets(path, tree, group) -> dict:
+    """The model state's entries as saved: each tensor's dataset (shape and type, nothing read),
+    None for an entry that is not a tensor."""
+    if not isinstance(tree, dict) or {_TENSOR, _TUPLE, _ITEMS} & set(tree):
+        raise CheckpointError(f"{path}: its model state is not a dictionary of named entries")
+    return {name: group[node[_TENSOR]] if isinstance(node, dict) and _TENSOR in node else None
+            for name, node in tree.items()}
+
+
 def _require_same_entries(path, saved: dict, expected: dict) -> None:
-    """Refuse, in one line naming the file, a saved model state with other entries or shapes than
-    the model's (torch's own refusal lists every key, over many lines)."""
+    """Refuse, in one line naming the file, a saved model state with other entries, shapes or
+    kinds of values (floating point, integer, boolean, complex) than the model's (torch's own
+    refusal lists every key, over many lines; it casts between kinds without a word)."""
+    import torch
+
     def some(names):
         return f"{len(names)} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
 
+    def kind(dtype):
+        return "complex" if dtype.is_complex else "floating point" if dtype.is_floating_point else (
+            "boolean" if dtype == torch.bool else "integer")
+
+    tensors = {name: expected[name] for name in expected
+               if saved.get(name) is not None and isinstance(expected[name], torch.Tensor)}
     missing = [name for name in expected if name not in saved]
     unexpected = [name for name in saved if name not in expected]
-    reshaped = [f"{name} {list(saved[name].shape)} here, {list(expected[name].shape)} in the model"
-                for name in expected if name in saved and hasattr(saved[name], "shape")
-                and saved[name].shape != expected[name].shape]
+    reshaped = [f"{name} {list(saved[name].shape)} here, {list(tensor.shape)} in the model"
+                for name, tensor in tensors.items() if tuple(saved[name].shape) != tuple(tensor.shape)]
+    saved_kinds = {name: getattr(torch, str(saved[name].attrs.get("torch_dtype")), None) for name in tensors}
+    other_kinds = [f"{name} {saved_kinds[name]} here, {tensor.dtype} in the model" for name, tensor in tensors.items()
+                   if not isinstance(saved_kinds[name], torch.dtype) or kind(saved_kinds[name]) != kind(tensor.dtype)]
     problems = [f"{what}: {some(names)}" for what, names in (("entries the model has and the file lacks", missing),
                                                              ("entries the model lacks", unexpected),
-                                                             ("other shapes", reshaped)) if names]
+                                                             ("other shapes", reshaped),
+                                                             ("other kinds of values", other_kinds)) if names]
     if problems:
         raise CheckpointError(f"{path} holds the state of another model ({'; '.join(problems)})")
 
@@ -430,7 +500,8 @@ class BackgroundCheckpoints:
         self._pending = None
 
     def save(self, path, model, optimizer, **fields) -> None:
-        snapshot = (_Snapshot(copy.deepcopy(model.state_dict())), _Snapshot(copy.deepcopy(optimizer.state_dict())))
+        snapshot = (_Snapshot(copy.deepcopy(model.state_dict())),
+                    _Snapshot(copy.deepcopy(optimizer.state_dict()), _optimizer_class(optimizer)))
         self._finish_pending()
         self._pending = self._writer.submit(save_checkpoint, path, *snapshot, **fields)
 
@@ -447,10 +518,12 @@ class BackgroundCheckpoints:
 
 
 class _Snapshot:
-    """Something with the state_dict() save_checkpoint asks for: a copy taken earlier."""
+    """Something with the state_dict() save_checkpoint asks for: a copy taken earlier, and for an
+    optimizer's the class it is the state of."""
 
-    def __init__(self, state):
+    def __init__(self, state, optimizer_class=None):
         self._state = state
+        self.optimizer_class = optimizer_class
 
     def state_dict(self):
         return self._state

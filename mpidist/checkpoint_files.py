@@ -1,25 +1,40 @@
-"""Checkpoint files written atomically: an HDF5 file appears at its path only once completely
-written and on disk, and the temporary files of killed writers are cleaned up.
+"""Checkpoint files written atomically and sealed: an HDF5 file appears at its path only once
+completely written and on disk, the temporary files of killed writers are cleaned up, and a
+sealed file carries the SHA-256 of its content, checked before HDF5 parses a byte of it.
+
+The seal is HDF5's user block, the first 512 bytes, which the library skips (h5py and h5ls
+read the file as any other): ``mpidist-checkpoint sha256`` and a line of JSON, ``{"bytes": size
+of the whole file, "sha256": hex digest of every byte after the user block, "created_unix":
+time}``. ``tail -c +513 FILE | sha256sum`` prints the digest. HDF5 has no checksums of its own
+on data, and a damaged file can crash the library itself, so a file from elsewhere is checked
+first: a truncated or altered one is refused before it is opened.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import re
 import socket
+import time
+
+from .errors import CheckpointError
 
 TEMPORARY = re.compile(r"^(?P<target>.+)\.tmp-(?P<host>.+)-(?P<pid>\d+)$")
+SEAL_BYTES = 512  # HDF5's smallest user block
+SEAL_MAGIC = b"mpidist-checkpoint sha256\n"
 
 
 @contextlib.contextmanager
-def atomic_hdf5(path):
+def atomic_hdf5(path, sealed: bool = False):
     """Yield an h5py.File that appears at ``path`` only once completely written and on disk.
 
     The file is written to ``<path>.tmp-<host>-<pid>``, flushed, fsynced and renamed over
     ``path`` (``os.replace`` is atomic), so a crash at any moment leaves either the old file or
     the new one, never a torn one. On an error the temporary file is removed; one left by a
     killed writer (its process on this host no longer exists) is removed by the next write into
-    the same directory.
+    the same directory. With ``sealed`` the file carries its checksum (``read_seal``, ``verify``).
     """
     import h5py
     path = os.fspath(path)
@@ -28,9 +43,11 @@ def atomic_hdf5(path):
     remove_stale_temporaries(directory)
     tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"
     try:
-        with h5py.File(tmp, "w") as f:
+        with h5py.File(tmp, "w", userblock_size=SEAL_BYTES if sealed else 0) as f:
             yield f
             f.flush()
+        if sealed:
+            seal(tmp)
         descriptor = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(descriptor)
@@ -42,6 +59,63 @@ def atomic_hdf5(path):
             os.remove(tmp)
         raise
     _fsync_directory(directory)
+
+
+def seal(path, created_unix: float | None = None) -> None:
+    """Write into the user block of the HDF5 file at ``path`` (made with ``userblock_size=512``)
+    the size and digest of the file as it is now."""
+    fields = {"bytes": os.path.getsize(path), "sha256": _digest(path),
+              "created_unix": time.time() if created_unix is None else created_unix}
+    block = SEAL_MAGIC + json.dumps(fields).encode() + b"\n"
+    with open(path, "r+b") as f:
+        f.write(block.ljust(SEAL_BYTES, b"\0"))
+
+
+def read_seal(path) -> dict:
+    """The seal's fields of the checkpoint at ``path``, once its size matches the one sealed (no
+    read past the seal: cheap enough for every file of a directory). A missing, empty, truncated
+    or unsealed file is a CheckpointError naming the file and the problem."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} is a directory, not a file")
+    try:
+        with open(path, "rb") as f:
+            block = f.read(SEAL_BYTES)
+            size = os.fstat(f.fileno()).st_size
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
+    if size == 0:
+        raise CheckpointError(f"checkpoint {path} is empty")
+    if not block.startswith(SEAL_MAGIC):
+        kind = "an HDF5 file" if block.startswith(b"\x89HDF\r\n\x1a\n") else "a file"
+        raise CheckpointError(f"{path} is {kind} without mpidist's checkpoint seal: not an mpidist checkpoint "
+                              "(or one damaged at its start, or written by an mpidist without checksums)")
+    try:
+        fields = json.loads(block[len(SEAL_MAGIC):].split(b"\n", 1)[0])
+        expected, digest = int(fields["bytes"]), str(fields["sha256"])
+        float(fields["created_unix"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {path} is damaged: its seal cannot be read ({exc})") from exc
+    if size != expected or len(digest) != 64:
+        raise CheckpointError(f"checkpoint {path} is truncated or damaged: it holds {size} bytes, its seal says "
+                              f"{expected}")
+    return fields
+
+
+def verify(path) -> dict:
+    """``read_seal``, then every byte checked against the sealed digest: a CheckpointError naming
+    the file where any differs. Returns the seal's fields."""
+    fields = read_seal(path)
+    if _digest(path) != fields["sha256"]:
+        raise CheckpointError(f"checkpoint {path} is damaged: its content does not match the SHA-256 sealed in it "
+                              "(bytes changed after it was written)")
+    return fields
+
+
+def _digest(path) -> str:
+    with open(path, "rb") as f:
+        f.seek(SEAL_BYTES)
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def remove_stale_temporaries(directory) -> list:

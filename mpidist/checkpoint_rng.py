@@ -1,5 +1,6 @@
 """Every rank's random number generators in a checkpoint: torch's (CPU and CUDA), NumPy's and
-Python's states, gathered on rank 0 as typed bytes (no pickle), written to HDF5 and restored.
+Python's states, gathered on rank 0 as typed bytes (no pickle), written to HDF5, read back and
+checked, and restored.
 """
 from __future__ import annotations
 
@@ -78,15 +79,33 @@ def write(group, snapshot):
     group.attrs["python"] = json.dumps(snapshot["python"])
 
 
-def restore(group):
+def read(group) -> dict:
+    """The RNG states of ``group``, each first set into a generator of its own, so that a state
+    of the wrong size or kind raises here (ValueError, TypeError, RuntimeError) before any of
+    this process's generators changes."""
     import torch
-    torch.set_rng_state(torch.from_numpy(np.asarray(group["torch_cpu"][()], dtype=np.uint8)))
+    torch_cpu = torch.from_numpy(np.asarray(group["torch_cpu"][()], dtype=np.uint8))
+    torch.Generator().set_state(torch_cpu)
+    torch_cuda = []
     if "torch_cuda" in group and torch.cuda.is_available():
-        states = [torch.from_numpy(group["torch_cuda"][str(d)][()]) for d in range(len(group["torch_cuda"]))]
-        if len(states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(states)
+        torch_cuda = [torch.from_numpy(group["torch_cuda"][str(d)][()]) for d in range(len(group["torch_cuda"]))]
     state = json.loads(group.attrs["numpy"])
-    np.random.set_state((state["bit_generator"], np.array(state["keys"], dtype=np.uint32), state["pos"],
-                         state["has_gauss"], state["cached_gaussian"]))
+    numpy_state = (state["bit_generator"], np.array(state["keys"], dtype=np.uint32), state["pos"],
+                   state["has_gauss"], state["cached_gaussian"])
+    if not 0 <= int(state["pos"]) <= len(numpy_state[1]):  # NumPy takes any position without a word
+        raise ValueError(f"NumPy's MT19937 position {state['pos']} is outside its {len(numpy_state[1])} keys")
+    np.random.RandomState().set_state(numpy_state)
     state = json.loads(group.attrs["python"])
-    random.setstate((state["version"], tuple(state["state"]), state["gauss_next"]))
+    python_state = (state["version"], tuple(state["state"]), state["gauss_next"])
+    random.Random().setstate(python_state)
+    return {"torch_cpu": torch_cpu, "torch_cuda": torch_cuda, "numpy": numpy_state, "python": python_state}
+
+
+def restore(states: dict) -> None:
+    """Set this process's generators to ``states`` (from ``read``)."""
+    import torch
+    torch.set_rng_state(states["torch_cpu"])
+    if states["torch_cuda"] and len(states["torch_cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(states["torch_cuda"])
+    np.random.set_state(states["numpy"])
+    random.setstate(states["python"])

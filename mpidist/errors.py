@@ -59,6 +59,11 @@ class PeerExitedError(DeadlineError):
     ends at once instead of at MPIDIST_TIMEOUT. `peers`: the ranks that ended, on the communicator of the wait."""
 
 
+class CheckpointError(MpidistError):
+    """A checkpoint cannot be written or read: an unsupported value, a file that is damaged, not
+    a checkpoint or the state of another model or optimizer, or rank 0 failed to write it."""
+
+
 class RankDiedError(MpidistError):
     """A rank died (the MPI library's fault tolerance, ULFM, reported it) and the work cannot go
     on without it. `ranks`: the dead ranks, on the communicator of the work."""
