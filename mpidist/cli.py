@@ -177,7 +177,9 @@ def add_train_command(subparsers) -> None:
     parser.add_argument("--batch-size", type=positive_int, default=32,
                         help="per rank (--mode pipeline: per batch, which every stage sees)")
     parser.add_argument("--lr", type=positive_float, default=0.05)
-    parser.add_argument("--compression", choices=["none", "fp16", "bf16"], default="none")
+    parser.add_argument("--compression", default="none",
+                        help="--mode data: none, fp16, bf16, int8, powersgd:<rank> or topk:<fraction> "
+                             "(docs/compression.md)")
     parser.add_argument("--zero", action="store_true",
                         help="--mode data: shard the optimizer state over the ranks (md.ZeroRedundancyOptimizer)")
     parser.add_argument("--algorithm", default="auto")

@@ -52,6 +52,7 @@ import mpidist as md
 from . import clicks
 from .checkpoint import (
     CHECKPOINT_NAME,
+    CheckpointError,
     checkpoint_path,
     latest_checkpoint,
     load_checkpoint,
@@ -61,6 +62,7 @@ from .checkpoint import (
 )
 from .data import DataFileError, HDF5Dataset, ShardedSampler, ensure_digits
 from .errors import InvalidArgumentError, MpidistError
+from .parallel.compressors import parse_compression
 from .stopping import GracefulStop
 from .train_pipeline import PipelineMode, common_checkpoint
 from .train_ps import WorkerMode, say_what_survives, serve_and_checkpoint
@@ -173,6 +175,7 @@ MODE_OPTIONS = {"ps": ("ps_mode", "softsync", "max_staleness", "staleness_lr", "
 
 def check_mode_options(args) -> None:
     """Options that belong to another mode are refused (on every rank, before MPI starts)."""
+    parse_compression(args.compression)
     for mode, names in MODE_OPTIONS.items():
         given = [name for name in names if getattr(args, name) is not None and getattr(args, name) is not False]
         if given and args.mode != mode:
@@ -217,13 +220,42 @@ def cmd_train(args, stop: GracefulStop | None = None) -> int:
     return train_data_parallel(args, comm, train_set, test_set, items, say, stop)
 
 
-def save_data_parallel(args, comm, model, optimizer, sampler, step: int, epoch: int) -> str:
+def save_data_parallel(args, comm, model, ddp, optimizer, sampler, step: int, epoch: int) -> str:
     """Checkpoint of the data-parallel run after `step` steps, in epoch `epoch` (complete when
-    the sampler has handed out all its indices)."""
+    the sampler has handed out all its indices); with error-feedback compression each rank also
+    writes its compression state (compression_state_path)."""
     if args.zero:  # rank 0 writes the whole state, as a plain optimizer's: either kind resumes from it
         optimizer.consolidate_state_dict(to=0)
-    return save_checkpoint(checkpoint_path(args.checkpoint_dir, epoch, step), model, optimizer,
+    path = save_checkpoint(checkpoint_path(args.checkpoint_dir, epoch, step), model, optimizer,
                            step=step, epoch=epoch, sampler=sampler, comm=comm)
+    if isinstance(ddp, md.DataParallel) and ddp.compression_state_dict():  # alike on every rank
+        failure = None
+        try:
+            save_checkpoint(compression_state_path(path, comm), CompressionState(ddp))
+        except Exception as exc:  # every rank's error, so that none goes on alone
+            failure = exc
+        share_failure(comm, failure, "writing the compression state", CheckpointError)
+    return path
+
+
+def compression_state_path(path, comm) -> str:
+    """Where this rank keeps its compression state of the checkpoint at `path`: beside it, in
+    compression-rank<rank>/ under the same name (the ranks' residuals differ)."""
+    directory, name = os.path.split(path)
+    return os.path.join(directory, f"compression-rank{comm.rank}", name)
+
+
+class CompressionState:
+    """A DataParallel's error-feedback state (this rank's) as the model part of a checkpoint."""
+
+    def __init__(self, ddp):
+        self.ddp = ddp
+
+    def state_dict(self) -> dict:
+        return self.ddp.compression_state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self.ddp.load_compression_state_dict(state)
 
 
 class DataParallelMode(Mode):
@@ -243,7 +275,8 @@ class DataParallelMode(Mode):
             return False
         # The sampler has handed out exactly the indices of the steps taken (a DataLoader
         # without workers), so --resume continues with the next batch of this epoch.
-        path = save_data_parallel(self.args, self.comm, self.model, self.optimizer, self.sampler, step, epoch)
+        path = save_data_parallel(self.args, self.comm, self.model, self.ddp, self.optimizer, self.sampler, step,
+                                  epoch)
         self.say(f"{stopped_line(self.stop, step, epoch, self.args.epochs, path)}; --resume continues from it",
                  flush=True)
         self.stop.close()
@@ -260,7 +293,7 @@ class DataParallelMode(Mode):
         self.say(f"epoch {epoch + 1}/{self.args.epochs}: loss {totals[0] / max(totals[2], 1):.4f}, train accuracy "
                  f"{totals[1] / max(totals[2], 1):.4f} ({int(totals[2])} samples on {self.comm.size} ranks, "
                  f"{totals[2] / elapsed:.0f} samples/s)", flush=True)
-        save_data_parallel(self.args, self.comm, self.model, self.optimizer, self.sampler, step, epoch + 1)
+        save_data_parallel(self.args, self.comm, self.model, self.ddp, self.optimizer, self.sampler, step, epoch + 1)
 
 
 def train_data_parallel(args, comm, train_set, test_set, items, say, stop) -> int:
@@ -287,6 +320,9 @@ def train_data_parallel(args, comm, train_set, test_set, items, say, stop) -> in
         else:
             state = load_checkpoint(latest, model, optimizer, sampler, comm=comm)
             step, start_epoch = state["step"], state["epoch"]
+            if isinstance(ddp, md.DataParallel) and ddp.compression_state_dict():
+                load_checkpoint(compression_state_path(latest, comm), CompressionState(ddp), restore_rng=False,
+                                comm=comm)
             say(f"resumed from {latest} (epoch {start_epoch}, step {step})", flush=True)
     elif os.path.isdir(args.checkpoint_dir) and any(map(CHECKPOINT_NAME.match, os.listdir(args.checkpoint_dir))):
         say(f"{args.checkpoint_dir} holds checkpoints of an earlier run: this run starts from scratch and "
