@@ -24,7 +24,7 @@ from ..parallel.reducer import (
 )
 from ..runtime import config
 from .basics import Adasum, Average, resolve_op
-from .compression import Compression
+from .compression import Compression, cast_only
 from .join import register_adasum_optimizer, register_optimizer
 from .mpi_ops import pack_group
 from .process_sets import ProcessSet, comm_of
@@ -152,7 +152,7 @@ class _DistributedAdasumOptimizer:
         check_not_synchronized(params, "DistributedOptimizer")
         self._adasum_params = params
         self._adasum_comm = comm
-        self._wire = COMPRESSION_DTYPES.get(getattr(compression, "wire", None))
+        self._wire = COMPRESSION_DTYPES.get(cast_only(compression, "DistributedOptimizer(op=hvd.Adasum)"))
         register_adasum_optimizer(self)
 
     def synchronize(self):
