@@ -166,20 +166,38 @@ def tuning_path(path: str | None = None) -> str:
 
 def table_from_rows(rows) -> tuple:
     """[{"max_bytes": b, "algorithm": a}, ...] (max_bytes inclusive, None = no bound) as the
-    (exclusive bound, algorithm) pairs choose_allreduce reads."""
+    (exclusive bound, algorithm) pairs choose_allreduce reads. Anything else is a ValueError
+    naming the row: an unknown algorithm, a bound that is not a whole number of bytes (0 or
+    more), bounds out of increasing order, a last row with a bound (sizes beyond it would have no
+    algorithm) or an earlier row without."""
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"a table is a non-empty list of rows, not {json.dumps(rows)[:40]}")
     table = []
-    for row in rows:
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or not {"max_bytes", "algorithm"} <= set(row):
+            raise ValueError(f"row {i} is not an object with max_bytes and algorithm")
         algorithm, bound = row["algorithm"], row["max_bytes"]
         if algorithm not in ALLREDUCE:
-            raise ValueError(f"unknown algorithm {algorithm!r}")
-        table.append((float("inf") if bound is None else int(bound) + 1, algorithm))
-    if not table:
-        raise ValueError("empty table")
+            raise ValueError(f"row {i}: unknown algorithm {algorithm!r}")
+        last = i == len(rows) - 1
+        if (bound is None) != last:
+            raise ValueError(f"row {i}: max_bytes {bound}: the last row, and only the last, has max_bytes null")
+        if bound is None:
+            table.append((float("inf"), algorithm))
+            continue
+        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+            raise ValueError(f"row {i}: max_bytes {bound!r} is not a whole number of bytes")
+        if table and bound + 1 <= table[-1][0]:
+            raise ValueError(f"row {i}: max_bytes {bound} is not above the previous row's {table[-1][0] - 1}: "
+                             "rows go by increasing size")
+        table.append((bound + 1, algorithm))
     return tuple(table)
 
 
 def read_tuning_file(path: str | None = None) -> dict:
-    """The tuning file's tables by rank count (and its "model"), {} when there is no file."""
+    """The tuning file's tables by rank count (and its "model"), {} when there is no file. A
+    file that is not that (not JSON, a key that is not a rank count, a malformed table: see
+    table_from_rows) is a ValueError naming the problem."""
     path = tuning_path(path)
     if not os.path.exists(path):
         return {}
@@ -187,6 +205,17 @@ def read_tuning_file(path: str | None = None) -> dict:
         tables = json.load(handle)
     if not isinstance(tables, dict):
         raise ValueError("not a JSON object of tables")
+    for key, rows in tables.items():
+        if key == "model":
+            if not isinstance(rows, dict):
+                raise ValueError("its model is not a JSON object")
+            continue
+        if not key.isdigit() or int(key) < 1:
+            raise ValueError(f"{key!r} is not a rank count")
+        try:
+            table_from_rows(rows)
+        except ValueError as exc:
+            raise ValueError(f"the table for {key} ranks: {exc}") from exc
     return tables
 
 
