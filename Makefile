@@ -79,10 +79,20 @@ test-multinode: install
 # `make test` already builds the CUDA code, and these tests check results, not speed: this venv
 # builds mpidist CPU-only and mpi4py without optimization (its MPI.c is large; -O0 compiles it
 # in a fraction of the time; mpidist's own -O3 still applies to its extension).
+# The cluster's torch is played by a module tree of its own (CLUSTER_TORCH, on PYTHONPATH as a
+# site's `module load pytorch` puts it): the install must keep that torch, and the training run
+# must import it from there, not from a torch of the venv.
+CLUSTER_TORCH ?= build/cluster-torch
+SYSTEM_MPI_ENV = PYTHONPATH=$(abspath $(CLUSTER_TORCH)) MPIDIST_CUDA=0 CFLAGS=-O0
 test-system-mpi:
-	MPIDIST_CUDA=0 CFLAGS=-O0 $(MAKE) test MPI=system VENV=.venv-system \
+	test -d $(CLUSTER_TORCH)/torch || $(PYTHON) -m pip install --quiet --target $(CLUSTER_TORCH) "$(TORCH_SPEC)"
+	$(SYSTEM_MPI_ENV) $(MAKE) test MPI=system VENV=.venv-system \
 		PYTEST_ARGS="tests/test_point_to_point.py tests/test_collectives.py -k 'not never_joins'"
-	MPIDIST_CUDA=0 CFLAGS=-O0 $(MAKE) run MPI=system VENV=.venv-system \
+	$(SYSTEM_MPI_ENV) .venv-system/bin/python -c 'import os, torch; \
+		assert torch.__file__.startswith(os.path.abspath("$(CLUSTER_TORCH)")), torch.__file__; \
+		print("the cluster torch:", torch.__file__)'
+	test ! -e .venv-system/lib/python*/site-packages/torch || { echo "a second torch went into .venv-system" >&2; exit 1; }
+	$(SYSTEM_MPI_ENV) $(MAKE) run MPI=system VENV=.venv-system \
 		TRAIN_ARGS="--epochs 2 --no-progress --checkpoint-dir build/system-mpi-checkpoints"
 
 # The GPU check (docs/gpu.md). On a machine with an NVIDIA GPU and no network, `make gpu-check`
