@@ -144,11 +144,12 @@ def _write_tensor(group, name: str, tensor):
 
 def _read_tensor(dataset):
     import torch
+    where = f"{dataset.file.filename}: {dataset.name}"
     if dataset.dtype.kind not in "biufc":
-        raise CheckpointError(f"{dataset.name} holds {dataset.dtype} values, not numbers")
+        raise CheckpointError(f"{where} holds {dataset.dtype} values, not numbers")
     claimed, stored = dataset.size * dataset.dtype.itemsize, dataset.id.get_storage_size()
     if claimed != stored:  # save_checkpoint writes every element; shape attributes can claim anything
-        raise CheckpointError(f"{dataset.name}: its shape {list(dataset.shape)} claims {claimed} bytes, the file "
+        raise CheckpointError(f"{where}: its shape {list(dataset.shape)} claims {claimed} bytes, the file "
                               f"stores {stored}")
     value = dataset[()]
     array = value if isinstance(value, np.ndarray) else np.array(value)
@@ -157,9 +158,9 @@ def _read_tensor(dataset):
     # float8), not only those ranks exchange
     dtype = getattr(torch, str(name), None)
     if not isinstance(dtype, torch.dtype):
-        raise CheckpointError(f"{dataset.name}: unknown torch_dtype {name!r}")
+        raise CheckpointError(f"{where}: unknown torch_dtype {name!r}")
     if dtype.itemsize != array.dtype.itemsize:
-        raise CheckpointError(f"{dataset.name}: torch_dtype {name} does not fit its {array.dtype} values")
+        raise CheckpointError(f"{where}: torch_dtype {name} does not fit its {array.dtype} values")
     tensor = torch.from_numpy(array)
     return tensor if tensor.dtype == dtype else tensor.view(dtype)
 
@@ -250,16 +251,27 @@ def latest_checkpoint(directory, comm=None):
     still holds an earlier run's files, resuming continues the fresh run. A file that is not an
     mpidist checkpoint, or whose content does not match the checksum sealed in it (truncated,
     damaged), is skipped with a warning naming it and the problem: the newest intact one is
-    returned. Temporary files of unfinished writes never match.
+    returned. Temporary files of unfinished writes never match. Where checkpoint files are there
+    and none is intact, a CheckpointError says so, naming the newest and its problem: a caller
+    that took None for "start from scratch" would write its fresh run's checkpoints over them.
 
-    With ``comm`` (every rank must call) rank 0 looks and every rank gets its answer, so all
-    ranks resume from the same file.
+    With ``comm`` (every rank must call) rank 0 looks and every rank gets its answer, or raises
+    its error, so all ranks resume from the same file.
     """
     if _mpi_comm(comm) is None:
         return _find_latest(os.fspath(directory))
-    found = on_root(comm, lambda: _find_latest(os.fspath(directory)), f"looking for checkpoints in {directory}",
-                    CheckpointError)
-    return _mpi_comm(comm).bcast(found, root=0)
+
+    def look():
+        try:
+            return _find_latest(os.fspath(directory)), None
+        except CheckpointError as exc:
+            return None, str(exc)
+
+    found = on_root(comm, look, f"looking for checkpoints in {directory}", CheckpointError)
+    found, problem = _mpi_comm(comm).bcast(found, root=0)
+    if problem is not None:
+        raise on_every_rank(CheckpointError(problem))
+    return found
 
 
 def _find_latest(directory):
@@ -267,7 +279,7 @@ def _find_latest(directory):
         names = os.listdir(directory)
     except FileNotFoundError:
         return None
-    found = []
+    found, refused = [], []
     for name in names:
         match = CHECKPOINT_NAME.match(name)
         if match:
@@ -275,18 +287,22 @@ def _find_latest(directory):
             try:
                 found.append((float(read_seal(path)["created_unix"]), int(match.group(2)), int(match.group(1)), path))
             except CheckpointError as exc:
-                _skip(exc)
+                refused.append(_skip(exc))
     for *_, path in sorted(found, reverse=True):
         try:
             verify(path)
             return path
         except CheckpointError as exc:
-            _skip(exc)
+            refused.insert(0, _skip(exc))
+    if refused:
+        raise CheckpointError(f"{directory} holds {len(refused)} checkpoint file(s) and none is intact "
+                              f"({refused[0]}); restore a good one, or move them away to start from scratch")
     return None
 
 
-def _skip(problem: CheckpointError) -> None:
+def _skip(problem: CheckpointError) -> CheckpointError:
     warnings.warn(f"skipping it: {problem}", stacklevel=4)
+    return problem
 
 
 def save_checkpoint(path, model, optimizer=None, step: int = 0, epoch: int = 0, sampler=None, extra=None,
@@ -432,7 +448,8 @@ def _load(path, model, optimizer, sampler, restore_rng, comm) -> dict:
 
 def _counter(path, attrs, name: str) -> int:
     value = attrs[name]
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
+    value = value.item() if isinstance(value, np.generic) else value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise CheckpointError(f"{path}: its {name} counter {value!r} is not an integer of at least 0")
     return int(value)
 
@@ -471,7 +488,8 @@ def _require_same_entries(path, saved: dict, expected: dict) -> None:
     reshaped = [f"{name} {list(saved[name].shape)} here, {list(tensor.shape)} in the model"
                 for name, tensor in tensors.items() if tuple(saved[name].shape) != tuple(tensor.shape)]
     saved_kinds = {name: getattr(torch, str(saved[name].attrs.get("torch_dtype")), None) for name in tensors}
-    other_kinds = [f"{name} {saved_kinds[name]} here, {tensor.dtype} in the model" for name, tensor in tensors.items()
+    other_kinds = [f"{name} {saved[name].attrs.get('torch_dtype')} here, {str(tensor.dtype).removeprefix('torch.')} "
+                   "in the model" for name, tensor in tensors.items()
                    if not isinstance(saved_kinds[name], torch.dtype) or kind(saved_kinds[name]) != kind(tensor.dtype)]
     problems = [f"{what}: {some(names)}" for what, names in (("entries the model has and the file lacks", missing),
                                                              ("entries the model lacks", unexpected),

@@ -90,8 +90,11 @@ def read_seal(path) -> dict:
         kind = "an HDF5 file" if block.startswith(b"\x89HDF\r\n\x1a\n") else "a file"
         raise CheckpointError(f"{path} is {kind} without mpidist's checkpoint seal: not an mpidist checkpoint "
                               "(or one damaged at its start, or written by an mpidist without checksums)")
+    line, _, padding = block[len(SEAL_MAGIC):].partition(b"\n")
     try:
-        fields = json.loads(block[len(SEAL_MAGIC):].split(b"\n", 1)[0])
+        if padding.strip(b"\0"):
+            raise ValueError("bytes changed after its line")
+        fields = json.loads(line)
         expected, digest = int(fields["bytes"]), str(fields["sha256"])
         float(fields["created_unix"])
     except (ValueError, KeyError, TypeError) as exc:

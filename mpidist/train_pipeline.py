@@ -8,7 +8,14 @@ import os
 
 import numpy as np
 
-from .checkpoint import CHECKPOINT_NAME, CheckpointError, checkpoint_path, latest_checkpoint, save_checkpoint
+from .checkpoint import (
+    CHECKPOINT_NAME,
+    CheckpointError,
+    checkpoint_path,
+    latest_checkpoint,
+    save_checkpoint,
+    share_failure,
+)
 from .training import Mode, stopped_line
 
 
@@ -60,7 +67,12 @@ def common_checkpoint(directory, comm):
     """(epoch, step) of the newest checkpoint that every rank has in its own `directory`, or None
     when a rank has none. Where ranks' newest differ (a job stopped while some ranks were writing
     an epoch's files), the oldest of them, if every rank has it; otherwise every rank raises."""
-    latest = latest_checkpoint(directory)
+    latest = failure = None
+    try:
+        latest = latest_checkpoint(directory)
+    except CheckpointError as exc:  # every rank's, so that no rank waits below for one that stopped
+        failure = exc
+    share_failure(comm, failure, f"looking for checkpoints in {directory}", CheckpointError)
     match = CHECKPOINT_NAME.match(os.path.basename(latest)) if latest else None
     mine = [int(match.group(1)), int(match.group(2))] if match else [-1, -1]
     table = comm.allgather(np.array(mine, dtype=np.int64)).reshape(comm.size, 2)
