@@ -134,9 +134,14 @@ VARIABLES = (
              "all-reduce needs only the shared-memory component. On a cluster whose own RMA code needs UCX "
              "windows, set it yourself", reader="Open MPI"),
     _package("HOROVOD_FUSION_THRESHOLD", "count", 25 * 2 ** 20, "`26214400` (25 MiB)",
-             "when `hvd.DistributedOptimizer` is made",
+             "when `hvd.DistributedOptimizer` is made; at each negotiation cycle",
              "`hvd.DistributedOptimizer`'s bucket size in bytes (`0`: a bucket per gradient, Horovod's \"no "
-             "fusion\"); on the shared-memory path on one node buckets hold at most 4 MB", section="horovod"),
+             "fusion\"); on the shared-memory path on one node buckets hold at most 4 MB. Also the most bytes "
+             "of hvd all-reduces ready in one negotiation cycle that are fused into one buffer (`0`: none)",
+             section="horovod"),
+    _package("HOROVOD_CYCLE_TIME", "number", 1.0, "`1` (milliseconds)", "when hvd's negotiation starts",
+             "the time between two negotiation cycles of hvd's operations, in milliseconds (see "
+             "[Horovod compatibility](horovod.md))", section="horovod"),
     _package("HOROVOD_TIMELINE", "path", None, "unset", "by the first `hvd.init()`",
              "rank 0 writes a Chrome trace of the collectives to this path (`DYNAMIC`: wait for "
              "`hvd.start_timeline`)", section="horovod"),

@@ -10,23 +10,25 @@ import torch
 
 from ..errors import InvalidArgumentError, MpidistError, UnsupportedBufferError
 from .handles import Handle
+from .negotiation import NEGOTIATED, negotiator_of
 from .process_sets import comm_of
 
 _names_in_flight = {}  # name= -> the Handle of the asynchronous operation that holds it
 
 
 def check_call(operation: str, arguments: dict) -> None:
-    """Refuse, on this rank and with the others told, a call of hvd.`operation` (its bound
-    `arguments`) whose tensor is none or whose name is held."""
+    """Refuse a call of hvd.`operation` (its bound `arguments`) whose tensor is none (on this
+    rank, with the others told) or whose name is held (on this rank alone, as Horovod: the
+    operation that holds it still completes)."""
+    name = arguments.get("name")
+    if name is not None and name in _names_in_flight:
+        raise InvalidArgumentError(f"hvd.{operation}: name={name!r} is that of an asynchronous operation still in "
+                                   "flight (until synchronize() returns its result); give each concurrent "
+                                   "operation a name of its own")
     try:
         _check_tensors(operation, arguments)
-        name = arguments.get("name")
-        if name is not None and name in _names_in_flight:
-            raise InvalidArgumentError(f"hvd.{operation}: name={name!r} is that of an asynchronous operation still in "
-                                       "flight (until synchronize() returns its result); give each concurrent "
-                                       "operation a name of its own")
     except MpidistError:
-        _share_refusal(arguments.get("process_set"))
+        _share_refusal(operation, name, arguments.get("process_set"))
         raise
 
 
@@ -53,12 +55,16 @@ def _check_tensors(operation: str, arguments: dict) -> None:
                                    f"{[type(member).__name__ for member in group]}")
 
 
-def _share_refusal(process_set) -> None:
+def _share_refusal(operation: str, name, process_set) -> None:
     try:
         comm = comm_of(process_set)
     except MpidistError:
         return  # outside the process set: no rank waits for this one
-    share_refusal_on(comm)
+    if operation in NEGOTIATED:
+        negotiator = negotiator_of(comm)
+        negotiator.refuse(negotiator.name_of(name))
+    else:
+        share_refusal_on(comm)
 
 
 def share_refusal_on(comm) -> None:

@@ -11,6 +11,7 @@ from .. import _C
 from .. import comm as _comm
 from ..errors import InvalidArgumentError, MismatchError, NotOfferedError
 from . import timeline
+from .negotiation import negotiator_of
 from .process_sets import register
 
 # ---- reduction ops (Horovod's constants) -----------------------------------------------------
@@ -43,6 +44,7 @@ def init(comm=None, process_sets=None):
     world = _comm.init(comm)
     _homogeneous(world)  # collective: found here, where every rank calls, so the query is local
     timeline.start_from_environment()
+    negotiator_of(world)  # collective: made here, where every rank calls, before any operation
     if process_sets is not None and process_sets != "dynamic":
         for process_set in process_sets:
             if process_set.process_set_id is None:

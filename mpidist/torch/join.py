@@ -18,6 +18,7 @@ from ..parallel.join import last_joiner
 from ..runtime import wire
 from ..runtime.deadlines import wait_for_collective
 from .basics import Average, Sum
+from .negotiation import negotiator_of
 from .process_sets import comm_of
 from .timeline import traced
 
@@ -59,6 +60,7 @@ def join(device=-1) -> int:
     sum or average. Returns the rank that joined last, the same on every rank (the highest of
     several joining at the same step)."""
     world = _comm.world()  # not comm_of: the ranks still training call join() once others have
+    negotiator = negotiator_of(world)
     if any(o._adasum_comm is world for o in _ADASUM_OPTIMIZERS):
         raise NotOfferedError("hvd.join() with a DistributedOptimizer(op=hvd.Adasum): a joined rank has no "
                               "change of its own to combine; use op=hvd.Average")
@@ -73,14 +75,19 @@ def join(device=-1) -> int:
             raise NotOfferedError(f"hvd.join() with op={buckets.op!r}: a joined rank's zeros would change a "
                                   "minimum, maximum or product; use op=hvd.Average or hvd.Sum")
         buckets.check_idle()
+    # From here this rank's negotiation takes part with zeros in the others' hvd all-reduces.
+    negotiator.join()
+    if live:
         # The first ranks to join shadow the next exchange unannounced: it tells the others.
         if buckets.active_ranks < world.size or buckets.shadow():
             _take_part_while_joined(world, buckets)
         exchanges = buckets.restart_exchange_count()
         buckets.end_join()
     # The rank that joined last brought gradients to the most exchanges and waited through the
-    # fewest of the others' all-reduces.
-    return last_joiner(world, exchanges - _wait_for_every_rank_to_join(world))
+    # fewest of the others' all-reduces (those of the DistributedOptimizer's channel, and the
+    # negotiated ones of hvd's operations).
+    waited = _wait_for_every_rank_to_join(world) + negotiator.wait_for_every_rank_to_join()
+    return last_joiner(world, exchanges - waited)
 
 
 def _wait_for_every_rank_to_join(world) -> int:

@@ -11,14 +11,14 @@ import numpy as np
 import torch
 
 from .. import buffers
-from .. import comm as _comm
 from ..errors import InvalidArgumentError, MismatchError, MpidistError, NotOfferedError, UnsupportedDtypeError
 from ..parallel.flat import tensors_by_kind
 from .arguments import release, share_refusal_on
 from .basics import Adasum, Average, Sum, resolve_op
 from .compression import Compression, dtype_on_wire
 from .handles import DoneHandle, GroupHandle, Handle
-from .join import announce_allreduce, collective_comm, ranks_waiting_in_join
+from .join import announce_allreduce, collective_comm
+from .negotiation import negotiator_of
 from .process_sets import comm_of, root_in
 from .timeline import end_traced, traced
 
@@ -28,7 +28,19 @@ _COLLECTIVE_DTYPES = frozenset(getattr(torch, name) for name in buffers.DTYPES)
 @traced("BARRIER")
 def barrier(process_set=None):
     """Wait until every rank has called barrier()."""
-    collective_comm(process_set).barrier()
+    _negotiated(collective_comm(process_set), None, ["barrier", "", 0, "", "", [], 0, []],
+                lambda private: private.barrier()).wait()
+
+
+def _negotiated(comm, name, signature, run, buffer=None):
+    """The handle of an operation submitted to `comm`'s negotiation (negotiation.py) under `name`,
+    or under the next unnamed one's, which runs once every rank has submitted it."""
+    negotiator = negotiator_of(comm)
+    return negotiator.submit(negotiator.name_of(name), signature, run, buffer)
+
+
+def _dtype_name(tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
 
 
 # ---- collectives -----------------------------------------------------------------------------
@@ -63,34 +75,39 @@ def _wire_dtype(tensor, compression):
     return dtype_on_wire(tensor, compression)
 
 
-def _shape_to_check(comm, shape):
-    """The shape (or tuple of shapes) the ranks must agree on beside the count, as Horovod's
-    reductions refuse tensors of different shapes: None while ranks wait in join(), which take
-    part with flat zeros."""
-    if comm is _comm.world() and ranks_waiting_in_join(comm):
-        return None
-    return shape
-
-
 def _group_shape(members):
-    return tuple(tuple(member.shape) for member in members)
+    return [list(member.shape) for member in members]
 
 
-def _allreduce_into(tensor, op, compression, prescale_factor, postscale_factor, comm, shape=None):
-    """`tensor` reduced in place; `shape` (default: the tensor's) is what the ranks' must match."""
+def _start_allreduce(tensor, name, op, compression, prescale_factor, postscale_factor, comm, shape=None):
+    """(handle, finishing step) of the all-reduce of `tensor` in place, negotiated under `name`;
+    `shape` (default: the tensor's) is what the ranks' must match. Adasum runs at once."""
     wire_dtype = _wire_dtype(tensor, compression)
     op, postscale_factor = _reduction(tensor, op, postscale_factor, comm)
-    announce_allreduce(comm, tensor, op, asynchronous=False, wire_dtype=wire_dtype)
+    if op == Adasum:  # refused while ranks wait in join()
+        announce_allreduce(comm, tensor, op, asynchronous=False, wire_dtype=wire_dtype)
     _scaled(tensor, prescale_factor)
     wire = tensor.to(wire_dtype) if wire_dtype is not None else tensor
+
+    def finish(result):
+        if wire is not result:
+            result.copy_(wire)
+        _scaled(result, postscale_factor)
+        return result
+
     if op == Adasum:
         comm.adasum_allreduce(wire)
-    else:
-        comm.allreduce(wire, op=op, shape=_shape_to_check(comm, tuple(tensor.shape) if shape is None else shape))
-    if wire is not tensor:
-        tensor.copy_(wire)
-    _scaled(tensor, postscale_factor)
-    return tensor
+        return DoneHandle(tensor), finish
+    signature = ["allreduce", _dtype_name(wire), wire.numel(), op, wire.device.type,
+                 list(tensor.shape) if shape is None else shape, 0, [prescale_factor, postscale_factor]]
+    return _negotiated(comm, name, signature, lambda private: private.allreduce(wire, op=op), buffer=wire), finish
+
+
+def _allreduce_into(tensor, op, compression, prescale_factor, postscale_factor, comm, shape=None, name=None):
+    """`tensor` reduced in place; `shape` (default: the tensor's) is what the ranks' must match."""
+    handle, finish = _start_allreduce(tensor, name, op, compression, prescale_factor, postscale_factor, comm, shape)
+    handle.wait()
+    return finish(tensor)
 
 
 def _contiguous_copy(tensor):
@@ -162,7 +179,7 @@ class _Broadcast(torch.autograd.Function):
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=None, compression=Compression.none):
     return _allreduce_into(tensor, resolve_op(op, average), compression, prescale_factor, postscale_factor,
-                           comm_of(process_set))
+                           comm_of(process_set), name=name)
 
 
 @traced("ALLREDUCE")
@@ -177,23 +194,8 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 @traced("ALLREDUCE")
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=None):
-    comm = comm_of(process_set)
-    wire_dtype = _wire_dtype(tensor, Compression.none)
-    op, postscale_factor = _reduction(tensor, resolve_op(op, average), postscale_factor, comm)
-    announce_allreduce(comm, tensor, op, asynchronous=True, wire_dtype=wire_dtype)  # refused for Adasum
-    _scaled(tensor, prescale_factor)
-    wire = tensor.to(wire_dtype) if wire_dtype is not None else tensor
-
-    def finish(result):
-        if wire is not result:
-            result.copy_(wire)
-        _scaled(result, postscale_factor)
-        return result
-
-    if op == Adasum:  # runs at once, in order behind the asynchronous operations in flight
-        comm.adasum_allreduce(wire)
-        return Handle(DoneHandle(tensor), tensor, finish)
-    handle = comm.allreduce_async(wire, op=op, shape=_shape_to_check(comm, tuple(tensor.shape)))
+    handle, finish = _start_allreduce(tensor, name, resolve_op(op, average), Compression.none, prescale_factor,
+                                      postscale_factor, comm_of(process_set))
     return Handle(handle, tensor, finish)
 
 
@@ -226,7 +228,7 @@ def synchronize(handle):
 
 @traced("BROADCAST")
 def broadcast_(tensor, root_rank, name=None, process_set=None):
-    collective_comm(process_set).broadcast(_movable(tensor), root=root_in(process_set, root_rank))
+    _start_broadcast(tensor, root_rank, name, process_set).wait()
     return tensor
 
 
@@ -237,10 +239,25 @@ def broadcast(tensor, root_rank, name=None, process_set=None):
     return _Broadcast.apply(tensor, root_in(process_set, root_rank), comm)
 
 
+def _start_broadcast(tensor, root_rank, name, process_set):
+    """The negotiated handle of the broadcast of `tensor` in place from `root_rank`."""
+    from ..collectives.callcheck import check_root  # imported here: the collectives initialize MPI
+    comm = collective_comm(process_set)
+    negotiator = negotiator_of(comm)
+    name = negotiator.name_of(name)
+    try:
+        root = check_root(root_in(process_set, root_rank), comm.size)
+    except MpidistError:
+        negotiator.refuse(name)
+        raise
+    moved = _movable(tensor)
+    signature = ["broadcast", _dtype_name(tensor), tensor.numel(), "", tensor.device.type, list(tensor.shape), root, []]
+    return _negotiated(comm, name, signature, lambda private: private.broadcast(moved, root=root))
+
+
 @traced("BROADCAST")
 def broadcast_async_(tensor, root_rank, name=None, process_set=None):
-    comm = collective_comm(process_set)
-    return Handle(comm.broadcast_async(_movable(tensor), root=root_in(process_set, root_rank)), tensor)
+    return Handle(_start_broadcast(tensor, root_rank, name, process_set), tensor)
 
 
 @traced("BROADCAST")
@@ -258,9 +275,22 @@ def allgather(tensor, name=None, process_set=None):
 @traced("ALLGATHER")
 def allgather_async(tensor, name=None, process_set=None):
     # Sends a copy, as allreduce_async: the caller may change its tensor while the operation runs.
+    return Handle(*_start_allgather(tensor, name, collective_comm(process_set)))
+
+
+def _start_allgather(tensor, name, comm):
+    """(negotiated handle, None, finishing step) of the allgather of a copy of `tensor`."""
     source = _contiguous_copy(tensor)
-    return Handle(collective_comm(process_set).allgather_async(_movable(source)),
-                  finish=lambda result: _restored(result, source))
+    moved = _movable(source)
+    # The first dimension may differ by rank: the ranks agree on the rest of the shape.
+    signature = ["allgather", _dtype_name(source), 0, "", source.device.type, list(source.shape[1:]), 0, []]
+    handle = _negotiated(comm, name, signature, lambda private: private.allgather(moved))
+    return handle, None, lambda result: _restored(result, source)
+
+
+def _member_name(name, index):
+    """The name of member `index` of a grouped operation called `name` (None: unnamed)."""
+    return None if name is None else f"{name}.{index}"
 
 
 @traced("ALLREDUCE")
@@ -304,14 +334,20 @@ def _restored(moved, like):
     return moved.view(like.dtype).reshape((moved.shape[0],) + tuple(like.shape[1:]))
 
 
-def _refused(comm, error):
-    """`error`, raised on this rank once it has joined the other ranks' call check with a refusal
-    (so that they raise too instead of waiting for it)."""
-    share_refusal_on(comm)
+def _refused(comm, error, negotiated_name=False):
+    """`error`, raised on this rank once the other ranks have been told of the refusal (so that
+    they raise too instead of waiting for it): through the negotiation, under the name the
+    operation would have had (`negotiated_name`: the name= given, None for an unnamed one), or
+    through the call check of an operation that runs in call order."""
+    if negotiated_name is False:
+        share_refusal_on(comm)
+    else:
+        negotiator = negotiator_of(comm)
+        negotiator.refuse(negotiator.name_of(negotiated_name))
     return error
 
 
-def _check_scattered(tensors, comm):
+def _check_scattered(tensors, comm, negotiated_name=False):
     """What reducescatter refuses: 0-d tensors (no rows to scatter, as Horovod) and dtypes the
     reductions do not take; all of a group's checked before the first is sent."""
     try:
@@ -321,7 +357,7 @@ def _check_scattered(tensors, comm):
             raise InvalidArgumentError("reducescatter scatters the first dimension's rows: give tensors of at "
                                        "least one dimension, not 0-d ones")
     except MpidistError as error:
-        raise _refused(comm, error) from None
+        raise _refused(comm, error, negotiated_name) from None
 
 
 def _reducescatter(tensor, op, compression, prescale_factor, postscale_factor, comm):
@@ -369,14 +405,17 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
                                 postscale_factor, collective_comm(process_set))
 
 
-def _start_reducescatter(tensor, op, prescale_factor, postscale_factor, comm):
-    """(the handle, the finishing step) of the queued reduce-scatter of a prescaled copy of
+def _start_reducescatter(tensor, name, op, prescale_factor, postscale_factor, comm):
+    """(the handle, the finishing step) of the negotiated reduce-scatter of a prescaled copy of
     `tensor` (the caller may change its tensor while the operation runs), as _reducescatter's."""
     source = _contiguous_copy(tensor)
     wire_dtype = _wire_dtype(source, Compression.none)
     op, postscale_factor = _reduction(source, op, postscale_factor, comm)
     _scaled(source, prescale_factor)
-    handle = comm.reduce_scatter_async(source.to(wire_dtype) if wire_dtype is not None else source, op=op)
+    wire = source.to(wire_dtype) if wire_dtype is not None else source
+    signature = ["reducescatter", _dtype_name(wire), wire.numel(), op, wire.device.type, list(wire.shape), 0,
+                 [prescale_factor, postscale_factor]]
+    handle = _negotiated(comm, name, signature, lambda private: private.reduce_scatter(wire, op=op))
 
     def finish(result):
         result = result.to(tensor.dtype) if wire_dtype is not None else result
@@ -391,8 +430,8 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=None, prescal
                         postscale_factor=1.0):
     op = resolve_op(op, adasum_in="reducescatter")
     comm = collective_comm(process_set)
-    _check_scattered([tensor], comm)
-    handle, finish = _start_reducescatter(tensor, op, prescale_factor, postscale_factor, comm)
+    _check_scattered([tensor], comm, name)
+    handle, finish = _start_reducescatter(tensor, name, op, prescale_factor, postscale_factor, comm)
     return Handle(handle, finish=finish)
 
 
@@ -489,22 +528,16 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     op = resolve_op(op, average, "grouped_allreduce")
     _check_group_allreduce(tensors, op, comm)
     handles, packed = [], []
-    for members in tensors_by_kind(tensors):
+    for kind, members in enumerate(tensors_by_kind(tensors)):
         flat = pack_group(members)
-        wire_dtype = _wire_dtype(flat, Compression.none)
-        flat_op, flat_postscale = _reduction(flat, op, postscale_factor, comm)
-        announce_allreduce(comm, flat, flat_op, asynchronous=True, wire_dtype=wire_dtype)
-        _scaled(flat, prescale_factor)
-        wire = flat.to(wire_dtype) if wire_dtype is not None else flat
-        handles.append(comm.allreduce_async(wire, op=flat_op, shape=_shape_to_check(comm, _group_shape(members))))
-        packed.append((flat, wire, flat_postscale, members))
+        handle, finish_flat = _start_allreduce(flat, _member_name(name, kind), op, Compression.none, prescale_factor,
+                                               postscale_factor, comm, _group_shape(members))
+        handles.append(handle)
+        packed.append((flat, finish_flat, members))
 
     def finish(_result):
-        for flat, wire, flat_postscale, members in packed:
-            if wire is not flat:
-                flat.copy_(wire)
-            _scaled(flat, flat_postscale)
-            unpack_group(flat, members)
+        for flat, finish_flat, members in packed:
+            unpack_group(finish_flat(flat), members)
         return tensors
 
     return Handle(GroupHandle(handles), tensors, finish)
@@ -527,9 +560,9 @@ def grouped_allgather(tensors, name=None, process_set=None):
 def grouped_allgather_async(tensors, name=None, process_set=None):
     tensors = _check_group(tensors, "grouped_allgather_async")
     comm = collective_comm(process_set)
-    sources = [_contiguous_copy(t) for t in tensors]
-    return Handle(GroupHandle([comm.allgather_async(_movable(source)) for source in sources]),
-                  finish=lambda results: [_restored(result, source) for result, source in zip(results, sources)])
+    started = [_start_allgather(t, _member_name(name, k), comm) for k, t in enumerate(tensors)]
+    return Handle(GroupHandle([handle for handle, _, _ in started]),
+                  finish=lambda results: [finish(result) for result, (_, _, finish) in zip(results, started)])
 
 
 @traced("REDUCESCATTER")
@@ -547,8 +580,9 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=None
     tensors = _check_group(tensors, "grouped_reducescatter_async")
     op = resolve_op(op, adasum_in="reducescatter")
     comm = collective_comm(process_set)
-    _check_scattered(tensors, comm)  # all of them before the first is sent
-    started = [_start_reducescatter(t, op, prescale_factor, postscale_factor, comm) for t in tensors]
+    _check_scattered(tensors, comm, _member_name(name, 0))  # all of them before the first is sent
+    started = [_start_reducescatter(t, _member_name(name, k), op, prescale_factor, postscale_factor, comm)
+               for k, t in enumerate(tensors)]
     return Handle(GroupHandle([handle for handle, _ in started]),
                   finish=lambda results: [finish(result) for result, (_, finish) in zip(results, started)])
 

@@ -8,6 +8,7 @@ import numpy as np
 
 from .. import comm as _comm
 from ..errors import InvalidArgumentError, MismatchError
+from .negotiation import abandon_negotiators, negotiator_of, stop_negotiator
 
 
 class ProcessSet:
@@ -132,6 +133,7 @@ def register(process_set: ProcessSet) -> ProcessSet:
     process_set.ranks = members
     if sub != mpi.COMM_NULL:
         process_set._comm = _comm.Communicator(sub)  # a duplicate: the split below is freed here
+        negotiator_of(process_set._comm)  # collective over the set's ranks, as the duplicate is
         if process_set.mpi_comm is None:
             sub.Free()
     _registered_so_far[0] += 1
@@ -156,6 +158,7 @@ def remove_process_set(process_set) -> bool:
     process_set._registered()
     _process_sets.pop(process_set.process_set_id, None)
     if process_set._comm is not None:
+        stop_negotiator(process_set._comm)
         process_set._comm.free()  # its own duplicate; a user's communicator stays the user's
     process_set.process_set_id, process_set._comm = None, None
     return True
@@ -163,7 +166,10 @@ def remove_process_set(process_set) -> bool:
 
 def drop_process_sets() -> None:
     """Forget every process set but the global one, without freeing their communicators (a rank
-    of the old world died, so no collective runs on them; hvd.elastic.run calls this)."""
+    of the old world died, so no collective runs on them; hvd.elastic.run calls this), and start
+    the negotiation of the survivors' world (collective over them)."""
+    abandon_negotiators()
+    negotiator_of(_comm.world())
     for process_set_id in [key for key in _process_sets if key != 0]:
         process_set = _process_sets.pop(process_set_id)
         if process_set._comm is not None:

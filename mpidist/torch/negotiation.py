@@ -1,0 +1,350 @@
+"""How hvd's operations meet across ranks: by name, as Horovod's controller matches them, not by
+the order each rank calls them in; and Horovod's tensor fusion of the small all-reduces ready
+together (HOROVOD_FUSION_THRESHOLD, HOROVOD_CYCLE_TIME).
+
+Each communicator hvd runs on has a Negotiator: a private duplicate of the communicator and a
+background thread. A call submits its operation under its name= (an unnamed one under the next
+number of the communicator's sequence, so unnamed operations keep matching in call order) with
+its signature (what it is, dtype, shape, op, root, ...). Every HOROVOD_CYCLE_TIME the threads of
+all ranks exchange what was submitted since the last cycle (one allgather of a JSON text: names
+and numbers, never pickled), so every rank holds the same table of who submitted what, and
+every rank takes the same decisions from it: the operations every rank has submitted run in the
+order they became complete (within a cycle, in the order of first submission), consecutive
+all-reduces of the same dtype, op and device fused into one buffer up to the threshold.
+
+What the call check guarantees holds here too: a name submitted with different signatures is
+refused on every rank that submitted it (MismatchError naming the ranks), as is a name some rank
+refused its own arguments to; a name some rank never submits is reported on stderr after
+MPIDIST_STALL_WARNING and refused with DeadlineError after MPIDIST_TIMEOUT, naming the ranks that
+did not submit it. Ranks waiting in hvd.join() take part with zeros in the all-reduces that sum
+or average.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+
+from .. import comm as _comm
+from ..errors import DeadlineError, MismatchError
+from ..runtime import config
+from ..runtime.deadlines import timeout, wait_for_collective
+
+# The hvd operations that go through the negotiation (the others run in call order, on the
+# communicator itself; their order against these does not matter, as they use another channel).
+NEGOTIATED = frozenset({
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_",
+    "grouped_allreduce_async", "grouped_allreduce_async_", "broadcast_", "broadcast_async", "broadcast_async_",
+    "allgather_async", "grouped_allgather_async", "reducescatter_async", "grouped_reducescatter_async", "barrier"})
+_JOINABLE_OPS = ("sum", "avg")  # zeros change no sum, and an average still divides by every rank
+_negotiators = {}  # Communicator -> Negotiator
+_creation = threading.Lock()
+
+
+def negotiator_of(comm) -> Negotiator:
+    """The Negotiator of `comm`, made on first use (collective: hvd.init() and add_process_set make
+    it, where every rank calls, before the communicator's asynchronous engine exists)."""
+    with _creation:
+        if comm not in _negotiators:
+            _negotiators[comm] = Negotiator(comm)
+        return _negotiators[comm]
+
+
+def stop_negotiator(comm) -> None:
+    """End `comm`'s negotiation once every rank asks (remove_process_set; at exit for them all)."""
+    with _creation:
+        negotiator = _negotiators.pop(comm, None)
+    if negotiator is not None:
+        negotiator.stop()
+
+
+def abandon_negotiators() -> None:
+    """Give up every negotiation (a rank of the world died: hvd.elastic.run calls this): their
+    communicators are revoked, so their threads end in errors instead of waiting for the dead."""
+    with _creation:
+        abandoned = list(_negotiators.values())
+        _negotiators.clear()
+    for negotiator in abandoned:
+        negotiator.private.abandon()
+
+
+@atexit.register
+def _stop_all() -> None:
+    # Registered after mpi4py's MPI_Finalize handler (MPI is imported first), so it runs before it.
+    for comm in list(_negotiators):
+        stop_negotiator(comm)
+
+
+class _Request:
+    """An operation submitted on this rank: run(private communicator) does it; an all-reduce
+    also gives its buffer and op, so that it can be fused with others."""
+
+    def __init__(self, name, signature, handle, run, buffer=None):
+        self.name, self.signature, self.handle, self.run, self.buffer = name, signature, handle, run, buffer
+        self.submitted = time.monotonic()
+        self.stall_reported = False
+
+
+class Negotiator:
+    """The negotiation of one communicator's hvd operations (see the module's docstring)."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.private = _comm.Communicator(comm.mpi)  # collective: every rank makes it at the same call
+        self.rank, self.size = comm.rank, comm.size
+        self._lock = threading.Lock()
+        self._outbox = []  # [name, signature] submitted here since the last cycle
+        self._local = {}  # name -> _Request, submitted here and not yet run
+        self._pending = {}  # name -> {rank: signature}, the same table on every rank
+        self._sequence = 0  # the number of the last unnamed operation
+        self._joined = set()  # ranks waiting in hvd.join(), the same on every rank
+        self._joining = False  # this rank waits in hvd.join()
+        self._zeros_while_joined = 0
+        self._all_joined = threading.Event()
+        self._leaving = False
+        self._failure = None  # the error that ended the thread
+        self._thread = threading.Thread(target=self._serve, name="mpidist-negotiation", daemon=True)
+        self._thread.start()
+
+    # ---- the caller's side ----------------------------------------------------------------
+
+    def name_of(self, name) -> str:
+        """`name`, or the next unnamed operation's, as the ranks match them."""
+        if name is not None:
+            return str(name)
+        with self._lock:
+            self._sequence += 1
+            return f"<unnamed operation {self._sequence}>"
+
+    def submit(self, name: str, signature: list, run, buffer=None):
+        """Submit an operation; returns its handle (collectives.engine.Handle), completed by the
+        thread with run's result or the error that refused it."""
+        from ..collectives.engine import Handle  # imported here: the collectives initialize MPI
+        handle = Handle(f"hvd operation {name!r}")
+        with self._lock:
+            if self._failure is not None:
+                raise self._failure
+            self._local[name] = _Request(name, signature, handle, run, buffer)
+            self._outbox.append([name, signature])
+        return handle
+
+    def refuse(self, name: str) -> None:
+        """This rank refused its own arguments to the operation `name`: the ranks that submit it
+        raise too instead of waiting for this one."""
+        with self._lock:
+            self._outbox.append([name, ["refused"]])
+
+    def join(self) -> None:
+        """This rank waits in hvd.join() from now: it takes part with zeros in the all-reduces the
+        others run, until every rank has called join()."""
+        with self._lock:
+            self._joining, self._zeros_while_joined = True, 0
+            self._all_joined.clear()
+
+    def wait_for_every_rank_to_join(self) -> int:
+        """Wait until every rank has called join(); returns how many of the others' all-reduces
+        this rank took part in meanwhile."""
+        while not self._all_joined.wait(1.0):
+            if self._failure is not None:
+                raise self._failure
+        return self._zeros_while_joined
+
+    def stop(self) -> None:
+        with self._lock:
+            self._leaving = True
+        self._thread.join()
+        if self._failure is None:
+            self.private.free()
+
+    # ---- the thread -----------------------------------------------------------------------
+
+    def _serve(self):
+        cycle_seconds = config.value("HOROVOD_CYCLE_TIME") / 1000
+        try:
+            while self._cycle():
+                time.sleep(cycle_seconds)
+        except BaseException as error:  # handed to every operation waiting here
+            with self._lock:
+                self._failure = error
+                waiting, self._local = list(self._local.values()), {}
+            for request in waiting:
+                request.handle._complete(error=error)
+            self._all_joined.set()
+
+    def _cycle(self) -> bool:
+        """One exchange and what every rank decides from it; False once every rank is leaving."""
+        now = time.monotonic()
+        with self._lock:
+            message = {"submitted": self._outbox, "joined": self._joining, "leaving": self._leaving,
+                       "expired": [name for name, request in self._local.items()
+                                   if name in self._pending and now - request.submitted > timeout()]}
+            self._outbox = []
+        messages = self._exchange(message)
+        for rank, sent in enumerate(messages):
+            for name, signature in sent["submitted"]:
+                self._pending.setdefault(name, {})[rank] = signature
+        self._joined |= {rank for rank, sent in enumerate(messages) if sent["joined"]}
+        expired = {name for sent in messages for name in sent["expired"]}
+        training = [rank for rank in range(self.size) if rank not in self._joined]
+        ready = [name for name, who in self._pending.items() if training and all(r in who for r in training)]
+        for name in [name for name in expired if name in self._pending and name not in ready]:
+            self._fail_stalled(name, self._pending.pop(name))
+        self._run([(name, self._pending.pop(name)) for name in ready])
+        if not training:
+            self._end_join()
+        self._report_stalls(now)
+        return not all(sent["leaving"] for sent in messages)
+
+    def _exchange(self, message: dict) -> list:
+        """Every rank's message of this cycle, by rank."""
+        from mpi4py import MPI  # imported here: importing mpi4py's MPI initializes MPI
+        mpi = self.private.mpi
+        mine = np.frombuffer(json.dumps(message).encode(), dtype=np.uint8)
+        lengths = np.empty(self.size, dtype=np.int64)
+        wait_for_collective(mpi.Iallgather([np.array([mine.size], dtype=np.int64), MPI.INT64_T],
+                                           [lengths, MPI.INT64_T]), mpi, what="hvd negotiation")
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        everything = np.empty(int(lengths.sum()), dtype=np.uint8)
+        wait_for_collective(mpi.Iallgatherv([mine, MPI.BYTE], [everything, (lengths, offsets), MPI.BYTE]), mpi,
+                            what="hvd negotiation")
+        return [json.loads(everything[start:start + length].tobytes())
+                for start, length in zip(offsets.tolist(), lengths.tolist())]
+
+    def _run(self, ready: list) -> None:
+        """Run the operations every rank has submitted, in the table's order; fuse what can be."""
+        fusion, fused_bytes = [], 0
+        threshold = config.value("HOROVOD_FUSION_THRESHOLD")
+        for name, who in ready:
+            request = self._take(name)
+            error = self._refusal(name, who)
+            if error is not None:
+                self._run_fused(fusion)
+                fusion, fused_bytes = [], 0
+                if request is not None:
+                    request.handle._complete(error=error)
+                continue
+            if request is None:  # this rank waits in join(): zeros
+                self._run_fused(fusion)
+                fusion, fused_bytes = [], 0
+                self._take_part_with_zeros(next(iter(who.values())))
+                continue
+            nbytes = request.buffer.numel() * request.buffer.element_size() if request.buffer is not None else 0
+            fusable = request.buffer is not None and not self._joined and 0 < threshold
+            if fusion and (not fusable or fusion[0].signature[1:4:2] != request.signature[1:4:2]
+                           or fusion[0].buffer.device != request.buffer.device or fused_bytes + nbytes > threshold):
+                self._run_fused(fusion)
+                fusion, fused_bytes = [], 0
+            if fusable:
+                fusion.append(request)
+                fused_bytes += nbytes
+            else:
+                self._complete(request, request.run, self.private)
+        self._run_fused(fusion)
+
+    def _take(self, name):
+        with self._lock:
+            return self._local.pop(name, None)
+
+    def _refusal(self, name: str, who: dict):
+        """The error every rank that submitted `name` raises, or None when it can run."""
+        refused = sorted(rank for rank, signature in who.items() if signature[0] == "refused")
+        if refused:
+            return MismatchError(f"ranks {refused} refused their arguments to the hvd operation {name!r} (each raised "
+                                 "its own error there: see those ranks' output), so the other ranks cannot run it "
+                                 "either")
+        differences = _differences(who)
+        if differences:
+            return MismatchError(f"the ranks submitted the hvd operation {name!r} with different arguments: "
+                                 + " | ".join(differences))
+        signature = next(iter(who.values()))
+        if self._joined and (signature[0] != "allreduce" or signature[3] not in _JOINABLE_OPS):
+            return MismatchError(f"the hvd operation {name!r} ({_described(signature)}) is not supported with join: "
+                                 f"ranks {sorted(self._joined)} have run out of data and wait in hvd.join(), where "
+                                 "they take part only in all-reduces that sum or average")
+        return None
+
+    def _run_fused(self, fusion: list) -> None:
+        if len(fusion) == 1:
+            self._complete(fusion[0], fusion[0].run, self.private)
+        elif fusion:
+            flat = torch.cat([request.buffer.reshape(-1) for request in fusion])
+            try:
+                self.private.allreduce(flat, op=fusion[0].signature[3])
+            except Exception as error:
+                for request in fusion:
+                    request.handle._complete(error=error)
+                return
+            for request, part in zip(fusion, flat.split([request.buffer.numel() for request in fusion])):
+                request.buffer.copy_(part.view_as(request.buffer))
+                request.handle._complete(request.buffer)
+
+    @staticmethod
+    def _complete(request, run, private) -> None:
+        try:
+            result = run(private)
+        except Exception as error:  # the caller's synchronize() raises it
+            request.handle._complete(error=error)
+        else:
+            request.handle._complete(result)
+
+    def _take_part_with_zeros(self, signature: list) -> None:
+        _, dtype, count, op, device = signature[:5]
+        self.private.allreduce(torch.zeros(count, dtype=getattr(torch, dtype), device=device), op=op)
+        self._zeros_while_joined += 1
+
+    def _end_join(self) -> None:
+        """Every rank has called join(): each lets its join() return, at the same cycle."""
+        self._joined = set()
+        with self._lock:
+            self._joining = False
+        self._all_joined.set()
+
+    def _fail_stalled(self, name: str, who: dict) -> None:
+        request = self._take(name)
+        missing = [rank for rank in range(self.size) if rank not in who and rank not in self._joined]
+        if request is not None:
+            request.handle._complete(error=DeadlineError(
+                f"the hvd operation {name!r} was not submitted by ranks {missing} within {timeout():.0f} s "
+                f"(MPIDIST_TIMEOUT); ranks {sorted(who)} submitted it", peers=missing))
+
+    def _report_stalls(self, now: float) -> None:
+        """Horovod's stall warning: once per operation waiting past MPIDIST_STALL_WARNING."""
+        warning = config.value("MPIDIST_STALL_WARNING")
+        with self._lock:
+            stalled = [request for request in self._local.values()
+                       if not request.stall_reported and now - request.submitted > warning]
+            for request in stalled:
+                request.stall_reported = True
+        for request in stalled:
+            who = self._pending.get(request.name, {})
+            missing = [rank for rank in range(self.size) if rank not in who and rank not in self._joined]
+            print(f"mpidist stall report: rank {self.rank} has waited {now - request.submitted:.0f} s for the hvd "
+                  f"operation {request.name!r}, which ranks {missing} have not submitted", file=sys.stderr, flush=True)
+
+
+# A signature's fields: [collective, dtype, count, op, device, shape, root, scale factors].
+_FIELDS = ("collective", "dtype", "count", "op", "device", "shape", "root", "scale factors")
+
+
+def _differences(who: dict) -> list:
+    """For each field the ranks' signatures differ in: which ranks have which value."""
+    differences = []
+    for index, field in enumerate(_FIELDS):
+        values = {}
+        for rank, signature in sorted(who.items()):
+            values.setdefault(json.dumps(signature[index]), []).append(rank)
+        if len(values) > 1:
+            if field == "shape" and next(iter(who.values()))[0] == "allgather":
+                field = "row shape (shape[1:])"
+            differences.append(f"{field}: " + "; ".join(f"ranks {ranks} have {value}" for value, ranks in values.items()))
+    return differences
+
+
+def _described(signature: list) -> str:
+    """A signature in words, for the errors."""
+    return ", ".join(f"{field} {json.dumps(value)}" for field, value in zip(_FIELDS, signature) if value not in ("", []))
