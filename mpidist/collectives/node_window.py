@@ -9,7 +9,8 @@ next round, and waits until every other local rank's counter has reached it; a r
 not arrive within MPIDIST_TIMEOUT is named in a DeadlineError, so nobody spins forever on a flag.
 Every local rank calls sync() as many times in the same order, so the rounds agree.
 
-The memory is a backend with five operations (allocate, copy, reduce_and_publish, settle, free):
+The memory is a backend with five operations (allocate, copy, reduce_and_publish, settle, free);
+copies and reductions may run asynchronously (on a CUDA stream) until settle() returns:
 HostMemory here (an MPI-3 shared-memory window: the CPU path, and the stand-in that CI runs) and
 DeviceMemory in device_window.py (GPU memory shared through CUDA IPC). The rounds, slices and
 flags below are the same for both; only the memory and what settle() waits for differ.
@@ -217,6 +218,7 @@ def allreduce_on_node(window: NodeWindow, info: BufferInfo, op: str, scale: floa
     for k, (offset, size) in enumerate(slices):
         if k != me and size:
             window.memory.copy(info.ptr + offset, result_slot(slots, k) + offset, size)
+    window.memory.settle()  # the result is in place when this returns
 
 
 def reduce_scatter_on_node(window: NodeWindow, info: BufferInfo, chunks, out: BufferInfo, op: str,
