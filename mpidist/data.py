@@ -294,7 +294,7 @@ class HDF5Dataset:
             total, label_dtype = self._read_header(split)
         except MpidistError:
             raise
-        except (OSError, RuntimeError, KeyError) as exc:  # h5py's, for a file it cannot read
+        except (OSError, RuntimeError, KeyError, TypeError, ValueError) as exc:  # h5py's, for a file it cannot read
             raise self._unreadable(exc) from exc
         if np.issubdtype(label_dtype, np.integer):
             self._label_dtype = np.int64
@@ -341,6 +341,10 @@ class HDF5Dataset:
                         f"{self.path}: split {split!r} has no dataset {name!r} (it holds {listed})")
                 if not isinstance(group[name], h5py.Dataset):
                     raise InvalidArgumentError(f"{self.path}: {split}/{name} is not a dataset")
+                if group[name].ndim < 1:
+                    raise InvalidArgumentError(f"{self.path}: {split}/{name} is a scalar, not rows")
+            if group["x"].dtype.kind not in "biuf":
+                raise InvalidArgumentError(f"{self.path}: {split}/x has dtype {group['x'].dtype}; inputs must be numbers")
             total, labels = group["x"].shape[0], group["y"].shape[0]
             if labels != total:
                 raise InvalidArgumentError(

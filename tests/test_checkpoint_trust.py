@@ -9,18 +9,22 @@ The multi-rank tests of one world size run in one launch (mpi_shared_launch.py).
 import json
 import os
 import random
+import re
 import shutil
 
 import h5py
 import numpy as np
 import pytest
 import torch
-from test_data import shared_tmp  # noqa: F401  (fixture)
+from conftest import run_python
+from test_data import digits_path, shared_tmp  # noqa: F401  (fixtures)
 from torch import nn
 
 from mpidist.checkpoint import CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
 from mpidist.checkpoint_files import SEAL_BYTES, seal
 from mpidist.collectives.select import load_tuning_table, read_tuning_file
+from mpidist.data import HDF5Dataset
+from mpidist.errors import MpidistError
 
 pytestmark = pytest.mark.mpi_shared_launch
 
@@ -229,6 +233,44 @@ def test_resume_skips_a_damaged_newest_checkpoint_and_refuses_when_none_is_intac
         latest_checkpoint(tmp_path)
 
 
+TRAIN = "from mpidist.cli import main; raise SystemExit(main({args!r}))"
+
+
+def test_train_resume_falls_back_past_a_damaged_newest_and_never_starts_over_damaged_ones(tmp_path):
+    """`mpidist train --resume` (one process): a damaged newest checkpoint is skipped with a
+    warning naming it, and the run continues from the one before; with every checkpoint damaged,
+    even --resume=auto refuses (status 2) and leaves the files as they were."""
+    directory = tmp_path / "ck"
+
+    def train(*extra):
+        args = ["train", "--no-progress", "--checkpoint-dir", str(directory), "--data", str(tmp_path / "d.h5"),
+                "--batch-size", "256", *extra]
+        return run_python(TRAIN.format(args=args), timeout=300)
+
+    first = train("--epochs", "2")
+    assert first.returncode == 0, first.stdout + first.stderr
+    older, newest = sorted(directory.iterdir())
+    flip(newest, position=-200)
+    resumed = train("--epochs", "2", "--resume")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"skipping it: checkpoint {newest} is damaged" in resumed.stderr
+    assert f"resumed from {older} (epoch 1," in resumed.stdout
+    assert "epoch 2/2" in resumed.stdout and "final test accuracy" in resumed.stdout
+    for path in (older, newest):
+        flip(path, position=-200)
+    damaged = {path: path.read_bytes() for path in (older, newest)}
+    refused = train("--epochs", "3", "--resume=auto")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert f"{directory} holds 2 checkpoint file(s) and none is intact" in refused.stderr.splitlines()[-1]
+    assert {path: path.read_bytes() for path in directory.iterdir()} == damaged
+
+
+def flip(path, position):
+    data = bytearray(path.read_bytes())
+    data[position] ^= 1
+    path.write_bytes(bytes(data))
+
+
 # ---- tuning files ------------------------------------------------------------------------------
 
 GOOD_TABLE = [{"max_bytes": 4095, "algorithm": "mpi"}, {"max_bytes": None, "algorithm": "ring"}]
@@ -267,6 +309,43 @@ def test_a_tuning_file_with_nonsense_is_ignored_with_a_warning_naming_it(tmp_pat
         assert load_tuning_table(MPI.COMM_SELF, 1) is None  # the built-in table
     path.write_text(json.dumps({"1": GOOD_TABLE}))
     assert load_tuning_table(MPI.COMM_SELF, 1) == ((4096, "mpi"), (float("inf"), "ring"))
+
+
+# ---- data files ----------------------------------------------------------------------------------
+
+def test_a_damaged_or_absurd_data_file_is_refused_naming_it(tmp_path, digits_path):  # noqa: F811
+    """HDF5 keeps no checksum of a data file's values, but a file whose structure is damaged, or
+    that holds no rows of numbers, is refused naming it (the ranks of `mpidist train` share
+    the error: test_train.py); the damaged names of splits once escaped as a TypeError."""
+    def refused(path, match, split="train"):
+        with pytest.raises(MpidistError, match=match) as raised:
+            HDF5Dataset(path, split)
+        assert str(path) in str(raised.value)
+
+    (tmp_path / "empty.h5").write_bytes(b"")
+    refused(tmp_path / "empty.h5", "cannot be read as HDF5")
+    (tmp_path / "directory.h5").mkdir()
+    refused(tmp_path / "directory.h5", "cannot be read as HDF5")
+    with h5py.File(tmp_path / "strings.h5", "w") as f:
+        f["train/x"] = np.array([["a", "b"]] * 3, dtype=object)
+        f["train/y"] = np.zeros(3, dtype=np.int64)
+        f["test/x"] = np.zeros((3, 2), dtype=np.float32)
+        f["test/y"] = np.int64(1)
+    refused(tmp_path / "strings.h5", "train/x has dtype object; inputs must be numbers")
+    refused(tmp_path / "strings.h5", "test/y is a scalar, not rows", split="test")
+    data = open(digits_path, "rb").read()
+    names = [match.start() + i for word in (b"train", b"test") for match in re.finditer(word, data)
+             for i in range(len(word))]
+    assert names
+    for position in names:
+        changed = bytearray(data)
+        changed[position] ^= 0xFF
+        (tmp_path / "flipped.h5").write_bytes(bytes(changed))
+        for split in ("train", "test"):
+            try:
+                HDF5Dataset(tmp_path / "flipped.h5", split)
+            except MpidistError as exc:
+                assert "flipped.h5" in str(exc), (position, exc)
 
 
 # ---- several ranks ------------------------------------------------------------------------------
