@@ -63,7 +63,9 @@ VARIABLES = (
     _package("MPIDIST_TUNING_FILE", "path", os.path.join("~", ".cache", "mpidist", "tuning.json"),
              "`~/.cache/mpidist/tuning.json`", "when a Communicator is made, and by `mpidist tune`",
              "the decision tables and the fitted [cost model](cost-model.md) `mpidist tune` writes and `auto` "
-             "reads (rank 0 reads it and broadcasts it; the built-in table when the file does not exist)"),
+             "reads (rank 0 reads it and broadcasts it; the built-in table when the file does not exist, and, "
+             "with a warning naming the problem, when it is malformed: [what is checked]"
+             "(data-checkpoints.md#files-from-elsewhere-are-checked-before-they-are-trusted))"),
     _package("MPIDIST_CHECK", "flag", True, "`1`", "when a Communicator is made",
              "`0` skips the per-call [cross-rank signature check](collectives.md#the-cross-rank-call-check) (one "
              "small allgather per call) and enables the small-message fast path; a refused rank then leaves the "
@@ -99,6 +101,10 @@ VARIABLES = (
     _package("MPIDIST_RANKS_PER_NODE", "count", None, "unset (the real nodes)", "when a Communicator is made",
              "make groups of N consecutive ranks act as separate nodes (to try the hierarchical and node-aware "
              "paths on one machine)", minimum=1),
+    _package("MPIDIST_DEVICE_WINDOW", "flag", None, "used where the node's ranks can share GPU memory",
+             "at the first collective of a GPU buffer on a Communicator",
+             "`0`: CUDA buffers on one node take the staged route (host memory) instead of the node window in GPU "
+             "memory (CUDA IPC; `hierarchical`, broadcast, allgather, reduce-scatter)"),
     _package("MPIDIST_CUDA_AWARE", "flag", None,
              "detected ([the library's answer](cluster.md#gpu-memory-and-the-mpi-library)), then probed",
              "at the first GPU buffer of a Communicator",
