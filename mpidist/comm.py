@@ -38,6 +38,9 @@ class Channel(abc.ABC):
     scratch, staging: scratch memory and pinned host buffers (buffers.ScratchPool, HostStaging).
     node_window: the hierarchical all-reduce's shared window, None until that algorithm makes it
     from node_communicators(); the channel frees it with itself.
+    device_window: the node window in GPU memory of CUDA buffers (collectives/device_window.py),
+    None until a collective of one makes it; freed with the channel too.
+    num_nodes: how many nodes the channel's ranks are on.
     """
 
     mpi: typing.Any
@@ -49,6 +52,8 @@ class Channel(abc.ABC):
     scratch: buffers.ScratchPool
     staging: buffers.HostStaging
     node_window: typing.Any
+    device_window: typing.Any
+    num_nodes: int
 
     @abc.abstractmethod
     def is_cuda_aware(self) -> bool:
@@ -119,6 +124,7 @@ class Communicator(Channel):
         # all-reduces to MPI (the small-message fast path's limit).
         self.tuning_table, self.forced_algorithm, self.fast_path_bounds = api().auto_choice(self.mpi, self.num_nodes)
         self.node_window = None
+        self.device_window = None
         self._lock = threading.Lock()
         self._engine = None
         self._freed = False
@@ -284,8 +290,9 @@ class Communicator(Channel):
             self._engine.stop()
             self._engine = None
         api().free_released_windows(self.node_comm)
-        if self.node_window is not None:
-            self.node_window.free()
+        for window in (self.node_window, self.device_window):
+            if window is not None:
+                window.free()
         for comm in (self.leader_comm, self.node_comm, self.mpi):
             if comm is not None:
                 comm.Free()
@@ -319,6 +326,7 @@ class Communicator(Channel):
             engine.stop(free=False)
         api().forget_released_windows(self.node_comm)
         self.node_window = None
+        self.device_window = None
 
     def __enter__(self):
         return self

@@ -18,6 +18,7 @@ from ..buffers import DTYPES, BufferInfo
 from ..errors import InvalidArgumentError, MpidistError
 from ..runtime.deadlines import wait_for_collective
 from ..runtime.tracing import traced
+from . import device_window
 from .broadcast import broadcast as broadcast_algorithm
 from .callcheck import (
     BARRIER_SIGNATURE,
@@ -37,7 +38,7 @@ from .callcheck import (
 )
 from .common import Context, finish_average, kernel_op, split_counts
 from .engine import Handle, in_order
-from .registry import ALGORITHMS, ALLREDUCE, HOST_MEMORY_ALGORITHMS
+from .registry import ALGORITHMS, ALLREDUCE, DEVICE_MEMORY_ALGORITHMS, HOST_MEMORY_ALGORITHMS
 from .ring import allgather_ring, reduce_scatter_ring
 from .staging import copy_buffer, staged
 
@@ -93,6 +94,12 @@ def _run_allreduce(comm, array, info, op, algorithm, source_info=None, shape=Non
 def _reduce_in_place(comm, array, info, op, name):
     """All-reduce `array` with the algorithm `name`, once the ranks have agreed on the call."""
     if info.is_cuda:
+        if name == "hierarchical" and device_window.allreduce(comm, array, info, op):
+            return
+        if name in DEVICE_MEMORY_ALGORITHMS:
+            buffers.synchronize(array, info)
+            _reduce_with(ALLREDUCE[name], Context(comm, comm.mpi, info, op=kernel_op(op), tag=TAGS["allreduce"]), op)
+            return
         with staged(comm, array, info, host_only=name in HOST_MEMORY_ALGORITHMS) as work:
             _reduce_with(ALLREDUCE[name], Context(comm, comm.mpi, work, op=kernel_op(op), tag=TAGS["allreduce"]), op)
     else:  # the hot path of small messages: no context manager
@@ -122,6 +129,8 @@ def _check_broadcast(comm, array, root):
 @traced("mpidist.broadcast", "BROADCAST")
 def _broadcast(comm, array, info, root):
     check_same_call(comm, comm.mpi, signature("broadcast", info, root=root))
+    if device_window.broadcast(comm, array, info, root):
+        return array
     with staged(comm, array, info) as work:
         broadcast_algorithm(Context(comm, comm.mpi, work, tag=TAGS["broadcast"]), root)
     return array
@@ -153,6 +162,8 @@ def _allgather(comm, array, info):
     out_info = buffers.describe(out)
     offsets = np.concatenate([[0], np.cumsum(all_rows)[:-1]]) * row_elements
     chunks = [(int(o), int(r) * row_elements) for o, r in zip(offsets, all_rows)]
+    if device_window.allgather(comm, array, info, out_info, chunks):
+        return out
     with staged(comm, out, out_info) as work:
         own_offset = chunks[comm.rank][0]
         with staged(comm, array, info) as source:
@@ -190,6 +201,8 @@ def _reduce_scatter(comm, array, info, op):
     chunks = [(o * row_elements, c * row_elements) for o, c in split_counts(rows, comm.size)]
     my_rows = split_counts(rows, comm.size)[comm.rank][1]
     out = buffers.new_array(array, (my_rows,) + shape[1:] if shape else (my_rows,))
+    if device_window.reduce_scatter(comm, array, info, buffers.describe(out), chunks, op):
+        return out
     work_copy = buffers.new_array(array, (info.count,))
     work_info = buffers.describe(work_copy)
     copy_buffer(work_info, info)

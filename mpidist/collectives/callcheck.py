@@ -20,7 +20,9 @@ from ..buffers import DTYPES, BufferInfo
 from ..errors import InvalidArgumentError, MismatchError, MpidistError, UnsupportedDtypeError
 from ..runtime.deadlines import wait_for_collective
 from ..runtime.wire import FLOAT_DTYPES
+from . import device_window
 from .engine import in_order
+from .nccl import check_usable
 from .registry import ALGORITHMS, ALLREDUCE
 from .select import choose_allreduce
 
@@ -63,8 +65,12 @@ def check_algorithm(algorithm: str) -> str:
 
 
 def resolve_algorithm(algorithm: str, info: BufferInfo, comm) -> str:
+    if algorithm == "nccl":
+        check_usable(info)
     if algorithm != "auto":
         return algorithm
+    if comm.forced_algorithm is None and device_window.wanted(comm, info):
+        return "hierarchical"  # in GPU memory (device_window.py)
     chosen = choose_allreduce(info.nbytes, comm.size, comm.tuning_table, info.dtype, comm.forced_algorithm)
     if chosen not in ALLREDUCE:
         raise InvalidArgumentError(

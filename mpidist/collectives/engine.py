@@ -74,6 +74,7 @@ class AsyncEngine(Channel):
         self.scratch = buffers.ScratchPool()
         self.staging = buffers.HostStaging()
         self.node_window = None
+        self.device_window = None
         self._node_comms = None  # (node, leaders), split from self.mpi on first use
         self.fast_path_scratch = None  # the small-message path's float32 room (comm.py), the engine's own
         self._queue = queue.Queue()
@@ -98,6 +99,10 @@ class AsyncEngine(Channel):
     @property
     def forced_algorithm(self):
         return self.comm.forced_algorithm
+
+    @property
+    def num_nodes(self) -> int:
+        return self.comm.num_nodes
 
     @property
     def fast_path_bounds(self):
@@ -167,8 +172,9 @@ class AsyncEngine(Channel):
         self._thread.join()
         if not free:
             return
-        if self.node_window is not None:
-            self.node_window.free()
+        for window in (self.node_window, self.device_window):
+            if window is not None:
+                window.free()
         for comm in self._node_comms or ():
             if comm is not None:
                 comm.Free()

@@ -1,0 +1,84 @@
+"""algorithm="nccl": NCCL's own all-reduce of CUDA buffers, as a peer to measure ours against (as
+"mpi" is on the CPU).
+
+NCCL comes through CuPy's bindings (cupy.cuda.nccl). Rank 0 of the channel makes NCCL's unique
+id and broadcasts it over MPI, so NCCL starts wherever mpirun or srun started the ranks, with no
+MASTER_ADDR. One NCCL communicator per channel, made at its first NCCL call on every rank and
+kept with the channel; it runs on the legacy default stream, synchronized before returning.
+NCCL before 2.30 refuses two ranks on one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1 lets 2.30 try).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import kernels
+from ..buffers import BufferInfo
+from ..errors import InvalidArgumentError
+from ..runtime.mpi import load_mpi
+from .common import Context
+
+UNIQUE_ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
+NCCL_DTYPES = {"float16": "NCCL_FLOAT16", "bfloat16": "NCCL_BFLOAT16", "float32": "NCCL_FLOAT32",
+               "float64": "NCCL_FLOAT64", "int32": "NCCL_INT32", "int64": "NCCL_INT64", "uint8": "NCCL_UINT8",
+               "int8": "NCCL_INT8"}
+NCCL_OPS = {"sum": "NCCL_SUM", "prod": "NCCL_PROD", "min": "NCCL_MIN", "max": "NCCL_MAX"}
+
+
+def bindings():
+    """CuPy's NCCL module, or None where there is none."""
+    try:
+        from cupy.cuda import nccl
+    except ImportError:
+        return None
+    return nccl if getattr(nccl, "available", True) else None
+
+
+def version() -> int | None:
+    """NCCL's version code (2.30.1 is 23001), None without NCCL."""
+    nccl = bindings()
+    return None if nccl is None else int(nccl.get_version())
+
+
+def check_usable(info: BufferInfo) -> None:
+    """Refuse, with the reason, a buffer NCCL cannot reduce here."""
+    if not info.is_cuda:
+        raise InvalidArgumentError(f"algorithm='nccl' reduces GPU buffers only; this buffer is on {info.device}")
+    if bindings() is None:
+        raise InvalidArgumentError("algorithm='nccl' needs NCCL through CuPy (cupy.cuda.nccl), which cannot be "
+                                   "imported here")
+    if info.dtype not in NCCL_DTYPES or not hasattr(bindings(), NCCL_DTYPES[info.dtype]):
+        raise InvalidArgumentError(f"algorithm='nccl': this NCCL has no {info.dtype}")
+
+
+def communicator(channel, device_index: int):
+    """The channel's NCCL communicator, made at the first call (collective over the channel)."""
+    existing = getattr(channel, "nccl_comm", None)
+    if existing is not None:
+        return existing
+    nccl = bindings()
+    MPI = load_mpi()
+    unique_id = np.zeros(UNIQUE_ID_BYTES, dtype=np.int64)
+    if channel.rank == 0:
+        unique_id[:] = nccl.get_unique_id()
+    channel.mpi.Bcast([unique_id, MPI.INT64_T], root=0)
+    import cupy
+    with cupy.cuda.Device(device_index):
+        channel.nccl_comm = nccl.NcclCommunicator(channel.size, tuple(int(v) for v in unique_id), channel.rank)
+    return channel.nccl_comm
+
+
+def nccl_allreduce(ctx: Context) -> None:
+    """ctx.info (a CUDA buffer, in place) reduced by NCCL; op avg as a sum, then divided here."""
+    info = ctx.info
+    if ctx.size == 1 or info.count == 0:
+        return
+    nccl = bindings()
+    comm = communicator(ctx.comm, info.device_index)
+    import cupy
+    with cupy.cuda.Device(info.device_index):
+        comm.allReduce(info.ptr, info.ptr, info.count, getattr(nccl, NCCL_DTYPES[info.dtype]),
+                       getattr(nccl, NCCL_OPS[ctx.op]), 0)
+    if ctx.average:
+        kernels.scale_ptr(info.ptr, info.count, info.dtype, 1.0 / ctx.size, device=info.device)
+        ctx.average = False
+    kernels.synchronize(info.device)

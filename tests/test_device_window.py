@@ -1,0 +1,95 @@
+"""The CPU side of the device window and of algorithm="nccl" (device_window.py, nccl.py): where
+`auto` sends CUDA buffers, why a rank cannot use the device window, and NCCL's refusals. The GPU
+side runs in `make gpu-check` (benchmarks/gpu_check_ranks.py)."""
+import types
+
+import numpy as np
+import pytest
+
+import mpidist as md
+from mpidist.buffers import BufferInfo
+from mpidist.collectives import device_window, nccl
+from mpidist.collectives.callcheck import resolve_algorithm
+from mpidist.collectives.select import choose_allreduce
+
+pytestmark = pytest.mark.mpi_shared_launch
+
+CUDA_BUFFER = BufferInfo(0, 1 << 20, "float32", "cuda:0", "torch")
+CPU_BUFFER = BufferInfo(0, 1 << 20, "float32", "cpu", "torch")
+
+
+def channel(num_nodes=1, size=4, forced=None):
+    return types.SimpleNamespace(num_nodes=num_nodes, size=size, forced_algorithm=forced, tuning_table=None)
+
+
+def table_choice(info, comm):
+    return choose_allreduce(info.nbytes, comm.size, comm.tuning_table, info.dtype, comm.forced_algorithm)
+
+
+@pytest.fixture
+def device_window_possible(monkeypatch):
+    """A rank that could use the device window, as on a GPU machine with CuPy."""
+    monkeypatch.setattr(device_window, "missing", lambda: None)
+
+
+def test_auto_sends_cuda_buffers_on_one_node_to_the_device_window(device_window_possible):
+    assert resolve_algorithm("auto", CUDA_BUFFER, channel()) == "hierarchical"
+
+
+@pytest.mark.parametrize("comm,info", [(channel(num_nodes=2), CUDA_BUFFER), (channel(size=1), CUDA_BUFFER),
+                                       (channel(), CPU_BUFFER), (channel(forced="ring"), CUDA_BUFFER)],
+                         ids=["two_nodes", "one_rank", "cpu_buffer", "forced_ring"])
+def test_auto_keeps_its_table_elsewhere(device_window_possible, comm, info):
+    assert resolve_algorithm("auto", info, comm) == table_choice(info, comm)
+
+
+def test_auto_keeps_its_table_where_the_device_window_is_missing():
+    """Here: torch is the CPU build and the extension has no CUDA, so missing() says why."""
+    reason = device_window.missing()
+    assert reason and ("without CUDA" in reason or "CuPy" in reason)
+    assert resolve_algorithm("auto", CUDA_BUFFER, channel()) == table_choice(CUDA_BUFFER, channel())
+
+
+def test_device_window_switched_off(monkeypatch):
+    monkeypatch.setenv("MPIDIST_DEVICE_WINDOW", "0")
+    assert device_window.missing() == "MPIDIST_DEVICE_WINDOW=0"
+    assert not device_window.wanted(channel(), CUDA_BUFFER)
+
+
+def test_nccl_refuses_a_cpu_buffer():
+    with pytest.raises(md.InvalidArgumentError, match="algorithm='nccl' reduces GPU buffers only; this buffer is on cpu"):
+        resolve_algorithm("nccl", CPU_BUFFER, channel())
+
+
+def test_nccl_refuses_where_cupy_has_no_nccl(monkeypatch):
+    monkeypatch.setattr(nccl, "bindings", lambda: None)
+    with pytest.raises(md.InvalidArgumentError, match=r"needs NCCL through CuPy \(cupy.cuda.nccl\)"):
+        resolve_algorithm("nccl", CUDA_BUFFER, channel())
+
+
+def test_nccl_is_an_algorithm_choice():
+    assert "nccl" in md.collectives.ALGORITHMS
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_nccl_refusal_reaches_every_rank(mpi_ranks, own_comm):
+    """Refused on every rank (the call check shares the refusal), and the communicator works on."""
+    with pytest.raises(md.InvalidArgumentError, match="algorithm='nccl'"):
+        own_comm.allreduce(np.ones(8), algorithm="nccl")
+    assert (own_comm.allreduce(np.ones(8)) == mpi_ranks).all()
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_one_rank_unable_sends_the_whole_node_the_staged_way(mpi_ranks, own_comm, monkeypatch):
+    """can_open decides for the node together: the last local rank lacks CuPy, so no rank opens the
+    window, each saying why; where all can and share one GPU, all open it."""
+    monkeypatch.setattr(device_window._C, "cuda_max_sources", 8, raising=False)
+    node = own_comm.node_comm
+    monkeypatch.setattr(device_window, "missing", lambda: None)
+    assert device_window.can_open(node, 0) is None
+    last = node.Get_size() - 1
+    if node.Get_rank() == last:
+        monkeypatch.setattr(device_window, "missing", lambda: "no CuPy here")
+    reason = device_window.can_open(node, 0)
+    assert reason == ("no CuPy here" if node.Get_rank() == last else
+                      f"local ranks [{last}] cannot (no peer access, or CuPy or CUDA kernels missing there)")
