@@ -1,0 +1,525 @@
+"""What each fault does to `mpidist train`, over many runs: for each scenario, N runs of the real
+job under mpirun, each with one fault injected at a drawn step and moment within it
+(benchmarks/fault_hook.py), judged against what docs/faults.md says and against an undisturbed
+run, and timed against the baseline users have without mpidist's recovery: the job ends and is
+relaunched with --resume from its newest checkpoint.
+
+    python benchmarks/faults.py                                  # every scenario, 50 runs each
+    python benchmarks/faults.py --runs 5 --scenarios elastic-kill,sigusr1 --out /tmp/faults
+
+Each run's record is appended as one JSON line to <out>.jsonl as soon as it ends; a restart skips
+the runs already there. <out>.json and <out>.md summarize every record in the file, per
+scenario: runs, completed as documented, hangs (killed at the runner's own deadline), wrong
+results, unloadable newest checkpoints, and the median and p95 of the time to detect, to recover
+and lost per failure.
+
+Per run, times are seconds from the fault (the moment the victim rank records just before it):
+detect, to the first line of the job that names the fault (or, where none does, to the end of
+mpirun); recover, to the first training step completed after it: by a survivor for the faults
+the job survives, by the relaunched job (--resume=auto) for those that end it; lost, recover plus
+the time the steps that are done again had taken (those since the last elastic commit, or since
+the newest checkpoint). Wrong: a run that ends and resumes must reach the undisturbed run's
+final weights bit for bit (data parallel restores its sampler and RNG states); an elastic or
+parameter-server run, whose survivors share the data differently or whose updates race, must
+reach the undisturbed run's test accuracy within ACCURACY_TOLERANCE.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import platform
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+HOOK = os.path.join(HERE, "fault_hook.py")
+DEADLINE = 180  # s: a launch still running then is a hang, killed with its whole process group
+ACCURACY_TOLERANCE = 0.05  # parameter server: its updates race, so runs differ even undisturbed
+REPLAY_TOLERANCE = 1e-4  # elastic: float32 training against the float64 replay, relative to the weights
+STALL_WARNING, TIMEOUT = 5, 20  # MPIDIST_STALL_WARNING and MPIDIST_TIMEOUT for the frozen rank
+STEP_PHASES = ("forward", "backward", "apply")
+
+PS_WORKER_DIED = r"mpidist parameter server: worker \d+ died"
+MPIRUN_SAW_IT = r"prterun noticed that process rank \d+"
+PS = ["--mode", "ps", "--lr", "0.01"]  # the default 0.05 diverges with stale gradients and momentum
+# name: the job (--mode ps options, elastic), the fault, who it strikes, what the docs say follows.
+SCENARIOS = {
+    "elastic-kill": dict(train=["--elastic"], ulfm=True, action="kill", victims="any", survives=True,
+                         detect=r"mpidist elastic: rank \d+ of \d+ died; going on", baseline="elastic-kill-restart"),
+    "elastic-kill-restart": dict(train=[], action="kill", victims="any", detect=MPIRUN_SAW_IT),
+    "ps-async-kill": dict(train=[*PS, "--elastic", "--ps-mode", "async"], ulfm=True, action="kill",
+                          victims="workers", survives=True, detect=PS_WORKER_DIED, baseline="ps-async-kill-restart"),
+    "ps-softsync-kill": dict(train=[*PS, "--elastic", "--ps-mode", "softsync", "--softsync", "2"],
+                             ulfm=True, action="kill", victims="workers", survives=True, detect=PS_WORKER_DIED,
+                             baseline="ps-async-kill-restart"),
+    "ps-sync-backup-kill": dict(train=[*PS, "--elastic", "--ps-mode", "sync"], backup_workers=1,
+                                ulfm=True, action="kill", victims="workers", survives=True, detect=PS_WORKER_DIED,
+                                baseline="ps-async-kill-restart"),
+    "ps-async-kill-restart": dict(train=[*PS, "--ps-mode", "async"], action="kill", victims="workers",
+                                  detect=MPIRUN_SAW_IT),
+    "ps-server-kill": dict(train=[*PS, "--elastic", "--ps-mode", "async"], ulfm=True, action="kill",
+                           victims="server", detect=r"RankDiedError.*the server \(rank 0\)"),
+    "exception": dict(train=[], action="raise", victims="any",
+                      detect=r"ended with an uncaught InjectedFault: aborting the whole job"),
+    "sigterm": dict(train=[], action="launcher", signal="SIGTERM", victims="rank0", stops=True,
+                    detect=r"stopped early: a stop signal \(SIGTERM\)"),
+    "sigusr1": dict(train=[], action="launcher", signal="SIGUSR1", victims="rank0", stops=True,
+                    detect=r"stopped early: a stop signal \(SIGUSR1\)"),
+    "sigstop": dict(train=[], action="stop", victims="any", detect=r"mpidist: stall: rank \d+ has waited"),
+    "rank0-checkpoint-kill": dict(train=[], action="checkpoint-kill", victims="rank0", detect=MPIRUN_SAW_IT),
+}
+
+
+def mpirun_env(extra: dict) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", "PMI_")) and k != "PYTEST_ISOLATE_MPI_IS_FORKED"}
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                "OMPI_MCA_rmaps_base_oversubscribe": "1", "OMPI_MCA_mpi_yield_when_idle": "1"})
+    env.update(extra)
+    return env
+
+
+def launch(scenario: dict, directory: str, checkpoints: str, args, spec=None, resume=False) -> dict:
+    """One mpirun of `mpidist train` through the hook, its phase logs in `directory`; its output
+    lines with the time each came, its exit status (None: killed at DEADLINE) and the times it
+    started and ended."""
+    os.makedirs(directory, exist_ok=True)
+    train = list(scenario["train"])
+    if resume:
+        train.append("--resume=auto")
+    extra = {"FAULT_DIR": directory, "MPIDIST_STALL_WARNING": str(STALL_WARNING), "MPIDIST_TIMEOUT": str(TIMEOUT)}
+    if spec is not None:
+        extra["FAULT_SPEC"] = json.dumps(spec)
+    if scenario.get("backup_workers"):
+        extra["FAULT_BACKUP_WORKERS"] = str(scenario["backup_workers"])
+    ft = ["--with-ft", "ulfm"] if scenario.get("ulfm") else []
+    cmd = ["mpirun", *ft, "--oversubscribe", "--bind-to", "none", "-np", str(args.ranks), sys.executable, HOOK,
+           "train", "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--no-progress",
+           "--checkpoint-dir", checkpoints, *train]
+    started = time.time()
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                               env=mpirun_env(extra), start_new_session=True)
+    if spec is not None and "launcher_pid_file" in spec:
+        with open(spec["launcher_pid_file"], "w") as f:
+            f.write(str(process.pid))
+    lines = []
+
+    def read():
+        for line in process.stdout:
+            lines.append((time.time(), line.rstrip("\n")))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        status = process.wait(timeout=DEADLINE)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        status = None
+    ended = time.time()
+    reader.join(timeout=10)
+    return {"cmd": cmd, "status": status, "started": started, "ended": ended, "lines": lines,
+            "checkpoints": checkpoints, "directory": directory}
+
+
+def phase_log(directory: str) -> dict:
+    """rank -> [(time, phase, step)] from the hook's logs."""
+    logs = {}
+    for path in glob.glob(os.path.join(directory, "rank-*.log")):
+        rank = int(re.search(r"rank-(\d+)\.log", path).group(1))
+        with open(path) as f:
+            logs[rank] = [(float(t), phase, int(step)) for t, phase, step in
+                          (line.split() for line in f if len(line.split()) == 3)]
+    return logs
+
+
+def accuracy_of(run: dict):
+    for _, line in run["lines"]:
+        found = re.search(r"final test accuracy: ([0-9.]+)", line)
+        if found:
+            return float(found.group(1))
+    return None
+
+
+def newest_checkpoint(directory: str):
+    from mpidist.checkpoint import latest_checkpoint
+    for where in (os.path.join(directory, "ps"), directory):
+        if os.path.isdir(where):
+            found = latest_checkpoint(where)
+            if found is not None:
+                return found
+    return None
+
+
+def loads(path: str, args) -> str | None:
+    """None when the checkpoint at `path` loads into the network and optimizer of `mpidist train`,
+    else the error."""
+    import torch
+
+    from mpidist.checkpoint import load_checkpoint
+    from mpidist.train import build_model
+    model = build_model()
+    try:
+        load_checkpoint(path, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), restore_rng=False)
+    except Exception as exc:  # any failure to load is what the record keeps
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def final_weights(directory: str) -> dict:
+    """The model and optimizer tensors of the newest checkpoint in `directory`."""
+    import h5py
+    path = newest_checkpoint(directory)
+    tensors = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, item: tensors.__setitem__(name, item[()])
+                     if isinstance(item, h5py.Dataset) and name.startswith(("model/", "optimizer/")) else None)
+    return tensors
+
+
+def elastic_replay(directory: str):
+    """The largest difference between the final weights of an elastic run in which one rank died
+    and a float64 replay, in one process, of its survivors' training from the commit they
+    restored (restored-1.pt, their batches after it in the batch logs; fault_hook.py), relative
+    to the weight's size; None when the run left no such record."""
+    import numpy as np
+    import torch
+
+    from mpidist.cli import build_parser
+    from mpidist.data import HDF5Dataset, default_digits_path
+    from mpidist.train import build_model
+    restored_file, final_file = os.path.join(directory, "restored-1.pt"), os.path.join(directory, "final.pt")
+    if not (os.path.exists(restored_file) and os.path.exists(final_file)):
+        return None
+    batches = []  # per survivor, its batches after the reset
+    for path in sorted(glob.glob(os.path.join(directory, "batches-*.log"))):
+        with open(path) as f:
+            lines = f.read().splitlines()
+        if "reset 1" in lines:
+            batches.append([[int(i) for i in line.split()] for line in lines[lines.index("reset 1") + 1:]])
+    if not batches or len({len(b) for b in batches}) != 1:
+        return float("inf")
+    train_set = HDF5Dataset(default_digits_path(), "train")
+    x, y = torch.as_tensor(train_set.x, dtype=torch.float64), torch.as_tensor(train_set.y)
+    restored = torch.load(restored_file)
+    model = build_model().double()
+    model.load_state_dict({k.removeprefix("module."): v for k, v in restored["model"].items()})
+    optimizer = torch.optim.SGD(model.parameters(), lr=build_parser().parse_args(["train"]).lr, momentum=0.9)
+    optimizer.load_state_dict(restored["optimizer"])
+    for step in zip(*batches):
+        gradients = [torch.zeros_like(p) for p in model.parameters()]
+        for rows in step:  # DataParallel averages the ranks' gradients of their own mean loss
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
+            for total, p in zip(gradients, model.parameters()):
+                total += p.grad / len(step)
+        for total, p in zip(gradients, model.parameters()):
+            p.grad = total
+        optimizer.step()
+    final = torch.load(final_file)
+    return max(float(np.max(np.abs(final[k].double().numpy() - v.detach().numpy())) /
+                     max(float(np.max(np.abs(v.detach().numpy()))), 1e-12))
+               for k, v in model.state_dict().items())
+
+
+def reference(name: str, scenario: dict, args) -> dict:
+    """The undisturbed run of `scenario`'s job (made once per job and kept in the work directory):
+    its test accuracy, checkpoint directory, step times and checkpoint size in datasets."""
+    key = "-".join(a.strip("-") for a in scenario["train"]) or "data"
+    if scenario.get("backup_workers"):
+        key += f"-backup{scenario['backup_workers']}"
+    directory = os.path.join(args.work, f"reference-{key}")
+    summary = os.path.join(directory, "reference.json")
+    if os.path.exists(summary):
+        with open(summary) as f:
+            return json.load(f)
+    run = launch(scenario, directory, os.path.join(directory, "checkpoints"), args)
+    if run["status"] != 0 or accuracy_of(run) is None:
+        raise RuntimeError(f"the undisturbed run of {name} failed:\n" + "\n".join(line for _, line in run["lines"]))
+    logs = phase_log(directory)
+    steps = max(step for _, phase, step in logs[max(logs)] if phase == "done")
+    import h5py
+    datasets, newest = [], newest_checkpoint(run["checkpoints"])
+    if newest is not None:  # --elastic --mode data commits in memory and writes none
+        with h5py.File(newest, "r") as f:
+            f.visititems(lambda n, item: datasets.append(n) if isinstance(item, h5py.Dataset) else None)
+    result = {"accuracy": accuracy_of(run), "checkpoints": run["checkpoints"], "steps": steps,
+              "datasets": len(datasets), "seconds": run["ended"] - run["started"]}
+    with open(summary, "w") as f:
+        json.dump(result, f)
+    return result
+
+
+def draw(name: str, scenario: dict, ref: dict, args, rng: random.Random, directory: str) -> dict:
+    """The fault of one run: victim rank, step, phase and moment within it."""
+    servers = 1 if "ps" in scenario["train"] else 0
+    victims = {"any": list(range(args.ranks)), "rank0": [0], "server": [0],
+               "workers": list(range(servers, args.ranks))}[scenario["victims"]]
+    spec = {"action": scenario["action"], "rank": rng.choice(victims), "fraction": rng.random(),
+            "step": rng.randint(2, max(2, int(ref["steps"] * 0.7))), "phase": rng.choice(STEP_PHASES)}
+    if scenario["action"] == "checkpoint-kill":
+        # a checkpoint after the first (which leaves one behind), at a drawn point of its write
+        spec.update(phase="checkpoint", write_point=rng.randint(1, ref["datasets"] + 1),
+                    step=rng.randint(ref["steps"] // args.epochs + 1, ref["steps"]))
+    if scenario["action"] == "launcher":
+        spec.update(signal=scenario["signal"], launcher_pid_file=os.path.join(directory, "mpirun.pid"))
+    return spec
+
+
+def first_line(run: dict, pattern: str, after: float):
+    for t, line in run["lines"]:
+        if t >= after and re.search(pattern, line):
+            return t
+    return None
+
+
+def step_times(log: list, until: float) -> list:
+    done = [t for t, phase, _ in log if phase == "done" and t < until]
+    return [b - a for a, b in zip(done, done[1:])]
+
+
+def rate(logs: dict, ranks, since: float, until: float) -> float | None:
+    """Training steps per second and rank that `ranks` completed in [since, until]: the job's
+    steps per second in data parallel, a worker's in parameter-server mode."""
+    ranks = list(ranks)
+    count = sum(1 for r in ranks for t, phase, _ in logs.get(r, []) if phase == "done" and since <= t <= until)
+    return count / len(ranks) / (until - since) if until > since and count else None
+
+
+def first_step(logs: dict, ranks) -> float:
+    return min((t for r in ranks for t, phase, _ in logs.get(r, []) if phase == "done"), default=float("inf"))
+
+
+def judge(name: str, scenario: dict, ref: dict, run: dict, relaunch, fault: dict, logs: dict, args) -> dict:
+    """The record's verdicts and times."""
+    record = {"status": run["status"], "hang": run["status"] is None or (relaunch is not None and
+                                                                       relaunch["status"] is None)}
+    output = "\n".join(line for _, line in run["lines"])
+    t_fault = fault["time"]
+    detected = first_line(run, scenario["detect"], t_fault)
+    record["detect_s"] = (detected if detected is not None else run["ended"]) - t_fault
+    record["named"] = detected is not None
+    victim = fault["rank"]
+    survivors = [r for r in range(args.ranks) if r != victim and not (r == 0 and "ps" in scenario["train"])]
+    before = step_times(logs.get(min(survivors), []), t_fault)
+    step_s = statistics.median(before) if before else 0.0
+    marks = [t for t, phase, _ in logs.get(0 if victim != 0 else min(survivors), []) if t < t_fault and
+             phase in ("commit" if scenario.get("survives") else "checkpoint-done",)]
+    done_before = [t for t, phase, _ in logs.get(min(survivors), []) if phase == "done" and t < t_fault]
+    last_mark = max(marks) if marks else run["started"]
+    redone = sum(1 for t in done_before if t > last_mark) if "ps" not in scenario["train"] else 0
+    if scenario.get("survives"):
+        record["completed"] = run["status"] == 0 and detected is not None and accuracy_of(run) is not None
+        after = [t for r in survivors for t, phase, _ in logs.get(r, []) if phase == "done" and
+                 t > (detected or t_fault)]
+        recovered = min(after) if after else None
+        record["accuracy"] = accuracy_of(run)
+        if "ps" in scenario["train"]:
+            record["wrong"] = record["accuracy"] is None or \
+                abs(record["accuracy"] - ref["accuracy"]) > ACCURACY_TOLERANCE
+        else:
+            record["replay_difference"] = elastic_replay(run["directory"])
+            record["wrong"] = record["replay_difference"] is None or record["replay_difference"] > REPLAY_TOLERANCE
+        end = max(after) if after else None
+        record["steps_per_s_after"] = rate(logs, survivors, recovered, end) if recovered else None
+        record["steps_per_s_before"] = rate(logs, survivors, first_step(logs, survivors), t_fault)
+    else:
+        stopped = scenario.get("stops", False)
+        record["completed"] = (run["status"] == 0) == stopped and detected is not None
+        if stopped:
+            redone = 0
+        relaunch_logs = phase_log(relaunch["directory"]) if relaunch else {}
+        after = [t for log in relaunch_logs.values() for t, phase, _ in log if phase == "done"]
+        recovered = min(after) if after else None
+        record["resumed_from"] = next((line for _, line in relaunch["lines"] if "resumed from" in line), None) \
+            if relaunch else None
+        record["relaunch_status"] = relaunch and relaunch["status"]
+        if "ps" in scenario["train"]:
+            record["accuracy"] = accuracy_of(relaunch) if relaunch else None
+            record["wrong"] = record["accuracy"] is None or \
+                abs(record["accuracy"] - ref["accuracy"]) > ACCURACY_TOLERANCE
+        else:
+            import numpy as np
+            record["wrong"] = relaunch is None or relaunch["status"] != 0 or not all(
+                np.array_equal(a, b) for a, b in _paired(final_weights(relaunch["checkpoints"]),
+                                                         final_weights(ref["checkpoints"])))
+        record["steps_per_s_before"] = rate(logs, survivors, first_step(logs, survivors), t_fault)
+        last = max((t for log in relaunch_logs.values() for t, phase, _ in log if phase == "done"), default=None)
+        trainers = [r for r in range(args.ranks) if not (r == 0 and "ps" in scenario["train"])]
+        record["steps_per_s_after"] = rate(relaunch_logs, trainers, recovered, last) if recovered else None
+        record["job_end_s"] = run["ended"] - t_fault
+    record["recover_s"] = recovered - t_fault if recovered is not None else None
+    record["redone_steps"] = redone
+    record["lost_s"] = record["recover_s"] + redone * step_s if record["recover_s"] is not None else None
+    if not record["completed"] or record["wrong"] or record["hang"]:
+        record["output_tail"] = output[-3000:]
+    return record
+
+
+def _paired(mine: dict, theirs: dict):
+    if mine.keys() != theirs.keys():
+        return [(None, 0)]
+    return [(mine[k], theirs[k]) for k in sorted(mine)]
+
+
+def one_run(name: str, index: int, args) -> dict:
+    scenario = SCENARIOS[name]
+    ref = reference(name, scenario, args)
+    rng = random.Random(f"{args.seed}-{name}-{index}")
+    directory = os.path.join(args.work, f"{name}-{index}", "job")
+    checkpoints = os.path.join(args.work, f"{name}-{index}", "checkpoints")
+    os.makedirs(directory, exist_ok=True)
+    spec = draw(name, scenario, ref, args, rng, directory)
+    run = launch(scenario, directory, checkpoints, args, spec=spec)
+    fault_file = os.path.join(directory, "fault.json")
+    record = {"scenario": name, "run": index, "seed": args.seed, "ranks": args.ranks, "spec": spec}
+    if not os.path.exists(fault_file):  # the job ended (or hung) before the drawn moment came
+        record.update(injected=False, hang=run["status"] is None, status=run["status"],
+                      output_tail="\n".join(line for _, line in run["lines"])[-3000:])
+        return record
+    with open(fault_file) as f:
+        fault = json.load(f)
+    relaunch = None
+    if not scenario.get("survives"):  # the newest checkpoint the fault left, then the relaunch from it
+        newest = newest_checkpoint(checkpoints)
+        record["newest_checkpoint"] = newest and os.path.basename(newest)
+        record["checkpoint_loadable"] = None if newest is None else loads(newest, args) is None
+        relaunch_dir = os.path.join(args.work, f"{name}-{index}", "relaunch")
+        if run["status"] is not None:
+            relaunch = launch(scenario, relaunch_dir, checkpoints, args, resume=True)
+    logs = phase_log(directory)
+    record.update(injected=True, fault=fault, **judge(name, scenario, ref, run, relaunch, fault, logs, args))
+    return record
+
+
+def percentile(values, q):
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
+
+
+def summarize(records: list) -> dict:
+    summary = {}
+    for name in SCENARIOS:
+        mine = [r for r in records if r["scenario"] == name]
+        if not mine:
+            continue
+        injected = [r for r in mine if r.get("injected")]
+        row = {"runs": len(mine), "injected": len(injected),
+               "completed_as_documented": sum(bool(r.get("completed")) for r in injected),
+               "hangs": sum(bool(r.get("hang")) for r in mine),
+               "wrong": sum(bool(r.get("wrong")) for r in injected),
+               "unloadable_checkpoints": sum(r.get("checkpoint_loadable") is False for r in injected),
+               "phases": sorted({r["fault"]["phase"] for r in injected})}
+        for key in ("detect_s", "recover_s", "lost_s", "steps_per_s_before", "steps_per_s_after"):
+            values = [r.get(key) for r in injected]
+            row[key] = {"median": percentile(values, 0.5), "p95": percentile(values, 0.95),
+                        "n": sum(v is not None for v in values)}
+        summary[name] = row
+    for name, row in summary.items():
+        baseline = SCENARIOS[name].get("baseline")
+        if baseline in summary and row["lost_s"]["median"] and summary[baseline]["lost_s"]["median"]:
+            row["lost_vs_restart"] = row["lost_s"]["median"] / summary[baseline]["lost_s"]["median"]
+    return summary
+
+
+def machine() -> dict:
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = re.search(r"Model name:\s*(.*)", lscpu)
+    return {"cpu": model.group(1).strip() if model else platform.processor(), "cpus": os.cpu_count(),
+            "python": platform.python_version(), "load_average": os.getloadavg()}
+
+
+def write_reports(out: str, records: list, args, command: str, started_load) -> None:
+    summary = summarize(records)
+    report = {"command": command, "machine": machine(), "load_average_at_start": started_load,
+              "ranks": args.ranks, "epochs": args.epochs, "batch_size": args.batch_size,
+              "stall_warning_s": STALL_WARNING, "timeout_s": TIMEOUT, "deadline_s": DEADLINE,
+              "accuracy_tolerance": ACCURACY_TOLERANCE, "scenarios": summary}
+    with open(out + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+
+    def fmt(cell):
+        if cell["median"] is None:
+            return "-"
+        return f"{cell['median']:.2f} / {cell['p95']:.2f} ({cell['n']})"
+
+    lines = [f"# Fault campaign: {report['machine']['cpu']} ({report['machine']['cpus']} CPUs)", "",
+             f"Command: `{command}`", "",
+             f"{args.ranks} ranks, `mpidist train` (MLP on the digits), {args.epochs} epochs of batches of "
+             f"{args.batch_size}, a checkpoint every epoch. Load average at the start "
+             f"{', '.join(f'{v:.2f}' for v in started_load)}, at the end "
+             f"{', '.join(f'{v:.2f}' for v in report['machine']['load_average'])}: the machine was shared with "
+             "other work, so the times are longer than on a quiet one. Times: median / p95 (N), in seconds from "
+             "the fault.", "",
+             "| scenario | runs | injected | completed as documented | hangs | wrong | unloadable checkpoints | "
+             "detect | recover | lost | lost vs restart | steps/s before / after |", "|" + "---|" * 12]
+    for name, row in summary.items():
+        ratio = f"{row['lost_vs_restart']:.2f}" if "lost_vs_restart" in row else "-"
+        before, after = row["steps_per_s_before"]["median"], row["steps_per_s_after"]["median"]
+        rates = f"{before:.0f} / {after:.0f}" if before and after else "-"
+        lines.append(f"| {name} | {row['runs']} | {row['injected']} | {row['completed_as_documented']} | "
+                     f"{row['hangs']} | {row['wrong']} | {row['unloadable_checkpoints']} | {fmt(row['detect_s'])} | "
+                     f"{fmt(row['recover_s'])} | {fmt(row['lost_s'])} | {ratio} | {rates} |")
+    with open(out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=50, help="runs per scenario (default 50)")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, of: " + ", ".join(SCENARIOS))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "faults-cpu"),
+                        help="prefix of the result files: .jsonl (every run), .json and .md (the summary)")
+    parser.add_argument("--work", default=None, help="scratch directory (default: a new temporary one)")
+    parser.add_argument("--until", default=None, help="stop starting runs after this UTC time (HH:MM)")
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        parser.error(f"unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
+    args.work = args.work or tempfile.mkdtemp(prefix="faults-")
+    command = "python benchmarks/faults.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    started_load = os.getloadavg()
+    records = []
+    if os.path.exists(args.out + ".jsonl"):
+        with open(args.out + ".jsonl") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    done = {(r["scenario"], r["run"]) for r in records if r["seed"] == args.seed}
+    # Round-robin over the scenarios, so that a campaign cut short has runs of each.
+    for index in range(args.runs):
+        for name in names:
+            if (name, index) in done:
+                continue
+            if args.until and time.strftime("%H:%M", time.gmtime()) >= args.until:
+                write_reports(args.out, records, args, command, started_load)
+                return 0
+            record = one_run(name, index, args)
+            records.append(record)
+            with open(args.out + ".jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+            print(f"{name} #{index}: injected={record.get('injected')} completed={record.get('completed')} "
+                  f"hang={record.get('hang')} wrong={record.get('wrong')} detect={record.get('detect_s')} "
+                  f"recover={record.get('recover_s')} lost={record.get('lost_s')}", flush=True)
+    write_reports(args.out, records, args, command, started_load)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
