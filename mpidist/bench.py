@@ -9,6 +9,13 @@ shared machine falls on all of them alike and their ratios stay meaningful. Ever
 compared with an exact reference (inputs are small integers, so sums are exact in every float
 dtype) and the wrong elements are counted over all iterations and ranks.
 
+With --device cuda (all-reduce only) the buffers are on each rank's GPU and the rows name the
+route (docs/gpu.md): "hierarchical" through the node window in GPU memory, "staged:<algorithm>"
+through pinned host memory, "cuda-aware:<algorithm>" handed to a CUDA-aware MPI, "nccl" where
+NCCL runs; each route on a Communicator of its own. The row "bound" is no measurement but the
+time the device window's all-reduce needs at least: the bytes it reads and writes in the memory of
+each GPU (window_traffic) at the device-to-device copy bandwidth measured on that GPU.
+
 Bandwidths follow nccl-tests: algbw = bytes / time, and busbw = algbw * factor, where the factor
 is 2(p-1)/p for all-reduce, (p-1)/p for allgather and reduce-scatter (whose size is the
 total, gathered or unreduced, buffer) and 1 for broadcast. time_us in the JSON rows is the mean
@@ -35,6 +42,7 @@ PEERS = ("mpi", "gloo")
 OURS = {"allreduce": OUR_ALLREDUCE, "broadcast": ("mpidist",), "allgather": ("mpidist",),
         "reduce_scatter": ("mpidist",)}
 COLLECTIVES = tuple(OURS)
+ROUTES = ("staged", "cuda-aware")  # "route:<algorithm>" names of --device cuda
 DEFAULT_SIZES = "8,64,512,4K,32K,256K,1M,4M,16M"
 ROW_KEYS = ("collective", "algorithm", "dtype", "bytes", "count", "ranks", "time_us", "algbw_gbs",
             "busbw_gbs", "wrong")
@@ -157,18 +165,24 @@ class Workload:
 
 
 class AllreduceWorkload(Workload):
-    def __init__(self, comm, dtype, count, gloo):
+    """On `device`; `routes` are the Communicators of the routes of --device cuda (ROUTES)."""
+
+    def __init__(self, comm, dtype, count, gloo, device="cpu", routes=None):
         super().__init__(comm, dtype, count, gloo)
-        self.pristine = pattern(count, self.r, dtype)
+        self.pristine = pattern(count, self.r, dtype).to(device)
         self.buffer = self.pristine.clone()
-        self.expected = sum_of_patterns(count, self.p, dtype)
+        self.expected = sum_of_patterns(count, self.p, dtype).to(device)
         self.mpi_type = mpi_datatype(dtype)
+        self.routes = routes or {}
 
     def reset(self):
         self.buffer.copy_(self.pristine)
 
     def call(self, algorithm):
-        if algorithm == "gloo":
+        route, _, name = algorithm.rpartition(":")
+        if route:
+            self.routes[route].allreduce(self.buffer, op="sum", algorithm=name)
+        elif algorithm == "gloo":
             self.gloo.dist.all_reduce(self.buffer)
         elif algorithm == "mpi" and self.mpi_type is not None:
             from mpi4py import MPI
@@ -269,6 +283,7 @@ class Options:
     warmup: int | None = None
     check_calls: bool = False
     quiet: bool = False
+    device: str = "cpu"  # or "cuda": all-reduce on each rank's GPU
 
 
 def element_count(collective: str, nbytes: int, itemsize: int, ranks: int) -> int:
@@ -282,18 +297,103 @@ def run(comm, options: Options, out=sys.stdout) -> list[dict]:
     """Measure every (dtype, size, algorithm) of one collective; returns the rows (on every rank)."""
     if options.collective not in WORKLOADS:
         raise ValueError(f"unknown collective {options.collective!r}; choose one of {', '.join(COLLECTIVES)}")
-    algorithms = list(options.algorithms or (OURS[options.collective] + PEERS))
+    if options.device == "cuda" and options.collective != "allreduce":
+        raise ValueError("--device cuda measures allreduce only")
+    if options.device == "cuda":
+        import torch
+        torch.cuda.set_device(comm.local_rank % torch.cuda.device_count())
+        algorithms = list(options.algorithms or cuda_algorithms(comm))
+    else:
+        algorithms = list(options.algorithms or (OURS[options.collective] + PEERS))
     comm.check_calls = options.check_calls
     gloo = Gloo(comm) if "gloo" in algorithms else None
+    routes = route_communicators(comm, algorithms)
     printer = TablePrinter(out if comm.rank == 0 and not options.quiet else None, options.collective, comm.size)
     try:
-        return measure(comm, options, algorithms, gloo, printer)
+        return measure(comm, options, algorithms, gloo, printer, routes)
     finally:
+        for route in routes.values():
+            route.free()
         if gloo is not None:
             gloo.close(comm)
 
 
-def measure(comm, options, algorithms, gloo, printer) -> list[dict]:
+def cuda_algorithms(comm) -> list:
+    """--device cuda's default rows: the device window, the staged route of the same algorithm and
+    of the ring, the ring through a CUDA-aware MPI where the library is one, NCCL where CuPy has
+    it, and the bound."""
+    from .collectives import nccl
+    algorithms = ["hierarchical", "staged:hierarchical", "staged:ring"]
+    if comm.is_cuda_aware():
+        algorithms.append("cuda-aware:ring")
+    if nccl.bindings() is not None:
+        algorithms.append("nccl")
+    return algorithms + ["bound"]
+
+
+def route_communicators(comm, algorithms) -> dict:
+    """A Communicator for each route named in `algorithms` ("staged:ring" ...), kept from the node
+    window in GPU memory and told whether MPI reads GPU memory (collective)."""
+    from .collectives import device_window
+    from .comm import Communicator
+    unknown = [a for a in algorithms if ":" in a and a.split(":", 1)[0] not in ROUTES]
+    if unknown:
+        raise ValueError(f"unknown routes {unknown}; a route is one of {', '.join(ROUTES)}")
+    if any(a.startswith("cuda-aware:") for a in algorithms) and not comm.is_cuda_aware():
+        raise ValueError("the cuda-aware route needs a CUDA-aware MPI library (mpidist info)")
+    routes = {}
+    for route in ROUTES:
+        if any(a.startswith(route + ":") for a in algorithms):
+            routes[route] = Communicator(comm.mpi)
+            routes[route].cuda_aware = route == "cuda-aware"
+            routes[route].check_calls = comm.check_calls
+            device_window.keep_off(routes[route], f"the {route} route of mpidist bench")
+    return routes
+
+
+def window_traffic(nbytes: int, local_size: int) -> float:
+    """Bytes one rank's all-reduce through the node window reads and writes in device memory
+    (node_window.py; L local ranks, n bytes): copy-in (L-1)/L n read and written, the reduction n
+    read and n/L written, its publication n/L written, the copy-out (L-1)/L n read and written."""
+    n, L = nbytes, local_size
+    return 4 * (L - 1) / L * n + n + 2 * n / L
+
+
+def device_copy_seconds(comm, nbytes: int) -> tuple:
+    """(seconds a device-to-device copy of `nbytes` takes on the node's slowest GPU, the most
+    local ranks on one GPU): each copy measured by the first local rank of its GPU, the fastest
+    of a few."""
+    import torch
+    from mpi4py import MPI
+    device = torch.cuda.current_device()
+    devices = np.empty(comm.local_size, dtype=np.int64)
+    comm.node_comm.Allgather([np.array([device], dtype=np.int64), MPI.INT64_T], [devices, MPI.INT64_T])
+    seconds = np.zeros(1)
+    if list(devices).index(device) == comm.local_rank:
+        source = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        target = torch.empty_like(source)
+        target.copy_(source)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            target.copy_(source)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        seconds[0] = min(times)
+    comm.node_comm.Allreduce(MPI.IN_PLACE, seconds, op=MPI.MAX)
+    return float(seconds[0]), int((devices == device).sum())
+
+
+def bound_us(comm, nbytes: int) -> float:
+    """The "bound" row's time: the window's traffic of every rank on the busiest GPU at the rate
+    a copy reads and writes that GPU's memory."""
+    copy_seconds, ranks_on_gpu = device_copy_seconds(comm, nbytes)
+    rate = 2 * nbytes / copy_seconds  # a copy reads and writes every byte
+    return ranks_on_gpu * window_traffic(nbytes, comm.local_size) / rate * 1e6
+
+
+def measure(comm, options, algorithms, gloo, printer, routes=None) -> list[dict]:
     import torch
     from mpi4py import MPI
 
@@ -304,10 +404,13 @@ def measure(comm, options, algorithms, gloo, printer) -> list[dict]:
         itemsize = torch.empty(0, dtype=dtype).element_size()
         for nbytes in options.sizes:
             count = element_count(options.collective, nbytes, itemsize, p)
-            workload = WORKLOADS[options.collective](comm, dtype, count, gloo)
+            if options.device == "cuda":
+                workload = AllreduceWorkload(comm, dtype, count, gloo, "cuda", routes)
+            else:
+                workload = WORKLOADS[options.collective](comm, dtype, count, gloo)
             iters = options.iters or default_iterations(count * itemsize)
             warmup = options.warmup if options.warmup is not None else max(2, iters // 10)
-            active = [a for a in algorithms if supported(workload, a, printer)]
+            active = [a for a in algorithms if a != "bound" and supported(workload, a, printer)]
             elapsed = np.zeros(len(active))
             wrong = np.zeros(len(active), dtype=np.int64)
             for iteration in range(warmup + iters):
@@ -321,6 +424,8 @@ def measure(comm, options, algorithms, gloo, printer) -> list[dict]:
                     comm.mpi.Barrier()
                     start = time.perf_counter()
                     result = workload.call(algorithm)
+                    if options.device == "cuda":
+                        torch.cuda.synchronize()
                     stop = time.perf_counter()
                     if iteration >= warmup:
                         elapsed[index] += stop - start
@@ -334,9 +439,22 @@ def measure(comm, options, algorithms, gloo, printer) -> list[dict]:
             for index, algorithm in enumerate(active):
                 row = make_row(options.collective, algorithm, dtype_name, count * itemsize, count, p,
                                stats["sum"][index] / p, int(wrong_total[index]))
-                rows.append(row)
+                rows.append(with_device(row, options.device))
                 printer.row(row, stats["min"][index], stats["max"][index])
+            if "bound" in algorithms:
+                bound = np.array([bound_us(comm, count * itemsize)])
+                comm.mpi.Allreduce(MPI.IN_PLACE, bound, op=MPI.MAX)
+                row = make_row(options.collective, "bound", dtype_name, count * itemsize, count, p, bound[0], 0)
+                rows.append(with_device(row, options.device))
+                printer.row(row, bound[0], bound[0])
     return rows
+
+
+def with_device(row: dict, device: str) -> dict:
+    """Rows of CUDA buffers say so (DESIGN: "device": "cuda")."""
+    if device != "cpu":
+        row["device"] = device
+    return row
 
 
 def supported(workload, algorithm, printer) -> bool:

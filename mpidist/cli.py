@@ -74,7 +74,8 @@ def cmd_train(args) -> int:
 def bench_options(args, collective):
     return bench.Options(collective=collective, sizes=args.sizes, dtypes=args.dtype,
                    algorithms=[a.strip() for a in args.algorithms.split(",")] if args.algorithms else None,
-                   iters=args.iters, warmup=args.warmup, check_calls=args.check)
+                   iters=args.iters, warmup=args.warmup, check_calls=args.check,
+                   device=getattr(args, "device", "cpu"))
 
 
 def cmd_bench(args) -> int:
@@ -236,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated algorithms (default: all of mpidist's plus the peers mpi and gloo)")
     bench_parser.add_argument("--json", metavar="FILE", help="write the rows as JSON to FILE")
     bench_parser.add_argument("--plot", metavar="FILE.png", help="plot busbw against size to FILE.png")
+    bench_parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                              help="cuda: all-reduce on each rank's GPU, by route (docs/gpu.md)")
     bench_parser.set_defaults(run=cmd_bench)
 
     tune = sub.add_parser("tune", help="measure the all-reduce algorithms here and write auto's decision table")

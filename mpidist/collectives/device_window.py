@@ -173,6 +173,13 @@ class DeviceWindows:
             self.window = None
 
 
+def keep_off(channel, reason: str) -> None:
+    """Send `channel`'s CUDA buffers the staged way (or to a CUDA-aware MPI): `mpidist bench`'s
+    routes beside the window."""
+    channel.device_window = DeviceWindows()
+    channel.device_window.refusal = reason
+
+
 def window_for(channel, info: BufferInfo):
     """The device window of `channel` for CUDA buffer `info`, or None (a CPU buffer, or the staged
     route)."""
