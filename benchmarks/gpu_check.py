@@ -16,11 +16,17 @@ One command, in this order (docs/gpu.md):
   5. the CUDA tests of tests/ (kernels against torch, host staging, Adasum) in one pytest run;
   6. real mpirun launches of 2 and 4 ranks sharing the GPU (benchmarks/gpu_check_ranks.py): every
      all-reduce algorithm, broadcast, allgather and reduce_scatter on torch and CuPy GPU arrays,
-     through host staging and, where `mpidist info` reports a CUDA-aware MPI, straight from GPU
-     memory; DataParallel, Pipeline and ParameterServer on a CUDA module against CPU training;
+     through the node window in GPU memory (CUDA IPC; with algorithm="nccl" as a peer and the
+     training modes: DataParallel, Pipeline, ParameterServer, torch DDP over the backend, on a CUDA
+     module against CPU training), through host staging (MPIDIST_DEVICE_WINDOW=0) and, where
+     `mpidist info` reports a CUDA-aware MPI, straight from GPU memory;
   7. benchmarks/kernels.py --device cuda, 1 MiB to 1 GiB, against the device-to-device copy and
      torch's own ops, and the targets: reduce and reduce_scale reach 0.8 of the copy's bandwidth
-     from 64 MiB on (float32, bfloat16), and bfloat16 reduce is at least as fast as torch's add_.
+     from 64 MiB on (float32, bfloat16), and bfloat16 reduce is at least as fast as torch's add_;
+  8. `mpidist bench allreduce --device cuda` on 2 and 4 ranks sharing the GPU, 1 MiB to 1 GiB,
+     float32 and bfloat16: the device window, the staged route, the CUDA-aware route where there
+     is one, NCCL where it runs, and the bound; the targets from 64 MiB on: the window >= 20x the
+     staged route, >= 0.5 of the bound, and at least NCCL's bus bandwidth where NCCL ran.
 
 It writes results.json, summary.md, gpu-check.log and the benchmark's JSON and PNG to --out
 (default: $OUT if set, else benchmarks/results/gpu-check, or build/gpu-check-dry-run for a dry
@@ -51,6 +57,10 @@ SITE = os.path.join(REPO, "build", "gpu-site")
 MIB = 1 << 20
 BENCH_SIZES = {"cuda": ["1M", "4M", "16M", "64M", "256M", "1G"], "cpu": ["4K"]}
 BENCH_DTYPES = ["float32", "bfloat16", "float16"]
+ALLREDUCE_BENCH_SIZES = "1M,4M,16M,64M,256M,1G"
+ALLREDUCE_BENCH_DTYPES = "float32,bfloat16"
+STAGED_FACTOR = 20  # the device window's all-reduce against the staged route, from 64 MiB
+BOUND_FRACTION = 0.5  # ... and against the bound
 TARGET_FROM_BYTES = 64 * MIB
 COPY_FRACTION = 0.8
 # The tests of tests/ that need a GPU, in one pytest run. The two tests of a build without CUDA
@@ -80,6 +90,7 @@ class GpuCheck:
         self.facts: dict = {}
         self.launches: list[dict] = []
         self.benchmark_rows: list[dict] = []
+        self.allreduce_rows: list[dict] = []  # mpidist bench allreduce --device cuda, every launch
         self.targets: list[dict] = []
         self.site = None  # where missing wheels went
         self.mpi_prefix = None  # where a carried MPI library went
@@ -356,21 +367,29 @@ class GpuCheck:
     # ---- 6. multi-rank launches ---------------------------------------------------------------
 
     def launch_plan(self):
-        """(ranks, route, environment changes, --expect-cuda-aware) of each launch."""
+        """(ranks, route, environment changes, --expect-cuda-aware, more arguments) of each launch.
+        The training modes run in the device window's launches, whose route they take; the
+        staged and CUDA-aware routes' training passed on the H100 before the window existed
+        (benchmarks/results/gpu-check-h100/) and is left out to keep the run short."""
         if self.dry_run:
-            return [(2, "CPU buffers", {}, None)]
+            return [(2, "CPU buffers", {}, None, [])]
         aware = bool(self.facts.get("mpidist_info", {}).get("cuda_aware_mpi"))
         plan = []
         for ranks in (2, 4):
-            plan.append((ranks, "host staging", {"MPIDIST_CUDA_AWARE": "0"}, "no"))
+            plan.append((ranks, "device window", {"MPIDIST_CUDA_AWARE": "0", "MPIDIST_DEVICE_WINDOW": None,
+                                                  "NCCL_MULTI_RANK_GPU_ENABLE": "1"}, "no",
+                         ["--device-window", "yes", "--nccl"]))
+            plan.append((ranks, "host staging", {"MPIDIST_CUDA_AWARE": "0", "MPIDIST_DEVICE_WINDOW": "0"}, "no",
+                         ["--skip-training"]))
             if aware:
-                plan.append((ranks, "CUDA-aware MPI", {"MPIDIST_CUDA_AWARE": None}, "yes"))
+                plan.append((ranks, "CUDA-aware MPI", {"MPIDIST_CUDA_AWARE": None, "MPIDIST_DEVICE_WINDOW": "0"}, "yes",
+                             ["--skip-training"]))
         return plan
 
-    def launch(self, ranks: int, route: str, changes: dict, expect_aware):
+    def launch(self, ranks: int, route: str, changes: dict, expect_aware, more=()):
         folder = tempfile.mkdtemp(prefix=f"gpu-check-{ranks}ranks-")
         args = [*self.launcher, str(ranks), sys.executable, os.path.join(REPO, "benchmarks", "gpu_check_ranks.py"),
-                "--device", self.device, "--out", folder, "--expect-ranks", str(ranks)]
+                "--device", self.device, "--out", folder, "--expect-ranks", str(ranks), *more]
         if expect_aware:
             args += ["--expect-cuda-aware", expect_aware]
         # A rank whose peer died waits this long, not the default five minutes, before it says so.
@@ -378,7 +397,9 @@ class GpuCheck:
         launch = merge_ranks(folder, ranks, result.returncode)
         launch.update(ranks=ranks, route=route)
         self.launches.append(launch)
-        failed = [c for c in launch["checks"] if not c["ok"]]
+        if "--nccl" in more:
+            self.facts.setdefault("nccl_runs", {})[f"{ranks} ranks"] = nccl_outcome(launch["checks"])
+        failed = [c for c in launch["checks"] if not c["ok"] and not is_peer(c)]
         if failed:
             shown = "; ".join(f"{c['name']}: {c['detail'][:300]}" for c in failed[:5])
             more = f" (and {len(failed) - 5} more, see results.json)" if len(failed) > 5 else ""
@@ -403,6 +424,28 @@ class GpuCheck:
             return "failed", "benchmarks/kernels.py wrote no rows"
         self.targets = evaluate_targets(self.benchmark_rows)
         return "passed", f"{len(self.benchmark_rows)} rows"
+
+    # ---- 8. the all-reduce benchmark by route ---------------------------------------------------
+
+    def allreduce_benchmark(self, ranks: int):
+        path = os.path.join(self.out, f"bench-allreduce-cuda-{ranks}ranks.json")
+        args = [*self.launcher, str(ranks), sys.executable, "-m", "mpidist.cli", "bench", "allreduce", "--device",
+                "cuda", "--sizes", ALLREDUCE_BENCH_SIZES, "--dtype", ALLREDUCE_BENCH_DTYPES, "--iters", "5",
+                "--warmup", "1", "--json", path]
+        result = self.command(args, timeout=LAUNCH_TIMEOUT, env=self.env(MPIDIST_TIMEOUT="60",
+                                                                          NCCL_MULTI_RANK_GPU_ENABLE="1"))
+        with open(os.path.join(self.out, f"bench-allreduce-cuda-{ranks}ranks.txt"), "w") as f:
+            f.write(result.stdout + result.stderr)
+        if not os.path.exists(path):
+            return "failed", f"mpidist bench wrote no rows: {tail(result)}"
+        with open(path) as f:
+            rows = json.load(f)
+        self.allreduce_rows += rows
+        self.targets += allreduce_targets(rows)
+        wrong = [f"{r['algorithm']} {r['dtype']} {r['bytes']}" for r in rows if r["wrong"]]
+        if wrong or result.returncode:
+            return "failed", f"wrong results in {wrong}" if wrong else f"exit {result.returncode}: {tail(result)}"
+        return "passed", f"{len(rows)} rows: {sorted({r['algorithm'] for r in rows})}"
 
     def judge_targets(self):
         measured = [t for t in self.targets if t["holds"] is not None]
@@ -433,13 +476,17 @@ class GpuCheck:
         if self.launcher is None:
             self.steps.append(Step("multi-rank checks", "failed", "no launcher for the MPI library (see above)"))
         else:
-            for ranks, route, changes, expect_aware in self.launch_plan():
-                self.step(f"{ranks} ranks, {route}: collectives and training modes",
-                          lambda: self.launch(ranks, route, changes, expect_aware))
+            for ranks, route, changes, expect_aware, more in self.launch_plan():
+                what = "collectives" if "--skip-training" in more else "collectives and training modes"
+                self.step(f"{ranks} ranks, {route}: {what}", lambda: self.launch(ranks, route, changes, expect_aware, more))
             if not self.dry_run and not self.facts.get("mpidist_info", {}).get("cuda_aware_mpi"):
                 self.steps.append(Step("collectives through CUDA-aware MPI", "skipped",
                                        "mpidist info reports this MPI library is not CUDA-aware"))
         self.step(f"kernel benchmark ({self.device})", self.benchmark)
+        if not self.dry_run and self.launcher is not None:
+            for ranks in (2, 4):
+                self.step(f"mpidist bench allreduce --device cuda, {ranks} ranks",
+                          lambda: self.allreduce_benchmark(ranks))
         self.step("speed targets", self.judge_targets)
         return self.finish()
 
@@ -460,10 +507,11 @@ class GpuCheck:
         any launch with a failed check, whatever step ran it."""
         failed = [s.name for s in self.steps if s.status == "failed"]
         failed += [f"{launch['ranks']} ranks, {launch['route']}" for launch in self.launches
-                   if launch["problem"] or not all(check["ok"] for check in launch["checks"])]
+                   if launch["problem"] or not all(check["ok"] or is_peer(check) for check in launch["checks"])]
         results = {"started": self.started, "finished": finished, "dry_run": self.dry_run, "passed": finished and not failed,
                    "facts": self.facts, "steps": [dataclasses.asdict(s) for s in self.steps],
-                   "launches": self.launches, "targets": self.targets, "benchmark": self.benchmark_rows}
+                   "launches": self.launches, "targets": self.targets, "benchmark": self.benchmark_rows,
+                   "allreduce_benchmark": self.allreduce_rows}
         with open(os.path.join(self.out, "results.json"), "w") as f:
             json.dump(results, f, indent=1)
         with open(os.path.join(self.out, "summary.md"), "w") as f:
@@ -478,6 +526,8 @@ DRY_RUN_SKIPS = [
      "no GPU: the same checks ran on NumPy and torch CPU arrays, 2 ranks"),
     ("training modes on a CUDA module", "no GPU: the same checks ran on a CPU module"),
     ("CUDA kernel benchmark 1 MiB to 1 GiB and its targets", "no GPU: benchmarks/kernels.py ran on the CPU at 4 KiB"),
+    ("mpidist bench allreduce --device cuda (device window, staged, CUDA-aware, NCCL, bound) and its targets",
+     "no GPU"),
 ]
 
 LIBRARIES_PROBE = """
@@ -496,6 +546,15 @@ try:
     facts["cupy"] = cupy.__version__
 except Exception as error:
     facts["cupy"] = "cannot import: %s" % error
+try:
+    from cupy.cuda import nccl
+    facts["nccl_cupy"] = nccl.get_version()
+except Exception as error:
+    facts["nccl_cupy"] = "cannot import: %s" % error
+try:
+    facts["nccl_torch"] = ".".join(map(str, torch.cuda.nccl.version()))
+except Exception as error:
+    facts["nccl_torch"] = "unknown: %s" % error
 print(json.dumps(facts))
 """
 
@@ -700,6 +759,41 @@ def evaluate_targets(rows: list) -> list:
     return targets
 
 
+def is_peer(check: dict) -> bool:
+    """A check of a peer (NCCL), not of mpidist: recorded, never failing the run."""
+    return check["name"].startswith("peer ")
+
+
+def nccl_outcome(checks) -> str:
+    """Whether NCCL ran in a launch, from its "peer nccl: runs" check."""
+    runs = [c for c in checks if c["name"] == "peer nccl: runs"]
+    if not runs:
+        return "not tried"
+    return "ran" if runs[0]["ok"] else f"did not run: {' '.join(runs[0]['detail'][:300].split())}"
+
+
+def allreduce_targets(rows: list) -> list:
+    """The device window's targets on `mpidist bench allreduce --device cuda` rows of one launch,
+    64 MiB and more: >= STAGED_FACTOR x the staged route, >= BOUND_FRACTION of the bound, and at
+    least NCCL's bus bandwidth where NCCL ran. holds is None where a row is missing."""
+    big = [r for r in rows if r["bytes"] >= TARGET_FROM_BYTES]
+    time_of = {(r["algorithm"], r["dtype"], r["bytes"]): r["time_us"] for r in big}
+    ranks = rows[0]["ranks"] if rows else 0
+    targets = []
+    for dtype in sorted({r["dtype"] for r in big}):
+        sizes = sorted({r["bytes"] for r in big if r["dtype"] == dtype})
+        for peer, wanted, name in (("staged:hierarchical", STAGED_FACTOR, f">= {STAGED_FACTOR}x the staged route"),
+                                   ("bound", BOUND_FRACTION, f">= {BOUND_FRACTION} of the bound"),
+                                   ("nccl", 1.0, ">= NCCL's bus bandwidth")):
+            ratios = [(size, time_of[(peer, dtype, size)] / time_of[("hierarchical", dtype, size)]) for size in sizes
+                      if (peer, dtype, size) in time_of and ("hierarchical", dtype, size) in time_of]
+            targets.append({
+                "target": f"all-reduce {dtype}, {ranks} ranks on one GPU, device window {name} from 64 MiB",
+                "holds": all(ratio >= wanted for _, ratio in ratios) if ratios else None,
+                "detail": ", ".join(f"{size // MIB} MiB: {ratio:.2f}" for size, ratio in ratios) or "not measured"})
+    return targets
+
+
 def summary_markdown(results: dict) -> str:
     facts = results["facts"]
     gpu = facts.get("gpu") or {}
@@ -714,6 +808,8 @@ def summary_markdown(results: dict) -> str:
              f"| nvcc | {facts.get('nvcc', '-')} |",
              f"| torch | {facts.get('torch', '-')} (CUDA {facts.get('torch_cuda', '-')}) |",
              f"| CuPy | {facts.get('cupy', '-')} |",
+             f"| NCCL | CuPy's {facts.get('nccl_cupy', '-')}, torch's {facts.get('nccl_torch', '-')}; ran: "
+             f"{facts.get('nccl_runs', '-')} |",
              f"| Python | {facts.get('python', '-')} |",
              f"| MPI library | {facts.get('mpi_library', '-')} (mpi4py {facts.get('mpi4py', '-')}"
              f"{', from ' + facts['mpi_installed_from_wheel'] if facts.get('mpi_installed_from_wheel') else ''}"
@@ -728,12 +824,21 @@ def summary_markdown(results: dict) -> str:
         failed = [c for c in launch["checks"] if not c["ok"]]
         lines += ["", f"### {launch['ranks']} ranks, {launch['route']}: {len(launch['checks']) - len(failed)} of "
                       f"{len(launch['checks'])} checks passed{'; ' + launch['problem'] if launch['problem'] else ''}"]
-        lines += [f"- FAILED {c['name']}: {' '.join(c['detail'][:500].split())}" for c in failed]
+        lines += [f"- {'FAILED (a peer: not counted)' if is_peer(c) else 'FAILED'} {c['name']}: "
+                  f"{' '.join(c['detail'][:500].split())}" for c in failed]
     if results["targets"]:
         lines += ["", "## Speed targets", "", "| target | holds | measured |", "| --- | --- | --- |"]
         for target in results["targets"]:
             holds = {True: "yes", False: "**no**", None: "not measured"}[target["holds"]]
             lines.append(f"| {target['target']} | {holds} | {target['detail']} |")
+    if results.get("allreduce_benchmark"):
+        lines += ["", "## All-reduce of CUDA buffers by route (mpidist bench allreduce --device cuda)", "",
+                  "bound: the device window's reads and writes of device memory at the measured copy bandwidth.",
+                  "", "| ranks | dtype | MiB | algorithm | time us | busbw GB/s | wrong |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for row in results["allreduce_benchmark"]:
+            lines.append(f"| {row['ranks']} | {row['dtype']} | {row['bytes'] / MIB:g} | {row['algorithm']} | "
+                         f"{row['time_us']:.1f} | {row['busbw_gbs']:.2f} | {row['wrong']} |")
     if results["benchmark"]:
         lines += ["", "## Kernel benchmark", "",
                   "GB/s count every byte read and written; torch: the same result by torch's own ops; copy: "

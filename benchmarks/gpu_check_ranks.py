@@ -9,8 +9,12 @@ DDP on torch tensors on that device) and its training modes (DataParallel, Pipel
 ParameterServer on a module on that device), and compares each result with an independent
 reference: float64 NumPy sums of every rank's inputs for the collectives, one-process float64 CPU
 training for the training modes. For a GPU buffer it also checks the route the data took:
-through pinned host memory when the MPI library is not CUDA-aware (MPIDIST_CUDA_AWARE=0 forces
-this), straight from GPU memory when it is.
+through the node window in GPU memory (CUDA IPC) for the hierarchical all-reduce, broadcast,
+allgather and reduce_scatter with --device-window yes; otherwise through pinned host memory when
+the MPI library is not CUDA-aware (MPIDIST_CUDA_AWARE=0 forces this), straight from GPU memory
+when it is. With --nccl it also runs algorithm="nccl" as a peer: its checks are named "peer nccl
+...", and NCCL's version goes into the rank's JSON ("nccl_version"); gpu_check.py records whether
+NCCL ran without counting its refusal (NCCL before 2.30 refuses two ranks on one GPU) as ours.
 
 Each rank writes DIR/rank<r>.json after every check ({"rank", "size", "device", "cuda_aware",
 "mpi_library", "checks": [{"name", "ok", "detail"}]}), so a launch that dies still leaves the
@@ -177,11 +181,15 @@ class StagingCounter:
 
         staging.stage_in = counted
 
-    def route_check(self, before: int, is_cuda: bool, host_only: bool, cuda_aware: bool):
-        """(ok, detail) for a collective that ran between `before` and now."""
+    def route_check(self, before: int, is_cuda: bool, host_only: bool, cuda_aware: bool, windowed: bool = False):
+        """(ok, detail) for a collective that ran between `before` and now; `windowed`: it should
+        have gone through the node window in GPU memory."""
         staged = self.count > before
         if not is_cuda:
             return (not staged), ("a CPU buffer was staged" if staged else "")
+        if windowed:
+            return (not staged), ("the GPU buffer was staged instead of going through the device window"
+                                  if staged else "")
         expected = host_only or not cuda_aware
         if staged != expected:
             return False, (f"the GPU buffer {'was' if staged else 'was not'} staged through host memory, but the MPI "
@@ -198,11 +206,15 @@ def both(*results):
 
 # ---- collectives -------------------------------------------------------------------------------
 
-def check_collectives(comm, report: Report, arrays: Arrays, counts, staging: StagingCounter) -> None:
+def check_collectives(comm, report: Report, arrays: Arrays, counts, staging: StagingCounter,
+                      window: bool = False) -> None:
+    """`window`: GPU buffers of the hierarchical all-reduce, broadcast, allgather and reduce_scatter
+    must go through the node window in GPU memory."""
     size, rank = comm.size, comm.rank
     inputs = Inputs(size)
     aware = comm.is_cuda_aware()
     is_cuda = arrays.device.startswith("cuda")
+    windowed = window and is_cuda
     for dtype in DTYPES[arrays.kind]:
         where = f"{arrays.label()} {dtype}"
         for count in counts:
@@ -216,7 +228,8 @@ def check_collectives(comm, report: Report, arrays: Arrays, counts, staging: Sta
                         scale = 1.0 / size if op == "avg" else 1.0
                         got = arrays.float64(out)
                         route = (True, "") if algorithm == "auto" else staging.route_check(
-                            before, is_cuda, algorithm in HOST_MEMORY_ALGORITHMS, aware)
+                            before, is_cuda, algorithm in HOST_MEMORY_ALGORITHMS, aware,
+                            windowed and algorithm == "hierarchical")
                         return both((out is buf, "the result is not the input array (in place)"),
                                     within(got, total * scale, sum_bound(dtype, size, magnitude) * scale),
                                     same_on_every_rank(comm, got), route)
@@ -240,7 +253,7 @@ def check_collectives(comm, report: Report, arrays: Arrays, counts, staging: Sta
             md.broadcast(buf, root=root)
             got = arrays.float64(buf)
             return both(within(got, per_rank[root], np.zeros(count)),
-                        staging.route_check(before, is_cuda, False, aware))
+                        staging.route_check(before, is_cuda, False, aware, windowed))
         report.run(f"broadcast {where} n={count}", broadcast)
 
         def allgather():
@@ -249,7 +262,7 @@ def check_collectives(comm, report: Report, arrays: Arrays, counts, staging: Sta
             before = staging.count
             got = arrays.float64(md.allgather(arrays.make(rows[rank], dtype)))
             return both(within(got, np.concatenate(rows), np.zeros((sum(len(r) for r in rows), 3))),
-                        staging.route_check(before, is_cuda, False, aware))
+                        staging.route_check(before, is_cuda, False, aware, windowed))
         report.run(f"allgather {where}", allgather)
 
         for op in ("sum", "avg"):
@@ -266,8 +279,40 @@ def check_collectives(comm, report: Report, arrays: Arrays, counts, staging: Sta
                 got = arrays.float64(md.reduce_scatter(source, op=op))
                 return both(within(got, want, bound),
                             within(arrays.float64(source), parts[rank], np.zeros_like(parts[rank])),
-                            staging.route_check(before, is_cuda, False, aware))
+                            staging.route_check(before, is_cuda, False, aware, windowed))
             report.run(f"reduce_scatter {op} {where}", reduce_scatter)
+
+
+def check_device_window(comm, report: Report) -> None:
+    """The node window in GPU memory was opened (after the collectives that open it)."""
+    windows = comm.device_window
+    opened = windows is not None and windows.window is not None
+    report.add("device window: opened on every rank", opened,
+               "" if opened else f"not opened: {windows.refusal if windows is not None else 'never asked for'}")
+
+
+def check_nccl(comm, report: Report, arrays: Arrays, count: int) -> None:
+    """algorithm="nccl" as a peer: its results against the same references, or the reason NCCL did
+    not run (one failed "peer nccl: runs" check, and no more)."""
+    from mpidist.collectives import nccl
+    report.data["nccl_version"] = nccl.version()
+    size, rank = comm.size, comm.rank
+    inputs = Inputs(size)
+    for dtype in DTYPES[arrays.kind]:
+        per_rank, total, magnitude = inputs.get(dtype, count)
+        for op in ("sum", "avg"):
+            def allreduce(op=op):
+                out = md.allreduce(arrays.make(per_rank[rank], dtype), op=op, algorithm="nccl")
+                scale = 1.0 / size if op == "avg" else 1.0
+                got = arrays.float64(out)
+                return both(within(got, total * scale, sum_bound(dtype, size, magnitude) * scale),
+                            same_on_every_rank(comm, got))
+            name = f"peer nccl allreduce {op} {arrays.label()} {dtype} n={count}"
+            report.run(name, allreduce)
+            if not report.data["checks"][-1]["ok"]:  # NCCL refused, or reduced wrongly: no more tries
+                report.add("peer nccl: runs", False, report.data["checks"][-1]["detail"])
+                return
+    report.add("peer nccl: runs", True, f"NCCL {report.data['nccl_version']}")
 
 
 def check_async(comm, report: Report, arrays: Arrays, count: int) -> None:
@@ -484,6 +529,9 @@ def main(argv=None) -> int:
                         help="the launch's size: a launcher of another MPI starts singletons instead")
     parser.add_argument("--expect-cuda-aware", choices=("yes", "no"), help="the route GPU buffers must take")
     parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--device-window", choices=("yes", "no"), default="no",
+                        help="whether GPU buffers must go through the node window in GPU memory")
+    parser.add_argument("--nccl", action="store_true", help='also run algorithm="nccl" as a peer')
     args = parser.parse_args(argv)
     comm = md.init()
     report = Report(args.out, comm, args.device)
@@ -503,15 +551,22 @@ def main(argv=None) -> int:
                    f"mpidist.kernels.cuda_available()={kernels.cuda_available()}")
     staging = StagingCounter(comm)
     kinds = array_kinds(args.device, comm, report)
+    window = args.device_window == "yes"
     for arrays in kinds:
-        check_collectives(comm, report, arrays, COUNTS[args.device], staging)
+        check_collectives(comm, report, arrays, COUNTS[args.device], staging, window)
+    if window and kinds:
+        check_device_window(comm, report)
+    if args.nccl:
+        for arrays in kinds:
+            check_nccl(comm, report, arrays, COUNTS[args.device][1])
     for arrays in kinds:
         check_async(comm, report, arrays, COUNTS[args.device][1])
     if kinds:
         check_distributed_backend(comm, report, kinds[0].device, COUNTS[args.device][1], not args.skip_training)
     if not args.skip_training:
         check_training(comm, report, kinds[0].device if kinds else args.device)
-    return 0 if all(check["ok"] for check in report.data["checks"]) else 1
+    # A peer's failure (NCCL refusing two ranks on one GPU) is recorded, not ours.
+    return 0 if all(check["ok"] or check["name"].startswith("peer ") for check in report.data["checks"]) else 1
 
 
 if __name__ == "__main__":

@@ -193,3 +193,56 @@ def test_the_carried_mpi_stands_in_only_for_a_library_that_is_not_cuda_aware(tmp
     assert env["PATH"].split(os.pathsep)[0] == str(tree / "bin")
     assert env["LD_LIBRARY_PATH"] == os.pathsep.join([str(tree / "lib"), "/usr/lib/elsewhere"])
     assert env["OPAL_PREFIX"] == str(tree) and env["MPI4PY_LIBMPI"] == str(tree / "lib")
+
+
+def allreduce_row(algorithm, dtype, size, time_us, ranks=2):
+    return {"collective": "allreduce", "algorithm": algorithm, "dtype": dtype, "bytes": size, "count": size // 4,
+            "ranks": ranks, "time_us": time_us, "algbw_gbs": 0.0, "busbw_gbs": 0.0, "wrong": 0, "device": "cuda"}
+
+
+def test_device_window_targets():
+    """Against the staged route (20x), the bound (0.5) and NCCL (1x) from 64 MiB on; smaller sizes
+    are not judged, and a route without rows is not measured."""
+    rows = [allreduce_row("hierarchical", "float32", 64 * MIB, 1000.0),
+            allreduce_row("staged:hierarchical", "float32", 64 * MIB, 25000.0),
+            allreduce_row("bound", "float32", 64 * MIB, 600.0),
+            allreduce_row("nccl", "float32", 64 * MIB, 900.0),
+            allreduce_row("hierarchical", "float32", MIB, 1000.0),
+            allreduce_row("staged:hierarchical", "float32", MIB, 1000.0)]
+    verdicts = [t["holds"] for t in gpu_check.allreduce_targets(rows)]
+    assert verdicts == [True, True, False]
+    rows[1] = allreduce_row("staged:hierarchical", "float32", 64 * MIB, 19000.0)
+    rows[2] = allreduce_row("bound", "float32", 64 * MIB, 400.0)
+    assert [t["holds"] for t in gpu_check.allreduce_targets(rows[:3])] == [False, False, None]
+
+
+def test_a_peer_that_does_not_run_is_recorded_not_failed(tmp_path):
+    check = gpu_check.GpuCheck(str(tmp_path), str(tmp_path / "wheels"), dry_run=True)
+    check.step("fine", lambda: ("passed", ""))
+    refused = "NcclError: NCCL_ERROR_INVALID_USAGE: invalid usage"
+    launch = {"checks": [{"name": "allreduce ring sum", "ok": True, "detail": "", "ranks": [0, 1]},
+                         {"name": "peer nccl allreduce sum", "ok": False, "detail": refused, "ranks": [0, 1]},
+                         {"name": "peer nccl: runs", "ok": False, "detail": refused, "ranks": [0, 1]}],
+              "problem": "", "ranks": 2, "route": "device window"}
+    check.launches.append(launch)
+    assert check.finish() == 0
+    assert gpu_check.nccl_outcome(launch["checks"]).startswith("did not run: NcclError")
+    assert "FAILED (a peer: not counted) peer nccl: runs" in (tmp_path / "summary.md").read_text()
+    launch["checks"][0]["ok"] = False
+    assert check.finish() == 1
+
+
+def test_the_device_window_route_is_checked():
+    """A GPU buffer that should have gone through the device window but was staged fails."""
+    counter = gpu_check_ranks.StagingCounter.__new__(gpu_check_ranks.StagingCounter)
+    counter.count = 1
+    assert gpu_check_ranks.StagingCounter.route_check(counter, 1, True, True, False, windowed=True) == (True, "")
+    ok, detail = gpu_check_ranks.StagingCounter.route_check(counter, 0, True, True, False, windowed=True)
+    assert not ok and "instead of going through the device window" in detail
+
+
+def test_the_ranks_script_reads_its_new_options():
+    import subprocess
+    result = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu_check_ranks.py"), "--help"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "--device-window {yes,no}" in result.stdout and "--nccl" in result.stdout
