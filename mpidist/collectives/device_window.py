@@ -219,7 +219,8 @@ def allgather(channel, array, info: BufferInfo, out: BufferInfo, chunks) -> bool
         return False
     buffers.synchronize(array, info)
     offset, count = chunks[channel.rank]
-    kernels.copy_ptr(out.ptr + offset * out.itemsize, info.ptr, count * out.itemsize, device=out.device)
+    if count:
+        kernels.copy_ptr(out.ptr + offset * out.itemsize, info.ptr, count * out.itemsize, device=out.device)
     allgather_on_node(window, out, chunks)
     return True
 

@@ -143,7 +143,7 @@ class NodeWindow:
         """Grow the slots to hold `nbytes` each (collective over the node; every local rank has
         the same message size, so all decide alike). The memory is given back and made anew,
         so a device backend exports it again."""
-        if nbytes <= self.capacity:
+        if self.bases and nbytes <= self.capacity:
             return
         capacity = max(nbytes, 2 * self.capacity, 4096)
         capacity = (capacity + 63) // 64 * 64
