@@ -116,9 +116,12 @@ def verify(path) -> dict:
 
 
 def _digest(path) -> str:
+    digest = hashlib.sha256()
     with open(path, "rb") as f:
         f.seek(SEAL_BYTES)
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def remove_stale_temporaries(directory) -> list:
