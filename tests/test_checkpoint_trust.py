@@ -25,6 +25,7 @@ from mpidist.checkpoint_files import SEAL_BYTES, seal
 from mpidist.collectives.select import load_tuning_table, read_tuning_file
 from mpidist.data import HDF5Dataset
 from mpidist.errors import MpidistError
+from mpidist.train_pipeline import common_checkpoint
 
 pytestmark = pytest.mark.mpi_shared_launch
 
@@ -376,6 +377,13 @@ def test_every_rank_raises_the_same_error_naming_the_file(mpi_ranks, mpi_world, 
         open(own, "wb").write(bytes(data))
     with pytest.raises(CheckpointError, match=r"failed on rank\(s\) \[1\]: checkpoint \S+copy-1.h5 is damaged"):
         load_checkpoint(own, *trained(seed=1), comm=mpi_world)
+    # The pipeline's ranks look in directories of their own: one with none intact stops every rank.
+    own_directory = shared_tmp / f"stage-{comm.rank}"
+    os.makedirs(own_directory)
+    shutil.copy(damaged if comm.rank == 1 else intact, checkpoint_path(own_directory, 1, 10))
+    with pytest.raises(CheckpointError, match=r"failed on rank\(s\) \[1\]: \S+stage-1 holds 1 checkpoint file\(s\) "
+                                              "and none is intact"):
+        common_checkpoint(own_directory, mpi_world)
     # None intact: every rank raises rank 0's error, naming the directory and the newest file.
     comm.Barrier()
     if comm.rank == 0:
