@@ -6,7 +6,9 @@ fault at the first time the phase it drew begins at or after the step it drew.
 
 A step's phases: forward, backward (data parallel: the gradient buckets' all-reduces start here),
 apply (the optimizer's step: data parallel waits for the all-reduces; a parameter-server worker
-exchanges its gradient for the weights) and checkpoint (`save_checkpoint`). The fault is one of
+exchanges its gradient for the weights) and checkpoint (`save_checkpoint`); a parameter server's
+step is an update, its phase "update" the time from one update to the next (receiving the
+gradients, applying them, replying). The fault is one of
 kill (SIGKILL to itself), stop (SIGSTOP to itself), raise (an exception in the training loop),
 launcher (a signal to mpirun, as SLURM sends one) and checkpoint-kill (SIGKILL to itself inside
 the write of a checkpoint, between two of its datasets or just before the file is renamed into
@@ -218,6 +220,21 @@ def install(log: PhaseLog) -> None:
     train.train_batch = train_batch
     train.save_checkpoint = logged(train.save_checkpoint)
     train_ps.save_checkpoint = logged(train_ps.save_checkpoint)
+    serve = md.ParameterServer.serve
+
+    def logged_serve(ps, on_update=None):
+        """The server's updates as its steps: phase "update" runs from one update to the next."""
+        started = [log.enter("update")]
+
+        def logged_update(update):
+            log.leave("update", started[0])
+            log.step += 1
+            if on_update is not None:
+                on_update(update)
+            started[0] = log.enter("update")
+        return serve(ps, on_update=logged_update)
+
+    md.ParameterServer.serve = logged_serve
     backup = int(os.environ.get("FAULT_BACKUP_WORKERS", "0"))
     if backup:  # `mpidist train` has no option for backup workers: its sync mode gets them here
         import functools

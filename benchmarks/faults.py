@@ -20,8 +20,9 @@ the job survives, by the relaunched job (--resume=auto) for those that end it; l
 the time the steps that are done again had taken (those since the last elastic commit, or since
 the newest checkpoint). Wrong: a run that ends and resumes must reach the undisturbed run's
 final weights bit for bit (data parallel restores its sampler and RNG states); an elastic or
-parameter-server run, whose survivors share the data differently or whose updates race, must
-reach the undisturbed run's test accuracy within ACCURACY_TOLERANCE.
+parameter-server run, whose updates race, must come within ACCURACY_TOLERANCE below the
+undisturbed run's test accuracy (a bound, not an equality: tests/test_ps_resume.py and
+tests/test_ps_faults.py compare the parameter server with its float64 replay).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import os
 import platform
 import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -44,13 +46,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 HOOK = os.path.join(HERE, "fault_hook.py")
 DEADLINE = 180  # s: a launch still running then is a hang, killed with its whole process group
-ACCURACY_TOLERANCE = 0.05  # parameter server: its updates race, so runs differ even undisturbed
+# Parameter server: its updates race, so runs differ even undisturbed, and a dead worker's share of
+# the data goes untrained from its death on: a bound on the loss of test accuracy, not an equality.
+ACCURACY_TOLERANCE = 0.15
 REPLAY_TOLERANCE = 1e-4  # elastic: float32 training against the float64 replay, relative to the weights
 STALL_WARNING, TIMEOUT = 5, 20  # MPIDIST_STALL_WARNING and MPIDIST_TIMEOUT for the frozen rank
 STEP_PHASES = ("forward", "backward", "apply")
 
 PS_WORKER_DIED = r"mpidist parameter server: worker \d+ died"
 MPIRUN_SAW_IT = r"prterun noticed that process rank \d+"
+ULFM_DETECTOR = ["--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_thread", "true",
+                 "--mca", "mpi_ft_detector_period", "1", "--mca", "mpi_ft_detector_timeout", "4"]
 PS = ["--mode", "ps", "--lr", "0.01"]  # the default 0.05 diverges with stale gradients and momentum
 # name: the job (--mode ps options, elastic), the fault, who it strikes, what the docs say follows.
 SCENARIOS = {
@@ -76,6 +82,9 @@ SCENARIOS = {
     "sigusr1": dict(train=[], action="launcher", signal="SIGUSR1", victims="rank0", stops=True,
                     detect=r"stopped early: a stop signal \(SIGUSR1\)"),
     "sigstop": dict(train=[], action="stop", victims="any", detect=r"mpidist: stall: rank \d+ has waited"),
+    # ULFM's heartbeat failure detector (off by default) takes a frozen rank for a dead one.
+    "elastic-sigstop-detector": dict(train=["--elastic"], ulfm=True, mpirun=ULFM_DETECTOR, action="stop", victims="any",
+                                     survives=True, detect=r"mpidist elastic: rank \d+ of \d+ died; going on"),
     "rank0-checkpoint-kill": dict(train=[], action="checkpoint-kill", victims="rank0", detect=MPIRUN_SAW_IT),
 }
 
@@ -103,7 +112,7 @@ def launch(scenario: dict, directory: str, checkpoints: str, args, spec=None, re
         extra["FAULT_SPEC"] = json.dumps(spec)
     if scenario.get("backup_workers"):
         extra["FAULT_BACKUP_WORKERS"] = str(scenario["backup_workers"])
-    ft = ["--with-ft", "ulfm"] if scenario.get("ulfm") else []
+    ft = (["--with-ft", "ulfm"] if scenario.get("ulfm") else []) + scenario.get("mpirun", [])
     cmd = ["mpirun", *ft, "--oversubscribe", "--bind-to", "none", "-np", str(args.ranks), sys.executable, HOOK,
            "train", "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--no-progress",
            "--checkpoint-dir", checkpoints, *train]
@@ -268,6 +277,8 @@ def draw(name: str, scenario: dict, ref: dict, args, rng: random.Random, directo
                "workers": list(range(servers, args.ranks))}[scenario["victims"]]
     spec = {"action": scenario["action"], "rank": rng.choice(victims), "fraction": rng.random(),
             "step": rng.randint(2, max(2, int(ref["steps"] * 0.7))), "phase": rng.choice(STEP_PHASES)}
+    if scenario["victims"] == "server":  # its updates, as many as the workers' steps in async mode
+        spec.update(phase="update", step=rng.randint(2, max(2, int(ref["steps"] * (args.ranks - 1) * 0.7))))
     if scenario["action"] == "checkpoint-kill":
         # a checkpoint after the first (which leaves one behind), at a drawn point of its write
         spec.update(phase="checkpoint", write_point=rng.randint(1, ref["datasets"] + 1),
@@ -327,7 +338,7 @@ def judge(name: str, scenario: dict, ref: dict, run: dict, relaunch, fault: dict
         record["accuracy"] = accuracy_of(run)
         if "ps" in scenario["train"]:
             record["wrong"] = record["accuracy"] is None or \
-                abs(record["accuracy"] - ref["accuracy"]) > ACCURACY_TOLERANCE
+                record["accuracy"] < ref["accuracy"] - ACCURACY_TOLERANCE
         else:
             record["replay_difference"] = elastic_replay(run["directory"])
             record["wrong"] = record["replay_difference"] is None or record["replay_difference"] > REPLAY_TOLERANCE
@@ -348,7 +359,7 @@ def judge(name: str, scenario: dict, ref: dict, run: dict, relaunch, fault: dict
         if "ps" in scenario["train"]:
             record["accuracy"] = accuracy_of(relaunch) if relaunch else None
             record["wrong"] = record["accuracy"] is None or \
-                abs(record["accuracy"] - ref["accuracy"]) > ACCURACY_TOLERANCE
+                record["accuracy"] < ref["accuracy"] - ACCURACY_TOLERANCE
         else:
             import numpy as np
             record["wrong"] = relaunch is None or relaunch["status"] != 0 or not all(
@@ -377,6 +388,7 @@ def one_run(name: str, index: int, args) -> dict:
     scenario = SCENARIOS[name]
     ref = reference(name, scenario, args)
     rng = random.Random(f"{args.seed}-{name}-{index}")
+    shutil.rmtree(os.path.join(args.work, f"{name}-{index}"), ignore_errors=True)  # a run cut short before
     directory = os.path.join(args.work, f"{name}-{index}", "job")
     checkpoints = os.path.join(args.work, f"{name}-{index}", "checkpoints")
     os.makedirs(directory, exist_ok=True)
@@ -442,8 +454,16 @@ def machine() -> dict:
             "python": platform.python_version(), "load_average": os.getloadavg()}
 
 
-def write_reports(out: str, records: list, args, command: str, started_load) -> None:
-    summary = summarize(records)
+def read_records(out: str) -> list:
+    if not os.path.exists(out + ".jsonl"):
+        return []
+    with open(out + ".jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_reports(out: str, args, command: str, started_load) -> None:
+    """The summary of every record in <out>.jsonl (other campaigns may append to it too)."""
+    summary = summarize(read_records(out))
     report = {"command": command, "machine": machine(), "load_average_at_start": started_load,
               "ranks": args.ranks, "epochs": args.epochs, "batch_size": args.batch_size,
               "stall_warning_s": STALL_WARNING, "timeout_s": TIMEOUT, "deadline_s": DEADLINE,
@@ -497,27 +517,22 @@ def main(argv=None) -> int:
     args.work = args.work or tempfile.mkdtemp(prefix="faults-")
     command = "python benchmarks/faults.py " + " ".join(argv if argv is not None else sys.argv[1:])
     started_load = os.getloadavg()
-    records = []
-    if os.path.exists(args.out + ".jsonl"):
-        with open(args.out + ".jsonl") as f:
-            records = [json.loads(line) for line in f if line.strip()]
-    done = {(r["scenario"], r["run"]) for r in records if r["seed"] == args.seed}
+    done = {(r["scenario"], r["run"]) for r in read_records(args.out) if r["seed"] == args.seed}
     # Round-robin over the scenarios, so that a campaign cut short has runs of each.
     for index in range(args.runs):
         for name in names:
             if (name, index) in done:
                 continue
             if args.until and time.strftime("%H:%M", time.gmtime()) >= args.until:
-                write_reports(args.out, records, args, command, started_load)
+                write_reports(args.out, args, command, started_load)
                 return 0
             record = one_run(name, index, args)
-            records.append(record)
             with open(args.out + ".jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
             print(f"{name} #{index}: injected={record.get('injected')} completed={record.get('completed')} "
                   f"hang={record.get('hang')} wrong={record.get('wrong')} detect={record.get('detect_s')} "
                   f"recover={record.get('recover_s')} lost={record.get('lost_s')}", flush=True)
-    write_reports(args.out, records, args, command, started_load)
+    write_reports(args.out, args, command, started_load)
     return 0
 
 
