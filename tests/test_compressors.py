@@ -255,7 +255,7 @@ def test_resuming_from_the_compression_state_continues_exactly(mpi_world, compre
 
     def start(saved=None, with_compression_state=True):
         model = small_model()
-        ddp = md.DataParallel(model, compression=compression, bucket_mb=0.001)  # a bucket per layer or two
+        ddp = md.DataParallel(model, compression=compression)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
         if saved is not None:
             model.load_state_dict(saved[0])

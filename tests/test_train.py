@@ -264,6 +264,7 @@ def test_bad_options_are_refused_on_every_rank(tmp_path):
                                 (["--replicas", "2"], "go with --mode pipeline"),
                                 (["--mode", "ps", "--zero"], "--zero: these options go with --mode data"),
                                 (["--mode", "ps", "--compression", "bf16"], "--compression applies to --mode data"),
+                                (["--compression", "topk:2"], "compression 'topk:2': top-k fraction=2.0"),
                                 (["--servers", "2"], "--servers: these options go with --mode ps"),
                                 (["--model", "embedding", "--mode", "pipeline"], "--model embedding goes with"),
                                 (["--embedding-rows", "10"], "--embedding-rows goes with --model embedding"),
