@@ -384,6 +384,9 @@ def test_bad_settings_are_refused_on_every_rank(mpi_world):
         ddp.register_comm_hook(state, powerSGD_hook.batched_powerSGD_hook)
     with pytest.raises(md.InvalidArgumentError, match="takes a PowerSGDState, not NoneType"):
         ddp.register_comm_hook(None, powerSGD_hook.powerSGD_hook)
+    with pytest.raises(md.InvalidArgumentError, match='process_group=None.*or compression="powersgd:2"'):
+        ddp.register_comm_hook(powerSGD_hook.PowerSGDState(process_group=object(), matrix_approximation_rank=2),
+                               powerSGD_hook.powerSGD_hook)
     del ddp
     gc.collect()
     # Every rank refused alike: the next collective runs.

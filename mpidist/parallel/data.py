@@ -33,8 +33,9 @@ def _powersgd_of(state):
     if not isinstance(state, PowerSGDState):
         raise InvalidArgumentError(f"register_comm_hook(powerSGD_hook) takes a PowerSGDState, not {type(state).__name__}")
     if state.process_group is not None:
-        raise InvalidArgumentError("register_comm_hook(powerSGD_hook): give PowerSGDState(process_group=None); the "
-                                   "hook runs on this DataParallel's comm")
+        raise InvalidArgumentError("register_comm_hook(powerSGD_hook): give PowerSGDState(process_group=None) (the "
+                                   "hook runs on this DataParallel's comm), or compression="
+                                   f"\"powersgd:{state.matrix_approximation_rank}\" to DataParallel")
     return PowerSGD(rank=state.matrix_approximation_rank, start_iter=state.start_powerSGD_iter,
                     min_compression_rate=state.min_compression_rate, error_feedback=state.use_error_feedback,
                     warm_start=state.warm_start, epsilon=state.orthogonalization_epsilon,
