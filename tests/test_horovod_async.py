@@ -148,9 +148,6 @@ def test_poll_is_false_until_a_late_peer_joins(mpi_world, case):
     from mpi4py import MPI
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    # The first asynchronous call on a communicator starts its background thread, a collective
-    # that returns once every rank has made that call; the calls after it return at once.
-    hvd.synchronize(hvd.allreduce_async(torch.zeros(1)))
     start, expect = CASES[case]
     world = MPI.COMM_WORLD
     if rank == 0:
@@ -309,18 +306,20 @@ def test_mismatched_calls_raise_at_synchronize_on_every_rank(mpi_world):
 
 
 @pytest.mark.mpi(ranks=[2, 3])
-def test_different_first_asynchronous_calls_raise_on_every_rank(mpi_world):
-    # A fresh communicator (a process set of every rank) has no background thread yet: the first
-    # asynchronous call starts it, a collective the ranks check before it runs.
+def test_different_unnamed_asynchronous_calls_at_the_same_place_raise_on_every_rank(mpi_world):
+    # Unnamed operations meet in call order: the first unnamed one of a fresh process set is an
+    # allgather on rank 0 and a broadcast on the others. The calls return at once (the process
+    # set's negotiation started with it) and the mismatch is raised at synchronize().
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     everyone = hvd.add_process_set(list(range(size)))
     try:
-        with pytest.raises(md.MismatchError, match=r"ranks \[0\] have first allgather_async"):
-            if rank == 0:
-                hvd.allgather_async(torch.zeros(2), process_set=everyone)
-            else:
-                hvd.broadcast_async(torch.zeros(2), root_rank=0, process_set=everyone)
+        if rank == 0:
+            handle = hvd.allgather_async(torch.zeros(2), process_set=everyone)
+        else:
+            handle = hvd.broadcast_async(torch.zeros(2), root_rank=0, process_set=everyone)
+        with pytest.raises(md.MismatchError, match=r"collective: ranks \[0\] have \"allgather\""):
+            hvd.synchronize(handle)
         handle = hvd.reducescatter_async(torch.ones(size), op=hvd.Sum, process_set=everyone)
         assert hvd.synchronize(handle).tolist() == [float(size)]
     finally:

@@ -41,6 +41,7 @@ NEGOTIATED = frozenset({
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "broadcast_", "broadcast_async", "broadcast_async_",
     "allgather_async", "grouped_allgather_async", "reducescatter_async", "grouped_reducescatter_async", "barrier"})
+_UNNAMED = "<unnamed operation "  # + its number and ">"
 _JOINABLE_OPS = ("sum", "avg")  # zeros change no sum, and an average still divides by every rank
 _negotiators = {}  # Communicator -> Negotiator
 _creation = threading.Lock()
@@ -119,7 +120,7 @@ class Negotiator:
             return str(name)
         with self._lock:
             self._sequence += 1
-            return f"<unnamed operation {self._sequence}>"
+            return f"{_UNNAMED}{self._sequence}>"
 
     def submit(self, name: str, signature: list, run, buffer=None):
         """Submit an operation; returns its handle (collectives.engine.Handle), completed by the
@@ -221,6 +222,8 @@ class Negotiator:
         threshold = config.value("HOROVOD_FUSION_THRESHOLD")
         for name, who in ready:
             request = self._take(name)
+            if request is None:
+                self._count_unnamed(name)
             error = self._refusal(name, who)
             if error is not None:
                 self._run_fused(fusion)
@@ -246,6 +249,13 @@ class Negotiator:
                 self._complete(request, request.run, self.private)
         self._run_fused(fusion)
 
+    def _count_unnamed(self, name: str) -> None:
+        """An unnamed operation the others ran while this rank waited in join() counts here too, so
+        that the ranks' next unnamed operations still meet."""
+        if name.startswith(_UNNAMED):
+            with self._lock:
+                self._sequence = max(self._sequence, int(name.removeprefix(_UNNAMED).removesuffix(">")))
+
     def _take(self, name):
         with self._lock:
             return self._local.pop(name, None)
@@ -263,9 +273,9 @@ class Negotiator:
                                  + " | ".join(differences))
         signature = next(iter(who.values()))
         if self._joined and (signature[0] != "allreduce" or signature[3] not in _JOINABLE_OPS):
-            return MismatchError(f"the hvd operation {name!r} ({_described(signature)}) is not supported with join: "
-                                 f"ranks {sorted(self._joined)} have run out of data and wait in hvd.join(), where "
-                                 "they take part only in all-reduces that sum or average")
+            return MismatchError(f"{signature[0]} is not supported with join: ranks {sorted(self._joined)} have run "
+                                 "out of data and wait in join(), where they take part only in all-reduces that sum "
+                                 f"or average (the hvd operation {name!r}: {_described(signature)})")
         return None
 
     def _run_fused(self, fusion: list) -> None:
