@@ -16,7 +16,7 @@ from ..errors import InvalidArgumentError, MpidistError
 from ..memory import keep_freed_memory
 from ..runtime import tracing
 from ..runtime.mpi import fault_tolerant
-from .compressors import NoCompression, resolve_compression
+from .compressors import CAST_DTYPES, NoCompression, resolve_compression
 from .flat import pack_tensors, shaped_like, tensor_at, tensors_by_kind, unpack_tensors
 
 FIRST_BUCKET_BYTES = 1024 * 1024
@@ -25,7 +25,7 @@ FIRST_BUCKET_BYTES = 1024 * 1024
 # gradients it copies are still in cache: 4 MB buckets ran 0.01-0.09x single faster than 25 MB
 # in every run of benchmarks/results/training-cpu.md (runs G-M).
 SHARED_SLOTS_BUCKET_BYTES = 4 * 1024 * 1024
-COMPRESSION_DTYPES = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+COMPRESSION_DTYPES = {None: None, "none": None, **CAST_DTYPES}  # the casts' names and dtypes
 
 
 class _Bucket:
