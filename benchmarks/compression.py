@@ -1,0 +1,327 @@
+"""Time to accuracy with gradient compression across emulated nodes: md.DataParallel with every
+compressor and without, and torch DDP with its PowerSGD hook over gloo as the peer.
+
+    sudo python benchmarks/compression.py [--layouts 2x2,4x1] [--rates 500mbit,10gbit] [--delay 25us]
+        [--compressions none,fp16,bf16,int8,powersgd:4,topk:0.01,ddp-powersgd:4] [--hidden 2560]
+        [--batch 32] [--lr 0.05] [--steps 60] [--deadline 150] [--target 0.95] [--output PATH]
+    python benchmarks/compression.py --local ...   (no root: the layouts' ranks on this machine, no link)
+
+For each rate and layout (nodes x ranks per node) tests/multinode/cluster.sh brings up the nodes
+with their links shaped to that rate, and one mpirun inside them trains every configuration in
+turn, from the same initial weights on the same batches: an MLP 64 -> hidden -> hidden -> 10
+(ReLU; hidden 2560: 6.7M parameters, 27 MB of float32 gradients, so that the all-reduce of the
+gradients dominates a step on a slow link) on the handwritten digits that mpidist ships
+(mpidist.data.ensure_digits: scikit-learn's 1500 training and 297 test images), `--batch`
+images per rank per step in a fresh permutation every epoch, SGD with momentum 0.9.
+
+Every configuration runs `--steps` steps, or fewer when its training time passes `--deadline`
+seconds. Rank 0 measures the test accuracy every `--eval-every` steps while the other ranks
+wait; that time is not training time. A row holds: step time (median of rank 0's steps after
+the first `--start` ones: PowerSGD's plain all-reduce steps, the same count for every
+configuration), bytes per step (the bytes every node's link sent during those steps, read
+from the node's /proc/net/dev; not measured with --local), the training time and step at which
+the test accuracy first reached `--target` (null if never), and the final accuracy.
+
+`ddp-powersgd:<rank>` is torch.nn.parallel.DistributedDataParallel over a gloo process group
+(MASTER_ADDR: node 1's address) with torch's powerSGD_hook and a PowerSGDState of that rank;
+`powersgd:<rank>` is mpidist's, with the same start (`--start`, torch's start_powerSGD_iter).
+Writes PATH.json (the rows of every layout and rate, the command, the link settings, the
+machine's CPU and the load average) and PATH.md (the tables).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+CLUSTER = os.path.join(REPO, "tests", "multinode", "cluster.sh")
+COMPRESSIONS = "none,fp16,bf16,int8,powersgd:4,topk:0.01,ddp-powersgd:4"
+DDP_PEER = "ddp-powersgd:"
+ROW_KEYS = ("configuration", "steps", "step_ms", "bytes_per_step", "time_to_target_s", "steps_to_target",
+            "final_accuracy", "training_s", "accuracy_history")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layouts", default="2x2,4x1", help="comma-separated NODESxRANKS_PER_NODE")
+    parser.add_argument("--rates", default="500mbit,10gbit", help="link rates (tc units), one run each")
+    parser.add_argument("--delay", default="25us", help="every node's one-way delay (netem)")
+    parser.add_argument("--compressions", default=COMPRESSIONS,
+                        help=f"configurations: md.DataParallel's compression spellings, or {DDP_PEER}<rank>")
+    parser.add_argument("--hidden", type=int, default=2560, help="width of the MLP's two hidden layers")
+    parser.add_argument("--batch", type=int, default=32, help="images per rank per step")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--steps", type=int, default=60, help="steps per configuration, at most")
+    parser.add_argument("--deadline", type=float, default=150.0,
+                        help="training seconds per configuration, at most (checked at each evaluation)")
+    parser.add_argument("--start", type=int, default=10,
+                        help="PowerSGD's plain all-reduce steps (torch's start_powerSGD_iter); not timed")
+    parser.add_argument("--eval-every", type=int, default=3, help="steps between test-accuracy measurements")
+    parser.add_argument("--target", type=float, default=0.95, help="the test accuracy timed to")
+    parser.add_argument("--local", action="store_true",
+                        help="run each layout's ranks on this machine, without emulated nodes (no root, no link)")
+    parser.add_argument("--output", default=os.path.join(HERE, "results", "compression-cpu"),
+                        help="path of the .json and .md results, without the suffix")
+    parser.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)  # a rank's side: write the rows there
+    args = parser.parse_args(argv)
+    from mpidist.parallel.compressors import parse_compression
+    for name in args.compressions.split(","):
+        if name.startswith(DDP_PEER):
+            rank = name[len(DDP_PEER):]
+            if not rank.isdigit() or int(rank) < 1:
+                parser.error(f"{name}: give {DDP_PEER}<rank>, a whole number >= 1")
+        else:
+            try:
+                parse_compression(name)
+            except ValueError as exc:
+                parser.error(str(exc))
+    try:
+        args.layout_list = [tuple(int(n) for n in layout.lower().split("x")) for layout in args.layouts.split(",")]
+    except ValueError:
+        parser.error(f"--layouts {args.layouts}: give NODESxRANKS_PER_NODE, comma-separated (2x2,4x1)")
+    if any(len(layout) != 2 or min(layout) < 1 for layout in args.layout_list):
+        parser.error(f"--layouts {args.layouts}: give NODESxRANKS_PER_NODE, comma-separated (2x2,4x1)")
+    for name in ("hidden", "batch", "steps", "eval_every"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.start < args.steps:
+        parser.error(f"--start {args.start}: give 0 <= start < --steps ({args.steps})")
+    if not args.local and not args.worker and os.geteuid() != 0:
+        parser.error("needs root, for the emulated nodes (tests/multinode/cluster.sh); --local runs without them")
+    return args
+
+
+# ---- a rank's side ------------------------------------------------------------------------------
+
+def node_sent_bytes() -> int | None:
+    """Bytes this node's link (eth0 in the node's network namespace) has sent; None outside the
+    emulated nodes."""
+    if not os.environ.get("MPIDIST_MN_NODE_ADDRS"):
+        return None
+    with open("/proc/net/dev") as devices:
+        for line in devices:
+            name, _, counters = line.partition(":")
+            if name.strip() == "eth0":
+                return int(counters.split()[8])
+    return None
+
+
+def load_digits(comm):
+    import h5py
+    import torch
+
+    from mpidist.data import ensure_digits
+    with h5py.File(ensure_digits(comm=comm), "r") as f:
+        return [torch.from_numpy(f[f"{split}/{part}"][:]) for split in ("train", "test") for part in ("x", "y")]
+
+
+def make_model(hidden: int):
+    import torch
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
+                               torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
+
+
+def wrapped(model, configuration: str, args, gloo):
+    import dataclasses
+
+    import mpidist as md
+    from mpidist.parallel.compressors import PowerSGD, parse_compression
+    if not configuration.startswith(DDP_PEER):
+        compression = parse_compression(configuration)
+        if isinstance(compression, PowerSGD):
+            compression = dataclasses.replace(compression, start_iter=args.start)
+        return md.DataParallel(model, compression=compression)
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel
+    ddp = DistributedDataParallel(model, process_group=gloo)
+
+    def one_bucket_at_a_time(state, bucket):
+        # Over gloo, the hook's second all-reduce of one bucket (started when its first ends) and
+        # the next bucket's first one start in an order that differs between the ranks, and gloo
+        # fails or hangs on the mismatch; so each bucket's exchange ends before the next begins.
+        future = powerSGD_hook.powerSGD_hook(state, bucket)
+        future.wait()
+        return future
+    ddp.register_comm_hook(powerSGD_hook.PowerSGDState(
+        process_group=gloo, matrix_approximation_rank=int(configuration[len(DDP_PEER):]),
+        start_powerSGD_iter=args.start, random_seed=0), one_bucket_at_a_time)
+    return ddp
+
+
+def train(configuration: str, data, args, comm, is_node_leader: bool, gloo) -> dict:
+    """One configuration's row (on rank 0; the other ranks' rows are not kept)."""
+    import torch
+    x_train, y_train, x_test, y_test = data
+    rank, size = comm.Get_rank(), comm.Get_size()
+    model = make_model(args.hidden)
+    net = wrapped(model, configuration, args, gloo)
+    optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
+    per_step = args.batch * size
+    steps_per_epoch = max(1, len(x_train) // per_step)
+    step_s, history, reached = [], [], None
+    training_s, sent_before, step = 0.0, None, 0
+    while step < args.steps:
+        if step == args.start:
+            comm.Barrier()
+            sent_before = node_sent_bytes() if is_node_leader else 0
+        epoch, position = divmod(step, steps_per_epoch)
+        order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
+        rows = order[position * per_step + rank * args.batch:][:args.batch]
+        started = time.perf_counter()
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(net(x_train[rows]), y_train[rows]).backward()
+        optimizer.step()
+        step_s.append(time.perf_counter() - started)
+        training_s += step_s[-1]
+        step += 1
+        if step % args.eval_every and step != args.steps:
+            continue
+        accuracy = None
+        if rank == 0:
+            with torch.no_grad():
+                accuracy = (model(x_test).argmax(1) == y_test).double().mean().item()
+        accuracy, training_s = comm.bcast((accuracy, training_s))  # rank 0's clock decides for all
+        history.append([step, round(training_s, 3), accuracy])
+        if reached is None and accuracy >= args.target:
+            reached = (step, training_s)
+        if training_s >= args.deadline:
+            break
+    comm.Barrier()
+    sent = None
+    if step > args.start:
+        sent = node_sent_bytes() if is_node_leader else 0
+        sent = None if sent is None or sent_before is None else sent - sent_before
+        sent = comm.allreduce(sent if sent is not None else -1)
+    del net, optimizer
+    return {"configuration": configuration, "steps": step,
+            "step_ms": 1e3 * statistics.median(step_s[args.start:]) if step > args.start else None,
+            "bytes_per_step": sent / (step - args.start) if sent is not None and sent >= 0 else None,
+            "time_to_target_s": reached and round(reached[1], 3), "steps_to_target": reached and reached[0],
+            "final_accuracy": history[-1][2], "training_s": round(training_s, 3), "accuracy_history": history}
+
+
+def worker(args) -> None:
+    import gc
+
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    import mpidist as md
+    md.init()
+    comm = MPI.COMM_WORLD
+    data = load_digits(comm)
+    gloo = None
+    configurations = args.compressions.split(",")
+    if any(c.startswith(DDP_PEER) for c in configurations):
+        # gloo's store and connections between the nodes: node 1's address, its own interface.
+        node_addresses = os.environ.get("MPIDIST_MN_NODE_ADDRS")
+        os.environ["MASTER_ADDR"] = node_addresses.split(",")[0] if node_addresses else "127.0.0.1"
+        if node_addresses:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")
+        dist.init_process_group("mpidist")
+        gloo = dist.new_group(backend="gloo")
+    rows = []
+    for configuration in configurations:
+        rows.append(train(configuration, data, args, comm, md.local_rank() == 0, gloo))
+        if comm.Get_rank() == 0:
+            print(f"compression: {configuration}: {json.dumps({k: v for k, v in rows[-1].items() if k != 'accuracy_history'})}",
+                  file=sys.stderr, flush=True)
+    gc.collect()  # DDP's reducer before the gloo group that it holds
+    if gloo is not None:
+        dist.destroy_process_group(gloo)
+        dist.destroy_process_group()
+    if comm.Get_rank() == 0:
+        with open(args.worker, "w") as out:
+            json.dump(rows, out)
+
+
+# ---- the command's side -------------------------------------------------------------------------
+
+def run_layout(nodes: int, per_node: int, rate: str | None, args, argv) -> tuple[list[dict], str]:
+    """The rows of one layout at one rate, and the link as cluster.sh reports it."""
+    with tempfile.TemporaryDirectory() as directory:
+        rows_path = os.path.join(directory, "rows.json")
+        ranks = ["-np", str(nodes * per_node), sys.executable, os.path.abspath(__file__), *argv, "--worker", rows_path]
+        # The mpirun beside this interpreter (the virtual environment's, of mpi4py's MPI) first.
+        env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+        if args.local:
+            command = ["mpirun", "--oversubscribe", "--bind-to", "none", *ranks]
+        else:
+            command = ["bash", CLUSTER, "run", "mpirun", "--bind-to", "none", *ranks]
+            env.update(MPIDIST_MN_NODES=str(nodes), MPIDIST_MN_SLOTS=str(per_node), MPIDIST_MN_RATE=rate,
+                       MPIDIST_MN_DELAY=args.delay)
+        link = "none: every rank on this machine (--local)"
+        with subprocess.Popen(command, env=env, cwd=REPO, text=True, stderr=subprocess.PIPE) as run:
+            for line in run.stderr:  # passed on as it comes: a configuration's row when it ends
+                sys.stderr.write(line)
+                if line.startswith("multinode: up:"):
+                    link = line.split("link: ", 1)[1].strip()
+        if run.returncode:
+            raise SystemExit(f"compression: the {nodes} x {per_node} run failed (exit status {run.returncode})")
+        with open(rows_path) as rows:
+            return json.load(rows), link
+
+
+def table(rows: list[dict]) -> str:
+    baseline = next((r for r in rows if r["configuration"] == "none"), None)
+    lines = ["| configuration | MB per step | step ms | vs none | time to target s | vs none | "
+             "steps to target | final accuracy | steps run |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def ratio(key, row):
+        if baseline is None or not baseline[key] or not row[key]:
+            return "-"
+        return f"{baseline[key] / row[key]:.2f}x"
+
+    for row in rows:
+        megabytes = f"{row['bytes_per_step'] / 1e6:.2f}" if row["bytes_per_step"] is not None else "-"
+        step = f"{row['step_ms']:.0f}" if row["step_ms"] is not None else "-"
+        to_target = f"{row['time_to_target_s']:.1f}" if row["time_to_target_s"] is not None else "not reached"
+        lines.append(f"| {row['configuration']} | {megabytes} | {step} | {ratio('step_ms', row)} | {to_target} | "
+                     f"{ratio('time_to_target_s', row)} | {row['steps_to_target'] or '-'} | "
+                     f"{100 * row['final_accuracy']:.1f}% | {row['steps']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    results, uptimes = [], [subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()]
+    for rate in [None] if args.local else args.rates.split(","):
+        for nodes, per_node in args.layout_list:
+            rows, link = run_layout(nodes, per_node, rate, args, argv)
+            results.append({"nodes": nodes, "ranks_per_node": per_node, "rate": rate, "link": link, "rows": rows})
+            uptimes.append(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(
+        ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name")), "unknown")
+    command = "python benchmarks/compression.py " + " ".join(argv)
+    with open(args.output + ".json", "w") as out:
+        json.dump({"command": command, "cpu": cpu, "cores": os.cpu_count(), "uptime": uptimes,
+                   "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "layout_list")},
+                   "runs": results}, out, indent=1)
+    sections = [f"## {r['nodes']} nodes x {r['ranks_per_node']} ranks per node, {r['rate'] or 'no link'}\n\n"
+                f"Link: {r['link']}.\n\n{table(r['rows'])}\n" for r in results]
+    with open(args.output + ".md", "w") as out:
+        out.write("# Gradient compression: time to accuracy across emulated nodes (benchmarks/compression.py)\n\n"
+                  f"Command: `{command}`\n\n"
+                  f"Machine: {cpu}, {os.cpu_count()} cores, shared with other work while this ran; `uptime` before "
+                  "the first run and after each:\n\n" + "".join(f"- {u}\n" for u in uptimes)
+                  + f"\nTarget test accuracy {100 * args.target:.0f}%; at most {args.steps} steps or "
+                  f"{args.deadline:g} s of training per configuration.\n\n" + "\n".join(sections))
+    print(f"compression: wrote {args.output}.json and {args.output}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
