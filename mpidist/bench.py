@@ -319,11 +319,11 @@ def run(comm, options: Options, out=sys.stdout) -> list[dict]:
 
 
 def cuda_algorithms(comm) -> list:
-    """--device cuda's default rows: the device window, the staged route of the same algorithm and
-    of the ring, the ring through a CUDA-aware MPI where the library is one, NCCL where CuPy has
-    it, and the bound."""
+    """--device cuda's default rows: the device window, the staged route of the same algorithm, the
+    ring through a CUDA-aware MPI where the library is one, NCCL where CuPy has it, and the bound
+    (other routes by name: --algorithms staged:ring,...)."""
     from .collectives import nccl
-    algorithms = ["hierarchical", "staged:hierarchical", "staged:ring"]
+    algorithms = ["hierarchical", "staged:hierarchical"]
     if comm.is_cuda_aware():
         algorithms.append("cuda-aware:ring")
     if nccl.bindings() is not None:

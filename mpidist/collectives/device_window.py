@@ -86,7 +86,8 @@ class DeviceMemory:
             handles = np.empty((size, IPC_HANDLE_BYTES), dtype=np.uint8)
             self.node_comm.Allgather([handle, MPI.BYTE], [handles, MPI.BYTE])
             # A process cannot open its own handle; the others' open with peer access enabled.
-            self.opened = [runtime.ipcOpenMemHandle(handles[k].tobytes()) for k in range(size) if k != me]
+            self.opened = [runtime.ipcOpenMemHandle(handles[k].tobytes(), runtime.cudaIpcMemLazyEnablePeerAccess)
+                           for k in range(size) if k != me]
         bases = list(self.opened)
         bases.insert(me, self.own)
         return bases
