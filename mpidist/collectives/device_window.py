@@ -32,7 +32,7 @@ from .. import _C, buffers, kernels
 from ..buffers import ITEMSIZE, BufferInfo
 from ..errors import InvalidArgumentError
 from ..runtime import config
-from ..runtime.mpi import load_mpi
+from ..runtime.mpi import fault_tolerant, load_mpi
 from .common import kernel_op
 from .node_window import (
     NodeWindow,
@@ -49,6 +49,8 @@ def missing() -> str | None:
     """Why this rank cannot use the device window (None: it can, as far as it alone can tell)."""
     if config.value("MPIDIST_DEVICE_WINDOW") is False:
         return "MPIDIST_DEVICE_WINDOW=0"
+    if fault_tolerant():
+        return "a fault-tolerant run (no shared-memory windows: runtime/mpi.py)"
     if not _C.built_with_cuda:
         return "mpidist._C was built without CUDA"
     try:
