@@ -291,6 +291,61 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def verdict(run: dict) -> str:
+    """Where compression pays on this run: each configuration's time to the target against none's
+    with its final accuracy, and mpidist's PowerSGD against DDP's hook over gloo."""
+    rows = {row["configuration"]: row for row in run["rows"]}
+    baseline = rows.get("none")
+    if baseline is None or baseline["time_to_target_s"] is None:
+        return "Uncompressed training did not reach the target here, so there is no time to compare with."
+    paying, not_paying = [], []
+    for name, row in rows.items():
+        if name == "none":
+            continue
+        if row["time_to_target_s"] is None:
+            not_paying.append(f"{name} (target not reached)")
+            continue
+        speedup = baseline["time_to_target_s"] / row["time_to_target_s"]
+        points = 100 * (row["final_accuracy"] - baseline["final_accuracy"])
+        text = f"{name} {speedup:.2f}x, final accuracy {points:+.1f} points"
+        (paying if speedup > 1 and points >= -0.5 else not_paying).append(text)
+    lines = ["Time to the target against none's " + (f"(pays: {'; '.join(paying)}" if paying else "(pays: nothing")
+             + (f"; does not pay: {'; '.join(not_paying)})." if not_paying else ").")]
+    ours = [row for name, row in rows.items() if name.startswith("powersgd:")]
+    theirs = [row for name, row in rows.items() if name.startswith(DDP_PEER)]
+    for mine, peer in zip(ours, theirs):
+        if mine["time_to_target_s"] and peer["time_to_target_s"]:
+            lines.append(f"{mine['configuration']} against {peer['configuration']} over gloo: "
+                         f"{peer['time_to_target_s'] / mine['time_to_target_s']:.2f}x the speed to the target, "
+                         f"step time {peer['step_ms'] / mine['step_ms']:.2f}x.")
+    return " ".join(lines)
+
+
+def write(args, argv, results: list[dict], uptimes: list[str]) -> None:
+    """PATH.json and PATH.md of the runs so far."""
+    cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(
+        ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name")), "unknown")
+    command = "python benchmarks/compression.py " + " ".join(argv)
+    with open(args.output + ".json", "w") as out:
+        json.dump({"command": command, "cpu": cpu, "cores": os.cpu_count(), "uptime": uptimes,
+                   "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "layout_list")},
+                   "runs": results}, out, indent=1)
+    sections = [f"## {r['nodes']} nodes x {r['ranks_per_node']} ranks per node, {r['rate'] or 'no link'}\n\n"
+                f"Link: {r['link']}.\n\n{table(r['rows'])}\n\n{verdict(r)}\n" for r in results]
+    with open(args.output + ".md", "w") as out:
+        out.write("# Gradient compression: time to accuracy across emulated nodes (benchmarks/compression.py)\n\n"
+                  f"Command: `{command}`\n\n"
+                  f"Machine: {cpu}, {os.cpu_count()} cores, shared with other work while this ran; `uptime` before "
+                  "the first run and after each:\n\n" + "".join(f"- {u}\n" for u in uptimes)
+                  + f"\nTarget test accuracy {100 * args.target:.0f}%; at most {args.steps} steps or "
+                  f"{args.deadline:g} s of training per configuration. MB per step: what every node's link "
+                  f"sent, all nodes together, per step after the first {args.start}; step ms: the median of "
+                  "those steps (rank 0); time to target: training seconds (evaluations excluded) until the "
+                  "test accuracy, measured every "
+                  f"{args.eval_every} steps, first reached the target; vs none: none's time over the row's.\n\n"
+                  + "\n".join(sections))
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -303,22 +358,7 @@ def main(argv=None) -> int:
             rows, link = run_layout(nodes, per_node, rate, args, argv)
             results.append({"nodes": nodes, "ranks_per_node": per_node, "rate": rate, "link": link, "rows": rows})
             uptimes.append(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
-    cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(
-        ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name")), "unknown")
-    command = "python benchmarks/compression.py " + " ".join(argv)
-    with open(args.output + ".json", "w") as out:
-        json.dump({"command": command, "cpu": cpu, "cores": os.cpu_count(), "uptime": uptimes,
-                   "settings": {k: v for k, v in vars(args).items() if k not in ("worker", "layout_list")},
-                   "runs": results}, out, indent=1)
-    sections = [f"## {r['nodes']} nodes x {r['ranks_per_node']} ranks per node, {r['rate'] or 'no link'}\n\n"
-                f"Link: {r['link']}.\n\n{table(r['rows'])}\n" for r in results]
-    with open(args.output + ".md", "w") as out:
-        out.write("# Gradient compression: time to accuracy across emulated nodes (benchmarks/compression.py)\n\n"
-                  f"Command: `{command}`\n\n"
-                  f"Machine: {cpu}, {os.cpu_count()} cores, shared with other work while this ran; `uptime` before "
-                  "the first run and after each:\n\n" + "".join(f"- {u}\n" for u in uptimes)
-                  + f"\nTarget test accuracy {100 * args.target:.0f}%; at most {args.steps} steps or "
-                  f"{args.deadline:g} s of training per configuration.\n\n" + "\n".join(sections))
+            write(args, argv, results, uptimes)  # each run's rows kept as soon as it ends
     print(f"compression: wrote {args.output}.json and {args.output}.md")
     return 0
 
