@@ -370,13 +370,15 @@ def close_parameters(got, want, what: str):
     return ok, "" if ok else f"{what}: parameters differ from one-process CPU training by up to {worst:.3g}"
 
 
-def train_data_parallel(wrap, device: str, rank: int, size: int, what: str, steps: int = 3):
+def train_data_parallel(wrap, device: str, rank: int, size: int, what: str, steps: int = 3,
+                        wrap_optimizer=lambda optimizer, model: optimizer):
     """(ok, detail): a float64 MLP on `device`, wrapped by wrap(model) (a data-parallel wrapper
-    whose construction gives every rank rank 0's weights), trained on each rank's batches against
-    one process on the CPU training on all of them."""
+    whose construction gives every rank rank 0's weights) and its optimizer by
+    wrap_optimizer(optimizer, model), trained on each rank's batches against one process on the
+    CPU training on all of them."""
     model = mlp(seed=rank).to(device)
     wrapped = wrap(model)
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
+    optimizer = wrap_optimizer(torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9), model)
     for step in range(steps):
         x, y = batch(step, rank)
         optimizer.zero_grad()
@@ -397,6 +399,18 @@ def check_training(comm, report: Report, device: str) -> None:
         return lambda: train_data_parallel(wrap, device, rank, size, "DataParallel", steps)
 
     report.run(f"DataParallel {device} float64 (one bucket)", data_parallel(25, False))
+
+    def horovod():
+        import mpidist.torch as hvd
+
+        def wrap(model):
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+            return model
+
+        def wrap_optimizer(optimizer, model):
+            return hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        return train_data_parallel(wrap, device, rank, size, "hvd.DistributedOptimizer", steps, wrap_optimizer)
+    report.run(f"hvd.DistributedOptimizer {device} float64", horovod)
     report.run(f"DataParallel {device} float64 (small buckets, gradient_as_bucket_view)",
                data_parallel(0.0005, True))
 
