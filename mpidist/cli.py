@@ -14,9 +14,10 @@ import numpy as np
 from . import __version__, bench
 from .comm import init
 from .data import add_prepare_data_command, default_digits_path
-from .errors import MpidistError
+from .errors import DeadlineError, MpidistError
 from .info import collect, format_report
 from .launch import detect
+from .runtime.abort import abort_job
 from .runtime.wire import COLLECTIVE_DTYPES
 
 # The collectives (tune) and train are imported when their command runs: importing the
@@ -261,6 +262,10 @@ def main(argv=None) -> int:
             report_once(f"mpidist: error: {exc}")
         else:
             print(f"mpidist: error: {exc}", file=sys.stderr, flush=True)
+        if isinstance(exc, DeadlineError):
+            # The silent rank may be frozen or stuck, not gone: this rank's MPI_Finalize would wait
+            # for it forever, so the job ends here, as an uncaught exception ends it.
+            abort_job(2)
         return 2
 
 

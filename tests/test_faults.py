@@ -8,12 +8,16 @@ return within MPIDIST_FINALIZE_TIMEOUT leaves with its program's exit status (ru
 
 Each check launches mpirun itself: the job must end (or stall) as a whole, which a test running
 inside the ranks cannot watch."""
+import os
 import re
+import signal
+import subprocess
+import sys
 import textwrap
 import time
 
 import pytest
-from conftest import run_python
+from conftest import REPO, run_python
 
 # The last rank fails at step 3 of a loop of barriers (saying when, so that the test measures
 # from there, not from the ranks' start-up); the others wait in the next barrier.
@@ -208,3 +212,37 @@ def test_the_exit_status_a_stuck_mpi_finalize_is_left_with(monkeypatch, uncaught
     monkeypatch.setattr(leave.sys, "last_value", uncaught, raising=False)
     monkeypatch.setattr(leave, "_requested_status", requested)
     assert leave.exit_status() == status
+
+
+def test_mpidist_train_ends_the_job_when_a_frozen_rank_makes_the_others_miss_their_deadline(tmp_path):
+    # Rank 1 stops itself (SIGSTOP: frozen, not dead) at its third step; the others raise
+    # DeadlineError at MPIDIST_TIMEOUT, which `mpidist train` reports as its error: the job must
+    # then end, not wait in MPI_Finalize for the frozen rank forever.
+    code = textwrap.dedent("""
+        import os, signal, sys
+        import mpidist.train as train
+        from mpidist.cli import main
+        real_batch, steps = train.train_batch, []
+        def freezing_batch(*args):
+            steps.append(1)
+            if len(steps) == 3 and os.environ["OMPI_COMM_WORLD_RANK"] == "1":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return real_batch(*args)
+        train.train_batch = freezing_batch
+        sys.exit(main(sys.argv[1:]))
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK",
+                                                           "PYTEST_ISOLATE_MPI_IS_FORKED")}
+    env.update({"MPIDIST_TIMEOUT": "5", "MPIDIST_STALL_WARNING": "2"})
+    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", "3", sys.executable, "-c", code, "train",
+           "--epochs", "1", "--no-progress", "--checkpoint-dir", str(tmp_path)]
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+                               start_new_session=True)
+    try:
+        output = process.communicate(timeout=150)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output = process.communicate()[0]
+        pytest.fail("the job still ran 150 s after it began (MPIDIST_TIMEOUT 5 s):\n" + output)
+    assert process.returncode == 2, output
+    assert "did not complete within 5 s (MPIDIST_TIMEOUT)" in output, output

@@ -46,6 +46,19 @@ def install_abort_on_exception(world_mpi) -> None:
     sys.excepthook = abort_on_exception
 
 
+def abort_job(status: int) -> None:
+    """End every rank of the job with `status` (MPI_Abort on the world) after flushing the output,
+    where an uncaught exception would: MPI initialized, more than one rank, and
+    MPIDIST_ABORT_ON_EXCEPTION not 0; otherwise return."""
+    from .mpi import load_mpi
+    MPI = load_mpi()
+    if not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1 or \
+            not config.value("MPIDIST_ABORT_ON_EXCEPTION"):
+        return
+    flush_output()
+    MPI.COMM_WORLD.Abort(status)
+
+
 def _stream_that_outlives_the_abort():
     """sys.stderr, unless it is a buffer in memory: then the process's own stderr.
 
