@@ -167,7 +167,7 @@ def test_a_name_with_different_arguments_is_refused_on_every_rank(mpi_world):
         handles.reverse()  # the names still meet
     messages = {"dtypes": r"'dtypes' with different arguments: dtype: ranks \[0(, 2)?\] have \"float32\"; "
                           r"ranks \[1\] have \"float64\"",
-                "shapes": r"'shapes' with different arguments: count: .*shape: ranks \[0\] have \[4, 2\]"}
+                "shapes": r"'shapes' with different arguments: count: .*shape: ranks \[0\] have \(4, 2\)"}
     for handle, name in zip(handles, ["dtypes", "shapes"] if rank == 0 else ["shapes", "dtypes"]):
         with pytest.raises(md.MismatchError, match=messages[name]):
             hvd.synchronize(handle)

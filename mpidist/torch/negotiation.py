@@ -32,7 +32,7 @@ import torch
 
 from .. import comm as _comm
 from ..errors import DeadlineError, MismatchError
-from ..runtime import config
+from ..runtime import config, tracing
 from ..runtime.deadlines import timeout, wait_for_collective
 
 # The hvd operations that go through the negotiation (the others run in call order, on the
@@ -87,6 +87,7 @@ class _Request:
 
     def __init__(self, name, signature, handle, run, buffer=None):
         self.name, self.signature, self.handle, self.run, self.buffer = name, signature, handle, run, buffer
+        self.inside_span = tracing.inside_span()  # the hvd operation's span: its collectives stay in it
         self.submitted = time.monotonic()
         self.stall_reported = False
 
@@ -284,7 +285,8 @@ class Negotiator:
         elif fusion:
             flat = torch.cat([request.buffer.reshape(-1) for request in fusion])
             try:
-                self.private.allreduce(flat, op=fusion[0].signature[3])
+                with tracing.continuing(fusion[0].inside_span):
+                    self.private.allreduce(flat, op=fusion[0].signature[3])
             except Exception as error:
                 for request in fusion:
                     request.handle._complete(error=error)
@@ -296,7 +298,8 @@ class Negotiator:
     @staticmethod
     def _complete(request, run, private) -> None:
         try:
-            result = run(private)
+            with tracing.continuing(request.inside_span):
+                result = run(private)
         except Exception as error:  # the caller's synchronize() raises it
             request.handle._complete(error=error)
         else:
@@ -347,7 +350,7 @@ def _differences(who: dict) -> list:
     for index, field in enumerate(_FIELDS):
         values = {}
         for rank, signature in sorted(who.items()):
-            values.setdefault(json.dumps(signature[index]), []).append(rank)
+            values.setdefault(_shown(signature[index]), []).append(rank)
         if len(values) > 1:
             if field == "shape" and next(iter(who.values()))[0] == "allgather":
                 field = "row shape (shape[1:])"
@@ -357,4 +360,15 @@ def _differences(who: dict) -> list:
 
 def _described(signature: list) -> str:
     """A signature in words, for the errors."""
-    return ", ".join(f"{field} {json.dumps(value)}" for field, value in zip(_FIELDS, signature) if value not in ("", []))
+    return ", ".join(f"{field} {_shown(value)}" for field, value in zip(_FIELDS, signature) if value not in ("", []))
+
+
+def _shown(value) -> str:
+    """A signature's value as the errors show it: shapes as tuples, names quoted."""
+    if isinstance(value, list):
+        return str(_as_tuples(value))
+    return json.dumps(value)
+
+
+def _as_tuples(value):
+    return tuple(_as_tuples(item) for item in value) if isinstance(value, list) else value
