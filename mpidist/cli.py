@@ -18,6 +18,7 @@ from .errors import DeadlineError, MpidistError
 from .info import collect, format_report
 from .launch import detect
 from .runtime.abort import abort_job
+from .runtime.leave import note_exit_status
 from .runtime.wire import COLLECTIVE_DTYPES
 
 # The collectives (tune) and train are imported when their command runs: importing the
@@ -254,7 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    status = run_command(build_parser().parse_args(argv))
+    # The status MPI_Finalize's time limit after a death leaves with (runtime/leave.py).
+    note_exit_status(status)
+    return status
+
+
+def run_command(args) -> int:
     try:
         return args.run(args)
     except MpidistError as exc:

@@ -246,3 +246,15 @@ def test_mpidist_train_ends_the_job_when_a_frozen_rank_makes_the_others_miss_the
         pytest.fail("the job still ran 150 s after it began (MPIDIST_TIMEOUT 5 s):\n" + output)
     assert process.returncode == 2, output
     assert "did not complete within 5 s (MPIDIST_TIMEOUT)" in output, output
+
+
+def test_the_status_of_the_mpidist_command_is_the_one_a_stuck_mpi_finalize_is_left_with(monkeypatch):
+    # The mpidist command runs `sys.exit(main())`, which looks sys.exit up before main() calls
+    # md.init(), where the sys.exit that notes the status is put in place: under ULFM, after a
+    # death, a command that failed left a stuck MPI_Finalize with status 0.
+    from mpidist.cli import main
+    from mpidist.runtime import leave
+    monkeypatch.setattr(leave, "_requested_status", None)
+    monkeypatch.setattr(leave.sys, "last_value", None, raising=False)
+    assert main(["train", "--mode", "pipeline", "--elastic"]) == 2
+    assert leave.exit_status() == 2

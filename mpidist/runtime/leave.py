@@ -54,6 +54,14 @@ def install() -> None:
     atexit.register(finalize_after_a_death)
 
 
+def note_exit_status(status: int) -> None:
+    """Note the status a program's main() returns, for `sys.exit(main())`: Python looks sys.exit
+    up before main() runs, so the sys.exit that install() wraps, inside main() (md.init()), is
+    not the one called."""
+    global _requested_status
+    _requested_status = status
+
+
 class Watchdog:
     """A thread, started early (Python may refuse to start threads while it exits), that waits
     to be armed with a deadline, then ends the process with os._exit unless disarmed in time."""
