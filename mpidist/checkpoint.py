@@ -408,15 +408,10 @@ def _load(path, model, optimizer, sampler, restore_rng, comm) -> dict:
                                   f"this mpidist reads up to {FORMAT_VERSION}")
         result = {"step": _counter(path, f.attrs, "step"), "epoch": _counter(path, f.attrs, "epoch"),
                   "extra": json.loads(f.attrs["extra"])}
-        # Everything is read and checked before anything is loaded, the optimizer (whose own
-        # load checks its groups before it changes) first: a refused file changes nothing.
+        # Everything is read and checked before anything is loaded, and the optimizer (whose own
+        # load checks its groups before it changes anything) is loaded first: a refused file
+        # changes nothing.
         parts = []
-        if optimizer is not None:
-            _require(f, "optimizer", path)
-            saved_class, own_class = f["optimizer"].attrs.get("class"), _optimizer_class(optimizer).__name__
-            if saved_class != own_class:
-                raise CheckpointError(f"{path} holds the state of a {saved_class} optimizer, not of this {own_class}")
-            parts.append(("optimizer", optimizer, _read_tree(f["optimizer"])))
         if model is not None:
             _require(f, "model", path)
             tree = json.loads(f["model"].attrs["tree"])
@@ -426,6 +421,12 @@ def _load(path, model, optimizer, sampler, restore_rng, comm) -> dict:
                 state = OrderedDict(state)
                 state._metadata = json.loads(f["model"].attrs["metadata"])
             parts.append(("model", model, state))
+        if optimizer is not None:
+            _require(f, "optimizer", path)
+            saved_class, own_class = f["optimizer"].attrs.get("class"), _optimizer_class(optimizer).__name__
+            if saved_class != own_class:
+                raise CheckpointError(f"{path} holds the state of a {saved_class} optimizer, not of this {own_class}")
+            parts.insert(0, ("optimizer", optimizer, _read_tree(f["optimizer"])))
         if sampler is not None:
             if "sampler" not in f.attrs:
                 raise CheckpointError(f"{path} holds no sampler state")
