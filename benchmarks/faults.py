@@ -74,7 +74,7 @@ SCENARIOS = {
     "ps-async-kill-restart": dict(train=[*PS, "--ps-mode", "async"], action="kill", victims="workers",
                                   detect=MPIRUN_SAW_IT),
     "ps-server-kill": dict(train=[*PS, "--elastic", "--ps-mode", "async"], ulfm=True, action="kill",
-                           victims="server", detect=r"RankDiedError.*the server \(rank 0\)"),
+                           victims="server", detect=r"the server \(rank 0\) died, and the parameter server cannot go on"),
     "exception": dict(train=[], action="raise", victims="any",
                       detect=r"ended with an uncaught InjectedFault: aborting the whole job"),
     "sigterm": dict(train=[], action="launcher", signal="SIGTERM", victims="rank0", stops=True,
@@ -395,7 +395,8 @@ def one_run(name: str, index: int, args) -> dict:
     spec = draw(name, scenario, ref, args, rng, directory)
     run = launch(scenario, directory, checkpoints, args, spec=spec)
     fault_file = os.path.join(directory, "fault.json")
-    record = {"scenario": name, "run": index, "seed": args.seed, "ranks": args.ranks, "spec": spec}
+    record = {"scenario": name, "run": index, "seed": args.seed, "ranks": args.ranks, "command": args.command,
+              "spec": spec}
     if not os.path.exists(fault_file):  # the job ended (or hung) before the drawn moment came
         record.update(injected=False, hang=run["status"] is None, status=run["status"],
                       output_tail="\n".join(line for _, line in run["lines"])[-3000:])
@@ -435,7 +436,7 @@ def summarize(records: list) -> dict:
                "wrong": sum(bool(r.get("wrong")) for r in injected),
                "unloadable_checkpoints": sum(r.get("checkpoint_loadable") is False for r in injected),
                "phases": sorted({r["fault"]["phase"] for r in injected})}
-        for key in ("detect_s", "recover_s", "lost_s", "steps_per_s_before", "steps_per_s_after"):
+        for key in ("detect_s", "job_end_s", "recover_s", "lost_s", "steps_per_s_before", "steps_per_s_after"):
             values = [r.get(key) for r in injected]
             row[key] = {"median": percentile(values, 0.5), "p95": percentile(values, 0.95),
                         "n": sum(v is not None for v in values)}
@@ -461,10 +462,12 @@ def read_records(out: str) -> list:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def write_reports(out: str, args, command: str, started_load) -> None:
+def write_reports(out: str, args, started_load) -> None:
     """The summary of every record in <out>.jsonl (other campaigns may append to it too)."""
-    summary = summarize(read_records(out))
-    report = {"command": command, "machine": machine(), "load_average_at_start": started_load,
+    records = read_records(out)
+    summary = summarize(records)
+    commands = sorted({r["command"] for r in records if "command" in r}) or [args.command]
+    report = {"commands": commands, "machine": machine(), "load_average_at_start": started_load,
               "ranks": args.ranks, "epochs": args.epochs, "batch_size": args.batch_size,
               "stall_warning_s": STALL_WARNING, "timeout_s": TIMEOUT, "deadline_s": DEADLINE,
               "accuracy_tolerance": ACCURACY_TOLERANCE, "scenarios": summary}
@@ -477,7 +480,8 @@ def write_reports(out: str, args, command: str, started_load) -> None:
         return f"{cell['median']:.2f} / {cell['p95']:.2f} ({cell['n']})"
 
     lines = [f"# Fault campaign: {report['machine']['cpu']} ({report['machine']['cpus']} CPUs)", "",
-             f"Command: `{command}`", "",
+             "Commands (each appended its runs to the same .jsonl):", "",
+             *[f"    {command}" for command in commands], "",
              f"{args.ranks} ranks, `mpidist train` (MLP on the digits), {args.epochs} epochs of batches of "
              f"{args.batch_size}, a checkpoint every epoch. Load average at the start "
              f"{', '.join(f'{v:.2f}' for v in started_load)}, at the end "
@@ -485,14 +489,14 @@ def write_reports(out: str, args, command: str, started_load) -> None:
              "other work, so the times are longer than on a quiet one. Times: median / p95 (N), in seconds from "
              "the fault.", "",
              "| scenario | runs | injected | completed as documented | hangs | wrong | unloadable checkpoints | "
-             "detect | recover | lost | lost vs restart | steps/s before / after |", "|" + "---|" * 12]
+             "detect | job ended | recover | lost | lost vs restart | steps/s before / after |", "|" + "---|" * 13]
     for name, row in summary.items():
         ratio = f"{row['lost_vs_restart']:.2f}" if "lost_vs_restart" in row else "-"
         before, after = row["steps_per_s_before"]["median"], row["steps_per_s_after"]["median"]
         rates = f"{before:.0f} / {after:.0f}" if before and after else "-"
         lines.append(f"| {name} | {row['runs']} | {row['injected']} | {row['completed_as_documented']} | "
                      f"{row['hangs']} | {row['wrong']} | {row['unloadable_checkpoints']} | {fmt(row['detect_s'])} | "
-                     f"{fmt(row['recover_s'])} | {fmt(row['lost_s'])} | {ratio} | {rates} |")
+                     f"{fmt(row['job_end_s'])} | {fmt(row['recover_s'])} | {fmt(row['lost_s'])} | {ratio} | {rates} |")
     with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -515,7 +519,7 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
     args.work = args.work or tempfile.mkdtemp(prefix="faults-")
-    command = "python benchmarks/faults.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    args.command = "python benchmarks/faults.py " + " ".join(argv if argv is not None else sys.argv[1:])
     started_load = os.getloadavg()
     done = {(r["scenario"], r["run"]) for r in read_records(args.out) if r["seed"] == args.seed}
     # Round-robin over the scenarios, so that a campaign cut short has runs of each.
@@ -524,7 +528,7 @@ def main(argv=None) -> int:
             if (name, index) in done:
                 continue
             if args.until and time.strftime("%H:%M", time.gmtime()) >= args.until:
-                write_reports(args.out, args, command, started_load)
+                write_reports(args.out, args, started_load)
                 return 0
             record = one_run(name, index, args)
             with open(args.out + ".jsonl", "a") as f:
@@ -532,7 +536,7 @@ def main(argv=None) -> int:
             print(f"{name} #{index}: injected={record.get('injected')} completed={record.get('completed')} "
                   f"hang={record.get('hang')} wrong={record.get('wrong')} detect={record.get('detect_s')} "
                   f"recover={record.get('recover_s')} lost={record.get('lost_s')}", flush=True)
-    write_reports(args.out, args, command, started_load)
+    write_reports(args.out, args, started_load)
     return 0
 
 
