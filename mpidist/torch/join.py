@@ -10,7 +10,6 @@ import gc
 import weakref
 
 import numpy as np
-import torch
 
 from .. import comm as _comm
 from ..errors import MismatchError, MpidistError, NotOfferedError
@@ -107,14 +106,15 @@ def _wait_for_every_rank_to_join(world) -> int:
 # training do over all ranks: the DistributedOptimizer's gradient exchanges and all-reduces, as in
 # Horovod. The training ranks learn that a rank has joined from their next exchange, which the
 # joined rank shadows unannounced (each exchange sums the count of ranks that bring gradients).
-# From then on, until every rank has joined, the training ranks announce each of those
-# operations before running it: one small all-reduce over all ranks, in which the joined ranks
-# add zeros and each training rank adds 1 and what comes next (an exchange, or an all-reduce's
-# size, dtype, op and device). When the sum of the 1s is 0, every rank has joined.
+# From then on, until every rank has joined, the training ranks announce each exchange before
+# running it: one small all-reduce over all ranks, in which the joined ranks add zeros and each
+# training rank adds 1 and what comes next. When the sum of the 1s is 0, every rank has joined.
+# hvd's all-reduces need no announcement: the negotiation (negotiation.py) knows which ranks
+# wait in join() and runs their side with zeros.
 
-_NEXT_EXCHANGE, _NEXT_ALLREDUCE = 1, 2
-_ANNOUNCED_OPS = (Sum, Average)  # zeros change no sum; an average still divides by every rank
-_ANNOUNCED_DEVICES = ("cpu", "cuda")
+_NEXT_EXCHANGE = 1
+_JOINABLE_OPS = (Sum, Average)  # zeros change no sum; an average still divides by every rank
+_JOINABLE_DEVICES = ("cpu", "cuda")
 
 
 def ranks_waiting_in_join(world) -> int:
@@ -142,22 +142,22 @@ def _announce(world, fields):
     return (message[1:] // training).tolist()
 
 
-def announce_allreduce(comm, tensor, op, asynchronous, wire_dtype=None) -> None:
+def check_joinable_allreduce(comm, tensor, op, wire_dtype=None) -> None:
     """Before an all-reduce over all ranks (and before anything changes `tensor`, so that a
-    refusal leaves it as it was): tell the ranks waiting in join() to take part. `wire_dtype`
-    is the dtype the tensor is sent in, where compression changes it."""
+    refusal leaves it as it was): refuse one that ranks waiting in join() could not take part in
+    with zeros, as far as this rank knows of them (from its DistributedOptimizer's exchanges; the
+    negotiation refuses the others). `wire_dtype` is the dtype the tensor is sent in, where
+    compression changes it."""
     if comm is not _comm.world() or not ranks_waiting_in_join(comm):
         return
     dtype = wire_dtype or tensor.dtype
     name = str(dtype).removeprefix("torch.")
-    # Any dtype of the package's table but bool, which has no sum; its code travels in the message.
-    if op not in _ANNOUNCED_OPS or name not in wire.ITEMSIZE or name == "bool" \
-            or tensor.device.type not in _ANNOUNCED_DEVICES:
+    # Any dtype of the package's table but bool, which has no sum.
+    if op not in _JOINABLE_OPS or name not in wire.ITEMSIZE or name == "bool" \
+            or tensor.device.type not in _JOINABLE_DEVICES:
         raise MpidistError(f"ranks wait in hvd.join() and take part in all-reduces with zeros: op={op!r} of a "
                            f"{dtype} tensor on {tensor.device.type} is not one they can join (sum or "
                            "average of a CPU or CUDA tensor of a standard dtype)")
-    _announce(comm, [_NEXT_ALLREDUCE, tensor.numel(), wire.code_of(name),
-                     _ANNOUNCED_OPS.index(op), _ANNOUNCED_DEVICES.index(tensor.device.type), int(asynchronous)])
 
 
 def announce_exchange(buckets) -> None:
@@ -169,15 +169,8 @@ def announce_exchange(buckets) -> None:
 def _take_part_while_joined(world, buckets) -> None:
     """A joined rank's side: take part in what the training ranks announce until all have joined."""
     while (fields := _announce(world, None)) is not None:
-        kind, numel, dtype, op, device, asynchronous = fields[:6]
-        if kind == _NEXT_EXCHANGE:
+        if fields[0] == _NEXT_EXCHANGE:
             buckets.shadow()
-        elif kind == _NEXT_ALLREDUCE:
-            zeros = torch.zeros(numel, dtype=wire.torch_dtype(wire.DTYPES[dtype]), device=_ANNOUNCED_DEVICES[device])
-            if asynchronous:
-                world.allreduce_async(zeros, op=_ANNOUNCED_OPS[op]).wait()
-            else:
-                world.allreduce(zeros, op=_ANNOUNCED_OPS[op])
         else:
             raise MismatchError(f"rank {world.rank} waits in hvd.join() and was told of an operation it does "
                                 f"not know ({fields})")

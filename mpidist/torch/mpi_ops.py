@@ -17,7 +17,7 @@ from .arguments import release, share_refusal_on
 from .basics import Adasum, Average, Sum, resolve_op
 from .compression import Compression, dtype_on_wire
 from .handles import DoneHandle, GroupHandle, Handle
-from .join import announce_allreduce, collective_comm
+from .join import check_joinable_allreduce, collective_comm
 from .negotiation import negotiator_of
 from .process_sets import comm_of, root_in
 from .timeline import end_traced, traced
@@ -84,8 +84,7 @@ def _start_allreduce(tensor, name, op, compression, prescale_factor, postscale_f
     `shape` (default: the tensor's) is what the ranks' must match. Adasum runs at once."""
     wire_dtype = _wire_dtype(tensor, compression)
     op, postscale_factor = _reduction(tensor, op, postscale_factor, comm)
-    if op == Adasum:  # refused while ranks wait in join()
-        announce_allreduce(comm, tensor, op, asynchronous=False, wire_dtype=wire_dtype)
+    check_joinable_allreduce(comm, tensor, op, wire_dtype)  # Adasum always, while ranks wait in join()
     _scaled(tensor, prescale_factor)
     wire = tensor.to(wire_dtype) if wire_dtype is not None else tensor
 

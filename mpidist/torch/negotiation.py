@@ -33,7 +33,7 @@ import torch
 from .. import comm as _comm
 from ..errors import DeadlineError, MismatchError
 from ..runtime import config, tracing
-from ..runtime.deadlines import timeout, wait_for_collective
+from ..runtime.deadlines import other_ranks, timeout, wait_until
 
 # The hvd operations that go through the negotiation (the others run in call order, on the
 # communicator itself; their order against these does not matter, as they use another channel).
@@ -208,14 +208,20 @@ class Negotiator:
         mpi = self.private.mpi
         mine = np.frombuffer(json.dumps(message).encode(), dtype=np.uint8)
         lengths = np.empty(self.size, dtype=np.int64)
-        wait_for_collective(mpi.Iallgather([np.array([mine.size], dtype=np.int64), MPI.INT64_T],
-                                           [lengths, MPI.INT64_T]), mpi, what="hvd negotiation")
+        self._wait(mpi.Iallgather([np.array([mine.size], dtype=np.int64), MPI.INT64_T], [lengths, MPI.INT64_T]))
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         everything = np.empty(int(lengths.sum()), dtype=np.uint8)
-        wait_for_collective(mpi.Iallgatherv([mine, MPI.BYTE], [everything, (lengths, offsets), MPI.BYTE]), mpi,
-                            what="hvd negotiation")
+        self._wait(mpi.Iallgatherv([mine, MPI.BYTE], [everything, (lengths, offsets), MPI.BYTE]))
         return [json.loads(everything[start:start + length].tobytes())
                 for start, length in zip(offsets.tolist(), lengths.tolist())]
+
+    def _wait(self, request) -> None:
+        """A cycle's exchange, with the deadline: every rank's thread cycles until all leave, so
+        only a rank that died or hangs leaves it waiting. Not published on the stall board,
+        which tells what the program waits in, not this thread."""
+        others = other_ranks(self.private.mpi)
+        wait_until(request.Test, f"rank {self.rank}", "the negotiation of hvd's operations", f"ranks {list(others)}",
+                   peers=others, advice="A rank's program hangs outside Python or its process died.")
 
     def _run(self, ready: list) -> None:
         """Run the operations every rank has submitted, in the table's order; fuse what can be."""
