@@ -321,6 +321,29 @@ def verdict(run: dict) -> str:
     return " ".join(lines)
 
 
+def where_it_pays(results: list[dict]) -> str:
+    """One line per run: the compressor fastest to the target with a final accuracy within half a
+    point of none's, and by how much; or that none of them is faster."""
+    lines = []
+    for run in results:
+        rows = {row["configuration"]: row for row in run["rows"]}
+        baseline = rows.get("none")
+        where = f"{run['nodes']} x {run['ranks_per_node']} at {run['rate'] or 'no link'}"
+        if baseline is None or baseline["time_to_target_s"] is None:
+            lines.append(f"- {where}: no uncompressed time to the target to compare with.")
+            continue
+        speedups = {name: baseline["time_to_target_s"] / row["time_to_target_s"] for name, row in rows.items()
+                    if name != "none" and row["time_to_target_s"]
+                    and row["final_accuracy"] >= baseline["final_accuracy"] - 0.005}
+        best = max(speedups, key=speedups.get, default=None)
+        if best is not None and speedups[best] > 1:
+            lines.append(f"- {where}: pays; fastest to the target {best}, {speedups[best]:.2f}x as fast as none.")
+        else:
+            lines.append(f"- {where}: does not pay; the best, {best}, takes {1 / speedups[best]:.2f}x none's time."
+                         if best else f"- {where}: does not pay; no compressor reached the target.")
+    return "\n".join(lines)
+
+
 def write(args, argv, results: list[dict], uptimes: list[str]) -> None:
     """PATH.json and PATH.md of the runs so far."""
     cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(
@@ -343,7 +366,8 @@ def write(args, argv, results: list[dict], uptimes: list[str]) -> None:
                   "those steps (rank 0); time to target: training seconds (evaluations excluded) until the "
                   "test accuracy, measured every "
                   f"{args.eval_every} steps, first reached the target; vs none: none's time over the row's.\n\n"
-                  + "\n".join(sections))
+                  f"Where compression pays (time to the target, final accuracy within 0.5 point of none's):\n\n"
+                  f"{where_it_pays(results)}\n\n" + "\n".join(sections))
 
 
 def main(argv=None) -> int:
