@@ -78,7 +78,7 @@ def test_every_route_reports_the_rank_that_comes_late():
         "DataParallel", "DistributedOptimizer", "hvd.allreduce", "dist.all_reduce", "save_checkpoint",
         "load_checkpoint"], output
     waits = {"DataParallel": "the all-reduce of gradient bucket 0", "DistributedOptimizer": "the all-reduce of "
-             "gradient bucket 0", "hvd.allreduce": "the allreduce call check", "dist.all_reduce": "the allreduce "
+             "gradient bucket 0", "hvd.allreduce": "the hvd operation '<unnamed operation", "dist.all_reduce": "the allreduce "
              "call check", "save_checkpoint": "the gather of save_checkpoint",
              "load_checkpoint": "the agreement on loading"}
     for route in routes:

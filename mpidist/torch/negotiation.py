@@ -22,8 +22,8 @@ or average.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
-import sys
 import threading
 import time
 
@@ -32,7 +32,7 @@ import torch
 
 from .. import comm as _comm
 from ..errors import DeadlineError, MismatchError
-from ..runtime import config, tracing
+from ..runtime import config, stall, tracing
 from ..runtime.deadlines import other_ranks, timeout, wait_until
 
 # The hvd operations that go through the negotiation (the others run in call order, on the
@@ -81,6 +81,24 @@ def _stop_all() -> None:
         stop_negotiator(comm)
 
 
+@functools.cache
+def _handle_class():
+    """The handle of a negotiated operation: the engine's Handle, whose wait says on the stall
+    board that this rank waits for the operation (made on first use: the collectives initialize
+    MPI)."""
+    from ..collectives.engine import Handle
+
+    class NegotiatedHandle(Handle):
+        def wait(self, timeout=None):
+            stall.publish(self.description)
+            try:
+                return super().wait(timeout)
+            finally:
+                stall.returned()
+
+    return NegotiatedHandle
+
+
 class _Request:
     """An operation submitted on this rank: run(private communicator) does it; an all-reduce
     also gives its buffer and op, so that it can be fused with others."""
@@ -126,8 +144,7 @@ class Negotiator:
     def submit(self, name: str, signature: list, run, buffer=None):
         """Submit an operation; returns its handle (collectives.engine.Handle), completed by the
         thread with run's result or the error that refused it."""
-        from ..collectives.engine import Handle  # imported here: the collectives initialize MPI
-        handle = Handle(f"hvd operation {name!r}")
+        handle = _handle_class()(f"the hvd operation {name!r}")
         with self._lock:
             if self._failure is not None:
                 raise self._failure
@@ -332,7 +349,8 @@ class Negotiator:
                 f"(MPIDIST_TIMEOUT); ranks {sorted(who)} submitted it", peers=missing))
 
     def _report_stalls(self, now: float) -> None:
-        """Horovod's stall warning: once per operation waiting past MPIDIST_STALL_WARNING."""
+        """Horovod's stall warning, as the stall report of the collectives (runtime/stall.py): once
+        per operation waiting past MPIDIST_STALL_WARNING, from the lowest rank waiting for it."""
         warning = config.value("MPIDIST_STALL_WARNING")
         with self._lock:
             stalled = [request for request in self._local.values()
@@ -340,10 +358,7 @@ class Negotiator:
             for request in stalled:
                 request.stall_reported = True
         for request in stalled:
-            who = self._pending.get(request.name, {})
-            missing = [rank for rank in range(self.size) if rank not in who and rank not in self._joined]
-            print(f"mpidist stall report: rank {self.rank} has waited {now - request.submitted:.0f} s for the hvd "
-                  f"operation {request.name!r}, which ranks {missing} have not submitted", file=sys.stderr, flush=True)
+            stall.report(self.private.mpi, request.handle.description, now - request.submitted, timeout())
 
 
 # A signature's fields: [collective, dtype, count, op, device, shape, root, scale factors].
