@@ -193,3 +193,61 @@ if md.rank() == 0:
     assert result.stdout.count("returned 3") == 2
     warning = re.search("warned: (.*)", result.stdout).group(1)
     assert "mpirun --with-ft ulfm" in warning and "ends the whole job" in warning
+
+
+FROZEN_WORKER = f"""
+import os, signal
+import torch
+import mpidist as md
+
+torch.set_num_threads(1)
+md.init()
+generator = torch.Generator().manual_seed(1)
+dataset = torch.utils.data.TensorDataset(torch.randn({SAMPLES}, {FEATURES}, generator=generator),
+                                         torch.randn({SAMPLES}, 1, generator=generator))
+model = md.DataParallel(torch.nn.Linear({FEATURES}, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr={LR})
+sampler = md.elastic.ElasticSampler(dataset, shuffle=False)
+state = md.elastic.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0, steps=0)
+
+def train(state):
+    while state.epoch < 50:
+        for batch, (inputs, targets) in enumerate(torch.utils.data.DataLoader(dataset, batch_size={BATCH},
+                                                                              sampler=sampler)):
+            if md.size() == 3 and md.rank() == 2 and state.steps == 5:
+                os.kill(os.getpid(), signal.SIGSTOP)  # frozen, not dead
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(inputs), targets).backward()
+            optimizer.step()
+            sampler.record_batch(batch, {BATCH})
+            state.steps += 1
+            state.commit()
+        state.epoch += 1
+        sampler.set_epoch(state.epoch)
+        state.commit()
+
+md.elastic.run(train, state)
+print(f"rank {{md.rank()}} of {{md.size()}} finished", flush=True)
+"""
+
+
+def test_a_rank_that_ulfms_detector_declares_dead_but_is_frozen_does_not_keep_the_job_running():
+    # ULFM's heartbeat detector declares the stopped rank dead and the survivors go on without
+    # it; its process, frozen on their node, must not keep mpirun waiting after they end.
+    env = {k: v for k, v in os.environ.items() if k not in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK",
+                                                           "PYTEST_ISOLATE_MPI_IS_FORKED")}
+    env["MPIDIST_TIMEOUT"] = "60"
+    detector = ["--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_thread", "true",
+                "--mca", "mpi_ft_detector_period", "1", "--mca", "mpi_ft_detector_timeout", "4"]
+    cmd = ["mpirun", "--with-ft", "ulfm", *detector, "--oversubscribe", "--bind-to", "none", "-np", "3",
+           sys.executable, "-c", FROZEN_WORKER]
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+                               start_new_session=True)
+    try:
+        output, status = process.communicate(timeout=150)[0], process.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, status = process.communicate()[0], None
+    assert "rank 2 of 3 died; going on with 2 ranks" in output, output
+    assert output.count("of 2 finished") == 2, output
+    assert status == 0, output

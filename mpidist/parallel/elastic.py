@@ -21,10 +21,15 @@ before, and run() says so at its start.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import os
+import signal
+import socket
 import sys
 import warnings
+import zlib
 
 import numpy as np
 import torch
@@ -239,6 +244,7 @@ def run_elastic(train_fn, state: State, args=(), kwargs=None, on_shrink=None):
                           "since the last checkpoint on disk is lost (commits are kept in memory only).", stacklevel=3)
     else:
         _return_errors(comm)
+    processes = None if missing is not None else where_ranks_run(world())
     while True:
         state.sync()
         try:
@@ -250,6 +256,7 @@ def run_elastic(train_fn, state: State, args=(), kwargs=None, on_shrink=None):
         # handles, is gone.
         old_size = world().size
         dead = shrink_world()
+        processes = end_frozen_processes(processes, dead)
         if world().rank == 0:
             lost = (f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} of {old_size} died" if dead else
                     "a communicator was revoked, but no rank died")
@@ -259,6 +266,25 @@ def run_elastic(train_fn, state: State, args=(), kwargs=None, on_shrink=None):
         if on_shrink is not None:
             on_shrink()
         state.on_reset()
+
+
+def where_ranks_run(comm: Communicator) -> np.ndarray:
+    """(host, process id) of every rank of `comm`, the host as a number (collective)."""
+    mine = np.array([zlib.crc32(socket.gethostname().encode()), os.getpid()], dtype=np.int64)
+    return comm.allgather(mine).reshape(-1, 2)
+
+
+def end_frozen_processes(processes: np.ndarray, dead: list) -> np.ndarray:
+    """SIGKILL to the processes of the ranks `dead` on this host that still run, and the rows of
+    `processes` (where_ranks_run) of the ranks left. ULFM's failure detector may declare dead a
+    rank that is frozen (stopped, stuck in the kernel), not gone, and mpirun would wait for its
+    process forever after the survivors end; one on another host is beyond reach."""
+    host = zlib.crc32(socket.gethostname().encode())
+    for rank in dead:
+        if processes[rank, 0] == host:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(processes[rank, 1]), signal.SIGKILL)
+    return np.delete(processes, dead, axis=0)
 
 
 def shrink_world() -> list:
