@@ -12,7 +12,8 @@ gradients, applying them, replying). The fault is one of
 kill (SIGKILL to itself), stop (SIGSTOP to itself), raise (an exception in the training loop),
 launcher (a signal to mpirun, as SLURM sends one) and checkpoint-kill (SIGKILL to itself inside
 the write of a checkpoint, between two of its datasets or just before the file is renamed into
-place). Kill, stop and launcher fire a drawn fraction of the phase's usual length after the
+place), ranks (a signal to every rank, as SLURM sends SIGTERM at a time limit). Kill, stop,
+launcher and ranks fire a drawn fraction of the phase's usual length after the
 phase begins; the phase in progress then is what the record says (fault.json).
 
 For the replay of elastic training the hook also keeps each rank's batches (batches-<rank>.log),
@@ -20,6 +21,7 @@ the state the survivors restore after a death (restored-1.pt) and the final weig
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -43,6 +45,8 @@ class PhaseLog:
 
     def __init__(self):
         self.file = open(os.path.join(LOG_DIR, f"rank-{RANK}.log"), "a", buffering=1)  # noqa: SIM115
+        with open(os.path.join(LOG_DIR, f"pid-{RANK}"), "w") as f:  # for a signal to every rank
+            f.write(str(os.getpid()))
         self.step, self.phase, self.armed = 0, "start", VICTIM
         self.durations: dict = {}
         self.lock = threading.Lock()
@@ -77,6 +81,10 @@ class PhaseLog:
         if action == "launcher":
             with open(SPEC["launcher_pid_file"]) as f:
                 os.kill(int(f.read()), getattr(signal, SPEC["signal"]))
+        elif action == "ranks":  # as SLURM signals every task of a job at its time limit
+            for path in glob.glob(os.path.join(LOG_DIR, "pid-*")):
+                with open(path) as f:
+                    os.kill(int(f.read()), getattr(signal, SPEC["signal"]))
         else:
             os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGSTOP)
 

@@ -77,7 +77,7 @@ SCENARIOS = {
                            victims="server", detect=r"the server \(rank 0\) died, and the parameter server cannot go on"),
     "exception": dict(train=[], action="raise", victims="any",
                       detect=r"ended with an uncaught InjectedFault: aborting the whole job"),
-    "sigterm": dict(train=[], action="launcher", signal="SIGTERM", victims="rank0", stops=True,
+    "sigterm": dict(train=[], action="ranks", signal="SIGTERM", victims="rank0", stops=True,
                     detect=r"stopped early: a stop signal \(SIGTERM\)"),
     "sigusr1": dict(train=[], action="launcher", signal="SIGUSR1", victims="rank0", stops=True,
                     detect=r"stopped early: a stop signal \(SIGUSR1\)"),
@@ -283,7 +283,7 @@ def draw(name: str, scenario: dict, ref: dict, args, rng: random.Random, directo
         # a checkpoint after the first (which leaves one behind), at a drawn point of its write
         spec.update(phase="checkpoint", write_point=rng.randint(1, ref["datasets"] + 1),
                     step=rng.randint(ref["steps"] // args.epochs + 1, ref["steps"]))
-    if scenario["action"] == "launcher":
+    if scenario["action"] in ("launcher", "ranks"):
         spec.update(signal=scenario["signal"], launcher_pid_file=os.path.join(directory, "mpirun.pid"))
     return spec
 
