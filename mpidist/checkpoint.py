@@ -399,13 +399,20 @@ def load_checkpoint(path, model=None, optimizer=None, sampler=None, restore_rng:
 
 def _load(path, model, optimizer, sampler, restore_rng, comm) -> dict:
     import h5py
-    verify(path)
+    sealed = verify(path)["sealed"]
     with h5py.File(path, "r") as f:
         if f.attrs.get("format") != FORMAT:
             raise CheckpointError(f"{path} is not an mpidist checkpoint")
-        if int(f.attrs["format_version"]) > FORMAT_VERSION:
-            raise CheckpointError(f"{path} has format version {f.attrs['format_version']}; "
-                                  f"this mpidist reads up to {FORMAT_VERSION}")
+        version = int(f.attrs["format_version"])
+        if version > FORMAT_VERSION:
+            raise CheckpointError(f"{path} has format version {version}; this mpidist reads up to {FORMAT_VERSION}")
+        if not sealed and version >= 2:  # sealed since version 2: its user block was damaged
+            raise CheckpointError(f"{path} is a checkpoint of format version {version} without its seal: damaged "
+                                  "at its start")
+        if not sealed and _rank_of(comm) == 0:
+            warnings.warn(f"{path} was written by an mpidist without checkpoint checksums (format version "
+                          f"{version}): loaded without checking its bytes; the next checkpoint is sealed",
+                          stacklevel=3)
         result = {"step": _counter(path, f.attrs, "step"), "epoch": _counter(path, f.attrs, "epoch"),
                   "extra": json.loads(f.attrs["extra"])}
         # Everything is read and checked before anything is loaded, and the optimizer (whose own
@@ -424,7 +431,7 @@ def _load(path, model, optimizer, sampler, restore_rng, comm) -> dict:
         if optimizer is not None:
             _require(f, "optimizer", path)
             saved_class, own_class = f["optimizer"].attrs.get("class"), _optimizer_class(optimizer).__name__
-            if saved_class != own_class:
+            if saved_class != own_class and (version >= 2 or saved_class is not None):  # version 1 kept no class
                 raise CheckpointError(f"{path} holds the state of a {saved_class} optimizer, not of this {own_class}")
             parts.insert(0, ("optimizer", optimizer, _read_tree(f["optimizer"])))
         if sampler is not None:

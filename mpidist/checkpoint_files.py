@@ -8,6 +8,10 @@ of the whole file, "sha256": hex digest of every byte after the user block, "cre
 time}``. ``tail -c +513 FILE | sha256sum`` prints the digest. HDF5 has no checksums of its own
 on data, and a damaged file can crash the library itself, so a file from elsewhere is checked
 first: a truncated or altered one is refused before it is opened.
+
+Checkpoints of format version 1, written before the seal, are HDF5 from their first byte: they
+are read as before (``sealed`` False in what ``read_seal`` returns), unchecked, so that a run
+resumes across an upgrade of mpidist; its next checkpoint is sealed.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from .errors import CheckpointError
 TEMPORARY = re.compile(r"^(?P<target>.+)\.tmp-(?P<host>.+)-(?P<pid>\d+)$")
 SEAL_BYTES = 512  # HDF5's smallest user block
 SEAL_MAGIC = b"mpidist-checkpoint sha256\n"
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
 @contextlib.contextmanager
@@ -73,8 +78,11 @@ def seal(path, created_unix: float | None = None) -> None:
 
 def read_seal(path) -> dict:
     """The seal's fields of the checkpoint at ``path``, once its size matches the one sealed (no
-    read past the seal: cheap enough for every file of a directory). A missing, empty, truncated
-    or unsealed file is a CheckpointError naming the file and the problem."""
+    read past the seal: cheap enough for every file of a directory), with ``sealed`` True. A file
+    that is HDF5 from its first byte has no seal (format version 1; the loader checks the
+    version): its fields are its size, its modification time and ``sealed`` False. A missing,
+    empty, truncated or otherwise unsealed file is a CheckpointError naming the file and the
+    problem."""
     path = os.fspath(path)
     if os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path} is a directory, not a file")
@@ -86,10 +94,11 @@ def read_seal(path) -> dict:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
     if size == 0:
         raise CheckpointError(f"checkpoint {path} is empty")
+    if block.startswith(HDF5_SIGNATURE):
+        return {"bytes": size, "created_unix": os.path.getmtime(path), "sealed": False}
     if not block.startswith(SEAL_MAGIC):
-        kind = "an HDF5 file" if block.startswith(b"\x89HDF\r\n\x1a\n") else "a file"
-        raise CheckpointError(f"{path} is {kind} without mpidist's checkpoint seal: not an mpidist checkpoint "
-                              "(or one damaged at its start, or written by an mpidist without checksums)")
+        raise CheckpointError(f"{path} is a file without mpidist's checkpoint seal: not an mpidist checkpoint "
+                              "(or one damaged at its start)")
     line, _, padding = block[len(SEAL_MAGIC):].partition(b"\n")
     try:
         if padding.strip(b"\0"):
@@ -102,14 +111,14 @@ def read_seal(path) -> dict:
     if size != expected or len(digest) != 64:
         raise CheckpointError(f"checkpoint {path} is truncated or damaged: it holds {size} bytes, its seal says "
                               f"{expected}")
-    return fields
+    return {**fields, "sealed": True}
 
 
 def verify(path) -> dict:
     """``read_seal``, then every byte checked against the sealed digest: a CheckpointError naming
-    the file where any differs. Returns the seal's fields."""
+    the file where any differs. Returns the seal's fields (an unsealed file's are not checked)."""
     fields = read_seal(path)
-    if _digest(path) != fields["sha256"]:
+    if fields["sealed"] and _digest(path) != fields["sha256"]:
         raise CheckpointError(f"checkpoint {path} is damaged: its content does not match the SHA-256 sealed in it "
                               "(bytes changed after it was written)")
     return fields

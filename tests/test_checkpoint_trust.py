@@ -123,9 +123,33 @@ def test_empty_files_directories_and_other_files_are_refused(tmp_path):
     refuses(tmp_path / "text.h5", "is a file without mpidist's checkpoint seal")
     with h5py.File(tmp_path / "plain.h5", "w") as f:
         f["weights"] = np.ones(3)
-    refuses(tmp_path / "plain.h5", "is an HDF5 file without mpidist's checkpoint seal")
+    refuses(tmp_path / "plain.h5", "is not an mpidist checkpoint")
     refuses(tmp_path / "missing.h5", "cannot read checkpoint .*No such file")
 
+
+
+# A checkpoint that mpidist wrote before checkpoints were sealed (format version 1): the model of
+# trained(), step 3 of epoch 1.
+VERSION_1 = os.path.join(os.path.dirname(__file__), "data", "ckpt-0001-00000003.h5")
+
+
+def test_a_checkpoint_from_before_the_seal_still_loads_with_a_warning(tmp_path):
+    shutil.copy(VERSION_1, tmp_path)
+    path = str(tmp_path / os.path.basename(VERSION_1))
+    assert latest_checkpoint(tmp_path) == path
+    model, optimizer = trained(seed=1)
+    with pytest.warns(UserWarning, match="without checkpoint checksums .format version 1.: loaded without checking"):
+        assert load_checkpoint(path, model, optimizer) == {"step": 3, "epoch": 1, "extra": {}}
+    reference, reference_optimizer = trained(seed=0)
+    assert states(model, optimizer)[:2] == states(reference, reference_optimizer)[:2]
+
+
+def test_an_unsealed_checkpoint_of_a_sealed_format_is_refused(tmp_path):
+    path = tmp_path / "unsealed.h5"
+    shutil.copy(VERSION_1, path)
+    with h5py.File(path, "r+") as f:
+        f.attrs["format_version"] = 2
+    refuses(path, "format version 2 without its seal: damaged at its start")
 
 # ---- another model or optimizer -----------------------------------------------------------------
 
