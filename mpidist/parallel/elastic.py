@@ -12,7 +12,9 @@ makes that the world (md.rank(), md.size(), hvd.size() ...), restores its last c
 reconnects the DataParallel or DistributedOptimizer of the state to the new world, calls the
 reset callbacks, gives every rank the lowest surviving rank's state (State.sync) and calls
 train(state) again. An ElasticSampler deals the samples not yet processed in the epoch out
-over the ranks left.
+over the ranks left. A rank that ULFM's heartbeat detector (`--mca mpi_ft_detector true`)
+declares dead may be frozen, not gone: the survivors on its host kill its process, which mpirun
+would otherwise wait for after they end.
 
 A commit is a copy in memory on every rank (model, optimizer, sampler, the named values): what
 was done since the last commit is done again after a death. Ranks are never added: an MPI job's
