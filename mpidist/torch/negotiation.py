@@ -45,13 +45,19 @@ _UNNAMED = "<unnamed operation "  # + its number and ">"
 _JOINABLE_OPS = ("sum", "avg")  # zeros change no sum, and an average still divides by every rank
 _negotiators = {}  # Communicator -> Negotiator
 _creation = threading.Lock()
+_stopped_at_exit = False  # whether _stop_all is registered with atexit
 
 
 def negotiator_of(comm) -> Negotiator:
     """The Negotiator of `comm`, made on first use (collective: hvd.init() and add_process_set make
     it, where every rank calls, before the communicator's asynchronous engine exists)."""
+    global _stopped_at_exit
     with _creation:
         if comm not in _negotiators:
+            if not _stopped_at_exit:
+                # Registered once MPI is initialized, after mpi4py's MPI_Finalize: so it runs before.
+                atexit.register(_stop_all)
+                _stopped_at_exit = True
             _negotiators[comm] = Negotiator(comm)
         return _negotiators[comm]
 
@@ -74,9 +80,7 @@ def abandon_negotiators() -> None:
         negotiator.private.abandon()
 
 
-@atexit.register
 def _stop_all() -> None:
-    # Registered after mpi4py's MPI_Finalize handler (MPI is imported first), so it runs before it.
     for comm in list(_negotiators):
         stop_negotiator(comm)
 
