@@ -7,6 +7,7 @@
 - abort.py: an uncaught exception on one rank aborts the whole job.
 - tracing.py: communication events for torch.profiler and the timeline file.
 - wire.py: the dtype table of the whole package, and typed header+payload messages between ranks.
+- together.py: raise_together, the one way for ranks to fail together (every rank raises the same error).
 
 Importing any of these leaves MPI alone (mpi4py.MPI is not imported), so `import mpidist` can
 happen before the program, or its launcher, has settled how MPI should start.

@@ -8,7 +8,8 @@ their codes are part of the cross-rank call check); messages carry those and the
 
 Messages go over an mpi4py communicator given by the caller (this module never loads MPI). A
 message uses two tags, `tag` (header) and `tag + 1` (payload); every wait has the deadline of
-deadlines.py and names the peer it waits for.
+deadlines.py and names the peer it waits for. allgather_texts gives every rank each rank's text (or
+none), as lengths then UTF-8 bytes.
 """
 from __future__ import annotations
 
@@ -156,3 +157,22 @@ def broadcast(mpi, tensor, root: int, who: str, what: str, silent: str):
     if tensor.numel():
         deadlines.wait_for_request(mpi.Ibcast(byte_view(tensor), root=root), who, what, silent, peers)
     return tensor
+
+
+# ---- texts ---------------------------------------------------------------------------------
+
+def allgather_texts(mpi, text: str | None, what: str) -> list:
+    """Every rank's `text` (or None) on every rank of `mpi`, in a list by rank: the lengths (-1
+    for None), then, only where some rank has a text, the UTF-8 bytes of all."""
+    data = np.frombuffer((text or "").encode(), dtype=np.uint8)
+    lengths = np.empty(mpi.Get_size(), dtype=np.int64)
+    length = np.array([-1 if text is None else data.size], dtype=np.int64)
+    deadlines.wait_for_collective(mpi.Iallgather(length, lengths), mpi, what)
+    if (lengths < 0).all():
+        return [None] * len(lengths)
+    counts = np.maximum(lengths, 0)
+    gathered = np.empty(int(counts.sum()), dtype=np.uint8)
+    deadlines.wait_for_collective(mpi.Iallgatherv(data, [gathered, counts]), mpi, what)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    return [None if lengths[k] < 0 else gathered[offsets[k]:offsets[k + 1]].tobytes().decode()
+            for k in range(len(lengths))]

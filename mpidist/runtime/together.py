@@ -1,0 +1,65 @@
+"""Failing together: where some ranks met an error, every rank raises the same one, naming the
+ranks that failed and why, instead of the others going on or waiting for them. raise_together is
+the package's one way to do this.
+
+It is collective over an mpi4py communicator given by the caller (this module never loads MPI).
+Each rank passes the exception it met, or None. The ranks exchange one length each (the whole
+cost when none failed), then the failures as class name and message in UTF-8 (wire.allgather_texts):
+nothing is pickled, and a class is raised on another rank only if it is one of mpidist's errors
+or a built-in exception.
+"""
+from __future__ import annotations
+
+import builtins
+
+from .. import errors
+from . import wire
+
+# A failure crosses the wire as "ClassName:message" (a class name holds no colon).
+SEPARATOR = ":"
+
+
+def gather_failures(mpi, problem: BaseException | None, what: str) -> list:
+    """Collective: every rank's (class name, message) of `problem`, or None where it had none,
+    in a list by rank."""
+    text = None if problem is None else f"{type(problem).__name__}{SEPARATOR}{problem}"
+    return [None if text is None else tuple(text.split(SEPARATOR, 1))
+            for text in wire.allgather_texts(mpi, text, f"agreement on {what}")]
+
+
+def exception_class(name: str) -> type:
+    """The exception class a failure's class name stands for on every rank: one of mpidist's
+    errors or a built-in exception, otherwise MpidistError (the message then keeps the name)."""
+    found = getattr(errors, name, None) or getattr(builtins, name, None)
+    if isinstance(found, type) and issubclass(found, Exception):
+        return found
+    return errors.MpidistError
+
+
+def describe(failures: list, raised: type, what: str) -> str:
+    """'{what} failed: rank 1: ...; ranks 0, 2: ...', ranks grouped by equal failures, each
+    failure's class named where it is not the raised one."""
+    groups = {}
+    for rank, failure in enumerate(failures):
+        if failure is not None:
+            groups.setdefault(failure, []).append(rank)
+    parts = []
+    for (name, message), ranks in groups.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        parts.append(f"{who}: {message}" if name == raised.__name__ else f"{who}: {name}: {message}")
+    return f"{what} failed: {'; '.join(parts)}"
+
+
+def raise_together(mpi, problem: BaseException | None, what: str, error: type | None = None,
+                   message=None) -> None:
+    """Collective over `mpi`: return on every rank if no rank passed a `problem`; otherwise raise
+    the same error on every rank (chained to this rank's own problem). Its class is `error`, or
+    else the lowest failing rank's class (exception_class); its message is
+    `message(failures)` of the gathered failures (gather_failures) where given, describe() by
+    default."""
+    failures = gather_failures(mpi, problem, what)
+    failed = [failure for failure in failures if failure is not None]
+    if not failed:
+        return
+    raised = error or exception_class(failed[0][0])
+    raise raised(message(failures) if message else describe(failures, raised, what)) from problem
