@@ -47,7 +47,7 @@ from . import checkpoint_rng
 from .checkpoint_files import atomic_hdf5, read_seal, verify
 from .comm import is_initialized, world
 from .errors import CheckpointError, MpidistError
-from .runtime.deadlines import wait_for_collective
+from .runtime.together import agreed_error
 
 # torch and h5py are imported in the functions that use them: `mpidist prepare-data` writes
 # its HDF5 file without torch, and each takes a noticeable part of a second to import.
@@ -82,19 +82,17 @@ def on_root(comm, work, what: str, error=MpidistError):
     mpi = _mpi_comm(comm)
     if mpi is None:
         return work()
-    failed = np.zeros(1, dtype=np.int32)
     result = raised = None
     if mpi.Get_rank() == 0:
         try:
             result = work()
         except BaseException as exc:  # reported to the other ranks, then re-raised here
-            failed[0] = 1
             raised = exc
-    mpi.Bcast(failed, root=0)
+    agreed = agreed_error(mpi, raised, what, error, message=lambda failures: f"rank 0 failed {what}; see rank 0's error")
     if raised is not None:
         raise raised
-    if failed[0]:
-        raise error(f"rank 0 failed {what}; see rank 0's error")
+    if agreed is not None:
+        raise agreed
     return result
 
 
@@ -115,19 +113,16 @@ def share_failure(comm, failure: Exception | None, what: str, error=MpidistError
         if failure is not None:
             raise failure
         return
-    failed_here = np.array([failure is not None], dtype=np.int64)
-    failed_anywhere = np.empty(mpi.Get_size(), dtype=np.int64)
-    # A collective wait like any other (the stall report, the deadline): a rank that never
-    # comes here must not leave the others waiting silently forever.
-    wait_for_collective(mpi.Iallgather(failed_here, failed_anywhere), mpi, f"agreement on {what}")
-    if not failed_anywhere.any():
-        return
-    failures = mpi.allgather(None if failure is None else str(failure))  # every rank is here
-    failed = [rank for rank, text in enumerate(failures) if text is not None]
-    first = failures[failed[0]]
-    if len(failed) < len(failures) or len(set(failures)) > 1:
-        first = f"{what} failed on rank(s) {failed}: {first}"
-    raise on_every_rank(error(first)) from failure
+    def first_failure(failures):
+        failed = [rank for rank, entry in enumerate(failures) if entry is not None]
+        first = failures[failed[0]][1]
+        if len(failed) < len(failures) or len({message for _, message in failures}) > 1:
+            return f"{what} failed on rank(s) {failed}: {first}"
+        return first
+
+    agreed = agreed_error(mpi, failure, what, error, message=first_failure)
+    if agreed is not None:
+        raise on_every_rank(agreed) from failure
 
 
 # ---- tensors and JSON trees ---------------------------------------------------------------------
