@@ -10,9 +10,9 @@ import numpy as np
 from ...errors import InvalidArgumentError, MismatchError
 from ...runtime import wire
 from ...runtime.deadlines import wait_for_collective
+from ...runtime.together import agreed_error, raise_together
 from . import shards, sparse
 from .policy import MODES
-from .protocol import text, words
 
 UNSPLITTABLE = -1  # the layout of a rank whose model has fewer rows than there are servers
 # The settings every rank must agree on, in the order of the agreement table's columns.
@@ -143,10 +143,11 @@ def agree(ps, unsplittable, declined) -> None:
                                    "that applies the updates (workers may pass None)")
     refusing = [r for r in ps.servers if column(table, "sparse refusal")[r] >= 0]
     if refusing:  # the refusing server's words, on every rank
-        mine = words(refusals[int(column(table, "sparse refusal")[refusing[0]])]) \
-            if ps.comm.rank == refusing[0] else None
-        said = wire.broadcast(ps.mpi, mine, refusing[0], ps.who, "the server's refusal", f"rank {refusing[0]}")
-        raise InvalidArgumentError(f"the server (rank {refusing[0]}): {text(said)}")
+        server = refusing[0]
+        mine = InvalidArgumentError(refusals[int(column(table, "sparse refusal")[server])]) \
+            if ps.comm.rank == server else None
+        raise_together(ps.mpi, mine, "the server's refusal", InvalidArgumentError,
+                       message=lambda failures: f"the server (rank {server}): {failures[server][1]}")
 
 
 def raise_declined(ps, declining: list, declined) -> None:
@@ -154,13 +155,14 @@ def raise_declined(ps, declining: list, declined) -> None:
     such a rank its own error, the others that of the first of them, naming it."""
     if not declining:
         return
-    mine = words(str(declined)) if ps.comm.rank == declining[0] else None
-    said = wire.broadcast(ps.mpi, mine, declining[0], f"rank {ps.comm.rank}", "the refusal of its arguments",
-                          f"rank {declining[0]}")
+    first = declining[0]
+    agreed = agreed_error(ps.mpi, declined, "the refusal of its arguments", InvalidArgumentError,
+                          message=lambda failures: f"rank {first} refused its arguments to the parameter server: "
+                                                   f"{failures[first][1]}")
     ps.mpi.Free()
     if declined is not None:
         raise declined
-    raise InvalidArgumentError(f"rank {declining[0]} refused its arguments to the parameter server: {text(said)}")
+    raise agreed
 
 
 def describe(name: str, value: int):
