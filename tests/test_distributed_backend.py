@@ -409,6 +409,15 @@ def test_plain_python_is_a_world_of_one_and_a_rank_against_mpi_is_refused():
 
 
 @pytest.mark.mpi(ranks=[2])
+def test_a_rank_given_another_rank_is_refused_on_every_rank_by_its_own_words(mpi_world):
+    from mpidist.distributed.rendezvous import check_agrees_with_mpi
+    given = (0, "RANK=0") if mpi_world.rank == 1 else None
+    with pytest.raises(md.InvalidArgumentError, match=r"^the mpidist backend takes rank and size from MPI; rank 1 was "
+                                                      r"given RANK=0 but MPI says 1: unset RANK and WORLD_SIZE"):
+        check_agrees_with_mpi(mpi_world, given, None)
+
+
+@pytest.mark.mpi(ranks=[2])
 @pytest.mark.parametrize("schedule", ["ScheduleGPipe", "Schedule1F1B"])
 def test_pipelining_trains_as_one_process(mpi_world, schedule):
     from torch.distributed import pipelining

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ..comm import broadcast_json, init
 from ..errors import InvalidArgumentError
+from ..runtime.together import raise_together
 
 
 def mpi_rendezvous(url, timeout=dist.constants.default_pg_timeout, **kwargs):
@@ -38,19 +39,15 @@ def _given(variable: str, argument: int):
 
 
 def check_agrees_with_mpi(world, rank, size) -> None:
-    """Refuse, on every rank of `world`, a given (value, source) rank or size that is not MPI's."""
-    import numpy as np
+    """Refuse, on every rank of `world`, a given (value, source) rank or size that is not MPI's:
+    every rank raises the refusals of all ranks that were given one."""
     problems = [f"{given[1]} but MPI says {actual}" for given, actual in ((rank, world.rank), (size, world.size))
                 if given is not None and given[0] != actual]
-    failed = np.array([1 if problems else 0], dtype=np.int64)
-    world.allreduce(failed, op="max")
-    if problems:
-        raise InvalidArgumentError(f"the mpidist backend takes rank and size from MPI; rank {world.rank} was given "
-                                   f"{' and '.join(problems)}: unset RANK and WORLD_SIZE (or pass the values MPI "
-                                   "gives) and launch with mpirun or srun")
-    if failed[0]:
-        raise InvalidArgumentError("the mpidist backend takes rank and size from MPI, and other ranks were given "
-                                   "a RANK or WORLD_SIZE that disagrees with it (see their errors)")
+    refusal = InvalidArgumentError(
+        f"the mpidist backend takes rank and size from MPI; rank {world.rank} was given {' and '.join(problems)}: "
+        "unset RANK and WORLD_SIZE (or pass the values MPI gives) and launch with mpirun or srun") if problems else None
+    raise_together(world.mpi, refusal, "check of RANK and WORLD_SIZE against MPI", InvalidArgumentError,
+                   message=lambda failures: "; ".join(failure[1] for failure in failures if failure is not None))
 
 
 def tcp_store_over_mpi(world, timeout: datetime.timedelta):
