@@ -272,6 +272,15 @@ def test_objects_travel_pickled(mpi_world):
         hvd.allgather_object((lambda: rank) if rank == 1 else rank)  # every rank raises, none hangs
 
 
+@pytest.mark.mpi(ranks=[2, 3])
+def test_an_unpicklable_broadcast_object_is_refused_on_every_rank_with_the_pickling_error(mpi_world):
+    hvd.init()
+    rank, root = hvd.rank(), hvd.size() - 1
+    with pytest.raises(md.InvalidArgumentError, match=rf"^broadcast_object: rank\(s\) \[{root}\] passed an object "
+                                                      r"pickle cannot serialize: \w+: Can't pickle"):
+        hvd.broadcast_object((lambda: rank) if rank == root else None, root_rank=root)
+
+
 # ---- refusals on every rank ---------------------------------------------------------------------
 
 @pytest.mark.mpi(ranks=[2, 3])

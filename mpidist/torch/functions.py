@@ -12,6 +12,7 @@ import torch
 from ..errors import InvalidArgumentError
 from ..parallel.model_state import broadcast_in_place
 from ..runtime import wire
+from ..runtime.together import raise_together
 from .join import collective_comm
 from .mpi_ops import broadcast_
 from .optimizer import local_step
@@ -97,13 +98,15 @@ def _pickled(obj):
         return np.empty(0, dtype=np.uint8), exc
 
 
-def _refuse_unpicklable(failed, error, what):
-    """A rank that cannot pickle its object sends the length -1 in place of its own, so that every
-    rank raises instead of the others waiting for its bytes."""
-    if failed:
-        detail = f": {error!r}" if error else ""
-        raise InvalidArgumentError(f"{what}: rank(s) {failed} passed an object pickle cannot serialize{detail}") \
-            from error
+def _refuse_unpicklable(world, error, what):
+    """Every rank raises when some rank cannot pickle its object (`error`), naming those ranks,
+    instead of the others waiting for its bytes."""
+    def unpicklable(failures):
+        failed = [rank for rank, failure in enumerate(failures) if failure is not None]
+        name, message = failures[failed[0]]
+        return f"{what}: rank(s) {failed} passed an object pickle cannot serialize: {name}: {message}"
+
+    raise_together(world.mpi, error, what, InvalidArgumentError, message=unpicklable)
 
 
 @traced("BROADCAST")
@@ -111,9 +114,9 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     """`root_rank`'s object on every rank (pickled, as Horovod's)."""
     world, root = collective_comm(process_set), root_in(process_set, root_rank)
     data, error = _pickled(obj) if world.rank == root else (None, None)
-    length = np.array([-1 if error else 0 if data is None else len(data)], dtype=np.int64)
+    _refuse_unpicklable(world, error, "broadcast_object")
+    length = np.array([0 if data is None else len(data)], dtype=np.int64)
     world.broadcast(length, root=root)
-    _refuse_unpicklable([root] if length[0] < 0 else [], error, "broadcast_object")
     if world.rank != root:
         data = np.empty(int(length[0]), dtype=np.uint8)
     world.broadcast(data, root=root)
@@ -125,8 +128,8 @@ def allgather_object(obj, name=None, process_set=None):
     """Every rank's object, in a list by rank (pickled, as broadcast_object)."""
     world = collective_comm(process_set)
     data, error = _pickled(obj)
-    lengths = world.allgather(np.array([-1 if error else len(data)], dtype=np.int64))
-    _refuse_unpicklable([rank for rank, length in enumerate(lengths) if length < 0], error, "allgather_object")
+    _refuse_unpicklable(world, error, "allgather_object")
+    lengths = world.allgather(np.array([len(data)], dtype=np.int64))
     gathered = world.allgather(data)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     return [pickle.loads(gathered[offsets[k]:offsets[k + 1]].tobytes()) for k in range(world.size)]
