@@ -26,6 +26,7 @@ from .runtime import config, leave, stall, tracing
 from .runtime.abort import install_abort_on_exception
 from .runtime.cuda_aware import mpi_library_cuda_aware
 from .runtime.mpi import fault_tolerant, load_mpi
+from .runtime.together import raise_together
 
 
 class Channel(abc.ABC):
@@ -339,19 +340,18 @@ def broadcast_json(comm, obj, root: int = 0, what: str = "broadcast_json"):
     """`root`'s JSON-serializable `obj` on every rank of `comm` (a Communicator): its length,
     then its UTF-8 text. Never pickled, so values come back as JSON gives them (dict keys
     become strings, tuples lists). An object JSON cannot encode raises InvalidArgumentError on
-    every rank (the root sends a length of -1 first)."""
+    every rank (raise_together)."""
     length, data, error = np.zeros(1, dtype=np.int64), None, None
     if comm.rank == root:
         try:
             data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8).copy()
             length[0] = data.size
         except TypeError as exc:
-            error, length[0] = exc, -1
+            error = exc
+    raise_together(comm.mpi, error, what, InvalidArgumentError,
+                   message=lambda failures: f"{what} sends JSON only (no pickle); rank {root} passed an object JSON "
+                                            f"cannot encode: {failures[root][1]}")
     comm.broadcast(length, root=root)
-    if length[0] < 0:
-        detail = f": {error}" if error else ""
-        raise InvalidArgumentError(f"{what} sends JSON only (no pickle); rank {root} passed an object JSON cannot "
-                                   f"encode{detail}") from error
     if comm.rank != root:
         data = np.empty(int(length[0]), dtype=np.uint8)
     comm.broadcast(data, root=root)

@@ -8,6 +8,7 @@ import pickle
 import pytest
 
 import mpidist as md
+from mpidist.comm import broadcast_json
 from mpidist.errors import CheckpointError
 from mpidist.runtime.together import raise_together
 
@@ -86,3 +87,11 @@ def test_a_class_other_ranks_cannot_name_becomes_mpidist_error(mpi_ranks, world)
         raise_together(world, problem, "work")
     assert type(raised.value) is md.MpidistError
     assert str(raised.value) == f"work failed: rank {mpi_ranks - 1}: LocalOnlyError: mine"
+
+
+@RANKS
+def test_broadcast_json_of_what_json_cannot_encode_names_the_root_and_why_on_every_rank(mpi_ranks, mpi_world):
+    root = mpi_ranks - 1
+    with pytest.raises(md.InvalidArgumentError, match=rf"^layout sends JSON only \(no pickle\); rank {root} passed an "
+                                                      r"object JSON cannot encode: Object of type object is not JSON"):
+        broadcast_json(mpi_world, {"x": object()} if mpi_world.rank == root else None, root, "layout")
