@@ -1,6 +1,7 @@
 """Failing together: where some ranks met an error, every rank raises the same one, naming the
-ranks that failed and why, instead of the others going on or waiting for them. raise_together is
-the package's one way to do this.
+ranks that failed and why, instead of the others going on or waiting for them. raise_together
+(or agreed_error, for a caller that raises the agreed error its own way) is the package's one way
+to do this.
 
 It is collective over an mpi4py communicator given by the caller (this module never loads MPI).
 Each rank passes the exception it met, or None. The ranks exchange one length each (the whole
@@ -50,16 +51,24 @@ def describe(failures: list, raised: type, what: str) -> str:
     return f"{what} failed: {'; '.join(parts)}"
 
 
-def raise_together(mpi, problem: BaseException | None, what: str, error: type | None = None,
-                   message=None) -> None:
-    """Collective over `mpi`: return on every rank if no rank passed a `problem`; otherwise raise
-    the same error on every rank (chained to this rank's own problem). Its class is `error`, or
-    else the lowest failing rank's class (exception_class); its message is
-    `message(failures)` of the gathered failures (gather_failures) where given, describe() by
-    default."""
+def agreed_error(mpi, problem: BaseException | None, what: str, error: type | None = None,
+                 message=None) -> Exception | None:
+    """Collective over `mpi`: None on every rank if no rank passed a `problem`; otherwise the same
+    error on every rank. Its class is `error`, or else the lowest failing rank's class
+    (exception_class); its message is `message(failures)` of the gathered failures
+    (gather_failures) where given, describe() by default."""
     failures = gather_failures(mpi, problem, what)
     failed = [failure for failure in failures if failure is not None]
     if not failed:
-        return
-    raised = error or exception_class(failed[0][0])
-    raise raised(message(failures) if message else describe(failures, raised, what)) from problem
+        return None
+    agreed = error or exception_class(failed[0][0])
+    return agreed(message(failures) if message else describe(failures, agreed, what))
+
+
+def raise_together(mpi, problem: BaseException | None, what: str, error: type | None = None,
+                   message=None) -> None:
+    """Collective over `mpi`: return on every rank if no rank passed a `problem`; otherwise raise
+    the same error on every rank (agreed_error), chained to this rank's own problem."""
+    agreed = agreed_error(mpi, problem, what, error, message)
+    if agreed is not None:
+        raise agreed from problem
