@@ -17,11 +17,9 @@ optimizer's class is stored too), tensors of absurd shapes or non-numeric types,
 counters that are not integers of at least 0 and RNG states of the wrong size are each refused,
 before anything is loaded, with a CheckpointError naming the file and the problem.
 
-Tensors are datasets with a ``torch_dtype`` attribute; types NumPy lacks (bfloat16, float8)
-are stored as unsigned integers of the same width and viewed back, so every value round-trips
-bit for bit. Everything that is not a tensor (optimizer hyperparameters, the sampler position,
-``extra``) is JSON: loading a checkpoint never runs pickle, so a checkpoint from elsewhere
-cannot execute code.
+Tensors are datasets, bit for bit, and everything that is not a tensor (optimizer
+hyperparameters, the sampler position, ``extra``) is JSON (checkpoint_tree.py): loading a
+checkpoint never runs pickle, so a checkpoint from elsewhere cannot execute code.
 
 With a communicator, ``save_checkpoint`` is collective: rank 0 writes the model, optimizer and
 sampler (identical on every data-parallel rank) and every rank's RNG state, which it gathers,
@@ -45,6 +43,7 @@ import numpy as np
 
 from . import checkpoint_rng
 from .checkpoint_files import atomic_hdf5, read_seal, verify
+from .checkpoint_tree import ITEMS, TENSOR, TUPLE, decode, read_tree, write_tree
 from .comm import is_initialized, world
 from .errors import CheckpointError, MpidistError
 from .runtime.together import agreed_error
@@ -55,7 +54,6 @@ from .runtime.together import agreed_error
 FORMAT = "mpidist-checkpoint"
 FORMAT_VERSION = 2  # 2: sealed with a checksum, the optimizer's class stored
 CHECKPOINT_NAME = re.compile(r"^ckpt-(\d+)-(\d+)\.h5$")
-_TENSOR, _TUPLE, _ITEMS = "__tensor__", "__tuple__", "__items__"
 
 
 # ---- rank 0 work ------------------------------------------------------------------------------
@@ -123,112 +121,6 @@ def share_failure(comm, failure: Exception | None, what: str, error=MpidistError
     agreed = agreed_error(mpi, failure, what, error, message=first_failure)
     if agreed is not None:
         raise on_every_rank(agreed) from failure
-
-
-# ---- tensors and JSON trees ---------------------------------------------------------------------
-
-def _write_tensor(group, name: str, tensor):
-    t = tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
-    try:
-        array = t.numpy()
-    except TypeError:  # no NumPy type (bfloat16, float8): keep the bits in an unsigned integer
-        array = t.view(_UNSIGNED[t.element_size()]).numpy()
-    dataset = group.create_dataset(name, data=array)
-    dataset.attrs["torch_dtype"] = str(t.dtype).removeprefix("torch.")
-
-
-def _read_tensor(dataset):
-    import torch
-    where = f"{dataset.file.filename}: {dataset.name}"
-    if dataset.dtype.kind not in "biufc":
-        raise CheckpointError(f"{where} holds {dataset.dtype} values, not numbers")
-    claimed, stored = dataset.size * dataset.dtype.itemsize, dataset.id.get_storage_size()
-    if claimed != stored:  # save_checkpoint writes every element; shape attributes can claim anything
-        raise CheckpointError(f"{where}: its shape {list(dataset.shape)} claims {claimed} bytes, the file "
-                              f"stores {stored}")
-    value = dataset[()]
-    array = value if isinstance(value, np.ndarray) else np.array(value)
-    name = dataset.attrs.get("torch_dtype")
-    # by torch's own name, not the wire's table: a checkpoint keeps every torch dtype (complex,
-    # float8), not only those ranks exchange
-    dtype = getattr(torch, str(name), None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointError(f"{where}: unknown torch_dtype {name!r}")
-    if dtype.itemsize != array.dtype.itemsize:
-        raise CheckpointError(f"{where}: torch_dtype {name} does not fit its {array.dtype} values")
-    tensor = torch.from_numpy(array)
-    return tensor if tensor.dtype == dtype else tensor.view(dtype)
-
-
-class _Unsigned(dict):
-    def __missing__(self, width):
-        import torch
-        table = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
-        if width not in table:
-            raise CheckpointError(f"cannot store tensors of {width}-byte elements")
-        return table[width]
-
-
-_UNSIGNED = _Unsigned()
-
-
-def _dataset_name(part) -> str:
-    # HDF5 reads '/' as a path separator and '.' as the group itself.
-    name = str(part).replace("%", "%25").replace("/", "%2F")
-    return "%2E" if name == "." else name
-
-
-def _encode(value, group, path):
-    """``value`` as a JSON-able tree; tensors become datasets of ``group`` named by their path."""
-    import torch
-    if isinstance(value, torch.Tensor):
-        name = "/".join(_dataset_name(part) for part in path)
-        _write_tensor(group, name, value)
-        return {_TENSOR: name}
-    if isinstance(value, dict):
-        plain = all(isinstance(key, str) for key in value) and not {_TENSOR, _TUPLE, _ITEMS} & set(value)
-        if plain:
-            return {key: _encode(item, group, path + [key]) for key, item in value.items()}
-        return {_ITEMS: [[_json_key(key, path), _encode(item, group, path + [key])] for key, item in value.items()]}
-    if isinstance(value, tuple):
-        return {_TUPLE: [_encode(item, group, path + [i]) for i, item in enumerate(value)]}
-    if isinstance(value, list):
-        return [_encode(item, group, path + [i]) for i, item in enumerate(value)]
-    if isinstance(value, np.generic):
-        return value.item()
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise CheckpointError(
-        f"cannot store {type(value).__name__} at {'/'.join(map(str, path))}: checkpoints hold tensors and "
-        "JSON values only (no pickle)")
-
-
-def _json_key(key, path):
-    if key is None or isinstance(key, (bool, int, float, str)):
-        return key
-    raise CheckpointError(f"cannot store a {type(key).__name__} dictionary key at {'/'.join(map(str, path))}")
-
-
-def _decode(tree, group):
-    if isinstance(tree, list):
-        return [_decode(item, group) for item in tree]
-    if isinstance(tree, dict):
-        if _TENSOR in tree:
-            return _read_tensor(group[tree[_TENSOR]])
-        if _TUPLE in tree:
-            return tuple(_decode(item, group) for item in tree[_TUPLE])
-        if _ITEMS in tree:
-            return {key: _decode(item, group) for key, item in tree[_ITEMS]}
-        return {key: _decode(item, group) for key, item in tree.items()}
-    return tree
-
-
-def _write_tree(group, value):
-    group.attrs["tree"] = json.dumps(_encode(value, group, []))
-
-
-def _read_tree(group):
-    return _decode(json.loads(group.attrs["tree"]), group)
 
 
 # ---- public API ---------------------------------------------------------------------------------
@@ -334,13 +226,13 @@ def save_checkpoint(path, model, optimizer=None, step: int = 0, epoch: int = 0, 
             if model is not None:
                 state = model.state_dict()
                 group = f.create_group("model")
-                _write_tree(group, dict(state))
+                write_tree(group, dict(state))
                 metadata = getattr(state, "_metadata", None)
                 if metadata is not None:
                     group.attrs["metadata"] = json.dumps(metadata)
             if optimizer is not None:
                 group = f.create_group("optimizer")
-                _write_tree(group, optimizer.state_dict())
+                write_tree(group, optimizer.state_dict())
                 group.attrs["class"] = _optimizer_class(optimizer).__name__
             for rank, snapshot in enumerate(rng):
                 checkpoint_rng.write(f.create_group(f"rng/{rank}"), snapshot)
@@ -418,7 +310,7 @@ def _load(path, model, optimizer, sampler, restore_rng, comm) -> dict:
             _require(f, "model", path)
             tree = json.loads(f["model"].attrs["tree"])
             _require_same_entries(path, _saved_datasets(path, tree, f["model"]), model.state_dict())
-            state = _decode(tree, f["model"])
+            state = decode(tree, f["model"])
             if "metadata" in f["model"].attrs:
                 state = OrderedDict(state)
                 state._metadata = json.loads(f["model"].attrs["metadata"])
@@ -428,7 +320,7 @@ def _load(path, model, optimizer, sampler, restore_rng, comm) -> dict:
             saved_class, own_class = f["optimizer"].attrs.get("class"), _optimizer_class(optimizer).__name__
             if saved_class != own_class and (version >= 2 or saved_class is not None):  # version 1 kept no class
                 raise CheckpointError(f"{path} holds the state of a {saved_class} optimizer, not of this {own_class}")
-            parts.insert(0, ("optimizer", optimizer, _read_tree(f["optimizer"])))
+            parts.insert(0, ("optimizer", optimizer, read_tree(f["optimizer"])))
         if sampler is not None:
             if "sampler" not in f.attrs:
                 raise CheckpointError(f"{path} holds no sampler state")
@@ -465,9 +357,9 @@ def _require(f, name, path):
 def _saved_datasets(path, tree, group) -> dict:
     """The model state's entries as saved: each tensor's dataset (shape and type, nothing read),
     None for an entry that is not a tensor."""
-    if not isinstance(tree, dict) or {_TENSOR, _TUPLE, _ITEMS} & set(tree):
+    if not isinstance(tree, dict) or {TENSOR, TUPLE, ITEMS} & set(tree):
         raise CheckpointError(f"{path}: its model state is not a dictionary of named entries")
-    return {name: group[node[_TENSOR]] if isinstance(node, dict) and _TENSOR in node else None
+    return {name: group[node[TENSOR]] if isinstance(node, dict) and TENSOR in node else None
             for name, node in tree.items()}
 
 

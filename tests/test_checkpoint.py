@@ -16,7 +16,7 @@ from test_data import digits_path, shared_tmp  # noqa: F401  (fixtures)
 from torch import nn
 from torch.utils.data import DataLoader
 
-from mpidist import checkpoint
+from mpidist import checkpoint, checkpoint_tree
 from mpidist.checkpoint import CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
 from mpidist.data import HDF5Dataset, ShardedSampler
 
@@ -188,7 +188,7 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     path = save_checkpoint(tmp_path / "c.h5", model, optimizer, step=1)
     before = open(path, "rb").read()
     written = []
-    original = checkpoint._write_tensor
+    original = checkpoint_tree.write_tensor
 
     def write_two_then_fail(group, name, tensor):
         if len(written) == 2:
@@ -196,7 +196,7 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         written.append(name)
         original(group, name, tensor)
 
-    monkeypatch.setattr(checkpoint, "_write_tensor", write_two_then_fail)
+    monkeypatch.setattr(checkpoint_tree, "write_tensor", write_two_then_fail)
     with torch.no_grad():
         model.first.weight.add_(1)
     with pytest.raises(OSError, match="no space left"):
@@ -211,15 +211,15 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 def test_a_crash_mid_write_leaves_the_previous_checkpoint(tmp_path):
     code = f"""
 import os, torch
-from mpidist import checkpoint
+from mpidist import checkpoint, checkpoint_tree
 model = torch.nn.Linear(256, 256)
 checkpoint.save_checkpoint({str(tmp_path)!r} + "/ckpt-0000-00000001.h5", model, step=1)
-original = checkpoint._write_tensor
+original = checkpoint_tree.write_tensor
 def crash(group, name, tensor):
     original(group, name, tensor)
     group.file.flush()
     os._exit(7)  # the process dies with the new file half written
-checkpoint._write_tensor = crash
+checkpoint_tree.write_tensor = crash
 with torch.no_grad():
     model.weight.zero_()
 checkpoint.save_checkpoint({str(tmp_path)!r} + "/ckpt-0000-00000001.h5", model, step=2)
@@ -313,7 +313,7 @@ def test_collective_save_each_rank_resumes_its_own_rng(mpi_ranks, mpi_world, sha
     assert not np.array_equal(theirs, expected[0].numpy())  # each rank got its own stream back
 
     # Writing fails on rank 0: every rank raises, none waits forever, no file appears.
-    monkeypatch.setattr(checkpoint, "_write_tensor", lambda *args: (_ for _ in ()).throw(OSError("quota")))
+    monkeypatch.setattr(checkpoint_tree, "write_tensor", lambda *args: (_ for _ in ()).throw(OSError("quota")))
     expected_error = OSError if comm.rank == 0 else CheckpointError
     with pytest.raises(expected_error, match="quota" if comm.rank == 0 else "rank 0 failed writing checkpoint"):
         save_checkpoint(checkpoint_path(shared_tmp, 0, 6), model, step=6, comm=mpi_world)
