@@ -14,7 +14,7 @@ route (docs/gpu.md): "hierarchical" through the node window in GPU memory, "stag
 through pinned host memory, "cuda-aware:<algorithm>" handed to a CUDA-aware MPI, "nccl" where
 NCCL runs; each route on a Communicator of its own. The row "bound" is no measurement but the
 time the device window's all-reduce needs at least: the bytes it reads and writes in the memory of
-each GPU (window_traffic) at the device-to-device copy bandwidth measured on that GPU.
+each GPU at the device-to-device copy bandwidth measured on that GPU (bench_device.py).
 
 Bandwidths follow nccl-tests: algbw = bytes / time, and busbw = algbw * factor, where the factor
 is 2(p-1)/p for all-reduce, (p-1)/p for allgather and reduce-scatter (whose size is the
@@ -31,6 +31,8 @@ import time
 
 import numpy as np
 
+from . import bench_device
+
 # torch, matplotlib and mpi4py's MPI are imported in the functions that use them: the `mpidist`
 # command builds its parser from this module without torch, and importing mpi4py's MPI
 # initializes MPI.
@@ -42,7 +44,6 @@ PEERS = ("mpi", "gloo")
 OURS = {"allreduce": OUR_ALLREDUCE, "broadcast": ("mpidist",), "allgather": ("mpidist",),
         "reduce_scatter": ("mpidist",)}
 COLLECTIVES = tuple(OURS)
-ROUTES = ("staged", "cuda-aware")  # "route:<algorithm>" names of --device cuda
 DEFAULT_SIZES = "8,64,512,4K,32K,256K,1M,4M,16M"
 ROW_KEYS = ("collective", "algorithm", "dtype", "bytes", "count", "ranks", "time_us", "algbw_gbs",
             "busbw_gbs", "wrong")
@@ -165,7 +166,7 @@ class Workload:
 
 
 class AllreduceWorkload(Workload):
-    """On `device`; `routes` are the Communicators of the routes of --device cuda (ROUTES)."""
+    """On `device`; `routes` are the Communicators of the routes of --device cuda (bench_device.ROUTES)."""
 
     def __init__(self, comm, dtype, count, gloo, device="cpu", routes=None):
         super().__init__(comm, dtype, count, gloo)
@@ -302,12 +303,12 @@ def run(comm, options: Options, out=sys.stdout) -> list[dict]:
     if options.device == "cuda":
         import torch
         torch.cuda.set_device(comm.local_rank % torch.cuda.device_count())
-        algorithms = list(options.algorithms or cuda_algorithms(comm))
+        algorithms = list(options.algorithms or bench_device.cuda_algorithms(comm))
     else:
         algorithms = list(options.algorithms or (OURS[options.collective] + PEERS))
     comm.check_calls = options.check_calls
     gloo = Gloo(comm) if "gloo" in algorithms else None
-    routes = route_communicators(comm, algorithms)
+    routes = bench_device.route_communicators(comm, algorithms)
     printer = TablePrinter(out if comm.rank == 0 and not options.quiet else None, options.collective, comm.size)
     try:
         return measure(comm, options, algorithms, gloo, printer, routes)
@@ -316,81 +317,6 @@ def run(comm, options: Options, out=sys.stdout) -> list[dict]:
             route.free()
         if gloo is not None:
             gloo.close(comm)
-
-
-def cuda_algorithms(comm) -> list:
-    """--device cuda's default rows: the device window, the staged route of the same algorithm, the
-    ring through a CUDA-aware MPI where the library is one, NCCL where CuPy has it, and the bound
-    (other routes by name: --algorithms staged:ring,...)."""
-    from .collectives import nccl
-    algorithms = ["hierarchical", "staged:hierarchical"]
-    if comm.is_cuda_aware():
-        algorithms.append("cuda-aware:ring")
-    if nccl.bindings() is not None:
-        algorithms.append("nccl")
-    return algorithms + ["bound"]
-
-
-def route_communicators(comm, algorithms) -> dict:
-    """A Communicator for each route named in `algorithms` ("staged:ring" ...), kept from the node
-    window in GPU memory and told whether MPI reads GPU memory (collective)."""
-    from .collectives import device_window
-    from .comm import Communicator
-    unknown = [a for a in algorithms if ":" in a and a.split(":", 1)[0] not in ROUTES]
-    if unknown:
-        raise ValueError(f"unknown routes {unknown}; a route is one of {', '.join(ROUTES)}")
-    if any(a.startswith("cuda-aware:") for a in algorithms) and not comm.is_cuda_aware():
-        raise ValueError("the cuda-aware route needs a CUDA-aware MPI library (mpidist info)")
-    routes = {}
-    for route in ROUTES:
-        if any(a.startswith(route + ":") for a in algorithms):
-            routes[route] = Communicator(comm.mpi)
-            routes[route].cuda_aware = route == "cuda-aware"
-            routes[route].check_calls = comm.check_calls
-            device_window.keep_off(routes[route], f"the {route} route of mpidist bench")
-    return routes
-
-
-def window_traffic(nbytes: int, local_size: int) -> float:
-    """Bytes one rank's all-reduce through the node window reads and writes in device memory
-    (node_window.py; L local ranks, n bytes): copy-in (L-1)/L n read and written, the reduction n
-    read and n/L written, its publication n/L written, the copy-out (L-1)/L n read and written."""
-    n, L = nbytes, local_size
-    return 4 * (L - 1) / L * n + n + 2 * n / L
-
-
-def device_copy_seconds(comm, nbytes: int) -> tuple:
-    """(seconds a device-to-device copy of `nbytes` takes on the node's slowest GPU, the most
-    local ranks on one GPU): each copy measured by the first local rank of its GPU, the fastest
-    of a few."""
-    import torch
-    from mpi4py import MPI
-    device = torch.cuda.current_device()
-    devices = np.empty(comm.local_size, dtype=np.int64)
-    comm.node_comm.Allgather([np.array([device], dtype=np.int64), MPI.INT64_T], [devices, MPI.INT64_T])
-    seconds = np.zeros(1)
-    if list(devices).index(device) == comm.local_rank:
-        source = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        target = torch.empty_like(source)
-        target.copy_(source)
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            target.copy_(source)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        seconds[0] = min(times)
-    comm.node_comm.Allreduce(MPI.IN_PLACE, seconds, op=MPI.MAX)
-    return float(seconds[0]), int((devices == device).sum())
-
-
-def bound_us(comm, nbytes: int) -> float:
-    """The "bound" row's time: the window's traffic of every rank on the busiest GPU at the rate
-    a copy reads and writes that GPU's memory."""
-    copy_seconds, ranks_on_gpu = device_copy_seconds(comm, nbytes)
-    rate = 2 * nbytes / copy_seconds  # a copy reads and writes every byte
-    return ranks_on_gpu * window_traffic(nbytes, comm.local_size) / rate * 1e6
 
 
 def measure(comm, options, algorithms, gloo, printer, routes=None) -> list[dict]:
@@ -442,7 +368,7 @@ def measure(comm, options, algorithms, gloo, printer, routes=None) -> list[dict]
                 rows.append(with_device(row, options.device))
                 printer.row(row, stats["min"][index], stats["max"][index])
             if "bound" in algorithms:
-                bound = np.array([bound_us(comm, count * itemsize)])
+                bound = np.array([bench_device.bound_us(comm, count * itemsize)])
                 comm.mpi.Allreduce(MPI.IN_PLACE, bound, op=MPI.MAX)
                 row = make_row(options.collective, "bound", dtype_name, count * itemsize, count, p, bound[0], 0)
                 rows.append(with_device(row, options.device))
@@ -542,41 +468,3 @@ def plot(rows, path: str, title: str = "") -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
-
-
-# ---- tuning: the decision table of algorithm="auto" ---------------------------------------------
-
-TUNE_SIZES = "8,64,512,4K,16K,64K,256K,1M,4M,16M"
-# auto may pick the MPI library's own all-reduce where it is the fastest.
-TUNED_ALGORITHMS = tuple(name for name in OUR_ALLREDUCE if name != "auto") + ("mpi",)
-
-
-def tune(comm, options: Options) -> tuple[list[dict], list[dict]]:
-    """Run the all-reduce benchmark for our algorithms; returns the rows of a decision table,
-    [{"max_bytes": b, "algorithm": a}, ...], the fastest algorithm per size range (the bound
-    between two measured sizes is their geometric mean; the last row has max_bytes None), and
-    the measured rows the table (and the cost model) come from."""
-    options = dataclasses.replace(options, collective="allreduce",
-                                  algorithms=list(options.algorithms or TUNED_ALGORITHMS))
-    rows = run(comm, options)
-    return decision_table(rows), rows
-
-
-def decision_table(rows) -> list[dict]:
-    best = {}
-    for row in rows:
-        if row["wrong"]:
-            continue  # an algorithm that got a wrong answer is never chosen
-        held = best.get(row["bytes"])
-        if held is None or row["time_us"] < held["time_us"]:
-            best[row["bytes"]] = row
-    sizes = sorted(best)
-    table = []
-    for index, size in enumerate(sizes):
-        algorithm = best[size]["algorithm"]
-        bound = None if index + 1 == len(sizes) else int((size * sizes[index + 1]) ** 0.5)
-        if table and table[-1]["algorithm"] == algorithm:
-            table[-1]["max_bytes"] = bound
-        else:
-            table.append({"max_bytes": bound, "algorithm": algorithm})
-    return table

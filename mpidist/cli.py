@@ -12,6 +12,7 @@ import sys
 import numpy as np
 
 from . import __version__, bench
+from . import tune as tuning
 from .comm import init
 from .data import add_prepare_data_command, default_digits_path
 from .errors import DeadlineError, MpidistError
@@ -100,7 +101,7 @@ def cmd_tune(args) -> int:
     comm = init()
     if report_missing_packages(comm, "tune", ["torch"]):
         return 2
-    table, measurements = bench.tune(comm, bench_options(args, "allreduce"))
+    table, measurements = tuning.tune(comm, bench_options(args, "allreduce"))
     if comm.rank == 0:
         # The cost model is fitted to these times with the layout they were taken on.
         path = select.save_tuning_table(table, comm.size, args.output, measurements,
@@ -244,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser.set_defaults(run=cmd_bench)
 
     tune = sub.add_parser("tune", help="measure the all-reduce algorithms here and write auto's decision table")
-    add_measurement_options(tune, bench.TUNE_SIZES)
+    add_measurement_options(tune, tuning.TUNE_SIZES)
     tune.add_argument("--output", default=None,
                       help="table file (default: $MPIDIST_TUNING_FILE or ~/.cache/mpidist/tuning.json); "
                            "other rank counts already in it are kept")

@@ -4,7 +4,8 @@ import json
 import pytest
 from conftest import run_python
 
-from mpidist.bench import ROW_KEYS, decision_table, parse_size, parse_sizes
+from mpidist.bench import ROW_KEYS, parse_size, parse_sizes
+from mpidist.tune import decision_table
 
 CLI = "import sys; from mpidist.cli import main; sys.exit(main(sys.argv[1:]))"
 

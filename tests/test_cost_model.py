@@ -226,7 +226,7 @@ def test_auto_without_a_tune_with_one_rank_per_node_takes_mpi_or_whole_exchanges
 @pytest.mark.mpi(ranks=[3], timeout=120)
 def test_tune_fits_the_model_and_auto_uses_it_on_3_ranks(mpi_world):
     import mpidist as md
-    from mpidist import bench
+    from mpidist import bench, tune
     from mpidist.collectives import select
 
     comm = mpi_world
@@ -235,7 +235,7 @@ def test_tune_fits_the_model_and_auto_uses_it_on_3_ranks(mpi_world):
     path = os.path.join(tempfile.gettempdir(), f"mpidist-tuning-{int(name[0])}.json")
     sizes = [8, 65536]
     before = os.environ["MPIDIST_TUNING_FILE"]
-    table, measured = bench.tune(comm, bench.Options(sizes=sizes, iters=2, warmup=1, quiet=True))
+    table, measured = tune.tune(comm, bench.Options(sizes=sizes, iters=2, warmup=1, quiet=True))
     try:
         if comm.rank == 0:
             select.save_tuning_table(table, comm.size, path, measured, ranks_per_node=comm.size // comm.num_nodes)

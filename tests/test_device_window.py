@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mpidist as md
-from mpidist import bench, cli
+from mpidist import bench, bench_device, cli
 from mpidist.buffers import BufferInfo
 from mpidist.collectives import device_window, nccl
 from mpidist.collectives.callcheck import resolve_algorithm
@@ -99,8 +99,8 @@ def test_one_rank_unable_sends_the_whole_node_the_staged_way(mpi_ranks, own_comm
 def test_window_traffic():
     """Two ranks: each moves half the message in and out (n read and written) and reduces its half
     (n read, n/2 written) and publishes it (n/2 written): 4n; four ranks: 4.5n."""
-    assert bench.window_traffic(1 << 20, 2) == 4 * (1 << 20)
-    assert bench.window_traffic(1 << 20, 4) == 4.5 * (1 << 20)
+    assert bench_device.window_traffic(1 << 20, 2) == 4 * (1 << 20)
+    assert bench_device.window_traffic(1 << 20, 4) == 4.5 * (1 << 20)
 
 
 def test_bench_reads_device_cuda():
@@ -117,4 +117,4 @@ def test_bench_refuses_cuda_for_other_collectives(mpi_world):
 
 def test_bench_refuses_an_unknown_route(mpi_world):
     with pytest.raises(ValueError, match=r"unknown routes \['pinned:ring'\]"):
-        bench.route_communicators(mpi_world, ["hierarchical", "pinned:ring"])
+        bench_device.route_communicators(mpi_world, ["hierarchical", "pinned:ring"])
