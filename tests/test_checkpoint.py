@@ -16,7 +16,7 @@ from test_data import digits_path, shared_tmp  # noqa: F401  (fixtures)
 from torch import nn
 from torch.utils.data import DataLoader
 
-from mpidist import checkpoint, checkpoint_tree
+from mpidist import checkpoint_tree
 from mpidist.checkpoint import CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
 from mpidist.data import HDF5Dataset, ShardedSampler
 
