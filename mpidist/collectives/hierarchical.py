@@ -21,8 +21,8 @@ for L = 2, two syncs, no MPI messages. With two ranks each publishes its result 
 other's slot instead, over the other's copy of its slice, which its reduction has just read (block
 by block, each block read before it is overwritten), and copies the other's result out of its own
 slot: each slot then only ever holds the other rank's half, and the lines written are the ones
-just read, still in cache (polled.py's buckets do the same; a 12.6 MB message took 1.4 ms instead
-of 3.0 ms, benchmarks/results/hierarchical-two-ranks-cpu.md).
+just read, still in cache (polled.py's buckets do the same; it roughly halved the time of a
+large message, benchmarks/results/hierarchical-two-ranks-cpu.md).
 
 With more than one node, every node has `lanes` ranks that talk across nodes (its first local
 ranks; as many as the smallest node has), and lane k carries slice k of split_counts(count, lanes):
@@ -127,9 +127,8 @@ def across_nodes(ctx: Context, peers, info: BufferInfo) -> None:
     """All-reduce `info` among `peers`, one rank per node.
 
     Between 2 nodes recursive halving and recursive doubling send the same bytes, but recursive
-    doubling in one exchange of one message each way: at 2 x 2 over 500 Mbit/s it took 325 ms
-    at 16 MiB against 380-440 for the segmented recursive halving, 81 ms against 107-114 at
-    4 MiB (docs/multinode.md)."""
+    doubling in one exchange of one message each way, and was the faster of the two at 2 x 2
+    over 500 Mbit/s from a few MiB (docs/multinode.md)."""
     nodes = peers.Get_size()
     if nodes == 2:
         recursive_doubling_allreduce(Context(ctx.comm, peers, info, op=ctx.op, tag=ctx.tag))

@@ -22,8 +22,8 @@ from .flat import pack_tensors, shaped_like, tensor_at, tensors_by_kind, unpack_
 FIRST_BUCKET_BYTES = 1024 * 1024
 # Largest bucket exchanged through the shared slots on one node. There no message cost is saved
 # by bigger buckets, and a smaller one starts its exchange earlier in backward, while the
-# gradients it copies are still in cache: 4 MB buckets ran 0.01-0.09x single faster than 25 MB
-# in every run of benchmarks/results/training-cpu.md (runs G-M).
+# gradients it copies are still in cache: 4 MB buckets were faster than 25 MB in every run of
+# benchmarks/results/training-cpu.md (runs G-M).
 SHARED_SLOTS_BUCKET_BYTES = 4 * 1024 * 1024
 COMPRESSION_DTYPES = {None: None, "none": None, **CAST_DTYPES}  # the casts' names and dtypes
 
