@@ -13,20 +13,26 @@ One command, in this order (docs/gpu.md):
      (`make cuda-mpi`, .cuda-mpi) takes its place, launcher included, for every later step; where
      the library is CUDA-aware, a device-to-device send and receive through it must deliver the
      bytes sent (mpidist's own probe, mpidist/runtime/cuda_aware.py);
-  5. the CUDA tests of tests/ (kernels against torch, host staging, Adasum) in one pytest run;
-  6. real mpirun launches of 2 and 4 ranks sharing the GPU (benchmarks/gpu_check_ranks.py): every
-     all-reduce algorithm, broadcast, allgather and reduce_scatter on torch and CuPy GPU arrays,
-     through the node window in GPU memory (CUDA IPC; with algorithm="nccl" as a peer and the
-     training modes: DataParallel, Pipeline, ParameterServer, torch DDP over the backend, on a CUDA
-     module against CPU training), through host staging (MPIDIST_DEVICE_WINDOW=0) and, where
+  5. real mpirun launches of 2 and 4 ranks sharing the GPU (benchmarks/gpu_check_ranks.py) through
+     the node window in GPU memory (CUDA IPC): every all-reduce algorithm, broadcast, allgather and
+     reduce_scatter on torch and CuPy GPU arrays, algorithm="nccl" as a peer, the training modes
+     (DataParallel, Pipeline, ParameterServer, torch DDP over the backend) on a CUDA module against
+     CPU training, and Horovod's behaviours on the GPU (mpidist.torch: mixed CPU/GPU tensors
+     refused, alltoall with splits, hvd.join(device), SyncBatchNorm, a model over two devices);
+  6. `mpidist bench allreduce --device cuda` on 2 and 4 ranks sharing the GPU, 1 MiB to 1 GiB (to
+     256 MiB on 4 ranks), float32 and bfloat16: the device window, the staged route, the
+     CUDA-aware route where there is one, NCCL where it runs, and the bound; the targets from
+     64 MiB on: the window >= 20x the staged route, >= 0.5 of the bound, and at least NCCL's bus
+     bandwidth where NCCL ran;
+  7. the CUDA tests of tests/ (kernels against torch, host staging, Adasum) in one pytest run, and
+     the collectives on 2 ranks through host staging (MPIDIST_DEVICE_WINDOW=0) and, where
      `mpidist info` reports a CUDA-aware MPI, straight from GPU memory;
-  7. benchmarks/kernels.py --device cuda, 1 MiB to 1 GiB, against the device-to-device copy and
+  8. benchmarks/kernels.py --device cuda, 1 MiB to 1 GiB, against the device-to-device copy and
      torch's own ops, and the targets: reduce and reduce_scale reach 0.8 of the copy's bandwidth
-     from 64 MiB on (float32, bfloat16), and bfloat16 reduce is at least as fast as torch's add_;
-  8. `mpidist bench allreduce --device cuda` on 2 and 4 ranks sharing the GPU, 1 MiB to 1 GiB,
-     float32 and bfloat16: the device window, the staged route, the CUDA-aware route where there
-     is one, NCCL where it runs, and the bound; the targets from 64 MiB on: the window >= 20x the
-     staged route, >= 0.5 of the bound, and at least NCCL's bus bandwidth where NCCL ran.
+     from 64 MiB on (float32, bfloat16), and bfloat16 reduce is at least as fast as torch's add_.
+
+With --budget SECONDS no step starts after that many seconds and a command still running then is
+stopped: the steps left are reported skipped, and the report is written all the same.
 
 It writes results.json, summary.md, gpu-check.log and the benchmark's JSON and PNG to --out
 (default: $OUT if set, else benchmarks/results/gpu-check, or build/gpu-check-dry-run for a dry
@@ -57,7 +63,8 @@ SITE = os.path.join(REPO, "build", "gpu-site")
 MIB = 1 << 20
 BENCH_SIZES = {"cuda": ["1M", "4M", "16M", "64M", "256M", "1G"], "cpu": ["4K"]}
 BENCH_DTYPES = ["float32", "bfloat16", "float16"]
-ALLREDUCE_BENCH_SIZES = "1M,4M,16M,64M,256M,1G"
+# By ranks: 4 ranks on one GPU stop at 256 MiB to keep the run within a lent machine's minutes.
+ALLREDUCE_BENCH_SIZES = {2: "1M,4M,16M,64M,256M,1G", 4: "1M,4M,16M,64M,256M"}
 ALLREDUCE_BENCH_DTYPES = "float32,bfloat16"
 STAGED_FACTOR = 20  # the device window's all-reduce against the staged route, from 64 MiB
 BOUND_FRACTION = 0.5  # ... and against the bound
@@ -67,7 +74,7 @@ COPY_FRACTION = 0.8
 # or a machine without a GPU ("without" in their names) cannot run here and are left out.
 CUDA_TESTS = ["tests/test_kernels.py", "tests/test_buffers.py", "tests/test_adasum.py"]
 CUDA_TEST_SELECTION = "cuda and not without"
-LAUNCH_TIMEOUT = 300
+LAUNCH_TIMEOUT = 240
 
 
 @dataclasses.dataclass
@@ -81,8 +88,12 @@ class Step:
 class GpuCheck:
     """One run: its settings, the facts it learned, its steps and its log."""
 
-    def __init__(self, out: str, wheels: str, dry_run: bool, require_targets: bool = False, cuda_mpi: str = CUDA_MPI):
+    def __init__(self, out: str, wheels: str, dry_run: bool, require_targets: bool = False, cuda_mpi: str = CUDA_MPI,
+                 budget: float | None = None):
         self.out, self.wheels, self.dry_run, self.require_targets = out, wheels, dry_run, require_targets
+        # A machine lent for minutes: past this moment no step starts, and every command is cut
+        # off at it, so that the report is written before the machine goes back.
+        self.deadline = time.monotonic() + budget if budget else None
         self.cuda_mpi = cuda_mpi  # the carried CUDA-aware Open MPI, used where the machine's is not
         self.carried = False  # whether it is in use
         self.device = "cpu" if dry_run else "cuda"
@@ -136,6 +147,8 @@ class GpuCheck:
     def command(self, args, timeout: float = 120, env=None) -> subprocess.CompletedProcess:
         """Run `args` in the tree, its output appended to the log; never raises for a bad exit."""
         start = time.perf_counter()
+        if self.deadline is not None:
+            timeout = max(1.0, min(timeout, self.deadline - time.monotonic()))
         try:
             # A session of its own, so that a timeout ends mpirun's ranks too, not mpirun alone.
             with subprocess.Popen(args, cwd=REPO, env=env or self.env(), stdout=subprocess.PIPE,
@@ -162,6 +175,8 @@ class GpuCheck:
         """Run work() -> (status, detail) as a step; an exception fails it."""
         start = time.perf_counter()
         print(f"gpu-check: {name} ...", flush=True)
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            work = lambda: ("skipped", "the run's time budget (--budget) was spent before this step")  # noqa: E731
         try:
             status, detail = work()
         except Exception as error:  # the step fails, the run goes on and reports it
@@ -323,19 +338,21 @@ class GpuCheck:
             return "skipped", "the machine's MPI library is CUDA-aware"
         if not os.path.exists(os.path.join(self.cuda_mpi, "bin", "mpirun")):
             return "skipped", f"no carried MPI in {self.cuda_mpi} (`make cuda-mpi` builds it)"
+        machine = (self.launcher, dict(self.facts))
         self.carried = True
         self.facts["mpi_carried"] = self.cuda_mpi
         status, detail = self.mpi()
-        if status != "passed":
-            return status, f"the carried MPI in {self.cuda_mpi}: {detail}"
-        status, detail = self.info()
-        if status != "passed":
+        if status == "passed":
+            status, detail = self.info()
+        if status != "passed":  # the later steps go on with the machine's MPI library
+            self.carried, (self.launcher, self.facts) = False, machine
             return status, f"the carried MPI in {self.cuda_mpi}: {detail}"
         if self.dry_run:
             # Without a CUDA driver Open MPI turns its CUDA support off: built with it is what counts.
             built = "MPIX_Query_cuda_support() = 1" in self.facts["mpidist_info"].get("cuda_aware_mpi_how", "")
             return ("passed" if built else "failed"), f"{self.cuda_mpi} (dry run: the launch uses it): {detail}"
         if not self.facts["mpidist_info"]["cuda_aware_mpi"]:
+            self.carried, (self.launcher, self.facts) = False, machine
             return "failed", f"the carried MPI in {self.cuda_mpi} is not CUDA-aware: {detail}"
         return "passed", f"{self.cuda_mpi}: {detail}"
 
@@ -366,25 +383,30 @@ class GpuCheck:
 
     # ---- 6. multi-rank launches ---------------------------------------------------------------
 
-    def launch_plan(self):
-        """(ranks, route, environment changes, --expect-cuda-aware, more arguments) of each launch.
-        The training modes run in the device window's launches, whose route they take; the
+    def launch_plan(self, window: bool):
+        """(ranks, route, environment changes, --expect-cuda-aware, more arguments) of each launch
+        through the device window (`window`), else of the other routes. The training modes and
+        Horovod's behaviours run in the device window's launches, whose route they take; the
         staged and CUDA-aware routes' training passed on the H100 before the window existed
-        (benchmarks/results/gpu-check-h100/) and is left out to keep the run short."""
+        (benchmarks/results/gpu-check-h100/), and they run on 2 ranks only (4 ranks of host
+        staging passed there too), to keep the run within a lent machine's minutes."""
         if self.dry_run:
-            return [(2, "CPU buffers", {}, None, [])]
-        aware = bool(self.facts.get("mpidist_info", {}).get("cuda_aware_mpi"))
-        plan = []
-        for ranks in (2, 4):
-            plan.append((ranks, "device window", {"MPIDIST_CUDA_AWARE": "0", "MPIDIST_DEVICE_WINDOW": None,
-                                                  "NCCL_MULTI_RANK_GPU_ENABLE": "1"}, "no",
-                         ["--device-window", "yes", "--nccl"]))
-            plan.append((ranks, "host staging", {"MPIDIST_CUDA_AWARE": "0", "MPIDIST_DEVICE_WINDOW": "0"}, "no",
+            return [(2, "CPU buffers", {}, None, [])] if window else []
+        if window:
+            return [(ranks, "device window", {"MPIDIST_CUDA_AWARE": "0", "MPIDIST_DEVICE_WINDOW": None,
+                                              "NCCL_MULTI_RANK_GPU_ENABLE": "1"}, "no",
+                     ["--device-window", "yes", "--nccl"]) for ranks in (2, 4)]
+        plan = [(2, "host staging", {"MPIDIST_CUDA_AWARE": "0", "MPIDIST_DEVICE_WINDOW": "0"}, "no",
+                 ["--skip-training"])]
+        if self.facts.get("mpidist_info", {}).get("cuda_aware_mpi"):
+            plan.append((2, "CUDA-aware MPI", {"MPIDIST_CUDA_AWARE": None, "MPIDIST_DEVICE_WINDOW": "0"}, "yes",
                          ["--skip-training"]))
-            if aware:
-                plan.append((ranks, "CUDA-aware MPI", {"MPIDIST_CUDA_AWARE": None, "MPIDIST_DEVICE_WINDOW": "0"}, "yes",
-                             ["--skip-training"]))
         return plan
+
+    def launches_of(self, window: bool):
+        for ranks, route, changes, expect_aware, more in self.launch_plan(window):
+            what = "collectives" if "--skip-training" in more else "collectives, training modes and Horovod's behaviours"
+            self.step(f"{ranks} ranks, {route}: {what}", lambda: self.launch(ranks, route, changes, expect_aware, more))
 
     def launch(self, ranks: int, route: str, changes: dict, expect_aware, more=()):
         folder = tempfile.mkdtemp(prefix=f"gpu-check-{ranks}ranks-")
@@ -430,7 +452,7 @@ class GpuCheck:
     def allreduce_benchmark(self, ranks: int):
         path = os.path.join(self.out, f"bench-allreduce-cuda-{ranks}ranks.json")
         args = [*self.launcher, str(ranks), sys.executable, "-m", "mpidist.cli", "bench", "allreduce", "--device",
-                "cuda", "--sizes", ALLREDUCE_BENCH_SIZES, "--dtype", ALLREDUCE_BENCH_DTYPES, "--iters", "5",
+                "cuda", "--sizes", ALLREDUCE_BENCH_SIZES[ranks], "--dtype", ALLREDUCE_BENCH_DTYPES, "--iters", "5",
                 "--warmup", "1", "--json", path]
         result = self.command(args, timeout=LAUNCH_TIMEOUT, env=self.env(MPIDIST_TIMEOUT="60",
                                                                           NCCL_MULTI_RANK_GPU_ENABLE="1"))
@@ -472,21 +494,23 @@ class GpuCheck:
         self.step("mpidist info", self.info)
         self.step("CUDA-aware MPI carried with the tree", self.carried_mpi)
         self.step("CUDA-aware MPI probe: a device-to-device send and receive", self.probe)
-        self.step("CUDA tests of tests/", self.cuda_tests)
+        # What ran on a GPU before (the CUDA tests, the kernels, host staging) comes last, so that
+        # a run cut short by --budget has done the newer checks.
         if self.launcher is None:
             self.steps.append(Step("multi-rank checks", "failed", "no launcher for the MPI library (see above)"))
         else:
-            for ranks, route, changes, expect_aware, more in self.launch_plan():
-                what = "collectives" if "--skip-training" in more else "collectives and training modes"
-                self.step(f"{ranks} ranks, {route}: {what}", lambda: self.launch(ranks, route, changes, expect_aware, more))
+            self.launches_of(window=True)
+            if not self.dry_run:
+                for ranks in (2, 4):
+                    self.step(f"mpidist bench allreduce --device cuda, {ranks} ranks",
+                              lambda: self.allreduce_benchmark(ranks))
+        self.step("CUDA tests of tests/", self.cuda_tests)
+        if self.launcher is not None:
+            self.launches_of(window=False)
             if not self.dry_run and not self.facts.get("mpidist_info", {}).get("cuda_aware_mpi"):
                 self.steps.append(Step("collectives through CUDA-aware MPI", "skipped",
                                        "mpidist info reports this MPI library is not CUDA-aware"))
         self.step(f"kernel benchmark ({self.device})", self.benchmark)
-        if not self.dry_run and self.launcher is not None:
-            for ranks in (2, 4):
-                self.step(f"mpidist bench allreduce --device cuda, {ranks} ranks",
-                          lambda: self.allreduce_benchmark(ranks))
         self.step("speed targets", self.judge_targets)
         return self.finish()
 
@@ -870,9 +894,11 @@ def main(argv=None) -> int:
     parser.add_argument("--require-targets", action="store_true", help="a missed speed target fails the run too")
     parser.add_argument("--cuda-mpi", default=CUDA_MPI,
                         help="the CUDA-aware Open MPI to use where the machine's is not (`make cuda-mpi`)")
+    parser.add_argument("--budget", type=float, help="seconds the whole run may take: no step starts after "
+                                                     "them, and a command still running then is stopped")
     args = parser.parse_args(argv)
     check = GpuCheck(os.path.abspath(args.out or default_out(args.dry_run)), os.path.abspath(args.wheels),
-                     args.dry_run, args.require_targets, os.path.abspath(args.cuda_mpi))
+                     args.dry_run, args.require_targets, os.path.abspath(args.cuda_mpi), args.budget)
     return check.run()
 
 

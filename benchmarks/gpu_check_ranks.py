@@ -6,7 +6,10 @@ It runs mpidist's collectives (every all-reduce algorithm, broadcast, allgather,
 float32/bfloat16/float16; torch and CuPy arrays on `--device cuda`, NumPy and torch CPU arrays
 on `--device cpu`), its torch.distributed backend (the c10d collectives, point-to-point and torch's
 DDP on torch tensors on that device) and its training modes (DataParallel, Pipeline,
-ParameterServer on a module on that device), and compares each result with an independent
+ParameterServer on a module on that device), Horovod's behaviours on that device (mpidist.torch as
+Horovod's tests check it: asynchronous and fused all-reduces, CPU and GPU tensors mixed in one
+call refused, alltoall with splits, hvd.join, SyncBatchNorm, a model split over two devices), and
+compares each result with an independent
 reference: float64 NumPy sums of every rank's inputs for the collectives, one-process float64 CPU
 training for the training modes. For a GPU buffer it also checks the route the data took:
 through the node window in GPU memory (CUDA IPC) for the hierarchical all-reduce, broadcast,
@@ -468,6 +471,131 @@ def check_training(comm, report: Report, device: str) -> None:
     report.run(f"ParameterServer sync {device} float64 ({size - 1} workers)", parameter_server)
 
 
+# ---- Horovod's behaviours on the device --------------------------------------------------------
+
+def check_horovod(comm, report: Report, device: str) -> None:
+    """mpidist.torch on tensors on `device`, as Horovod's own tests for horovod.torch check them:
+    asynchronous all-reduces of several dtypes, CPU and GPU tensors mixed in one call refused on
+    every rank, alltoall with splits, hvd.join(device) with all-reduces on the other ranks,
+    SyncBatchNorm against BatchNorm over every rank's batch, and a model split over two devices
+    trained with the DistributedOptimizer. Before any DistributedOptimizer: join() refuses to run
+    beside a live one."""
+    import mpidist.torch as hvd
+    hvd.init()
+    size, rank = hvd.size(), hvd.rank()
+    total = size * (size + 1) / 2  # the sum of the factors (rank + 1)
+
+    def asynchronous():
+        handles, wrong = [], []
+        for dtype, op in ((torch.float32, hvd.Average), (torch.float16, hvd.Average), (torch.int32, hvd.Sum)):
+            tensor = torch.arange(17, device=device).to(dtype) * (rank + 1)
+            handles.append((dtype, op, hvd.allreduce_async(tensor, name=f"async {dtype}", op=op)))
+        pair = [torch.full((5,), rank + 1.0, device=device), torch.full((3,), 2.0 * (rank + 1), device=device)]
+        group = hvd.grouped_allreduce_async(pair, name="fused pair", op=hvd.Sum)
+        for dtype, op, handle in handles:
+            got = hvd.synchronize(handle)
+            want = np.arange(17) * total / (size if op == hvd.Average else 1)
+            if got.device.type != torch.device(device).type or got.dtype != dtype or \
+                    not np.array_equal(got.cpu().double().numpy(), want):
+                wrong.append(f"{dtype}: got {got.cpu().tolist()[:4]}... on {got.device}, want {want[:4].tolist()}...")
+        first, second = hvd.synchronize(group)
+        if not (torch.all(first.cpu() == total) and torch.all(second.cpu() == 2 * total)):
+            wrong.append(f"fused pair: got {first.cpu().tolist()}, {second.cpu().tolist()}, want {total}, {2 * total}")
+        return not wrong, "; ".join(wrong)
+    report.run(f"hvd.allreduce_async {device}: float32 and float16 averaged, int32 and a fused pair summed",
+               asynchronous)
+
+    if torch.device(device).type == "cuda":
+        def mixed():
+            tensor = torch.ones(4, device=device if rank % 2 == 0 else "cpu")
+            try:
+                hvd.allreduce(tensor)
+            except RuntimeError as error:  # Horovod raises a RuntimeError on every rank
+                ok = "cpu" in str(error) and "cuda" in str(error)
+                return ok, "" if ok else f"the error does not name both devices: {error}"
+            return False, "an all-reduce of a CUDA tensor on even ranks and a CPU one on odd ranks ran"
+        report.run("hvd.allreduce of CPU and GPU tensors mixed: refused on every rank", mixed)
+
+    def alltoall_splits():
+        # Rank r sends k + 1 rows holding 100 r + k to rank k.
+        rows = [torch.full((k + 1, 3), 100.0 * rank + k, device=device) for k in range(size)]
+        splits = torch.arange(1, size + 1, dtype=torch.int32)
+        got, received = hvd.alltoall(torch.cat(rows), splits=splits)
+        want = torch.cat([torch.full((rank + 1, 3), 100.0 * source + rank) for source in range(size)])
+        ok = got.device.type == torch.device(device).type and torch.equal(got.cpu(), want) \
+            and received.tolist() == [rank + 1] * size
+        return ok, "" if ok else f"got {got.cpu().tolist()} on {got.device}, splits {received.tolist()}"
+    report.run(f"hvd.alltoall {device} with splits", alltoall_splits)
+
+    def join():
+        # Rank 0 runs out of data at once; the others average two tensors, then join too.
+        device_id = torch.device(device).index if torch.device(device).type == "cuda" else -1
+        results = []
+        if rank != 0:
+            for step in range(2):
+                results.append(hvd.allreduce(torch.full((6,), rank + 1.0 + step, device=device), name=f"join {step}"))
+        last = hvd.join(-1 if device_id is None else device_id)
+        wrong = [] if last == size - 1 else [f"join() returned {last}, want {size - 1} (the rank that joined last)"]
+        for step, got in enumerate(results):  # rank 0 took part with zeros; the average counts it
+            want = sum(r + 1.0 + step for r in range(1, size)) / size
+            if got.device.type != torch.device(device).type or not torch.allclose(got.cpu(), torch.full((6,), want)):
+                wrong.append(f"step {step}: got {got.cpu().tolist()} on {got.device}, want {want}")
+        return not wrong, "; ".join(wrong)
+    report.run(f"hvd.join(device) {device}, the other ranks averaging", join)
+
+    def sync_batchnorm():
+        generator = torch.Generator().manual_seed(7)
+        full = torch.randn(4 * size, 3, 5, generator=generator, dtype=torch.float64)
+        weights = torch.randn(full.shape, generator=generator, dtype=torch.float64)
+        mine = slice(4 * rank, 4 * (rank + 1))
+        layer = hvd.SyncBatchNorm(3).double().to(device)
+        x = full[mine].to(device).requires_grad_()
+        y = layer(x)
+        (y * weights[mine].to(device)).sum().backward()
+        reference = torch.nn.BatchNorm1d(3).double()
+        x_all = full.clone().requires_grad_()
+        y_all = reference(x_all)
+        (y_all * weights).sum().backward()
+        worst = max(float((a.detach().cpu() - b.detach()).abs().max()) for a, b in (
+            (y, y_all[mine]), (x.grad, x_all.grad[mine]), (layer.running_mean, reference.running_mean),
+            (layer.running_var, reference.running_var)))
+        return worst <= 1e-10, f"differs from BatchNorm over every rank's batch by up to {worst:.3g}"
+    report.run(f"hvd.SyncBatchNorm {device} float64 against BatchNorm over all ranks' rows", sync_batchnorm)
+
+    def two_devices():
+        # Horovod's model parallelism test, with the one GPU and the CPU as the two devices.
+        other = "cpu"
+
+        class Split(torch.nn.Module):
+            def __init__(self, seed):
+                super().__init__()
+                torch.manual_seed(seed)
+                self.first, self.second = torch.nn.Linear(10, 16).double(), torch.nn.Linear(16, 3).double()
+
+            def forward(self, x):
+                return self.second(torch.tanh(self.first(x.to(self.first.weight.device))).to(other))
+
+        model = Split(seed=rank)
+        model.first.to(device)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                             named_parameters=model.named_parameters())
+        reference = Split(seed=0)
+        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+        for step in range(3):
+            x, y = batch(step, rank)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            x_all, y_all = (torch.cat(parts) for parts in zip(*[batch(step, r) for r in range(size)]))
+            reference_optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(reference(x_all), y_all).backward()
+            reference_optimizer.step()
+        return close_parameters(list(model.parameters()), list(reference.parameters()),
+                                f"a model on {device} and {other}")
+    report.run(f"hvd.DistributedOptimizer over a model split between {device} and cpu", two_devices)
+
+
 # ---- the torch.distributed backend --------------------------------------------------------------
 
 def check_distributed_backend(comm, report: Report, device: str, count: int, train: bool) -> None:
@@ -578,6 +706,7 @@ def main(argv=None) -> int:
     if kinds:
         check_distributed_backend(comm, report, kinds[0].device, COUNTS[args.device][1], not args.skip_training)
     if not args.skip_training:
+        check_horovod(comm, report, kinds[0].device if kinds else args.device)
         check_training(comm, report, kinds[0].device if kinds else args.device)
     # A peer's failure (NCCL refusing two ranks on one GPU) is recorded, not ours.
     return 0 if all(check["ok"] or check["name"].startswith("peer ") for check in report.data["checks"]) else 1
