@@ -80,6 +80,29 @@ def test_nccl_refusal_reaches_every_rank(mpi_ranks, own_comm):
     assert (own_comm.allreduce(np.ones(8)) == mpi_ranks).all()
 
 
+@pytest.mark.parametrize("unique_id", [bytes(range(128)), bytes(range(255, 127, -1)),
+                                       tuple(range(-64, 64))])
+def test_nccl_unique_id_crosses_mpi_as_cupy_gave_it(unique_id):
+    """CuPy 14 gives the id as bytes, older CuPy as a tuple of 128 ints: the same comes out."""
+    encoded = nccl.encode_unique_id(unique_id)
+    assert encoded.dtype == np.int64 and encoded.shape == (1 + nccl.UNIQUE_ID_BYTES,)
+    assert nccl.decode_unique_id(encoded.copy()) == unique_id
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_nccl_unique_id_failure_reaches_every_rank(mpi_ranks, own_comm, monkeypatch):
+    """Rank 0 cannot make the id: every rank raises, naming rank 0, instead of the others waiting
+    for the id's broadcast."""
+    class NoNetwork:
+        @staticmethod
+        def get_unique_id():
+            raise RuntimeError("NCCL found no network interface")
+    monkeypatch.setattr(nccl, "bindings", lambda: NoNetwork)
+    with pytest.raises(RuntimeError, match=r"(?s)rank 0.*NCCL found no network interface"):
+        nccl.communicator(own_comm, 0)
+    assert (own_comm.allreduce(np.ones(8)) == mpi_ranks).all()
+
+
 @pytest.mark.mpi(ranks=[2, 3])
 def test_one_rank_unable_sends_the_whole_node_the_staged_way(mpi_ranks, own_comm, monkeypatch):
     """can_open decides for the node together: the last local rank lacks CuPy, so no rank opens the

@@ -15,6 +15,7 @@ from .. import kernels
 from ..buffers import BufferInfo
 from ..errors import InvalidArgumentError
 from ..runtime.mpi import load_mpi
+from ..runtime.together import raise_together
 from .common import Context
 
 UNIQUE_ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
@@ -50,20 +51,44 @@ def check_usable(info: BufferInfo) -> None:
         raise InvalidArgumentError(f"algorithm='nccl': this NCCL has no {info.dtype}")
 
 
+def encode_unique_id(unique_id) -> np.ndarray:
+    """NCCL's unique id as CuPy gives it (bytes, or a tuple of 128 ints in older CuPy) in int64s
+    for an MPI broadcast: its form first, then its 128 values."""
+    if isinstance(unique_id, (bytes, bytearray)):
+        return np.concatenate([[1], np.frombuffer(bytes(unique_id), dtype=np.int8).astype(np.int64)])
+    return np.concatenate([[0], np.asarray(unique_id, dtype=np.int64)])
+
+
+def decode_unique_id(encoded: np.ndarray):
+    """The unique id in the form CuPy gave it, for NcclCommunicator."""
+    values = encoded[1:]
+    return values.astype(np.int8).tobytes() if encoded[0] == 1 else tuple(int(v) for v in values)
+
+
 def communicator(channel, device_index: int):
-    """The channel's NCCL communicator, made at the first call (collective over the channel)."""
+    """The channel's NCCL communicator, made at the first call (collective over the channel). Rank
+    0's failure to make the unique id, or NCCL refusing the communicator on every rank (two ranks
+    on one GPU before NCCL 2.30), is raised on every rank."""
     existing = getattr(channel, "nccl_comm", None)
     if existing is not None:
         return existing
     nccl = bindings()
     MPI = load_mpi()
-    unique_id = np.zeros(UNIQUE_ID_BYTES, dtype=np.int64)
+    encoded, problem = np.zeros(1 + UNIQUE_ID_BYTES, dtype=np.int64), None
     if channel.rank == 0:
-        unique_id[:] = nccl.get_unique_id()
-    channel.mpi.Bcast([unique_id, MPI.INT64_T], root=0)
+        try:
+            encoded[:] = encode_unique_id(nccl.get_unique_id())
+        except Exception as error:  # raised on every rank below
+            problem = error
+    raise_together(channel.mpi, problem, "making NCCL's unique id for algorithm='nccl'")
+    channel.mpi.Bcast([encoded, MPI.INT64_T], root=0)
     import cupy
-    with cupy.cuda.Device(device_index):
-        channel.nccl_comm = nccl.NcclCommunicator(channel.size, tuple(int(v) for v in unique_id), channel.rank)
+    try:
+        with cupy.cuda.Device(device_index):
+            channel.nccl_comm = nccl.NcclCommunicator(channel.size, decode_unique_id(encoded), channel.rank)
+    except Exception as error:  # NCCL's refusal comes to every rank; this names them all
+        problem = error
+    raise_together(channel.mpi, problem, "making the NCCL communicator for algorithm='nccl'")
     return channel.nccl_comm
 
 
