@@ -501,6 +501,16 @@ def write_reports(out: str, args, started_load) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+def next_utc_time(hours_minutes: str, now: float | None = None) -> float:
+    """The next moment (epoch seconds) the UTC clock reads HH:MM, a day later if it has passed
+    today: --until 00:30 given at 23:00 means half past midnight."""
+    now = time.time() if now is None else now
+    hours, minutes = (int(part) for part in hours_minutes.split(":"))
+    day = now - now % 86400
+    moment = day + hours * 3600 + minutes * 60
+    return moment if moment > now else moment + 86400
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=50, help="runs per scenario (default 50)")
@@ -522,12 +532,13 @@ def main(argv=None) -> int:
     args.command = "python benchmarks/faults.py " + " ".join(argv if argv is not None else sys.argv[1:])
     started_load = os.getloadavg()
     done = {(r["scenario"], r["run"]) for r in read_records(args.out) if r["seed"] == args.seed}
+    stop_at = next_utc_time(args.until) if args.until else None
     # Round-robin over the scenarios, so that a campaign cut short has runs of each.
     for index in range(args.runs):
         for name in names:
             if (name, index) in done:
                 continue
-            if args.until and time.strftime("%H:%M", time.gmtime()) >= args.until:
+            if stop_at is not None and time.time() >= stop_at:
                 write_reports(args.out, args, started_load)
                 return 0
             record = one_run(name, index, args)

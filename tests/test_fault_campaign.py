@@ -42,3 +42,13 @@ def test_a_sample_of_the_campaign_injects_each_fault_and_nothing_hangs_or_goes_w
     again = run_campaign(out, tmp_path / "work")
     assert again.returncode == 0 and again.stdout == "", again.stdout + again.stderr
     assert len(open(f"{out}.jsonl").readlines()) == len(SCENARIOS)
+
+
+def test_until_crosses_midnight():
+    """--until names the next time the UTC clock reads it: 00:30 given at 23:00 is 90 minutes away."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import faults
+    eleven_pm = 1796000000 - 1796000000 % 86400 + 23 * 3600
+    assert faults.next_utc_time("00:30", eleven_pm) - eleven_pm == 90 * 60
+    assert faults.next_utc_time("23:30", eleven_pm) - eleven_pm == 30 * 60
+    assert faults.next_utc_time("23:00", eleven_pm) - eleven_pm == 24 * 3600
