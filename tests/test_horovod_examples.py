@@ -69,6 +69,15 @@ def test_synthetic_benchmark_example_reports_every_iteration():
     assert mean == pytest.approx(sum(rates) / 3, abs=0.1) and total == pytest.approx(2 * mean, abs=0.2), output
 
 
+def test_synthetic_benchmark_example_with_mpidist_data_parallel():
+    """--data-parallel trains the deeper convnet (--blocks 5) with md.DataParallel instead."""
+    output = run_example("pytorch_synthetic_benchmark.py", 2, "--model", "convnet", "--no-cuda", "--data-parallel",
+                         "--blocks", "5", "--batch-size", "4", "--image-size", "32", "--num-classes", "10",
+                         "--num-warmup-batches", "1", "--num-batches-per-iter", "2", "--num-iters", "2")
+    rates = [float(rate) for rate in re.findall(r"Iter #\d+: ([\d.]+) img/sec per CPU", output)]
+    assert len(rates) == 2 and all(rate > 0 for rate in rates), output
+
+
 def join_accuracy(output):
     return float(re.findall(r"Epoch 2: .* accuracy ([\d.]+)%", output)[0]) / 100
 

@@ -6,7 +6,10 @@
 --model names a torchvision model (torchvision must be installed; default resnet50, as Horovod's)
 or `convnet`, a small convolutional network defined here that needs nothing else. As in
 Horovod, batch normalization is hvd.SyncBatchNorm. --image-size and --num-classes (Horovod's
-fixed 224 and 1000) make the images smaller for a quick run.
+fixed 224 and 1000) make the images smaller for a quick run; --blocks deepens the convnet (more
+gradient tensors, as a real network has). --data-parallel trains with mpidist's own
+md.DataParallel instead of hvd.DistributedOptimizer, to compare the two
+(benchmarks/horovod_training.py).
 """
 import argparse
 import timeit
@@ -18,6 +21,7 @@ import torch.nn.functional as F
 import torch.optim as optim
 import torch.utils.data.distributed
 
+import mpidist as md
 import mpidist.torch as hvd
 
 # Benchmark settings
@@ -34,6 +38,10 @@ parser.add_argument('--image-size', type=int, default=224,
                     help='height and width of the synthetic images')
 parser.add_argument('--num-classes', type=int, default=1000,
                     help='number of classes of the synthetic labels')
+parser.add_argument('--blocks', type=int, default=3,
+                    help='convolution blocks of --model convnet (16, 32, then 64 channels)')
+parser.add_argument('--data-parallel', action='store_true', default=False,
+                    help="train with mpidist's md.DataParallel instead of hvd.DistributedOptimizer")
 
 parser.add_argument('--num-warmup-batches', type=int, default=10,
                     help='number of warm-up batches that don\'t count towards benchmark')
@@ -49,18 +57,20 @@ parser.add_argument('--use-adasum', action='store_true', default=False,
                     help='use adasum algorithm to do reduction')
 
 
-def convnet(num_classes, norm_layer):
-    """A small image classifier: three strided convolutions with batch normalization."""
+def convnet(num_classes, norm_layer, blocks=3):
+    """A small image classifier: `blocks` convolutions with batch normalization, the first three
+    strided (16, 32, 64 channels), the others keeping 64 channels."""
     layers = []
-    for inputs, outputs in ((3, 16), (16, 32), (32, 64)):
-        layers += [nn.Conv2d(inputs, outputs, kernel_size=3, stride=2, padding=1, bias=False),
+    channels = [3, 16, 32] + [64] * (blocks - 2)
+    for index, (inputs, outputs) in enumerate(zip(channels[:-1], channels[1:])):
+        layers += [nn.Conv2d(inputs, outputs, kernel_size=3, stride=2 if index < 3 else 1, padding=1, bias=False),
                    norm_layer(outputs), nn.ReLU(inplace=True)]
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes))
 
 
 def build_model(args):
     if args.model == 'convnet':
-        return convnet(args.num_classes, norm_layer=hvd.SyncBatchNorm)
+        return convnet(args.num_classes, norm_layer=hvd.SyncBatchNorm, blocks=args.blocks)
     try:
         from torchvision import models
     except ImportError:
@@ -70,6 +80,8 @@ def build_model(args):
 
 
 args = parser.parse_args()
+if args.blocks < 3:
+    parser.error(f'--blocks {args.blocks}: the convnet has at least 3 blocks')
 args.cuda = not args.no_cuda and torch.cuda.is_available()
 
 hvd.init()
@@ -98,11 +110,15 @@ optimizer = optim.SGD(model.parameters(), lr=0.01 * lr_scaler)
 # Horovod: (optional) compression algorithm.
 compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
 
-# Horovod: wrap optimizer with DistributedOptimizer.
-optimizer = hvd.DistributedOptimizer(optimizer,
-                                     named_parameters=model.named_parameters(),
-                                     compression=compression,
-                                     op=hvd.Adasum if args.use_adasum else hvd.Average)
+if args.data_parallel:
+    # mpidist's own data parallel: its buckets all-reduce the gradients during backward.
+    model = md.DataParallel(model)
+else:
+    # Horovod: wrap optimizer with DistributedOptimizer.
+    optimizer = hvd.DistributedOptimizer(optimizer,
+                                         named_parameters=model.named_parameters(),
+                                         compression=compression,
+                                         op=hvd.Adasum if args.use_adasum else hvd.Average)
 
 # Horovod: broadcast parameters & optimizer state.
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
