@@ -343,3 +343,41 @@ def test_reducescatter_of_a_0d_tensor_raises_on_every_rank(mpi_world, everyone):
     if everyone:
         with pytest.raises(md.InvalidArgumentError, match="0-d"):
             hvd.grouped_reducescatter([torch.ones(size), torch.tensor(1.0)])
+
+
+ASYNC_REDUCESCATTERS = {
+    "reducescatter_async": lambda tensors, name: hvd.reducescatter_async(tensors[0], name=name, op=hvd.Sum),
+    "grouped_reducescatter_async": lambda tensors, name: hvd.grouped_reducescatter_async(tensors, name=name,
+                                                                                          op=hvd.Sum),
+}
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+@pytest.mark.parametrize("name", [None, "scatter"], ids=["unnamed", "named"])
+@pytest.mark.parametrize("call", list(ASYNC_REDUCESCATTERS))
+def test_one_ranks_0d_asynchronous_reducescatter_raises_on_every_rank_naming_it(mpi_world, monkeypatch, call, name):
+    # Negotiated by name: the refusing rank raises at the call; every other rank at synchronize,
+    # naming it, in each of a group's members (a member left waiting for the refusing rank would
+    # end at the deadline instead); afterwards the ranks' operations, unnamed ones too, still meet.
+    monkeypatch.setenv("MPIDIST_TIMEOUT", "60")
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    refusing = size - 1
+    tensors = [torch.ones(size, 2) for _ in range(1 if call == "reducescatter_async" else 3)]
+    if rank == refusing:
+        tensors[-1] = torch.tensor(1.0)
+        with pytest.raises(md.InvalidArgumentError, match="0-d"):
+            ASYNC_REDUCESCATTERS[call](tensors, name)
+    else:
+        handle = ASYNC_REDUCESCATTERS[call](tensors, name)
+        refused = rf"^ranks \[{refusing}\] refused their arguments to the hvd operation"
+        with pytest.raises(md.MismatchError, match=refused):
+            hvd.synchronize(handle)  # which frees the name
+        for member in getattr(handle.handle, "handles", [handle.handle]):
+            with pytest.raises(md.MismatchError, match=refused):
+                member.wait()
+    for _ in range(2):
+        scattered = hvd.synchronize(hvd.grouped_reducescatter_async([torch.ones(size, 2)] * 2, op=hvd.Sum))
+        assert [t.tolist() for t in scattered] == [[[float(size)] * 2]] * 2
+    total = hvd.synchronize(hvd.allreduce_async(torch.tensor([float(rank)]), op=hvd.Sum))
+    assert total.item() == sum(range(size))

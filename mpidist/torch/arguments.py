@@ -1,8 +1,15 @@
 """What every hvd operation checks on this rank before it starts, as Horovod does: its tensor
 arguments are torch tensors, and its name= is not that of an asynchronous operation still in
 flight (from its call until synchronize() has returned its result; Horovod refuses such a name
-with a ValueError). A refusal is shared with the other ranks (the call check's share_refusal), so
-that they raise at once too instead of waiting for this rank until MPIDIST_TIMEOUT.
+with a ValueError). And share_refusal, the hvd operations' one way to tell the other ranks that
+this rank refused its arguments, so that they raise at once too (MismatchError naming this rank)
+instead of waiting for it until MPIDIST_TIMEOUT.
+
+The refusal travels inside the exchange the other ranks take for the operation anyway: the
+negotiation's cycle for an operation matched by name, the call check's for one run in call order.
+runtime.together's raise_together, the package's way to fail together elsewhere, would add an
+exchange to every call that no rank refuses, and negotiated operations do not meet in call order,
+so a collective taken at the call could pair different operations.
 """
 from __future__ import annotations
 
@@ -28,7 +35,9 @@ def check_call(operation: str, arguments: dict) -> None:
     try:
         _check_tensors(operation, arguments)
     except MpidistError:
-        _share_refusal(operation, name, arguments.get("process_set"))
+        comm = _comm_or_none(arguments.get("process_set"))
+        if comm is not None:  # outside the process set, no rank waits for this one
+            share_refusal(comm, operation in NEGOTIATED, name)
         raise
 
 
@@ -55,20 +64,25 @@ def _check_tensors(operation: str, arguments: dict) -> None:
                                    f"{[type(member).__name__ for member in group]}")
 
 
-def _share_refusal(operation: str, name, process_set) -> None:
-    try:
-        comm = comm_of(process_set)
-    except MpidistError:
-        return  # outside the process set: no rank waits for this one
-    if operation in NEGOTIATED:
+def share_refusal(comm, negotiated: bool, name=None) -> None:
+    """This rank refused its own arguments to an operation on `comm` (it raises its own error
+    next): tell the other ranks, so that they raise at once instead of waiting for it. A
+    `negotiated` operation is refused under its name (`name`; None: the next unnamed one's), in the
+    negotiation's exchange (negotiation.py); one run in call order in the call check's exchange
+    (collectives.callcheck.share_refusal), on the channel the operation would have run on."""
+    if negotiated:
         negotiator = negotiator_of(comm)
         negotiator.refuse(negotiator.name_of(name))
-    else:
-        share_refusal_on(comm)
-
-
-def share_refusal_on(comm) -> None:
-    """Join the other ranks' call check on `comm` with a refusal, so that they raise at once."""
-    from ..collectives.callcheck import share_refusal  # imported here: the collectives initialize MPI
+        return
+    # Imported here: the collectives initialize MPI.
+    from ..collectives.callcheck import share_refusal as share_in_call_check
     from ..collectives.engine import in_order
-    in_order(comm, share_refusal)
+    in_order(comm, share_in_call_check)
+
+
+def _comm_or_none(process_set):
+    """The communicator of `process_set`, or None on a rank outside it."""
+    try:
+        return comm_of(process_set)
+    except MpidistError:
+        return None

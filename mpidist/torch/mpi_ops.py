@@ -13,7 +13,7 @@ import torch
 from .. import buffers
 from ..errors import InvalidArgumentError, MismatchError, MpidistError, NotOfferedError, UnsupportedDtypeError
 from ..parallel.flat import tensors_by_kind
-from .arguments import release, share_refusal_on
+from .arguments import release, share_refusal
 from .basics import Adasum, Average, Sum, resolve_op
 from .compression import Compression, dtype_on_wire
 from .handles import DoneHandle, GroupHandle, Handle
@@ -242,12 +242,10 @@ def _start_broadcast(tensor, root_rank, name, process_set):
     """The negotiated handle of the broadcast of `tensor` in place from `root_rank`."""
     from ..collectives.callcheck import check_root  # imported here: the collectives initialize MPI
     comm = collective_comm(process_set)
-    negotiator = negotiator_of(comm)
-    name = negotiator.name_of(name)
     try:
         root = check_root(root_in(process_set, root_rank), comm.size)
     except MpidistError:
-        negotiator.refuse(name)
+        share_refusal(comm, negotiated=True, name=name)
         raise
     moved = _movable(tensor)
     signature = ["broadcast", _dtype_name(tensor), tensor.numel(), "", tensor.device.type, list(tensor.shape), root, []]
@@ -333,30 +331,24 @@ def _restored(moved, like):
     return moved.view(like.dtype).reshape((moved.shape[0],) + tuple(like.shape[1:]))
 
 
-def _refused(comm, error, negotiated_name=False):
-    """`error`, raised on this rank once the other ranks have been told of the refusal (so that
-    they raise too instead of waiting for it): through the negotiation, under the name the
-    operation would have had (`negotiated_name`: the name= given, None for an unnamed one), or
-    through the call check of an operation that runs in call order."""
-    if negotiated_name is False:
-        share_refusal_on(comm)
-    else:
-        negotiator = negotiator_of(comm)
-        negotiator.refuse(negotiator.name_of(negotiated_name))
-    return error
-
-
-def _check_scattered(tensors, comm, negotiated_name=False):
+def _check_scattered(tensors, comm, names=None):
     """What reducescatter refuses: 0-d tensors (no rows to scatter, as Horovod) and dtypes the
-    reductions do not take; all of a group's checked before the first is sent."""
+    reductions do not take; all of a group's checked before the first is sent. A refusal is
+    shared with the other ranks (arguments.share_refusal): in the call check, or, for negotiated
+    operations, under each of the `names` the call would have submitted (a group's every member,
+    so that none is left waiting for this rank and the ranks' unnamed operations still meet)."""
     try:
         for tensor in tensors:
             _reducible_dtype(tensor)
         if any(tensor.dim() == 0 for tensor in tensors):
             raise InvalidArgumentError("reducescatter scatters the first dimension's rows: give tensors of at "
                                        "least one dimension, not 0-d ones")
-    except MpidistError as error:
-        raise _refused(comm, error, negotiated_name) from None
+    except MpidistError:
+        if names is None:
+            share_refusal(comm, negotiated=False)
+        for name in names or ():
+            share_refusal(comm, negotiated=True, name=name)
+        raise
 
 
 def _reducescatter(tensor, op, compression, prescale_factor, postscale_factor, comm):
@@ -429,7 +421,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=None, prescal
                         postscale_factor=1.0):
     op = resolve_op(op, adasum_in="reducescatter")
     comm = collective_comm(process_set)
-    _check_scattered([tensor], comm, name)
+    _check_scattered([tensor], comm, [name])
     handle, finish = _start_reducescatter(tensor, name, op, prescale_factor, postscale_factor, comm)
     return Handle(handle, finish=finish)
 
@@ -579,7 +571,7 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=None
     tensors = _check_group(tensors, "grouped_reducescatter_async")
     op = resolve_op(op, adasum_in="reducescatter")
     comm = collective_comm(process_set)
-    _check_scattered(tensors, comm, _member_name(name, 0))  # all of them before the first is sent
+    _check_scattered(tensors, comm, [_member_name(name, k) for k in range(len(tensors))])
     started = [_start_reducescatter(t, _member_name(name, k), op, prescale_factor, postscale_factor, comm)
                for k, t in enumerate(tensors)]
     return Handle(GroupHandle([handle for handle, _ in started]),
