@@ -1,16 +1,22 @@
-"""torch's DDP over the "mpidist" backend with torch's own compression hooks, as torch ships them
-(fp16 and bf16): every run trains as the same DDP with the same hook over gloo does, on the same
-batches. (PowerSGD's hook is not compared here: its reference run over gloo aborted the process
-now and then.)
+"""torch's DDP over the "mpidist" backend with torch's own compression hooks, as torch ships them.
+
+fp16 and bf16: every run trains as the same DDP with the same hook over gloo does, on the same
+batches. PowerSGD (PowerSGDState with powerSGD_hook): every rank's parameters equal, bit for bit,
+every other rank's, and, within float64's rounding, a one-process float64 replay of PowerSGD on
+the gradients of all ranks (`powersgd_reference`; a run over gloo in the same launch aborted the
+launch now and then, so gloo is no reference here). batched_powerSGD_hook fails by itself in this
+torch: it fails alike on every rank and leaves the process group working.
 
 The multi-rank tests of one world size run in one launch (mpi_shared_launch.py); the default
 process group, mpidist's, made by the first test stays for the others."""
 import gc
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from mpi4py import MPI
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 import mpidist  # noqa: F401  (registers the "mpidist" backend)
@@ -127,3 +133,183 @@ def test_half_precision_compression_trains_as_over_gloo(mpi_world, hook, wire, b
     assert_same_training(over_mpidist, over_gloo,
                          [size * torch.finfo(wire).eps * magnitude.float() + 1e-6
                           for magnitude in gradient_magnitudes(size)])
+
+
+POWERSGD_STEPS = 7
+
+
+def powersgd_model():
+    """Two layers of one shape (PowerSGD's batching groups by shape), and a last one that the
+    higher ranks leave uncompressed."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(10, 12), torch.nn.Tanh(), torch.nn.Linear(12, 12), torch.nn.Tanh(),
+                               torch.nn.Linear(12, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3)).double()
+
+
+def loss(model, step, rank):
+    x, y = batch(step, rank, torch.float64)
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def trained_with_powersgd(settings, hook, bucket_mb):
+    """(the parameters after POWERSGD_STEPS steps of DDP over mpidist with torch's `hook` on a
+    PowerSGDState of `settings`, the parameter indices of each bucket in the order DDP handed
+    the buckets to the hook at each step)."""
+    model = powersgd_model()
+    index_of = {id(p): i for i, p in enumerate(model.parameters())}
+    ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+    state = powerSGD_hook.PowerSGDState(process_group=None, start_powerSGD_iter=START_POWERSGD, random_seed=0,
+                                        **settings)
+    calls = [[] for _ in range(POWERSGD_STEPS)]
+    step = 0
+
+    def recording_hook(state, bucket):
+        calls[step].append((bucket.index(), [index_of[id(p)] for p in bucket.parameters()]))
+        return hook(state, bucket)
+
+    ddp.register_comm_hook(state, recording_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)
+    for step in range(POWERSGD_STEPS):  # noqa: B007  (recording_hook reads it)
+        optimizer.zero_grad()
+        loss(ddp, step, dist.get_rank()).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()], calls
+
+
+def orthonormal(matrix):
+    """Orthonormal columns spanning `matrix`'s. torch's hook uses Gram-Schmidt up to rank 2 and a
+    QR factorization above; the two differ at most in the sign of a column, which PowerSGD's
+    product P Q^T (Q computed from that P) does not see."""
+    return np.linalg.qr(matrix)[0]
+
+
+def powersgd_reference(size, settings, buckets):
+    """The parameters after POWERSGD_STEPS steps of SGD, in one process in float64, where each
+    step's gradient is what torch's PowerSGD hook (as its documentation and source describe it)
+    makes of the gradients of `size` ranks, with all-reduce as the plain sum over those ranks.
+    `buckets`: the parameter indices of each bucket, in bucket index order.
+
+    Per bucket and step from START_POWERSGD on: each rank adds its error-feedback residual to its
+    gradient; a parameter viewed as rows x columns is compressed when (rows + columns) * r *
+    min_compression_rate < rows * columns (r: the rank, at most rows and columns), else averaged
+    as it is; the compressed ones take Q from the last step (warm start) or, where there is none,
+    from torch.randn seeded with the state's NumPy random state, one draw per parameter or, with
+    batch_tensors_with_same_shape, per group of one shape; then P = sum over ranks of M Q,
+    orthonormalized, Q = mean over ranks of M^T P, and the gradient is P Q^T; the residual is
+    what the rank had minus what it got."""
+    rank_r = settings.get("matrix_approximation_rank", 1)
+    rate = settings.get("min_compression_rate", 2)
+    error_feedback = settings.get("use_error_feedback", True)
+    warm_start = settings.get("warm_start", True)
+    batched = settings.get("batch_tensors_with_same_shape", False)
+    model = powersgd_model()
+    params = list(model.parameters())
+    shapes = [tuple(p.shape) for p in params]
+    random_state = np.random.RandomState(0)
+    residuals = {}  # (bucket, rank): that rank's residual, a float64 vector over the bucket
+    q_memory = {}  # bucket: {parameter index: Q}
+    for step in range(POWERSGD_STEPS):
+        gradients = [[g.numpy().ravel() for g in torch.autograd.grad(loss(model, step, k), params)]
+                     for k in range(size)]
+        averaged = [sum(gradients[k][i] for k in range(size)) / size for i in range(len(params))]
+        if step >= START_POWERSGD:
+            for b, members in enumerate(buckets):
+                offsets = np.cumsum([0] + [int(np.prod(shapes[i])) for i in members])
+                local = [np.concatenate([gradients[k][i] for i in members]) + residuals.get((b, k), 0.0)
+                         for k in range(size)]
+                part = {i: (offsets[j], offsets[j + 1]) for j, i in enumerate(members)}
+                matrix = {i: [local[k][slice(*part[i])].reshape(shapes[i][0], -1) for k in range(size)] for i in members}
+                compressed = []
+                for i in members:
+                    rows, columns = matrix[i][0].shape
+                    r = min(rows, columns, rank_r)
+                    if (rows + columns) * r * rate < rows * columns:
+                        compressed.append(i)
+                    else:
+                        averaged[i] = sum(local[k][slice(*part[i])] for k in range(size)) / size
+                if b not in q_memory:
+                    by_shape = {}
+                    for i in compressed:
+                        by_shape.setdefault(matrix[i][0].shape, []).append(i)
+                    generator = torch.Generator().manual_seed(int(random_state.randint(1_000_000_000)))
+                    qs = {}
+                    for (rows, columns), group in by_shape.items():
+                        r = min(rows, columns, rank_r)
+                        for draw in ([group] if batched else [[i] for i in group]):
+                            values = torch.randn(len(draw), columns, r, generator=generator, dtype=torch.float64)
+                            qs.update({i: values[j].numpy() for j, i in enumerate(draw)})
+                    q_memory[b] = qs
+                for i in compressed:
+                    q = orthonormal(q_memory[b][i])
+                    p = orthonormal(sum(m @ q for m in matrix[i]))
+                    q = sum(m.T @ p for m in matrix[i]) / size
+                    q_memory[b][i] = q
+                    averaged[i] = (p @ q.T).ravel()
+                if error_feedback:
+                    sent = np.concatenate([averaged[i] for i in members])
+                    for k in range(size):
+                        residuals[b, k] = local[k] - sent
+                if not warm_start:
+                    del q_memory[b]
+        with torch.no_grad():
+            for p, gradient in zip(params, averaged):
+                p -= LR * torch.from_numpy(gradient.reshape(p.shape))
+    return [p.detach() for p in params]
+
+
+def assert_same_bits_on_every_rank(params):
+    """Compared over mpi4py's world communicator, not over the backend under test."""
+    mine = b"".join(p.numpy().tobytes() for p in params)
+    for rank, theirs in enumerate(MPI.COMM_WORLD.allgather(mine)):
+        assert theirs == mine, f"rank {dist.get_rank()}'s parameters differ from rank {rank}'s"
+
+
+POWERSGD_SETTINGS = pytest.mark.parametrize("settings", [
+    dict(matrix_approximation_rank=1),
+    dict(matrix_approximation_rank=2),
+    dict(matrix_approximation_rank=3, min_compression_rate=1, use_error_feedback=False, warm_start=False,
+         batch_tensors_with_same_shape=True),
+], ids=["rank1", "rank2", "rank3_qr_batched_no_error_feedback_no_warm_start"])
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+@BUCKET_SIZES
+@POWERSGD_SETTINGS
+def test_powersgd_hook_trains_as_the_float64_replay(mpi_world, settings, bucket_mb):
+    world()
+    params, calls = trained_with_powersgd(settings, powerSGD_hook.powerSGD_hook, bucket_mb)
+    assert_same_bits_on_every_rank(params)
+    # The reference draws Q's random start per bucket in index order: DDP hands the buckets to
+    # the hook in that order once it has settled them (after the first step).
+    for step in range(1, POWERSGD_STEPS):
+        assert [index for index, _ in calls[step]] == list(range(len(calls[step]))), calls[step]
+        assert calls[step] == calls[1], (step, calls[step], calls[1])
+    buckets = [members for _, members in calls[1]]
+    assert sorted(i for members in buckets for i in members) == list(range(len(params)))
+    expected = powersgd_reference(dist.get_world_size(), settings, buckets)
+    plain = powersgd_reference(dist.get_world_size(), dict(settings, min_compression_rate=float("inf")), buckets)
+    compressed_somewhere = False
+    for index, (ours, theirs, uncompressed) in enumerate(zip(params, expected, plain)):
+        gap = (ours - theirs).abs().max().item()
+        # The two agree to a few float64 roundings; an all-reduce off by one part in 1e9 moves
+        # them further apart than this.
+        assert gap <= 1e-12, f"parameter {index}: {gap} from the float64 replay"
+        if (ours - uncompressed).abs().max().item() > 1e-6:
+            compressed_somewhere = True
+    # Else the comparison could not tell PowerSGD from a plain all-reduce.
+    assert compressed_somewhere
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_batched_powersgd_hook_fails_alike_on_every_rank(mpi_world):
+    # torch 2.13's batched hook hands its orthogonalization one matrix where that asserts a batch
+    # of them, at the first compressed step, before any of that step's collectives.
+    world()
+    with pytest.raises(AssertionError) as raised:
+        trained_with_powersgd(dict(matrix_approximation_rank=1), powerSGD_hook.batched_powerSGD_hook, 25)
+    assert "_orthogonalize" in "".join(str(entry) for entry in raised.traceback), raised.traceback
+    assert len(set(MPI.COMM_WORLD.allgather(str(raised.value)))) == 1
+    gc.collect()  # the failed DDP's reducer, before the group's next collective
+    ones = torch.ones(3, dtype=torch.float64)
+    dist.all_reduce(ones)
+    assert torch.equal(ones, torch.full((3,), float(dist.get_world_size()), dtype=torch.float64))
