@@ -59,12 +59,16 @@ class Death:
 
 def dead_workers(ps, error: BaseException, waited_for) -> list:
     """The workers among `waited_for` whose death `error` reports, when the parameter server goes
-    on without them; otherwise `error` is raised again (called in the except block of the wait
-    that met it)."""
+    on without them (none when all of them were dropped already); otherwise `error` is raised
+    again (called in the except block of the wait that met it)."""
     if not (fault_tolerant() and is_process_failure(error, [ps.mpi])) or ps.mpi.Is_revoked() \
             or (ps.mode == "sync" and not ps.backup_workers):
         raise error
     known = {lost.worker for lost in ps.lost}
+    if waited_for and all(rank in known for rank in waited_for):
+        # A death met again: a send to a worker already dropped (a reply on its way when it
+        # died) fails after the receive from it did. The servers dropped it together then.
+        return []
     dead = [rank for rank in failed_ranks(ps.mpi, wait=NAMING_SECONDS) if rank not in known]
     dropped = [rank for rank in dead if rank in waited_for]
     if not dropped or any(rank in ps.servers for rank in dead):
@@ -74,7 +78,8 @@ def dead_workers(ps, error: BaseException, waited_for) -> list:
 
 def pending(ps, sends: list) -> list:
     """The sends (wire.Outgoing) still going. One to a worker that died is dropped when the
-    parameter server goes on without it (the coordinator sees the death at its next wait)."""
+    parameter server goes on without it (the coordinator sees the death at its next wait, or
+    saw it already: the receive from it may fail first)."""
     going = []
     for outgoing in sends:
         try:
