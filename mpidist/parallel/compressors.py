@@ -379,65 +379,89 @@ class PowerSGDBucket(BucketCompressor):
 
 
 class Int8Bucket(BucketCompressor):
-    """Int8 of one bucket: its cut into one part per rank, and each part's chunks."""
+    """Int8 of one bucket: its cut into one part per rank, and each part's chunks. The work runs on
+    rows of whole chunks (one row per part, zero past the part's end), so that quantizing and
+    dequantizing are one view and a few whole-tensor operations each."""
 
     def __init__(self, settings, params, comm, algorithm):
         super().__init__(settings, params, comm, algorithm)
         self.part = -(-self.numel // comm.size)
         self.chunks = -(-self.part // settings.chunk)
+        self.width = self.chunks * settings.chunk
         dtype = params[0].dtype
         self.compute_dtype = torch.float64 if dtype == torch.float64 else torch.float32
 
+    def _rows(self, flat, dtype):
+        """`flat` (the bucket) as `dtype` rows of `width`, one per part, zero past each part."""
+        part = self.part
+        full, tail = divmod(self.numel, part)
+        rows = torch.empty(self.comm.size, self.width, dtype=dtype, device=flat.device)
+        rows[full:].zero_()
+        rows[:full, part:].zero_()
+        rows[:full, :part] = flat[:full * part].view(full, part)
+        if tail:
+            rows[full, :tail] = flat[full * part:]
+        return rows
+
+    def _unrows(self, rows, flat) -> None:
+        """Write the parts in `rows` (as _rows lays them out) back into `flat`."""
+        part = self.part
+        full, tail = divmod(self.numel, part)
+        flat[:full * part].view(full, part).copy_(rows[:full, :part])
+        if tail:
+            flat[full * part:].copy_(rows[full, :tail])
+
     def _quantize(self, rows):
-        """(int8 values, float32 scales (rows, chunks)) of `rows` (rows x part, compute dtype)."""
-        chunk = self.settings.chunk
-        padded = rows.new_zeros(rows.shape[0], self.chunks * chunk)
-        padded[:, :self.part] = rows
-        blocks = padded.view(rows.shape[0], self.chunks, chunk)
-        scales = (blocks.abs().amax(dim=2) / 127).float()
+        """(int8 values (rows x width), float32 scales (rows x chunks)) of `rows` (rows x width,
+        compute dtype)."""
+        blocks = rows.view(rows.shape[0], self.chunks, self.settings.chunk)
+        # The largest magnitude, from two reductions that vectorize where abs().amax() and
+        # aminmax() do not (abs_: a chunk of zeros has the scale +0, whichever zero maximum gives).
+        largest = torch.maximum(blocks.amax(dim=2), blocks.amin(dim=2).neg_()).abs_()
+        scales = (largest / 127).float()
         divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).to(rows.dtype)
-        values = torch.round(blocks / divisor[:, :, None]).clamp_(-127, 127).to(torch.int8)
-        return values.view(rows.shape[0], -1)[:, :self.part], scales
+        scaled = blocks / divisor[:, :, None]
+        values = scaled.round_().clamp_(-127, 127).to(torch.int8)
+        return values.view(rows.shape[0], self.width), scales
 
     def _dequantize(self, values, scales):
-        chunk = self.settings.chunk
-        padded = torch.zeros(values.shape[0], self.chunks * chunk, dtype=self.compute_dtype, device=values.device)
-        padded[:, :self.part] = values
-        blocks = padded.view(values.shape[0], self.chunks, chunk) * scales.to(self.compute_dtype)[:, :, None]
-        return blocks.view(values.shape[0], -1)[:, :self.part]
+        """`values` (int8, rows x width) times their chunks' scales, in the compute dtype."""
+        blocks = values.view(values.shape[0], self.chunks, self.settings.chunk).to(self.compute_dtype)
+        return blocks.mul_(scales.to(self.compute_dtype)[:, :, None]).view(values.shape[0], self.width)
 
     def _payload(self, values, scales):
-        """Each row's int8 values and float32 scales as one row of bytes."""
-        return torch.cat([values.view(torch.uint8), scales.contiguous().view(torch.uint8)], dim=1)
+        """Each row's int8 values (the part's, not the padding) and float32 scales as one row of bytes."""
+        return torch.cat([values[:, :self.part].view(torch.uint8), scales.contiguous().view(torch.uint8)], dim=1)
 
     def _unpack(self, payload):
-        values = payload[:, :self.part].view(torch.int8)
+        """(int8 values (rows x width, zero past the part), float32 scales) of payload rows."""
+        values = torch.empty(payload.shape[0], self.width, dtype=torch.int8, device=payload.device)
+        values[:, self.part:].zero_()
+        values[:, :self.part] = payload[:, :self.part].view(torch.int8)
         scales = _as(payload[:, self.part:], torch.float32)
         return values, scales
 
     def _start(self, flat, op):
-        size, part = self.comm.size, self.part
+        size = self.comm.size
         flat.add_(self.residual)
-        rows = torch.zeros(size * part, dtype=self.compute_dtype, device=flat.device)
-        rows[:self.numel] = flat
-        rows = rows.view(size, part)
+        rows = self._rows(flat, self.compute_dtype)
         values, scales = self._quantize(rows)
         # What this rank meant to send, less what it sent; its part's sum adds its own error below.
-        residual = rows - self._dequantize(values, scales)
+        residual = self._dequantize(values, scales)
+        torch.sub(rows, residual, out=residual)
         payload = self._payload(values, scales)
 
         def finish():
             received, _ = self.comm.alltoall(payload)
-            total = torch.zeros(1, part, dtype=self.compute_dtype, device=flat.device)
-            values_in, scales_in = self._unpack(received)
+            dequantized = self._dequantize(*self._unpack(received))
+            total = torch.zeros(1, self.width, dtype=self.compute_dtype, device=flat.device)
             for rank in range(size):  # in rank order
-                total += self._dequantize(values_in[rank:rank + 1], scales_in[rank:rank + 1])
+                total[0] += dequantized[rank]
             sum_values, sum_scales = self._quantize(total)
             residual[self.comm.rank] += (total - self._dequantize(sum_values, sum_scales))[0]
-            self.residual.copy_(residual.view(-1)[:self.numel])
+            self._unrows(residual, self.residual)
             gathered = self.comm.allgather(self._payload(sum_values, sum_scales))
-            result = self._dequantize(*self._unpack(gathered.view(size, -1)))
-            flat.copy_(result.reshape(-1)[:self.numel])
+            self._unrows(self._dequantize(*self._unpack(gathered.view(size, -1))), flat)
             self._finish_step(flat, op)
         return Exchange(finish)
 
