@@ -8,6 +8,8 @@ yet applied, tells the other servers in its order of commands (so every server d
 the same update), prints the report (report: rank, the gradients it pushed, when) and goes on
 with the workers left; an update then takes its share of gradients, or every living worker's
 when fewer are left. Every server keeps the same list of Lost workers (ParameterServer.lost).
+A send still going to a dropped worker (its reply, on its way when it died) is let go when its
+failure comes, before or after the drop.
 
 A worker that dies after its close(), with the final weights on their way to it, is let go in
 every mode (wait_last_sends): its training is over, and the servers hold the final weights.
