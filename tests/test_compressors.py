@@ -217,6 +217,61 @@ def test_int8_result_is_the_sum_within_its_quantization(mpi_world):
     assert (result.double() - exact).abs().max() <= 1.01 * bound + 1e-6
 
 
+def int8_quantized(x, chunk):
+    """The float32 vector `x` as Int8 sends it, dequantized: per chunk of `chunk` elements, the
+    scale max |x| / 127 (float32) and the values round(x / scale) (half to even) within +-127;
+    a chunk of zeros has the scale 0 and the values 0."""
+    sent = np.empty_like(x)
+    for start in range(0, x.size, chunk):
+        block = x[start:start + chunk]
+        scale = np.float32(np.abs(block).max()) / np.float32(127)
+        values = np.clip(np.round(block / (scale if scale > 0 else np.float32(1))), -127, 127).astype(np.int8)
+        sent[start:start + chunk] = values.astype(np.float32) * scale
+    return sent
+
+
+def int8_reference(size, steps, chunk):
+    """(each step's result, each rank's residual after the last step) of Int8's summing
+    exchange of every rank's float32 gradients, as the module docstring describes it, in NumPy
+    float32: each rank adds its residual, cuts the bucket into one part per rank (the last one
+    short or empty), quantizes each part; rank j adds the parts j in rank order from zero,
+    quantizes that sum, and every rank gets the quantized sums. A rank's residual: what it had
+    less what it sent, and for its own part also the sum less its quantized sum."""
+    numel = sum(int(np.prod(s)) for s in SHAPES)
+    part = -(-numel // size)
+    residuals = [np.zeros(size * part, np.float32) for _ in range(size)]
+    results = []
+    for step in range(steps):
+        parts = []
+        for rank in range(size):
+            had = np.zeros(size * part, np.float32)
+            had[:numel] = gradient(rank, step).numpy() + residuals[rank][:numel]
+            had = had.reshape(size, part)
+            sent = np.stack([int8_quantized(row, chunk) for row in had])
+            residuals[rank] = (had - sent).reshape(-1)
+            parts.append(sent)
+        sums = []
+        for owner in range(size):
+            total = np.zeros(part, np.float32)
+            for rank in range(size):
+                total += parts[rank][owner]
+            sums.append(int8_quantized(total, chunk))
+            residuals[owner][owner * part:(owner + 1) * part] += total - sums[-1]
+        results.append(np.concatenate(sums)[:numel])
+    return results, [residual[:numel] for residual in residuals]
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+@pytest.mark.parametrize("chunk", [16, 7, 1024])
+def test_int8_exchange_is_bit_for_bit_its_numpy_description(mpi_world, chunk):
+    comm = mpi_world
+    results, bucket = exchange(Int8(chunk=chunk), comm)
+    expected, residuals = int8_reference(comm.size, STEPS, chunk)
+    for step, (result, reference) in enumerate(zip(results, expected)):
+        np.testing.assert_array_equal(result.numpy().view(np.int32), reference.view(np.int32), err_msg=f"step {step}")
+    np.testing.assert_array_equal(bucket.residual.numpy().view(np.int32), residuals[comm.rank].view(np.int32))
+
+
 @pytest.mark.mpi(ranks=[2, 3])
 def test_topk_sends_each_ranks_largest_elements(mpi_world):
     comm = mpi_world
