@@ -311,3 +311,86 @@ def test_a_collective_failing_across_ranks_is_a_horovod_internal_error(mpi_world
     assert isinstance(interrupt, RuntimeError) and interrupt.skip_sync
     assert issubclass(hvd.HorovodVersionMismatchError, ImportError)
     assert {"HorovodInternalError", "HostsUpdatedInterrupt", "HorovodVersionMismatchError"} <= set(hvd.__all__)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_a_process_set_one_rank_refuses_is_refused_on_every_rank_in_its_words(mpi_world, no_deadline_in_reach):
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+
+    def refused_everywhere(call, error=md.InvalidArgumentError):
+        """The message of `call`'s error, checked to be the same on every rank."""
+        with pytest.raises(error) as raised:
+            call()
+        message = prompt(raised)
+        assert MPI.COMM_WORLD.allgather(message) == [message] * size
+        return message
+
+    # Rank 1 names a rank outside the world; the others give a good set.
+    message = refused_everywhere(lambda: hvd.add_process_set([0, size] if rank == 1 else [0, 1]))
+    assert message == (f"registering a ProcessSet failed: rank 1: ProcessSet ranks [0, {size}] must be distinct ranks "
+                       f"of 0..{size - 1}, at least one")
+    # Rank 0 gives a list ProcessSet() refuses: its ValueError, in its words, on every rank.
+    message = refused_everywhere(lambda: hvd.add_process_set(["0", 1] if rank == 0 else [0, 1]))
+    assert message == ("registering a ProcessSet failed: rank 0: ValueError: ProcessSet takes a list of process "
+                       "ranks or an mpi4py communicator, got ['0', 1]")
+    # Registration goes on, ids in order, and the sets work.
+    pair = hvd.add_process_set([0, 1])
+    if rank < 2:
+        assert hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum, process_set=pair).item() == 2.0
+    # The last rank passes that set again, the others a new one: every rank names the last rank.
+    message = refused_everywhere(lambda: hvd.add_process_set(pair if rank == size - 1 else hvd.ProcessSet([0, 1])))
+    assert message == f"registering a ProcessSet failed: rank {size - 1}: {pair} is registered already"
+    # Sets the ranks disagree on (each valid on its own): the same MismatchError on every rank.
+    message = refused_everywhere(lambda: hvd.add_process_set([0] if rank == 0 else [0, 1]),
+                                 md.MismatchError)
+    assert message.startswith("ranks registered different process sets at the same point")
+    again = hvd.add_process_set([0, size - 1])
+    assert again.process_set_id == pair.process_set_id + 1
+    assert hvd.remove_process_set(pair) and hvd.remove_process_set(again)
+    hvd.barrier()
+
+
+GROUPED_ALLREDUCES = {
+    "grouped_allreduce": lambda tensors, name: hvd.grouped_allreduce(tensors, name=name, op=hvd.Sum),
+    "grouped_allreduce_": lambda tensors, name: hvd.grouped_allreduce_(tensors, name=name, op=hvd.Sum),
+    "grouped_allreduce_async": lambda tensors, name: hvd.synchronize(
+        hvd.grouped_allreduce_async(tensors, name=name, op=hvd.Sum)),
+    "grouped_allreduce_async_": lambda tensors, name: hvd.synchronize(
+        hvd.grouped_allreduce_async_(tensors, name=name, op=hvd.Sum)),
+}
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_a_grouped_allreduce_one_rank_refuses_is_refused_on_every_rank(mpi_world, monkeypatch):
+    """A group of two kinds (float32, float64), which the ranks negotiate as two operations, named
+    or not: rank 1 gives a non-tensor or a dtype the reductions do not take. It raises its own
+    error; the others a MismatchError naming it, at once (a rank left waiting for rank 1 would
+    raise the DeadlineError of the low MPIDIST_TIMEOUT, which prompt() fails on). Then the same
+    group and an unnamed all-reduce still meet on every rank."""
+    monkeypatch.setenv("MPIDIST_TIMEOUT", "30")
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    group = [torch.ones(2), torch.ones(3, dtype=torch.float64), torch.ones(4)]
+    refusals = {  # what rank 1 puts in place of the last tensor, and the error it raises
+        "non-tensor": (5, md.InvalidArgumentError, "takes a non-empty list of tensors, got ['Tensor', 'Tensor', 'int']"),
+        "complex": (torch.ones(4, dtype=torch.complex64), md.UnsupportedDtypeError, "not torch.complex64"),
+    }
+    for operation, call in GROUPED_ALLREDUCES.items():
+        for refusal, (replacement, error_class, words) in refusals.items():
+            for name in ("g", None):
+                tensors = [tensor.clone() for tensor in group]
+                if rank == 1:
+                    tensors[-1] = replacement
+                with pytest.raises((error_class, md.MismatchError)) as error:
+                    call(tensors, name)
+                case = f"{operation}, {refusal}, name={name!r}"
+                if rank == 1:
+                    assert type(error.value) is error_class and words in str(error.value), case
+                else:
+                    assert type(error.value) is md.MismatchError, case
+                    assert "ranks [1] refused their arguments" in prompt(error), case
+                reduced = call([tensor.clone() for tensor in group], name)
+                assert [tensor.tolist() for tensor in reduced] == [[size] * 2, [size] * 3, [size] * 4], case
+                assert hvd.allreduce(torch.tensor([float(rank)]), op=hvd.Sum).item() == sum(range(size)), case
+    hvd.barrier()

@@ -21,6 +21,10 @@ from .negotiation import NEGOTIATED, negotiator_of
 from .process_sets import comm_of
 
 _names_in_flight = {}  # name= -> the Handle of the asynchronous operation that holds it
+# Their members (one per dtype and device) are negotiated under names only the ranks that have the
+# tensors can count: a refusal goes as the whole group's (Negotiator.refuse_group).
+_ALLREDUCE_GROUPS = frozenset({"grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+                               "grouped_allreduce_async_"})
 
 
 def check_call(operation: str, arguments: dict) -> None:
@@ -37,7 +41,7 @@ def check_call(operation: str, arguments: dict) -> None:
     except MpidistError:
         comm = _comm_or_none(arguments.get("process_set"))
         if comm is not None:  # outside the process set, no rank waits for this one
-            share_refusal(comm, operation in NEGOTIATED, name)
+            share_refusal(comm, operation in NEGOTIATED, name, group=operation in _ALLREDUCE_GROUPS)
         raise
 
 
@@ -64,15 +68,19 @@ def _check_tensors(operation: str, arguments: dict) -> None:
                                    f"{[type(member).__name__ for member in group]}")
 
 
-def share_refusal(comm, negotiated: bool, name=None) -> None:
+def share_refusal(comm, negotiated: bool, name=None, group=False) -> None:
     """This rank refused its own arguments to an operation on `comm` (it raises its own error
     next): tell the other ranks, so that they raise at once instead of waiting for it. A
     `negotiated` operation is refused under its name (`name`; None: the next unnamed one's), in the
-    negotiation's exchange (negotiation.py); one run in call order in the call check's exchange
+    negotiation's exchange (negotiation.py), an all-reduce `group` as a whole under its members'
+    names (Negotiator.refuse_group); one run in call order in the call check's exchange
     (collectives.callcheck.share_refusal), on the channel the operation would have run on."""
     if negotiated:
         negotiator = negotiator_of(comm)
-        negotiator.refuse(negotiator.name_of(name))
+        if group:
+            negotiator.refuse_group(negotiator.name_of(name))
+        else:
+            negotiator.refuse(negotiator.name_of(name))
         return
     # Imported here: the collectives initialize MPI.
     from ..collectives.callcheck import share_refusal as share_in_call_check

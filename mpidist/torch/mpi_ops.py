@@ -18,7 +18,7 @@ from .basics import Adasum, Average, Sum, resolve_op
 from .compression import Compression, dtype_on_wire
 from .handles import DoneHandle, GroupHandle, Handle
 from .join import check_joinable_allreduce, collective_comm
-from .negotiation import negotiator_of
+from .negotiation import member_name, negotiator_of
 from .process_sets import comm_of, root_in
 from .timeline import end_traced, traced
 
@@ -431,6 +431,11 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=None, prescal
 # group packs the tensors of each dtype and device into one buffer (one all-reduce per kind, in
 # the order the kinds first appear, the same on every rank); allgather and reducescatter run per
 # tensor. Results, differentiability and handles are Horovod's.
+#
+# An all-reduce group has one name on every rank (its name=, or the next unnamed operation's),
+# and its kind k is negotiated as member_name(group, k). How many kinds there are, only a rank
+# with the tensors can tell; a rank that refuses the group refuses it as a whole (arguments.
+# share_refusal), and the negotiation refuses every member the others submitted with it.
 
 def pack_group(members):
     return torch.cat([member.reshape(-1) for member in members])
@@ -452,29 +457,36 @@ def _reducible_dtype(tensor):
     return name
 
 
-def _check_group_allreduce(tensors, op, comm):
-    """What the all-reduce of one kind would refuse, checked for all of them before the first is
-    sent (an in-place group is then left as it was)."""
+def _allreduce_group(tensors, op, comm, name):
+    """The name of the all-reduce group of `tensors` (see above). What the all-reduce of one kind
+    would refuse is checked for all of them before the first is sent (an in-place group is then
+    left as it was); a refusal is the whole group's, on every rank."""
     from ..collectives.callcheck import check_op  # imported here: the collectives initialize MPI
-    if op != Adasum:  # Adasum checks its dtypes itself
-        for tensor in tensors:
-            check_op(_reduction(tensor, op, 1.0, comm)[0], _reducible_dtype(tensor))
+    try:
+        if op != Adasum:  # Adasum checks its dtypes itself
+            for tensor in tensors:
+                check_op(_reduction(tensor, op, 1.0, comm)[0], _reducible_dtype(tensor))
+    except MpidistError:
+        share_refusal(comm, negotiated=True, name=name, group=True)
+        raise
+    return negotiator_of(comm).name_of(name)
 
 
-def _grouped_allreduce_into(tensors, op, compression, prescale_factor, postscale_factor, comm):
-    _check_group_allreduce(tensors, op, comm)
-    for members in tensors_by_kind(tensors):
+def _grouped_allreduce_into(tensors, op, compression, prescale_factor, postscale_factor, comm, name=None):
+    group = _allreduce_group(tensors, op, comm, name)
+    for kind, members in enumerate(tensors_by_kind(tensors)):
         flat = pack_group(members)
-        _allreduce_into(flat, op, compression, prescale_factor, postscale_factor, comm, _group_shape(members))
+        _allreduce_into(flat, op, compression, prescale_factor, postscale_factor, comm, _group_shape(members),
+                        member_name(group, kind))
         unpack_group(flat, members)
     return list(tensors)
 
 
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, settings, *tensors):
+    def forward(ctx, settings, name, *tensors):
         ctx.settings = settings
-        return tuple(_grouped_allreduce_into([_contiguous_copy(t) for t in tensors], *settings))
+        return tuple(_grouped_allreduce_into([_contiguous_copy(t) for t in tensors], *settings, name=name))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -482,7 +494,7 @@ class _GroupedAllreduce(torch.autograd.Function):
         if op not in (Average, Sum):
             raise NotOfferedError(f"hvd.grouped_allreduce with op={op!r} has no gradient; only Average and Sum "
                                   "are differentiable (as in Horovod)")
-        return (None, *_grouped_allreduce_into([_contiguous_copy(g) for g in grads], *ctx.settings))
+        return (None, None, *_grouped_allreduce_into([_contiguous_copy(g) for g in grads], *ctx.settings))
 
 
 def _check_group(tensors, what):
@@ -500,7 +512,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     tensors = _check_group(tensors, "grouped_allreduce")
     settings = (resolve_op(op, average, "grouped_allreduce"), compression, prescale_factor, postscale_factor,
                 comm_of(process_set))
-    return list(_GroupedAllreduce.apply(settings, *tensors))
+    return list(_GroupedAllreduce.apply(settings, name, *tensors))
 
 
 @traced("ALLREDUCE")
@@ -508,7 +520,7 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
                        process_set=None):
     tensors = _check_group(tensors, "grouped_allreduce_")
     return _grouped_allreduce_into(tensors, resolve_op(op, average, "grouped_allreduce"), Compression.none,
-                                   prescale_factor, postscale_factor, comm_of(process_set))
+                                   prescale_factor, postscale_factor, comm_of(process_set), name)
 
 
 @traced("ALLREDUCE")
@@ -517,14 +529,16 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     comm = comm_of(process_set)
     tensors = _check_group(tensors, "grouped_allreduce_async_")
     op = resolve_op(op, average, "grouped_allreduce")
-    _check_group_allreduce(tensors, op, comm)
+    group = _allreduce_group(tensors, op, comm, name)
     handles, packed = [], []
-    for kind, members in enumerate(tensors_by_kind(tensors)):
+    # Submitted last to first: once the negotiation holds a rank's member 0, it holds all of that
+    # rank's members, which a refusal of the whole group relies on (Negotiator.refuse_group).
+    for kind, members in reversed(list(enumerate(tensors_by_kind(tensors)))):
         flat = pack_group(members)
-        handle, finish_flat = _start_allreduce(flat, _member_name(name, kind), op, Compression.none, prescale_factor,
+        handle, finish_flat = _start_allreduce(flat, member_name(group, kind), op, Compression.none, prescale_factor,
                                                postscale_factor, comm, _group_shape(members))
-        handles.append(handle)
-        packed.append((flat, finish_flat, members))
+        handles.insert(0, handle)
+        packed.insert(0, (flat, finish_flat, members))
 
     def finish(_result):
         for flat, finish_flat, members in packed:

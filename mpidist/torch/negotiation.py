@@ -42,6 +42,8 @@ NEGOTIATED = frozenset({
     "grouped_allreduce_async", "grouped_allreduce_async_", "broadcast_", "broadcast_async", "broadcast_async_",
     "allgather_async", "grouped_allgather_async", "reducescatter_async", "grouped_reducescatter_async", "barrier"})
 _UNNAMED = "<unnamed operation "  # + its number and ">"
+_REFUSED = ["refused"]  # the signature of an operation a rank refused its own arguments to
+_REFUSED_GROUP = ["refused", "whole group"]  # ... of an all-reduce group's member 0: see refuse()
 _JOINABLE_OPS = ("sum", "avg")  # zeros change no sum, and an average still divides by every rank
 _negotiators = {}  # Communicator -> Negotiator
 _creation = threading.Lock()
@@ -60,6 +62,11 @@ def negotiator_of(comm) -> Negotiator:
                 _stopped_at_exit = True
             _negotiators[comm] = Negotiator(comm)
         return _negotiators[comm]
+
+
+def member_name(group: str, index: int) -> str:
+    """The name member `index` of a grouped operation named `group` is submitted under."""
+    return f"{group}.{index}"
 
 
 def stop_negotiator(comm) -> None:
@@ -125,6 +132,7 @@ class Negotiator:
         self._outbox = []  # [name, signature] submitted here since the last cycle
         self._local = {}  # name -> _Request, submitted here and not yet run
         self._pending = {}  # name -> {rank: signature}, the same table on every rank
+        self._deferred = []  # (rank, name, signature) entered once a refusal is resolved (_enter)
         self._sequence = 0  # the number of the last unnamed operation
         self._joined = set()  # ranks waiting in hvd.join(), the same on every rank
         self._joining = False  # this rank waits in hvd.join()
@@ -160,7 +168,16 @@ class Negotiator:
         """This rank refused its own arguments to the operation `name`: the ranks that submit it
         raise too instead of waiting for this one."""
         with self._lock:
-            self._outbox.append([name, ["refused"]])
+            self._outbox.append([name, _REFUSED])
+
+    def refuse_group(self, group: str) -> None:
+        """This rank refused its own arguments to the all-reduce group `group`, whose members the
+        others submit as member_name(group, k), one per dtype and device of their tensors: how
+        many, this rank cannot tell. So it refuses member 0, which every group has, as the whole
+        group's; when member 0 is refused, so is every other member the ranks submitted
+        (_refuse_rest_of_group)."""
+        with self._lock:
+            self._outbox.append([member_name(group, 0), _REFUSED_GROUP])
 
     def join(self) -> None:
         """This rank waits in hvd.join() from now: it takes part with zeros in the all-reduces the
@@ -208,9 +225,11 @@ class Negotiator:
                                    if name in self._pending and now - request.submitted > timeout()]}
             self._outbox = []
         messages = self._exchange(message)
-        for rank, sent in enumerate(messages):
-            for name, signature in sent["submitted"]:
-                self._pending.setdefault(name, {})[rank] = signature
+        arrived = self._deferred + [(rank, name, signature) for rank, sent in enumerate(messages)
+                                    for name, signature in sent["submitted"]]
+        self._deferred = []
+        for rank, name, signature in arrived:
+            self._enter(rank, name, signature)
         self._joined |= {rank for rank, sent in enumerate(messages) if sent["joined"]}
         expired = {name for sent in messages for name in sent["expired"]}
         training = [rank for rank in range(self.size) if rank not in self._joined]
@@ -222,6 +241,18 @@ class Negotiator:
             self._end_join()
         self._report_stalls(now)
         return not all(sent["leaving"] for sent in messages)
+
+    def _enter(self, rank: int, name: str, signature: list) -> None:
+        """Enter a rank's submission in the table. A refusal holds no name on the refusing rank,
+        which may use the name again at once: while the table still holds its refusal of `name`
+        (or of the all-reduce group `name` is a member of), that refused use is the one the
+        others' submissions meet, and the next waits here until it is resolved."""
+        group, _, index = name.rpartition(".")
+        refused_group = index.isdigit() and self._pending.get(member_name(group, 0), {}).get(rank) == _REFUSED_GROUP
+        if rank in self._pending.get(name, {}) or refused_group:
+            self._deferred.append((rank, name, signature))
+        else:
+            self._pending.setdefault(name, {})[rank] = signature
 
     def _exchange(self, message: dict) -> list:
         """Every rank's message of this cycle, by rank."""
@@ -249,13 +280,15 @@ class Negotiator:
         fusion, fused_bytes = [], 0
         threshold = config.value("HOROVOD_FUSION_THRESHOLD")
         for name, who in ready:
-            request = self._take(name)
+            # Where this rank refused `name`, a request of its own under the name is its next use's.
+            request = None if who.get(self.rank, [None])[0] == _REFUSED[0] else self._take(name)
             if request is None:
                 self._count_unnamed(name)
             error = self._refusal(name, who)
             if error is not None:
                 self._run_fused(fusion)
                 fusion, fused_bytes = [], 0
+                self._refuse_rest_of_group(name, who, error)  # first: the caller may go on once told
                 if request is not None:
                     request.handle._complete(error=error)
                 continue
@@ -277,12 +310,28 @@ class Negotiator:
                 self._complete(request, request.run, self.private)
         self._run_fused(fusion)
 
+    def _refuse_rest_of_group(self, name: str, who: dict, error) -> None:
+        """`name` was refused: where a rank refused it as an all-reduce group's member 0
+        (refuse_group), refuse the group's other members too, with the same error. Every rank
+        submits a group's members last to first (mpi_ops), so a rank's member 0 in the table means
+        all its members are: none is left waiting for the refusing rank."""
+        if _REFUSED_GROUP not in who.values():
+            return
+        group = name.removesuffix(".0")  # member_name(group, 0)
+        for other in [other for other in self._pending
+                      if other.startswith(f"{group}.") and other[len(group) + 1:].isdigit()]:
+            if self.rank in self._pending.pop(other):  # else a request here is a later group's
+                request = self._take(other)
+                if request is not None:
+                    request.handle._complete(error=error)
+
     def _count_unnamed(self, name: str) -> None:
         """An unnamed operation the others ran while this rank waited in join() counts here too, so
-        that the ranks' next unnamed operations still meet."""
+        that the ranks' next unnamed operations still meet (a member of an unnamed group counts as
+        its group: "<unnamed operation 7>.1" as 7)."""
         if name.startswith(_UNNAMED):
             with self._lock:
-                self._sequence = max(self._sequence, int(name.removeprefix(_UNNAMED).removesuffix(">")))
+                self._sequence = max(self._sequence, int(name.removeprefix(_UNNAMED).split(">")[0]))
 
     def _take(self, name):
         with self._lock:
@@ -290,7 +339,7 @@ class Negotiator:
 
     def _refusal(self, name: str, who: dict):
         """The error every rank that submitted `name` raises, or None when it can run."""
-        refused = sorted(rank for rank, signature in who.items() if signature[0] == "refused")
+        refused = sorted(rank for rank, signature in who.items() if signature[0] == _REFUSED[0])
         if refused:
             return MismatchError(f"ranks {refused} refused their arguments to the hvd operation {name!r} (each raised "
                                  "its own error there: see those ranks' output), so the other ranks cannot run it "

@@ -8,6 +8,7 @@ import numpy as np
 
 from .. import comm as _comm
 from ..errors import InvalidArgumentError, MismatchError
+from ..runtime.together import raise_together
 from .negotiation import abandon_negotiators, negotiator_of, stop_negotiator
 
 
@@ -97,31 +98,26 @@ def root_in(process_set, root_rank) -> int:
     return process_set.ranks.index(root_rank)
 
 
+_REGISTERING = "registering a ProcessSet"
+
+
 def register(process_set: ProcessSet) -> ProcessSet:
     """Give `process_set` the next id and its sub-communicator. Collective over all ranks, which
-    must register the same sets in the same order (checked, with the same error on every rank)."""
+    must register the same sets in the same order. A set one rank refuses is refused on every
+    rank, with the same InvalidArgumentError naming the refusing ranks and their reasons
+    (runtime.together); sets the ranks disagree on, with the same MismatchError."""
     world, mpi = _comm.world(), _comm.load_mpi()
-    if process_set.process_set_id is not None:
-        raise InvalidArgumentError(f"{process_set} is registered already")
-    if process_set.mpi_comm is None:
-        members = process_set.ranks
-        problem = (None if members and len(set(members)) == len(members) and 0 <= members[0]
-                   and members[-1] < world.size else
-                   f"ProcessSet ranks {members} must be distinct ranks of 0..{world.size - 1}, at least one")
-    else:
-        group = process_set.mpi_comm.Get_group()
-        members = sorted(mpi.Group.Translate_ranks(group, list(range(group.Get_size())), world.mpi.Get_group()))
-        problem = None if mpi.UNDEFINED not in members else "a ProcessSet's communicator holds ranks outside the world"
+    try:
+        members, problem = _members(process_set, world, mpi), None
+    except InvalidArgumentError as refused:
+        members, problem = [], refused
+    raise_together(world.mpi, problem, _REGISTERING, InvalidArgumentError)
     # Every rank's view of the set, so that every rank reaches the same verdict.
-    mine = np.array(members if problem is None else [-1], dtype=np.int64)
+    mine = np.array(members, dtype=np.int64)
     lengths = world.allgather(np.array([len(mine)], dtype=np.int64))
     everyone = world.allgather(mine)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     seen = [everyone[offsets[k]:offsets[k + 1]].tolist() for k in range(world.size)]
-    if problem is not None:
-        raise InvalidArgumentError(problem)
-    if any(view == [-1] for view in seen):
-        raise InvalidArgumentError(f"another rank refused its ProcessSet (ranks by rank: {seen})")
     if process_set.mpi_comm is None:
         if any(view != seen[0] for view in seen):
             raise MismatchError(f"ranks registered different process sets at the same point: {seen} by rank")
@@ -142,11 +138,34 @@ def register(process_set: ProcessSet) -> ProcessSet:
     return process_set
 
 
+def _members(process_set: ProcessSet, world, mpi) -> list:
+    """The sorted global ranks of `process_set` on this rank, or InvalidArgumentError saying why
+    this rank cannot register it."""
+    if process_set.process_set_id is not None:
+        raise InvalidArgumentError(f"{process_set} is registered already")
+    if process_set.mpi_comm is None:
+        members = process_set.ranks
+        if not (members and len(set(members)) == len(members) and 0 <= members[0] and members[-1] < world.size):
+            raise InvalidArgumentError(f"ProcessSet ranks {members} must be distinct ranks of "
+                                       f"0..{world.size - 1}, at least one")
+        return members
+    group = process_set.mpi_comm.Get_group()
+    members = sorted(mpi.Group.Translate_ranks(group, list(range(group.Get_size())), world.mpi.Get_group()))
+    if mpi.UNDEFINED in members:
+        raise InvalidArgumentError("a ProcessSet's communicator holds ranks outside the world")
+    return members
+
+
 def add_process_set(process_set) -> ProcessSet:
     """Register a process set (a ProcessSet or a list of ranks) after init; every rank must call it,
-    with the same sets in the same order. Returns the ProcessSet."""
+    with the same sets in the same order. Returns the ProcessSet. A list ProcessSet() refuses on
+    one rank is refused on every rank, as register's refusals are."""
     if not isinstance(process_set, ProcessSet):
-        process_set = ProcessSet(process_set)
+        try:
+            process_set = ProcessSet(process_set)
+        except ValueError as refused:  # the other ranks are in register's agreement
+            raise_together(_comm.world().mpi, refused, _REGISTERING, InvalidArgumentError)
+            raise  # not reached: raise_together raises where any rank refused
     return register(process_set)
 
 
