@@ -394,3 +394,34 @@ def test_a_grouped_allreduce_one_rank_refuses_is_refused_on_every_rank(mpi_world
                 assert [tensor.tolist() for tensor in reduced] == [[size] * 2, [size] * 3, [size] * 4], case
                 assert hvd.allreduce(torch.tensor([float(rank)]), op=hvd.Sum).item() == sum(range(size)), case
     hvd.barrier()
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_a_grouped_allgather_or_reducescatter_one_rank_refuses_is_refused_on_every_rank(mpi_world, monkeypatch):
+    """Their asynchronous forms negotiate a member per tensor: rank 1's non-tensor is refused
+    under each member's name, so no rank waits for it (the low MPIDIST_TIMEOUT's DeadlineError
+    would fail prompt()). Then the same group and an unnamed all-reduce still meet."""
+    monkeypatch.setenv("MPIDIST_TIMEOUT", "30")
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    group = [torch.ones(size, 2), torch.ones(size, dtype=torch.float64)]
+    calls = {"grouped_allgather_async": lambda tensors, name: hvd.grouped_allgather_async(tensors, name=name),
+             "grouped_reducescatter_async": lambda tensors, name: hvd.grouped_reducescatter_async(
+                 tensors, name=name, op=hvd.Sum)}
+    expected = {"grouped_allgather_async": [[[1.0, 1.0]] * size * size, [1.0] * size * size],
+                "grouped_reducescatter_async": [[[float(size)] * 2], [float(size)]]}
+    for operation, call in calls.items():
+        for name in ("g", None):
+            case = f"{operation}, name={name!r}"
+            with pytest.raises((md.InvalidArgumentError, md.MismatchError)) as error:
+                hvd.synchronize(call(group[:1] + [5] if rank == 1 else group, name))
+            if rank == 1:
+                assert type(error.value) is md.InvalidArgumentError, case
+                assert "takes a non-empty list of tensors, got ['Tensor', 'int']" in str(error.value), case
+            else:
+                assert type(error.value) is md.MismatchError, case
+                assert "ranks [1] refused their arguments" in prompt(error), case
+            results = hvd.synchronize(call(group, name))
+            assert [result.tolist() for result in results] == expected[operation], case
+            assert hvd.allreduce(torch.tensor([float(rank)]), op=hvd.Sum).item() == sum(range(size)), case
+    hvd.barrier()

@@ -287,7 +287,7 @@ def _start_allgather(tensor, name, comm):
 
 def _member_name(name, index):
     """The name of member `index` of a grouped operation called `name` (None: unnamed)."""
-    return None if name is None else f"{name}.{index}"
+    return None if name is None else member_name(name, index)
 
 
 @traced("ALLREDUCE")
