@@ -92,10 +92,11 @@ class PhaseLog:
         """The moment and place of the fault, for the campaign (written before the fault)."""
         with self.lock:
             phase, step = self.phase, self.step
+        # Written and closed, not synced: the campaign reads it on this machine once the job has
+        # ended, and an fsync can wait seconds on a busy disk, while this rank trains on
+        # undisturbed and the fault comes too late.
         with open(os.path.join(LOG_DIR, "fault.json"), "w") as f:
             json.dump({"time": time.time(), "rank": RANK, "step": step, "phase": phase}, f)
-            f.flush()
-            os.fsync(f.fileno())
 
     def arm_checkpoint_kill(self) -> None:
         """SIGKILL at the drawn point of this write: before one of its datasets, or at the rename."""
