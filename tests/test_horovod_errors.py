@@ -9,6 +9,7 @@ import itertools
 import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
@@ -424,4 +425,75 @@ def test_a_grouped_allgather_or_reducescatter_one_rank_refuses_is_refused_on_eve
             results = hvd.synchronize(call(group, name))
             assert [result.tolist() for result in results] == expected[operation], case
             assert hvd.allreduce(torch.tensor([float(rank)]), op=hvd.Sum).item() == sum(range(size)), case
+    hvd.barrier()
+
+
+ALLREDUCES = {
+    "allreduce": lambda tensor, name: hvd.allreduce(tensor, name=name, op=hvd.Sum),
+    "allreduce_": lambda tensor, name: hvd.allreduce_(tensor, name=name, op=hvd.Sum),
+    "allreduce_async": lambda tensor, name: hvd.synchronize(hvd.allreduce_async(tensor, name=name, op=hvd.Sum)),
+    "allreduce_async_": lambda tensor, name: hvd.synchronize(hvd.allreduce_async_(tensor, name=name, op=hvd.Sum)),
+}
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_an_allreduce_one_rank_refuses_is_refused_on_every_rank(mpi_world, monkeypatch):
+    """Named or not, synchronous (the autograd form too) or not: rank 1 gives a non-tensor or a
+    dtype the reductions do not take. It raises its own error; the others a MismatchError naming
+    it, at once (a rank left waiting for rank 1 would raise the DeadlineError of the low
+    MPIDIST_TIMEOUT, which prompt() fails on). Then the same name and an unnamed all-reduce still
+    meet on every rank."""
+    monkeypatch.setenv("MPIDIST_TIMEOUT", "30")
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    refusals = {  # what rank 1 passes, and the error it raises
+        "non-tensor": (None, TypeError, "takes a torch tensor, got NoneType"),
+        "complex": (torch.ones(3, dtype=torch.complex64), md.UnsupportedDtypeError, "not torch.complex64"),
+    }
+    for operation, call in ALLREDUCES.items():
+        for refusal, (replacement, error_class, words) in refusals.items():
+            for name in ("x", None):
+                case = f"{operation}, {refusal}, name={name!r}"
+                with pytest.raises((error_class, md.MismatchError)) as error:
+                    call(replacement if rank == 1 else torch.ones(3), name)
+                if rank == 1:
+                    assert isinstance(error.value, error_class), case
+                    assert not isinstance(error.value, md.MismatchError) and words in str(error.value), case
+                else:
+                    assert type(error.value) is md.MismatchError, case
+                    assert "ranks [1] refused their arguments" in prompt(error), case
+                assert call(torch.ones(3), name).tolist() == [size] * 3, case
+                assert hvd.allreduce(torch.tensor([float(rank)]), op=hvd.Sum).item() == sum(range(size)), case
+    hvd.barrier()
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_a_named_allreduce_meets_by_name_and_differentiates(mpi_world, no_deadline_in_reach):
+    """hvd.allreduce(t, name=...) meets the others' call of that name, whatever unnamed operation
+    a rank submitted before it: rank 0 starts an unnamed asynchronous all-reduce first, the others
+    after their named one. Its gradient is the same reduction of every rank's output gradient:
+    checked against the float64 gradient of the sum of the ranks' losses."""
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    if rank == 0:
+        pending = hvd.allreduce_async(torch.full((3,), 2.0), op=hvd.Sum)
+    named = hvd.allreduce(torch.tensor([1.0, float(rank)]), name="b", op=hvd.Sum)
+    if rank > 0:
+        pending = hvd.allreduce_async(torch.full((3,), 2.0), op=hvd.Sum)
+    assert named.tolist() == [size, sum(range(size))]
+    assert hvd.synchronize(pending).tolist() == [2.0 * size] * 3
+
+    weights = [np.arange(4.0) + 10 * r for r in range(size)]  # rank r's loss: weights[r] . output
+    cases = itertools.product(((hvd.Sum, sum), (hvd.Average, lambda ws: sum(ws) / size)), ((1.0, 1.0), (0.5, 3.0)))
+    for index, ((op, reduce), (prescale, postscale)) in enumerate(cases):
+        source = torch.arange(4.0, dtype=torch.float64).add(rank).requires_grad_()
+        output = hvd.allreduce(source, name=f"w{index}", op=op, prescale_factor=prescale,
+                               postscale_factor=postscale)
+        inputs = [np.arange(4.0) + r for r in range(size)]
+        expected = reduce([prescale * x for x in inputs]) * postscale
+        np.testing.assert_allclose(output.detach().numpy(), expected, rtol=1e-12)
+        (output * torch.from_numpy(weights[rank])).sum().backward()
+        # d(sum over r' of weights[r'] . output) / d source = the same reduction of the weights
+        np.testing.assert_allclose(source.grad.numpy(), reduce([prescale * w for w in weights]) * postscale,
+                                   rtol=1e-12)
     hvd.barrier()

@@ -81,7 +81,11 @@ def _group_shape(members):
 
 def _start_allreduce(tensor, name, op, compression, prescale_factor, postscale_factor, comm, shape=None):
     """(handle, finishing step) of the all-reduce of `tensor` in place, negotiated under `name`;
-    `shape` (default: the tensor's) is what the ranks' must match. Adasum runs at once."""
+    `shape` (default: the tensor's) is what the ranks' must match. Adasum runs at once. A dtype
+    the reductions do not take is refused before anything changes the tensor, under `name` on
+    every rank (an all-reduce group's members were checked as a whole before: _allreduce_group)."""
+    if op != Adasum:  # Adasum checks its dtypes itself
+        _check_reducible(tensor, op, comm, name)
     wire_dtype = _wire_dtype(tensor, compression)
     op, postscale_factor = _reduction(tensor, op, postscale_factor, comm)
     check_joinable_allreduce(comm, tensor, op, wire_dtype)  # Adasum always, while ranks wait in join()
@@ -115,9 +119,9 @@ def _contiguous_copy(tensor):
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, op, compression, prescale_factor, postscale_factor, comm):
+    def forward(ctx, tensor, op, compression, prescale_factor, postscale_factor, comm, name):
         ctx.settings = (op, compression, prescale_factor, postscale_factor, comm)
-        return _allreduce_into(_contiguous_copy(tensor), *ctx.settings)
+        return _allreduce_into(_contiguous_copy(tensor), *ctx.settings, name=name)
 
     @staticmethod
     def backward(ctx, grad):
@@ -127,7 +131,9 @@ class _Allreduce(torch.autograd.Function):
                                   "are differentiable (as in Horovod)")
         # Each rank's input enters every rank's output through the same linear map, so its
         # gradient is the same reduction (op and scale factors) of all ranks' output gradients.
-        return _allreduce_into(_contiguous_copy(grad), *ctx.settings), None, None, None, None, None
+        # Unnamed, as Horovod's (HorovodAllreduce.backward): the ranks' backward passes meet in
+        # the order they run, as unnamed operations do, whatever the forward's name=.
+        return _allreduce_into(_contiguous_copy(grad), *ctx.settings), None, None, None, None, None, None
 
 
 # Horovod (since v0.22, PR #2687) averages the output gradients of allgather and broadcast over
@@ -187,7 +193,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     """A new tensor holding the reduction of `tensor` over all ranks (average by default).
     Differentiable when `tensor` requires grad."""
     return _Allreduce.apply(tensor, resolve_op(op, average), compression, prescale_factor, postscale_factor,
-                            comm_of(process_set))
+                            comm_of(process_set), name)
 
 
 @traced("ALLREDUCE")
@@ -455,6 +461,17 @@ def _reducible_dtype(tensor):
         raise UnsupportedDtypeError(f"the reductions take int16 and {', '.join(buffers.DTYPES)} tensors, "
                                     f"not {tensor.dtype}")
     return name
+
+
+def _check_reducible(tensor, op, comm, name):
+    """Refuse an all-reduce of `tensor` the reductions cannot run (its dtype, or op's on it),
+    under `name` (None: the next unnamed operation's) on every rank."""
+    from ..collectives.callcheck import check_op  # imported here: the collectives initialize MPI
+    try:
+        check_op(_reduction(tensor, op, 1.0, comm)[0], _reducible_dtype(tensor))
+    except MpidistError:
+        share_refusal(comm, negotiated=True, name=name)
+        raise
 
 
 def _allreduce_group(tensors, op, comm, name):
