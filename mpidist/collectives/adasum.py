@@ -37,6 +37,7 @@ from .. import buffers
 from ..errors import InvalidArgumentError, UnsupportedDtypeError
 from ..runtime.deadlines import wait_for_request
 from .callcheck import TAGS, check_same_call, checked_in_order, signature
+from .common import started
 from .staging import staged
 
 ADASUM_DTYPES = ("float16", "float32", "float64")
@@ -155,9 +156,9 @@ class AdasumTree:
     def _exchange(self, send: np.ndarray, receive: np.ndarray, partner: int) -> None:
         requests = []
         if receive.size:
-            requests.append(self.mpi.Irecv([receive, MPI.BYTE], source=partner, tag=TAGS["adasum"]))
+            requests.append(started(self.mpi.Irecv([receive, MPI.BYTE], source=partner, tag=TAGS["adasum"])))
         if send.size:
-            requests.append(self.mpi.Isend([send, MPI.BYTE], dest=partner, tag=TAGS["adasum"]))
+            requests.append(started(self.mpi.Isend([send, MPI.BYTE], dest=partner, tag=TAGS["adasum"])))
         for request in requests:
             wait_for_request(request, f"rank {self.mpi.Get_rank()}", f"the Adasum exchange with rank {partner}",
                              f"rank {partner}", peers=(partner,))

@@ -6,6 +6,7 @@ mpi4py's buffer interface (never pickling), and reduces with the fused kernels o
 from __future__ import annotations
 
 import ctypes
+import threading
 
 from mpi4py import MPI
 
@@ -16,6 +17,26 @@ from ..runtime import config
 # Large messages are cut into segments so the reduction of one segment overlaps the arrival of
 # the next. 256 KiB keeps a segment in L2 while it is reduced.
 SEGMENT_BYTES = config.value("MPIDIST_SEGMENT_BYTES")
+
+# Every point-to-point request the algorithms start, until it is seen completed. mpi4py frees a
+# request whose object is collected; one still active then (its collective ended in an error
+# because a peer died, under ULFM) makes Open MPI end the whole job when it completes in error
+# later ("Send error after request freed ... on a NULL communicator"). Held here, such a request
+# is never freed, and the survivors go on.
+_STARTED: list = []
+_STARTED_LOCK = threading.Lock()
+_PRUNE_AT = [1024]
+
+
+def started(request):
+    """Hold `request` (an mpi4py Request just started) until it is seen completed."""
+    with _STARTED_LOCK:
+        _STARTED.append(request)
+        if len(_STARTED) >= _PRUNE_AT[0]:
+            _STARTED[:] = [r for r in _STARTED if r]  # a completed request is MPI_REQUEST_NULL: falsy
+            _PRUNE_AT[0] = max(1024, 2 * len(_STARTED))
+    return request
+
 
 class Context:
     """One collective call: the MPI communicator to use, the buffer, the reduction op, scratch."""
@@ -62,10 +83,10 @@ class Context:
     # ---- point to point ------------------------------------------------------------------
 
     def isend(self, info: BufferInfo, offset: int, count: int, dest: int):
-        return self.mpi.Isend(mpi_spec(info, offset, count), dest=dest, tag=self.tag)
+        return started(self.mpi.Isend(mpi_spec(info, offset, count), dest=dest, tag=self.tag))
 
     def irecv(self, info: BufferInfo, offset: int, count: int, source: int):
-        return self.mpi.Irecv(mpi_spec(info, offset, count), source=source, tag=self.tag)
+        return started(self.mpi.Irecv(mpi_spec(info, offset, count), source=source, tag=self.tag))
 
     def send(self, info: BufferInfo, offset: int, count: int, dest: int):
         if count:
