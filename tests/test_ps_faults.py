@@ -27,15 +27,9 @@ EXIT_SECONDS after every survivor wrote its last file: Open MPI's MPI_Finalize s
 returns after a death (docs/elastic.md), and the survivor must then leave it after
 MPIDIST_FINALIZE_TIMEOUT with its own exit status (runtime/leave.py), which the last check
 checks."""
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
-from conftest import REPO
+from ulfm_job import phase_records, run_ulfm_job
 
 RANKS, FEATURES, CLASSES, SAMPLES, TESTS, BATCH, EPOCHS, LR = 8, 8, 3, 1536, 2000, 64, 3, 0.5
 KILL_STEP, KILL_UPDATE = 9, 12
@@ -166,33 +160,10 @@ def job(tmp_path_factory):
     """(the job's output, its exit status or None when it was stopped, the records by phase and
     world rank, when each phase's victim killed itself (time.time()), the seconds the job took)."""
     out = tmp_path_factory.mktemp("ps-faults")
-    env = {k: v for k, v in os.environ.items() if k not in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK",
-                                                           "PYTEST_ISOLATE_MPI_IS_FORKED")}
-    env.update(MPIDIST_TIMEOUT="60", MPIDIST_STALL_WARNING="120")
-    cmd = ["mpirun", "--with-ft", "ulfm", "--oversubscribe", "--bind-to", "none", "-np", str(RANKS), sys.executable,
-           "-c", JOB, str(out), json.dumps(PHASES)]
-    started = time.monotonic()
-    with open(out / "output.txt", "w+") as output:
-        process = subprocess.Popen(cmd, stdout=output, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
-                                   start_new_session=True)
-        done_since = None
-        while process.poll() is None:
-            if done_since is None and all((out / f"done-{rank}").exists() for rank in survivors()):
-                done_since = time.monotonic()
-            if time.monotonic() - started > RUN_SECONDS or \
-                    done_since is not None and time.monotonic() - done_since > EXIT_SECONDS:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-                break
-            time.sleep(0.2)
-        status = None if process.returncode < 0 else process.returncode
-        output.seek(0)
-        text = output.read()
-    records = {name: {rank: json.loads((out / f"{name}-{rank}.json").read_text())
-                      for rank in members if (out / f"{name}-{rank}.json").exists()}
-               for name, (members, *_) in PHASES.items()}
+    text, status, seconds = run_ulfm_job(out, RANKS, JOB, PHASES, survivors(), RUN_SECONDS, EXIT_SECONDS)
+    records = phase_records(out, PHASES)
     kills = {name: float((out / f"killed-{name}").read_text()) for name in PHASES if (out / f"killed-{name}").exists()}
-    return text, status, records, kills, time.monotonic() - started
+    return text, status, records, kills, seconds
 
 
 def living(name):

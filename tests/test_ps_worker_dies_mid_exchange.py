@@ -20,15 +20,9 @@ Each rank writes what it saw in each phase to a JSON file; the checks read them.
 stopped (its whole process group) when it has not ended RUN_SECONDS after its start, or
 EXIT_SECONDS after every survivor wrote its last file: how a job ends after a death is
 tests/test_ps_faults.py's concern."""
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
-from conftest import REPO
+from ulfm_job import phase_records, run_ulfm_job
 
 RANKS, FEATURES, CLASSES, SAMPLES, TESTS, BATCH, EPOCHS, LR = 8, 8, 3, 1536, 2000, 64, 2, 0.1
 WIDE = 4096  # the hidden width: weights of 140 KB, sent by rendezvous, not eagerly
@@ -148,30 +142,8 @@ def job(tmp_path_factory):
     """(the job's output, the records by phase and world rank, the phases whose victim killed
     itself)."""
     out = tmp_path_factory.mktemp("ps-mid-exchange")
-    env = {k: v for k, v in os.environ.items() if k not in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK",
-                                                           "PYTEST_ISOLATE_MPI_IS_FORKED")}
-    env.update(MPIDIST_TIMEOUT="60", MPIDIST_STALL_WARNING="120")
-    cmd = ["mpirun", "--with-ft", "ulfm", "--oversubscribe", "--bind-to", "none", "-np", str(RANKS), sys.executable,
-           "-c", JOB, str(out), json.dumps(PHASES)]
-    started = time.monotonic()
-    with open(out / "output.txt", "w+") as output:
-        process = subprocess.Popen(cmd, stdout=output, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
-                                   start_new_session=True)
-        done_since = None
-        while process.poll() is None:
-            if done_since is None and all((out / f"done-{rank}").exists() for rank in survivors()):
-                done_since = time.monotonic()
-            if time.monotonic() - started > RUN_SECONDS or \
-                    done_since is not None and time.monotonic() - done_since > EXIT_SECONDS:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-                break
-            time.sleep(0.2)
-        output.seek(0)
-        text = output.read()
-    records = {name: {rank: json.loads((out / f"{name}-{rank}.json").read_text())
-                      for rank in members if (out / f"{name}-{rank}.json").exists()}
-               for name, (members, *_) in PHASES.items()}
+    text, status, seconds = run_ulfm_job(out, RANKS, JOB, PHASES, survivors(), RUN_SECONDS, EXIT_SECONDS)
+    records = phase_records(out, PHASES)
     killed = {name for name in PHASES if (out / f"killed-{name}").exists()}
     return text, records, killed
 

@@ -1,0 +1,49 @@
+"""One `mpirun --with-ft ulfm` launch of a job whose ranks kill themselves in phases, as the
+parameter server's fault tests run it (tests/test_ps_faults.py,
+tests/test_ps_worker_dies_mid_exchange.py). The job gets its folder and the phases (as JSON) as
+arguments; each survivor writes done-<rank> when it has finished, each phase's records go to
+<phase>-<rank>.json. The job is stopped `run_seconds` after its start, or `exit_seconds` after
+every survivor has finished: after a death Open MPI's MPI_Finalize sometimes never returns, and
+how a job ends is tested on its own where it matters."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import REPO
+
+
+def run_ulfm_job(out, ranks: int, job: str, phases: dict, survivors, run_seconds: float, exit_seconds: float):
+    """(the job's output, its exit status or None where it was stopped, the seconds it took)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK",
+                                                           "PYTEST_ISOLATE_MPI_IS_FORKED")}
+    env.update(MPIDIST_TIMEOUT="60", MPIDIST_STALL_WARNING="120")
+    cmd = ["mpirun", "--with-ft", "ulfm", "--oversubscribe", "--bind-to", "none", "-np", str(ranks), sys.executable,
+           "-c", job, str(out), json.dumps(phases)]
+    started = time.monotonic()
+    with open(out / "output.txt", "w+") as output:
+        process = subprocess.Popen(cmd, stdout=output, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+                                   start_new_session=True)
+        done_since = None
+        while process.poll() is None:
+            if done_since is None and all((out / f"done-{rank}").exists() for rank in survivors):
+                done_since = time.monotonic()
+            if time.monotonic() - started > run_seconds or \
+                    done_since is not None and time.monotonic() - done_since > exit_seconds:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                break
+            time.sleep(0.2)
+        output.seek(0)
+        text = output.read()
+    status = None if process.returncode < 0 else process.returncode
+    return text, status, time.monotonic() - started
+
+
+def phase_records(out, phases: dict) -> dict:
+    """The records by phase and world rank (phases: name -> (members, ...))."""
+    return {name: {rank: json.loads((out / f"{name}-{rank}.json").read_text())
+                   for rank in members if (out / f"{name}-{rank}.json").exists()}
+            for name, (members, *_) in phases.items()}
