@@ -29,7 +29,7 @@ MPIDIST_FINALIZE_TIMEOUT with its own exit status (runtime/leave.py), which the 
 checks."""
 
 import pytest
-from ulfm_job import phase_records, run_ulfm_job
+from ulfm_job import job_start, phase_records, run_ulfm_job
 
 RANKS, FEATURES, CLASSES, SAMPLES, TESTS, BATCH, EPOCHS, LR = 8, 8, 3, 1536, 2000, 64, 3, 0.5
 KILL_STEP, KILL_UPDATE = 9, 12
@@ -50,26 +50,9 @@ PHASES = {
 RUN_SECONDS, EXIT_SECONDS = 150, 30  # the exit: the interpreter's end, then MPI_Finalize (MPIDIST_FINALIZE_TIMEOUT at most)
 DETECTION_SECONDS = 10  # from a kill to the end of the waits it ends (seen: under 1 s, on a loaded host)
 
-JOB = f"""
-import json, os, signal, sys, time
-import torch
-import mpidist as md
-from mpi4py import MPI
+JOB = job_start(FEATURES, CLASSES, SAMPLES, TESTS) + f"""
+import os, signal, time
 from mpidist.runtime import wire
-
-out = sys.argv[1]
-phases = json.loads(sys.argv[2])
-torch.set_num_threads(1)
-world = md.init()
-generator = torch.Generator().manual_seed(7)
-teacher = torch.randn({FEATURES}, {CLASSES}, generator=generator)
-x = torch.randn({SAMPLES} + {TESTS}, {FEATURES}, generator=generator)
-y = (x @ teacher + 0.3 * torch.randn(len(x), {CLASSES}, generator=generator)).argmax(1)
-# Every phase's communicator is made now, while every rank lives.
-comms = {{}}
-for name, (members, _, _, _) in phases.items():
-    sub = world.mpi.Split(0 if world.rank in members else MPI.UNDEFINED, world.rank)
-    comms[name] = md.Communicator(sub) if world.rank in members else None
 
 
 pids = world.mpi.allgather(os.getpid())

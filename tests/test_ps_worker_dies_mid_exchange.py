@@ -22,7 +22,7 @@ EXIT_SECONDS after every survivor wrote its last file: how a job ends after a de
 tests/test_ps_faults.py's concern."""
 
 import pytest
-from ulfm_job import phase_records, run_ulfm_job
+from ulfm_job import job_start, phase_records, run_ulfm_job
 
 RANKS, FEATURES, CLASSES, SAMPLES, TESTS, BATCH, EPOCHS, LR = 8, 8, 3, 1536, 2000, 64, 2, 0.1
 WIDE = 4096  # the hidden width: weights of 140 KB, sent by rendezvous, not eagerly
@@ -38,27 +38,11 @@ PHASES = {
 }
 RUN_SECONDS, EXIT_SECONDS = 200, 10
 
-JOB = f"""
-import json, os, signal, sys, time, traceback
-import torch
-import mpidist as md
+JOB = job_start(FEATURES, CLASSES, SAMPLES, TESTS) + f"""
+import os, signal, time, traceback
 import mpidist.parallel.ps.worker as ps_worker
-from mpi4py import MPI
 from mpidist.parallel.ps.protocol import Tag
 from mpidist.runtime import wire
-
-out = sys.argv[1]
-phases = json.loads(sys.argv[2])
-torch.set_num_threads(1)
-world = md.init()
-generator = torch.Generator().manual_seed(7)
-teacher = torch.randn({FEATURES}, {CLASSES}, generator=generator)
-x = torch.randn({SAMPLES} + {TESTS}, {FEATURES}, generator=generator)
-y = (x @ teacher + 0.3 * torch.randn(len(x), {CLASSES}, generator=generator)).argmax(1)
-comms = {{}}  # every phase's communicator is made now, while every rank lives
-for name, (members, _, _, _) in phases.items():
-    sub = world.mpi.Split(0 if world.rank in members else MPI.UNDEFINED, world.rank)
-    comms[name] = md.Communicator(sub) if world.rank in members else None
 
 
 def die(name):

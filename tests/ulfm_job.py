@@ -47,3 +47,28 @@ def phase_records(out, phases: dict) -> dict:
     return {name: {rank: json.loads((out / f"{name}-{rank}.json").read_text())
                    for rank in members if (out / f"{name}-{rank}.json").exists()}
             for name, (members, *_) in phases.items()}
+
+
+def job_start(features: int, classes: int, samples: int, tests: int) -> str:
+    """The start of such a job's code: its folder (`out`) and phases from the arguments, the
+    world, a data set (x, y: `samples` + `tests` rows of `features` drawn from a linear teacher
+    of `classes`) and every phase's communicator (`comms`), made while every rank lives."""
+    return f"""
+import json, sys
+import torch
+import mpidist as md
+from mpi4py import MPI
+
+out = sys.argv[1]
+phases = json.loads(sys.argv[2])
+torch.set_num_threads(1)
+world = md.init()
+generator = torch.Generator().manual_seed(7)
+teacher = torch.randn({features}, {classes}, generator=generator)
+x = torch.randn({samples} + {tests}, {features}, generator=generator)
+y = (x @ teacher + 0.3 * torch.randn(len(x), {classes}, generator=generator)).argmax(1)
+comms = {{}}
+for name, (members, _, _, _) in phases.items():
+    sub = world.mpi.Split(0 if world.rank in members else MPI.UNDEFINED, world.rank)
+    comms[name] = md.Communicator(sub) if world.rank in members else None
+"""
