@@ -19,11 +19,12 @@ One command, in this order (docs/gpu.md):
      (DataParallel, Pipeline, ParameterServer, torch DDP over the backend) on a CUDA module against
      CPU training, and Horovod's behaviours on the GPU (mpidist.torch: mixed CPU/GPU tensors
      refused, alltoall with splits, hvd.join(device), SyncBatchNorm, a model over two devices);
-  6. `mpidist bench allreduce --device cuda` on 2 and 4 ranks sharing the GPU, 1 MiB to 1 GiB (to
-     256 MiB on 4 ranks), float32 and bfloat16: the device window, the staged route, the
-     CUDA-aware route where there is one, NCCL where it runs, and the bound; the targets from
-     64 MiB on: the window >= 20x the staged route, >= 0.5 of the bound, and at least NCCL's bus
-     bandwidth where NCCL ran;
+  6. `mpidist bench allreduce --device cuda` on 2 and 4 ranks sharing the GPU, 4 KiB to 1 GiB (to
+     256 MiB on 4 ranks), float32: the device window, the staged route, the CUDA-aware route
+     where there is one, NCCL where it runs, and the bound; the targets from 64 MiB on: the
+     window >= 20x the staged route, >= 0.5 of the bound, and at least NCCL's bus bandwidth where
+     NCCL ran; then the window and NCCL on 2 ranks again with the GPU shared through MPS
+     (nvidia-cuda-mps-control), where the machine has it, recorded beside the rest;
   7. the CUDA tests of tests/ (kernels against torch, host staging, Adasum) in one pytest run, and
      the collectives on 2 ranks through host staging (MPIDIST_DEVICE_WINDOW=0) and, where
      `mpidist info` reports a CUDA-aware MPI, straight from GPU memory;
@@ -64,8 +65,11 @@ MIB = 1 << 20
 BENCH_SIZES = {"cuda": ["1M", "4M", "16M", "64M", "256M", "1G"], "cpu": ["4K"]}
 BENCH_DTYPES = ["float32", "bfloat16", "float16"]
 # By ranks: 4 ranks on one GPU stop at 256 MiB to keep the run within a lent machine's minutes.
-ALLREDUCE_BENCH_SIZES = {2: "1M,4M,16M,64M,256M,1G", 4: "1M,4M,16M,64M,256M"}
-ALLREDUCE_BENCH_DTYPES = "float32,bfloat16"
+ALLREDUCE_BENCH_SIZES = {2: "4K,1M,64M,256M,1G", 4: "4K,1M,64M,256M"}
+ALLREDUCE_BENCH_DTYPES = "float32"
+# Under MPS the ranks' kernels share the GPU at once instead of taking turns: the small sizes show
+# the fixed cost of a call, the device window against NCCL where NCCL runs.
+MPS_BENCH = ["--sizes", "4K,1M,64M", "--dtype", "float32", "--algorithms", "hierarchical,nccl"]
 STAGED_FACTOR = 20  # the device window's all-reduce against the staged route, from 64 MiB
 BOUND_FRACTION = 0.5  # ... and against the bound
 TARGET_FROM_BYTES = 64 * MIB
@@ -449,25 +453,48 @@ class GpuCheck:
 
     # ---- 8. the all-reduce benchmark by route ---------------------------------------------------
 
-    def allreduce_benchmark(self, ranks: int):
-        path = os.path.join(self.out, f"bench-allreduce-cuda-{ranks}ranks.json")
+    def allreduce_benchmark(self, ranks: int, name: str = "", options=None, env=None, judge: bool = True):
+        """`mpidist bench allreduce --device cuda` on `ranks` ranks; its rows are judged against
+        the targets unless `judge` is false (a run under other conditions, recorded beside)."""
+        path = os.path.join(self.out, f"bench-allreduce-cuda-{ranks}ranks{name}.json")
+        options = options or ["--sizes", ALLREDUCE_BENCH_SIZES[ranks], "--dtype", ALLREDUCE_BENCH_DTYPES]
         args = [*self.launcher, str(ranks), sys.executable, "-m", "mpidist.cli", "bench", "allreduce", "--device",
-                "cuda", "--sizes", ALLREDUCE_BENCH_SIZES[ranks], "--dtype", ALLREDUCE_BENCH_DTYPES, "--iters", "5",
-                "--warmup", "1", "--json", path]
-        result = self.command(args, timeout=LAUNCH_TIMEOUT, env=self.env(MPIDIST_TIMEOUT="60",
-                                                                          NCCL_MULTI_RANK_GPU_ENABLE="1"))
-        with open(os.path.join(self.out, f"bench-allreduce-cuda-{ranks}ranks.txt"), "w") as f:
+                "cuda", *options, "--iters", "5", "--warmup", "1", "--json", path]
+        result = self.command(args, timeout=LAUNCH_TIMEOUT, env=env or self.env(MPIDIST_TIMEOUT="60",
+                                                                                NCCL_MULTI_RANK_GPU_ENABLE="1"))
+        with open(path.replace(".json", ".txt"), "w") as f:
             f.write(result.stdout + result.stderr)
         if not os.path.exists(path):
             return "failed", f"mpidist bench wrote no rows: {tail(result)}"
         with open(path) as f:
             rows = json.load(f)
-        self.allreduce_rows += rows
-        self.targets += allreduce_targets(rows)
+        if judge:
+            self.allreduce_rows += rows
+            self.targets += allreduce_targets(rows)
         wrong = [f"{r['algorithm']} {r['dtype']} {r['bytes']}" for r in rows if r["wrong"]]
         if wrong or result.returncode:
             return "failed", f"wrong results in {wrong}" if wrong else f"exit {result.returncode}: {tail(result)}"
         return "passed", f"{len(rows)} rows: {sorted({r['algorithm'] for r in rows})}"
+
+    def allreduce_benchmark_mps(self):
+        """The 2-rank benchmark again with the GPU shared through an MPS daemon of this run's own."""
+        control = shutil.which("nvidia-cuda-mps-control")
+        if control is None:
+            return "skipped", "no nvidia-cuda-mps-control on PATH"
+        folder = tempfile.mkdtemp(prefix="gpu-check-mps-")
+        mps = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(folder, "pipe"),
+               "CUDA_MPS_LOG_DIRECTORY": os.path.join(folder, "log")}
+        for path in mps.values():
+            os.makedirs(path)
+        started = self.command([control, "-d"], timeout=30, env=self.env(**mps))
+        if started.returncode != 0:
+            return "skipped", f"the MPS daemon did not start: {tail(started)}"
+        try:
+            return self.allreduce_benchmark(2, "-mps", MPS_BENCH, judge=False,
+                                            env=self.env(MPIDIST_TIMEOUT="60", NCCL_MULTI_RANK_GPU_ENABLE="1", **mps))
+        finally:
+            subprocess.run([control], input="quit\n", text=True, env=self.env(**mps), timeout=30,
+                           capture_output=True)
 
     def judge_targets(self):
         measured = [t for t in self.targets if t["holds"] is not None]
@@ -504,6 +531,7 @@ class GpuCheck:
                 for ranks in (2, 4):
                     self.step(f"mpidist bench allreduce --device cuda, {ranks} ranks",
                               lambda: self.allreduce_benchmark(ranks))
+                self.step("mpidist bench allreduce --device cuda, 2 ranks under MPS", self.allreduce_benchmark_mps)
         self.step("CUDA tests of tests/", self.cuda_tests)
         if self.launcher is not None:
             self.launches_of(window=False)

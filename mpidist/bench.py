@@ -384,15 +384,16 @@ def with_device(row: dict, device: str) -> dict:
 
 
 def supported(workload, algorithm, printer) -> bool:
-    """Peers that cannot run this case are left out with a note (e.g. gloo's missing reduce-scatter)."""
-    if algorithm != "gloo":
+    """Peers that cannot run this case are left out with a note (gloo's missing reduce-scatter,
+    NCCL refusing two ranks on one GPU); every rank learns the same refusal, so all leave it out."""
+    if algorithm not in ("gloo", "nccl"):
         return True
     try:
         workload.reset()
-        workload.call("gloo")
+        workload.call(algorithm)
         return True
     except (RuntimeError, ValueError, AttributeError) as exc:
-        printer.note(f"gloo skipped for {workload.dtype} {type(workload).__name__}: {str(exc).splitlines()[0]}")
+        printer.note(f"{algorithm} skipped for {workload.dtype} {type(workload).__name__}: {str(exc).splitlines()[0]}")
         return False
 
 
