@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 
 import numpy as np
 import torch
+from machine import cpu_model  # benchmarks/machine.py, beside this script
 from mpi4py import MPI
 
 import mpidist as md
@@ -82,14 +82,6 @@ def wrong_results(candidate, args, world) -> int:
     results = call(step_inputs(world.Get_rank(), args.tensors, args.elements, 0), world.Get_rank(), 0)
     expected = [sum(step_inputs(r, args.tensors, args.elements, 0)[k] for r in range(size)) for k in range(args.tensors)]
     return sum(int((result != reference).sum()) for result, reference in zip(results, expected))
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            return next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def main(argv=None) -> int:

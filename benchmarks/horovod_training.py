@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+from machine import cpu_model  # benchmarks/machine.py, beside this script
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "horovod", "pytorch_synthetic_benchmark.py")
 CANDIDATES = {
@@ -48,11 +50,6 @@ def launch(ranks: int, args, changes: dict, more: list) -> tuple:
     shown = [f"{key}={value}" for key, value in changes.items()]
     shown += ["mpirun", *command[1:6], "python", os.path.relpath(EXAMPLE, REPO), *command[8:]]
     return " ".join(shown), float(found.group(1))
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as handle:
-        return next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), "unknown")
 
 
 def main(argv=None) -> int:
