@@ -114,14 +114,33 @@ def read_seal(path) -> dict:
     return {**fields, "sealed": True}
 
 
+# The identity (_identity) of the file verify() last found intact in this process. Resuming
+# checks the newest checkpoint in latest_checkpoint and again in load_checkpoint: the second
+# check of a file unchanged since then does not read every byte again.
+_last_intact = None
+
+
 def verify(path) -> dict:
     """``read_seal``, then every byte checked against the sealed digest: a CheckpointError naming
-    the file where any differs. Returns the seal's fields (an unsealed file's are not checked)."""
+    the file where any differs. Returns the seal's fields (an unsealed file's are not checked).
+    The file this process found intact last is not read again while it is unchanged."""
+    global _last_intact
     fields = read_seal(path)
-    if fields["sealed"] and _digest(path) != fields["sha256"]:
-        raise CheckpointError(f"checkpoint {path} is damaged: its content does not match the SHA-256 sealed in it "
-                              "(bytes changed after it was written)")
+    if not fields["sealed"]:
+        return fields
+    identity = _identity(path)  # before the digest, so that a write during it counts as a change
+    if identity != _last_intact:
+        if _digest(path) != fields["sha256"]:
+            raise CheckpointError(f"checkpoint {path} is damaged: its content does not match the SHA-256 sealed in "
+                                  "it (bytes changed after it was written)")
+        _last_intact = identity
     return fields
+
+
+def _identity(path) -> tuple:
+    """What differs after the file at ``path`` is replaced, renamed over or written to."""
+    status = os.stat(path)
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns
 
 
 def _digest(path) -> str:
