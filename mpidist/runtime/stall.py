@@ -12,6 +12,14 @@ report names every other rank of the communicator, as the deadline error does.
 The same records tell a waiting rank that a peer's program has ended (ExitWatch): md.init()
 has every rank mark its record at exit, and a rank still waiting for that peer in a collective
 raises PeerExitedError a few seconds later instead of waiting out MPIDIST_TIMEOUT.
+
+A rank that has entered the collective is not always one that can finish it: a collective of
+several stages (the gradient buckets' all-reduce on one node) needs every rank to go on polling
+it, and a rank frozen inside its wait (SIGSTOP, a node that hangs) publishes the same text as the
+ranks waiting for it. So a wait that polls (wait_in_collective, through ExitWatch) also writes when
+it last polled, and the report names a rank whose record says it waits here but has not polled
+for POLL_STALE_SECONDS. A wait that does not poll from its own thread (hvd's negotiated handles)
+leaves that time unset, and its rank counts as arrived, as before.
 """
 from __future__ import annotations
 
@@ -26,7 +34,7 @@ from ..errors import PeerExitedError
 from .mpi import fault_tolerant, load_mpi
 
 TEXT_BYTES = 104
-RECORD_BYTES = 24 + TEXT_BYTES  # time (float64), state (int64), text length (int64), text
+RECORD_BYTES = 32 + TEXT_BYTES  # time (float64), state (int64), text length (int64), polled (float64), text
 NO_CALL, WAITING, RETURNED, EXITED = 0, 1, 2, 3
 # How long a report may wait for the records of the other ranks: on one node a read is a copy
 # from shared memory; across nodes, with no hardware one-sided support, a read needs the other
@@ -39,6 +47,13 @@ READ_SECONDS = 2.0
 # peer never entered.
 EXIT_CHECK_SECONDS = 1.0
 EXIT_GRACE_SECONDS = 2.0
+# How often a polling wait writes the time it last polled, and how old that time must be for a
+# rank waiting in the same collective to count as stuck in it rather than arrived: far longer than
+# a time slice of a rank that shares its core with others, and at most half the reporter's own
+# wait (with a short MPIDIST_STALL_WARNING, a rank frozen just before the others began waiting is
+# still named).
+POLL_MARK_SECONDS = 0.25
+POLL_STALE_SECONDS = 3.0
 
 _board = None
 
@@ -56,7 +71,8 @@ class Board:
         self.time = memory[0:8].view(np.float64)
         self.state = memory[8:16].view(np.int64)
         self.length = memory[16:24].view(np.int64)
-        self.text = memory[24:RECORD_BYTES]
+        self.polled = memory[24:32].view(np.float64)
+        self.text = memory[32:RECORD_BYTES]
         self.state[0] = NO_CALL
         self.pid = os.getpid()
 
@@ -64,8 +80,12 @@ class Board:
         data = _as_published(what)
         self.text[:len(data)] = np.frombuffer(data, dtype=np.uint8)
         self.length[0] = len(data)
+        self.polled[0] = 0.0  # unknown until this wait polls (mark_polled)
         self.time[0] = time.time()
         self.state[0] = WAITING
+
+    def mark_polled(self) -> None:
+        self.polled[0] = time.time()
 
     def returned(self) -> None:
         self.time[0] = time.time()
@@ -78,8 +98,8 @@ class Board:
         self.state[0] = EXITED
 
     def read(self, board_ranks) -> dict:
-        """{board rank: (state, time, text)} of the ranks whose records arrived within
-        READ_SECONDS."""
+        """{board rank: (state, time, text, polled)} of the ranks whose records arrived within
+        READ_SECONDS (polled: when its wait last polled; 0 when unknown)."""
         MPI = load_mpi()
         records = {rank: np.zeros(RECORD_BYTES, dtype=np.uint8) for rank in board_ranks}
         requests = {rank: self.window.Rget([records[rank], MPI.BYTE], rank) for rank in board_ranks}
@@ -93,8 +113,9 @@ class Board:
             if rank in pending:
                 continue
             length = int(record[16:24].view(np.int64)[0])
-            text = record[24:24 + max(0, min(length, TEXT_BYTES))].tobytes().decode(errors="replace")
-            read[rank] = (int(record[8:16].view(np.int64)[0]), float(record[0:8].view(np.float64)[0]), text)
+            text = record[32:32 + max(0, min(length, TEXT_BYTES))].tobytes().decode(errors="replace")
+            read[rank] = (int(record[8:16].view(np.int64)[0]), float(record[0:8].view(np.float64)[0]), text,
+                          float(record[24:32].view(np.float64)[0]))
         return read
 
 
@@ -146,16 +167,23 @@ class ExitWatch:
     EXIT_GRACE_SECONDS (see there why that is safe). It reads the records only after
     EXIT_CHECK_SECONDS of waiting, and then once per EXIT_CHECK_SECONDS. It does nothing without a
     board, nor in a fault-tolerant run (ULFM), where a dead rank is the MPI library's to report
-    and reading its record could fail."""
+    and reading its record could fail. Made and checked by the waiting rank's own polls, it also
+    marks on this rank's record that its wait still polls (every POLL_MARK_SECONDS)."""
 
     def __init__(self, mpi, what: str):
         self.mpi, self.what = mpi, what
         self.active = _board is not None and not fault_tolerant()
         self.next_check = time.monotonic() + EXIT_CHECK_SECONDS
+        self.next_mark = time.monotonic() + POLL_MARK_SECONDS
         self.gone_since = None
+        if _board is not None:
+            _board.mark_polled()
 
     def check(self) -> None:
         now = time.monotonic()
+        if _board is not None and now >= self.next_mark:
+            _board.mark_polled()
+            self.next_mark = now + POLL_MARK_SECONDS
         if not self.active or now < self.next_check:
             return
         self.next_check = now + EXIT_CHECK_SECONDS
@@ -191,14 +219,18 @@ def report(mpi, what: str, waited: float, timeout: float) -> None:
     published = _as_published(what).decode(errors="replace")
     missing, lines = [], []
     for rank, board_rank in zip(others, on_board):
-        state, since, text = records.get(board_rank, (None, 0.0, ""))
-        if state == WAITING and text == published:
+        state, since, text, polled = records.get(board_rank, (None, 0.0, "", 0.0))
+        stuck = polled > 0 and now - polled > min(POLL_STALE_SECONDS, waited / 2)
+        if state == WAITING and text == published and not stuck:
             if rank < me:
                 return  # a lower rank waits here too: it prints the report
             continue
         missing.append(rank)
         name = f"rank {rank}" + (f" (world rank {board_rank})" if board_rank != rank else "")
-        if state is None:
+        if state == WAITING and text == published:
+            lines.append(f"{name}: entered {text} {now - since:.0f} s ago, but its wait has not polled for "
+                         f"{now - polled:.0f} s (the process is frozen, or held away from its wait)")
+        elif state is None:
             lines.append(f"{name}: its record could not be read within {READ_SECONDS:.0f} s (it is busy away "
                          "from MPI, or gone)")
         elif state == NO_CALL:
