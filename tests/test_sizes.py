@@ -11,7 +11,7 @@ PACKAGE = os.path.join(REPO, "mpidist")
 MODULE_LINES, FUNCTION_LINES = 500, 60
 # Still over the limits (paths relative to mpidist/; functions as path:name).
 EXCEEDING = {
-    "distributed/backend.py", "torch/mpi_ops.py", "parallel/reducer.py:__init__",
+    "torch/mpi_ops.py", "parallel/reducer.py:__init__",
 }
 
 

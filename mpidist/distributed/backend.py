@@ -8,8 +8,8 @@ async_op=False runs on the caller's thread (behind any queued asynchronous ones)
 queues it on the Communicator's asynchronous engine (collectives/engine.py), which progresses it
 in the background, and returns a Work at once, except on CPU tensors in a group on one node
 (MPIDIST_EAGER_ON_NODE), where it runs at once like a blocking call and its Work is complete when
-returned. Point-to-point operations are nonblocking MPI messages on a duplicate communicator of
-their own, so a user's tag never matches a collective's.
+returned. Point-to-point operations are point_to_point.py's: nonblocking MPI messages on a
+duplicate communicator of the group's own, so a user's tag never matches a collective's.
 
 How the c10d operations map onto the collectives: all_reduce (SUM, AVG, PRODUCT, MIN, MAX) is
 allreduce; PREMUL_SUM scales, then sums; BAND/BOR/BXOR gather the ranks' tensors and fold them
@@ -29,7 +29,7 @@ from ..collectives.engine import in_order
 from ..comm import Communicator, init
 from ..errors import InvalidArgumentError, NotOfferedError
 from ..runtime import config
-from ..runtime.deadlines import wait_for_request
+from . import point_to_point
 from .rendezvous import check_agrees_with_mpi
 
 # c10d's reduce ops by their numbers (an enum as a dictionary key costs microseconds on every call).
@@ -76,51 +76,6 @@ class MpidistWork(dist.Work):
             self._future = Future()
             self._future.set_result(self._outputs)
         return self._future
-
-
-class PointToPointWork(dist.Work):
-    """A send's or receive's Work: the nonblocking MPI request, waited with the deadline."""
-
-    def __init__(self, request, what: str, peer, mpi, finish=None):
-        super().__init__()
-        self._request, self._what, self._peer, self._mpi = request, what, peer, mpi
-        self._finish = finish  # after a receive: copy a staged message into the tensor
-        self._status = MPI.Status()
-        self._done = False
-
-    def wait(self, timeout=None):
-        if not self._done:
-            peer = "any rank" if self._peer == MPI.ANY_SOURCE else f"rank {self._peer}"
-            wait_for_request(_StatusTest(self._request, self._status), f"rank {self._mpi.Get_rank()}", self._what,
-                             peer, peers=() if self._peer == MPI.ANY_SOURCE else (self._peer,))
-            self._complete()
-        return True
-
-    def _complete(self):
-        self._done = True
-        if self._finish is not None:
-            self._finish()
-
-    def is_completed(self):
-        if not self._done and self._request.Test(self._status):
-            self._complete()
-        return self._done
-
-    def _source_rank(self):
-        self.wait()
-        return self._status.Get_source()
-
-    source_rank = _source_rank
-
-
-class _StatusTest:
-    """A request whose Test() fills a status (the source of a receive from any rank)."""
-
-    def __init__(self, request, status):
-        self.request, self.status = request, status
-
-    def Test(self):
-        return self.request.Test(self.status)
 
 
 class ProcessGroupMpidist(dist.ProcessGroup):
@@ -430,25 +385,15 @@ class ProcessGroupMpidist(dist.ProcessGroup):
     # ---- point to point ----------------------------------------------------------------------
 
     def send(self, tensors, dst_rank, tag):
-        tensor = _one(tensors, "send")
         self._check_peer(dst_rank, "send")
-        host = tensor.detach().cpu().contiguous() if tensor.is_cuda else _contiguous(tensor, "send")
-        request = self._p2p.Isend(_message(host), dest=dst_rank, tag=tag)
-        return PointToPointWork(request, f"send to rank {dst_rank} (tag {tag})", dst_rank, self._p2p)
+        return point_to_point.send(self._p2p, _one(tensors, "send"), dst_rank, tag)
 
     def recv(self, tensors, src_rank, tag):
         self._check_peer(src_rank, "recv")
-        return self._receive(_one(tensors, "recv"), src_rank, tag)
+        return point_to_point.receive(self._p2p, _one(tensors, "recv"), src_rank, tag)
 
     def recv_anysource(self, tensors, tag):
-        return self._receive(_one(tensors, "recv"), MPI.ANY_SOURCE, tag)
-
-    def _receive(self, tensor, source, tag):
-        target = torch.empty_like(tensor, device="cpu") if tensor.is_cuda else _contiguous(tensor, "recv")
-        request = self._p2p.Irecv(_message(target), source=source, tag=tag)
-        finish = (lambda: tensor.copy_(target)) if tensor.is_cuda else None
-        who = "any rank" if source == MPI.ANY_SOURCE else f"rank {source}"
-        return PointToPointWork(request, f"receive from {who} (tag {tag})", source, self._p2p, finish)
+        return point_to_point.receive(self._p2p, _one(tensors, "recv"), MPI.ANY_SOURCE, tag)
 
     # ---- checks --------------------------------------------------------------------------------
 
@@ -506,14 +451,3 @@ def _reduce_op(reduce_op, dtype, what: str) -> tuple:
     if kind not in BITWISE_OPS:
         raise NotOfferedError(f"{what}: reduce op {op_name} is not offered by the mpidist backend")
     return kind, None
-
-
-def _contiguous(tensor, what: str):
-    if not tensor.is_contiguous():
-        raise InvalidArgumentError(f"{what}: the tensor must be contiguous")
-    return tensor
-
-
-def _message(tensor):
-    """An MPI buffer of the tensor's bytes (typed by size only: both sides pass the same dtype)."""
-    return [tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else bytearray(), MPI.BYTE]
