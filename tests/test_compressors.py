@@ -93,6 +93,24 @@ def test_orthogonalize_gives_orthonormal_columns_spanning_the_same_space():
     np.testing.assert_allclose(np.abs(matrix.numpy()), np.abs(q), atol=1e-13)
 
 
+@pytest.mark.parametrize("case", ["random", "sample larger", "sample smaller", "k near the limit"])
+def test_largest_magnitudes_picks_the_top_k_of_a_large_bucket(case):
+    """Above DIRECT_TOPK_NUMEL, top-k looks through candidates read off a strided sample: still the
+    k elements largest in magnitude (NumPy's argsort), also where the sample misleads it."""
+    numel, k = 3 * compressors.DIRECT_TOPK_NUMEL + 5, 700
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    if case == "sample larger":  # the sampled elements are the largest: fewer than k pass its threshold
+        x[::compressors.SAMPLE_STRIDE] *= 1000
+    elif case == "sample smaller":  # far more than 2k pass
+        x[::compressors.SAMPLE_STRIDE] /= 1000
+    elif case == "k near the limit":
+        k = numel // 4
+    indices = compressors.largest_magnitudes(x, k)
+    assert indices.dtype == torch.int64 and indices.numel() == k
+    expected = np.argsort(-np.abs(x.numpy()), kind="stable")[:k]
+    np.testing.assert_array_equal(np.sort(indices.numpy()), np.sort(expected))
+
+
 def test_mpidist_train_resumes_exactly_with_error_feedback(tmp_path):
     """`mpidist train --compression powersgd:2` for 2 epochs of 12 steps (compressed from step 10
     on), and the same run resumed from its first epoch's checkpoint: the same final weights, bit

@@ -10,30 +10,16 @@ returned Exchange's wait() finishes it and leaves the reduced gradient ("sum" or
 Error feedback (PowerSGD, int8, top-k): before compressing, a bucket adds to its gradient the
 residual of the step before, and keeps as the new residual what it meant to send minus what its
 share of the result is. So nothing is lost, only delayed: over any number of steps, the sum of
-the results plus every rank's residual is the sum of every rank's gradients.
+the results plus every rank's residual is the sum of every rank's gradients. Every rank gets the
+same bits: each reduces the same exchanged data in rank order, and PowerSGD orthogonalizes the
+same all-reduced matrix on every rank.
 
-Every rank gets the same bits: each reduces the same exchanged data in rank order, and
-PowerSGD orthogonalizes the same all-reduced matrix on every rank.
-
-- PowerSGD (Vogels et al., as torch's powerSGD_hook defines it): each gradient of two or more
-  dimensions, seen as an n x m matrix M (its first dimension by the rest), is sent as the rank r
-  factors P = M Q (n x r) and, after P is summed and orthogonalized, Q = M^T P (m x r). A
-  matrix where (n + m) r * min_compression_rate >= n m, and every vector, goes whole, with
-  the first all-reduce. The first `start_iter` steps are plain all-reduces without error
-  feedback (torch's start_powerSGD_iter). With warm_start, Q is the last step's summed Q;
-  otherwise a new random one each step (from a generator seeded with `seed`, the same on every
-  rank). Each rank's share of the result is P Q_rank^T, so its residual is M - P Q_rank^T: the
-  same in sum over the ranks as torch's M - P Q_average^T.
-- Int8: the bucket is cut into one part per rank; each rank quantizes its gradient to int8 with
-  one float32 scale (its largest magnitude / 127) per `chunk` elements and sends part k to rank
-  k (all-to-all); rank k sums the parts in rank order in float32 (float64 for float64
-  gradients), quantizes the sum the same way and every rank gathers the sums (allgather). The
-  int8 values are never added in int8; the sum's own rounding error joins its owner's residual.
-  Bytes on the wire: those of a ring all-reduce at one byte per element, plus the scales.
-- Top-k: each rank sends its ceil(fraction * n) largest-magnitude elements as (int32 index,
-  value) pairs to every rank (allgather); every rank adds them up in rank order.
-- Fp16 / bf16: the bucket goes in that dtype and comes back in the gradients' (the reducer
-  casts; no error feedback, as DDP's fp16_compress_hook and Horovod's Compression.fp16).
+Each one's exchange in full: docs/compression.md, "How they exchange". In short: PowerSGD
+(Vogels et al., as torch's powerSGD_hook defines it) sends each weight matrix M as P = M Q and
+Q = M^T P (two all-reduces), its residual M - P Q_rank^T; int8 sends one int8 part per rank
+(all-to-all), each owner sums its part in float32 in rank order and requantizes it, and every
+rank gathers the sums (allgather); top-k allgathers each rank's (index, value) pairs; fp16 /
+bf16 are the reducer's casts, without error feedback.
 """
 from __future__ import annotations
 
@@ -357,7 +343,9 @@ class PowerSGDBucket(BucketCompressor):
                 orthogonalize(p_part, settings.epsilon)
                 torch.matmul(matrix.t(), p_part, out=q_part)
                 if settings.error_feedback:  # what this rank meant to send, less its share P Q_rank^T
-                    self.residual[offset:offset + matrix.numel()] = (matrix - p_part @ q_part.t()).reshape(-1)
+                    # in one pass over the matrix, with no temporary of its size
+                    torch.addmm(matrix, p_part, q_part.t(), alpha=-1,
+                                out=self.residual[offset:offset + matrix.numel()].view(matrix.shape))
             self.comm.allreduce(self.q, op="sum", algorithm=self.algorithm)
             for offset, matrix, p_part, q_part in self._views(flat, p):
                 torch.matmul(p_part, q_part.t(), out=matrix)
@@ -391,25 +379,14 @@ class Int8Bucket(BucketCompressor):
         dtype = params[0].dtype
         self.compute_dtype = torch.float64 if dtype == torch.float64 else torch.float32
 
-    def _rows(self, flat, dtype):
-        """`flat` (the bucket) as `dtype` rows of `width`, one per part, zero past each part."""
+    def _parts(self, flat, rows):
+        """(flat, rows) views of the parts: the whole ones as matrices, then a short last one."""
         part = self.part
         full, tail = divmod(self.numel, part)
-        rows = torch.empty(self.comm.size, self.width, dtype=dtype, device=flat.device)
-        rows[full:].zero_()
-        rows[:full, part:].zero_()
-        rows[:full, :part] = flat[:full * part].view(full, part)
+        views = [(flat[:full * part].view(full, part), rows[:full, :part])]
         if tail:
-            rows[full, :tail] = flat[full * part:]
-        return rows
-
-    def _unrows(self, rows, flat) -> None:
-        """Write the parts in `rows` (as _rows lays them out) back into `flat`."""
-        part = self.part
-        full, tail = divmod(self.numel, part)
-        flat[:full * part].view(full, part).copy_(rows[:full, :part])
-        if tail:
-            flat[full * part:].copy_(rows[full, :tail])
+            views.append((flat[full * part:], rows[full, :tail]))
+        return views
 
     def _quantize(self, rows):
         """(int8 values (rows x width), float32 scales (rows x chunks)) of `rows` (rows x width,
@@ -420,8 +397,7 @@ class Int8Bucket(BucketCompressor):
         largest = torch.maximum(blocks.amax(dim=2), blocks.amin(dim=2).neg_()).abs_()
         scales = (largest / 127).float()
         divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).to(rows.dtype)
-        scaled = blocks / divisor[:, :, None]
-        values = scaled.round_().clamp_(-127, 127).to(torch.int8)
+        values = torch.div(blocks, divisor[:, :, None]).round_().clamp_(-127, 127).to(torch.int8)
         return values.view(rows.shape[0], self.width), scales
 
     def _dequantize(self, values, scales):
@@ -442,26 +418,32 @@ class Int8Bucket(BucketCompressor):
         return values, scales
 
     def _start(self, flat, op):
-        size = self.comm.size
-        flat.add_(self.residual)
-        rows = self._rows(flat, self.compute_dtype)
+        # The bucket plus its residual, as rows of whole chunks (zero past each part's end).
+        rows = torch.empty(self.comm.size, self.width, dtype=self.compute_dtype, device=flat.device)
+        rows[self.numel // self.part:].zero_()
+        rows[:self.numel // self.part, self.part:].zero_()
+        for (flat_part, row_part), (residual_part, _) in zip(self._parts(flat, rows), self._parts(self.residual, rows)):
+            torch.add(flat_part, residual_part, out=row_part)
         values, scales = self._quantize(rows)
         # What this rank meant to send, less what it sent; its part's sum adds its own error below.
-        residual = self._dequantize(values, scales)
-        torch.sub(rows, residual, out=residual)
+        sent = self._dequantize(values, scales)
+        for (residual_part, row_part), (_, sent_part) in zip(self._parts(self.residual, rows),
+                                                               self._parts(self.residual, sent)):
+            torch.sub(row_part, sent_part, out=residual_part)
         payload = self._payload(values, scales)
 
         def finish():
             received, _ = self.comm.alltoall(payload)
             dequantized = self._dequantize(*self._unpack(received))
             total = torch.zeros(1, self.width, dtype=self.compute_dtype, device=flat.device)
-            for rank in range(size):  # in rank order
+            for rank in range(self.comm.size):  # in rank order
                 total[0] += dequantized[rank]
             sum_values, sum_scales = self._quantize(total)
-            residual[self.comm.rank] += (total - self._dequantize(sum_values, sum_scales))[0]
-            self._unrows(residual, self.residual)
-            gathered = self.comm.allgather(self._payload(sum_values, sum_scales))
-            self._unrows(self._dequantize(*self._unpack(gathered.view(size, -1))), flat)
+            own = self.residual[self.comm.rank * self.part:][:self.part]  # empty past the bucket's end
+            own += (total - self._dequantize(sum_values, sum_scales))[0, :own.numel()]
+            gathered = self.comm.allgather(self._payload(sum_values, sum_scales)).view(self.comm.size, -1)
+            for flat_part, sum_part in self._parts(flat, self._dequantize(*self._unpack(gathered))):
+                flat_part.copy_(sum_part)
             self._finish_step(flat, op)
         return Exchange(finish)
 
@@ -469,6 +451,26 @@ class Int8Bucket(BucketCompressor):
 def _as(data, dtype):
     """The bytes `data` (uint8, last dimension) read as `dtype`, from a copy aligned for it."""
     return data.clone(memory_format=torch.contiguous_format).view(dtype)
+
+
+DIRECT_TOPK_NUMEL = 1 << 16  # largest_magnitudes runs torch.topk over all of a bucket this small
+SAMPLE_STRIDE = 61  # its sample's stride, which rarely divides a row: the sample follows no column
+
+
+def largest_magnitudes(flat, k: int):
+    """The indices (int64, in no order) of the k elements of `flat` largest in magnitude: the set
+    torch.topk(flat.abs(), k) gives (up to ties), without its cost over millions of elements.
+    topk runs over candidates: those at least a threshold that about 2k pass, read off a strided
+    sample. The top k are at least the k-th largest, so if k or more pass they are all among
+    them; if fewer pass (a sample unlike the rest), topk runs over every element."""
+    magnitudes = flat.abs()
+    if magnitudes.numel() > DIRECT_TOPK_NUMEL and 4 * k <= magnitudes.numel():
+        sample = magnitudes[::SAMPLE_STRIDE]
+        threshold = torch.kthvalue(sample, max(1, sample.numel() - 2 * k // SAMPLE_STRIDE)).values
+        candidates = torch.nonzero(magnitudes >= threshold).squeeze(1)
+        if candidates.numel() >= k:
+            return candidates[torch.topk(magnitudes[candidates], k, sorted=False).indices]
+    return torch.topk(magnitudes, k, sorted=False).indices
 
 
 class TopKBucket(BucketCompressor):
@@ -480,10 +482,11 @@ class TopKBucket(BucketCompressor):
 
     def _start(self, flat, op):
         flat.add_(self.residual)
-        indices = torch.topk(flat.abs(), self.k, sorted=False).indices.to(torch.int32)
-        values = flat[indices.long()]
+        indices = largest_magnitudes(flat, self.k)
+        values = flat[indices]
         self.residual.copy_(flat)
-        self.residual[indices.long()] = 0
+        self.residual[indices] = 0
+        indices = indices.to(torch.int32)
         payload = torch.cat([indices.view(torch.uint8), values.view(torch.uint8)])
         handle = self.comm.allgather_async(payload)
 
