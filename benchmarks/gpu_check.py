@@ -69,7 +69,8 @@ ALLREDUCE_BENCH_SIZES = {2: "4K,1M,64M,256M,1G", 4: "4K,1M,64M,256M"}
 ALLREDUCE_BENCH_DTYPES = "float32"
 # Under MPS the ranks' kernels share the GPU at once instead of taking turns: the small sizes show
 # the fixed cost of a call, the device window against NCCL where NCCL runs.
-MPS_BENCH = ["--sizes", "4K,1M,64M", "--dtype", "float32", "--algorithms", "hierarchical,nccl"]
+MPS_BENCH = ["--sizes", "4K,1M,64M,256M", "--dtype", "float32", "--algorithms",
+             "hierarchical,staged:hierarchical,nccl,bound"]
 STAGED_FACTOR = 20  # the device window's all-reduce against the staged route, from 64 MiB
 BOUND_FRACTION = 0.5  # ... and against the bound
 TARGET_FROM_BYTES = 64 * MIB
@@ -448,14 +449,14 @@ class GpuCheck:
             self.benchmark_rows = json.load(f)
         if not self.benchmark_rows:
             return "failed", "benchmarks/kernels.py wrote no rows"
-        self.targets = evaluate_targets(self.benchmark_rows)
+        self.targets += evaluate_targets(self.benchmark_rows)
         return "passed", f"{len(self.benchmark_rows)} rows"
 
     # ---- 8. the all-reduce benchmark by route ---------------------------------------------------
 
-    def allreduce_benchmark(self, ranks: int, name: str = "", options=None, env=None, judge: bool = True):
-        """`mpidist bench allreduce --device cuda` on `ranks` ranks; its rows are judged against
-        the targets unless `judge` is false (a run under other conditions, recorded beside)."""
+    def allreduce_benchmark(self, ranks: int, name: str = "", options=None, env=None, setting: str = ""):
+        """`mpidist bench allreduce --device cuda` on `ranks` ranks, its rows judged against the
+        targets; `setting` names a run under other conditions in the targets' names."""
         path = os.path.join(self.out, f"bench-allreduce-cuda-{ranks}ranks{name}.json")
         options = options or ["--sizes", ALLREDUCE_BENCH_SIZES[ranks], "--dtype", ALLREDUCE_BENCH_DTYPES]
         args = [*self.launcher, str(ranks), sys.executable, "-m", "mpidist.cli", "bench", "allreduce", "--device",
@@ -468,9 +469,8 @@ class GpuCheck:
             return "failed", f"mpidist bench wrote no rows: {tail(result)}"
         with open(path) as f:
             rows = json.load(f)
-        if judge:
-            self.allreduce_rows += rows
-            self.targets += allreduce_targets(rows)
+        self.allreduce_rows += [dict(row, setting=setting) for row in rows] if setting else rows
+        self.targets += allreduce_targets(rows, setting)
         wrong = [f"{r['algorithm']} {r['dtype']} {r['bytes']}" for r in rows if r["wrong"]]
         if wrong or result.returncode:
             return "failed", f"wrong results in {wrong}" if wrong else f"exit {result.returncode}: {tail(result)}"
@@ -490,7 +490,7 @@ class GpuCheck:
         if started.returncode != 0:
             return "skipped", f"the MPS daemon did not start: {tail(started)}"
         try:
-            return self.allreduce_benchmark(2, "-mps", MPS_BENCH, judge=False,
+            return self.allreduce_benchmark(2, "-mps", MPS_BENCH, setting="under MPS",
                                             env=self.env(MPIDIST_TIMEOUT="60", NCCL_MULTI_RANK_GPU_ENABLE="1", **mps))
         finally:
             subprocess.run([control], input="quit\n", text=True, env=self.env(**mps), timeout=30,
@@ -824,7 +824,7 @@ def nccl_outcome(checks) -> str:
     return "ran" if runs[0]["ok"] else f"did not run: {' '.join(runs[0]['detail'][:300].split())}"
 
 
-def allreduce_targets(rows: list) -> list:
+def allreduce_targets(rows: list, setting: str = "") -> list:
     """The device window's targets on `mpidist bench allreduce --device cuda` rows of one launch,
     64 MiB and more: >= STAGED_FACTOR x the staged route, >= BOUND_FRACTION of the bound, and at
     least NCCL's bus bandwidth where NCCL ran. holds is None where a row is missing."""
@@ -840,7 +840,8 @@ def allreduce_targets(rows: list) -> list:
             ratios = [(size, time_of[(peer, dtype, size)] / time_of[("hierarchical", dtype, size)]) for size in sizes
                       if (peer, dtype, size) in time_of and ("hierarchical", dtype, size) in time_of]
             targets.append({
-                "target": f"all-reduce {dtype}, {ranks} ranks on one GPU, device window {name} from 64 MiB",
+                "target": f"all-reduce {dtype}, {ranks} ranks on one GPU{' ' + setting if setting else ''}, "
+                          f"device window {name} from 64 MiB",
                 "holds": all(ratio >= wanted for _, ratio in ratios) if ratios else None,
                 "detail": ", ".join(f"{size // MIB} MiB: {ratio:.2f}" for size, ratio in ratios) or "not measured"})
     return targets
@@ -889,7 +890,8 @@ def summary_markdown(results: dict) -> str:
                   "", "| ranks | dtype | MiB | algorithm | time us | busbw GB/s | wrong |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         for row in results["allreduce_benchmark"]:
-            lines.append(f"| {row['ranks']} | {row['dtype']} | {row['bytes'] / MIB:g} | {row['algorithm']} | "
+            ranks = f"{row['ranks']} {row['setting']}" if row.get("setting") else row["ranks"]
+            lines.append(f"| {ranks} | {row['dtype']} | {row['bytes'] / MIB:g} | {row['algorithm']} | "
                          f"{row['time_us']:.1f} | {row['busbw_gbs']:.2f} | {row['wrong']} |")
     if results["benchmark"]:
         lines += ["", "## Kernel benchmark", "",

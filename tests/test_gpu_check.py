@@ -216,6 +216,27 @@ def test_device_window_targets():
     assert [t["holds"] for t in gpu_check.allreduce_targets(rows[:3])] == [False, False, None]
 
 
+def test_the_kernel_benchmark_keeps_the_all_reduce_targets_judged_before_it(tmp_path, monkeypatch):
+    """The all-reduce benchmark runs before the kernel benchmark: the kernels' targets join its
+    targets, they do not replace them."""
+    check = gpu_check.GpuCheck(str(tmp_path), str(tmp_path / "wheels"), dry_run=False)
+    rows = [allreduce_row("hierarchical", "float32", 64 * MIB, 1000.0),
+            allreduce_row("staged:hierarchical", "float32", 64 * MIB, 25000.0)]
+    check.targets = gpu_check.allreduce_targets(rows, "under MPS")
+    assert all("under MPS" in t["target"] for t in check.targets)
+
+    def kernels(args, timeout=120, env=None):
+        path = args[args.index("--json") + 1]
+        with open(path, "w") as f:
+            json.dump([bench_row("reduce", "float32", 64 * MIB, 2500.0, 3000.0, 1.02)], f)
+        return gpu_check.subprocess.CompletedProcess(args, 0, "", "")
+
+    monkeypatch.setattr(check, "command", kernels)
+    assert check.benchmark()[0] == "passed"
+    names = [t["target"] for t in check.targets]
+    assert any("20x the staged route" in name for name in names) and any("reduce float32" in name for name in names)
+
+
 def test_a_peer_that_does_not_run_is_recorded_not_failed(tmp_path):
     check = gpu_check.GpuCheck(str(tmp_path), str(tmp_path / "wheels"), dry_run=True)
     check.step("fine", lambda: ("passed", ""))
