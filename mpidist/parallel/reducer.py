@@ -234,29 +234,29 @@ class GradientBuckets:
         # function, not a bound method: buckets must not keep themselves alive (gradient hooks of a
         # dropped optimizer stop when its buckets are freed).
         self.before_exchange = None
-        self.slots = None
-        if polled:
-            # Imported here: the collectives package initializes MPI when imported, and
-            # `import mpidist.torch` must not (mpidist sets MPI's options first, see comm.load_mpi).
-            from ..collectives.polled import NodeSlots
-            # The slots keep the results when the gradients are views of them; a compressed or
-            # predivided bucket goes through its flat buffer instead (and its views are there).
-            in_slots = (self.gradient_as_bucket_view and self.predivide == 1.0
-                        and all(b.wire is None for b in self.buckets))
-            sizes = [b.nbytes for b in self.buckets] + [self._count.element_size()]
-            self.slots = NodeSlots(comm.node_comm, sizes, results_in_slots=in_slots)
-            if in_slots:
-                for index, bucket in enumerate(self.buckets):
-                    first = bucket.params[0]
-                    numel = sum(p.numel() for p in bucket.params)
-                    slot = tensor_at(self.slots.address(index), numel, first.dtype, owner=self.slots)
-                    bucket.views = shaped_like(bucket.params, slot)
-                # The count's sum stays in its slot too.
-                self._count_sum = tensor_at(self.slots.address(len(self.buckets)), 1, torch.float32,
-                                              owner=self.slots)
+        self.slots = self._node_slots() if polled else None
         self.trace = None
         self.timeline_rows = None
         self.reset()
+
+    def _node_slots(self):
+        """The buckets' and the count's slots in a shared window (with the results kept there when
+        the gradients are views of them)."""
+        # Imported here: the collectives package initializes MPI when imported, and
+        # `import mpidist.torch` must not (mpidist sets MPI's options first, see comm.load_mpi).
+        from ..collectives.polled import NodeSlots
+        # A compressed or predivided bucket goes through its flat buffer instead (its views are there).
+        in_slots = self.gradient_as_bucket_view and self.predivide == 1.0 and all(b.wire is None for b in self.buckets)
+        sizes = [b.nbytes for b in self.buckets] + [self._count.element_size()]
+        slots = NodeSlots(self.comm.node_comm, sizes, results_in_slots=in_slots)
+        if in_slots:
+            for index, bucket in enumerate(self.buckets):
+                numel = sum(p.numel() for p in bucket.params)
+                slot = tensor_at(slots.address(index), numel, bucket.params[0].dtype, owner=slots)
+                bucket.views = shaped_like(bucket.params, slot)
+            # The count's sum stays in its slot too.
+            self._count_sum = tensor_at(slots.address(len(self.buckets)), 1, torch.float32, owner=slots)
+        return slots
 
     def _polled(self, params) -> bool:
         """Whether the buckets are all-reduced through shared slots polled from the hooks."""
