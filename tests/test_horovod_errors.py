@@ -497,3 +497,105 @@ def test_a_named_allreduce_meets_by_name_and_differentiates(mpi_world, no_deadli
         np.testing.assert_allclose(source.grad.numpy(), reduce([prescale * w for w in weights]) * postscale,
                                    rtol=1e-12)
     hvd.barrier()
+
+
+def refused_everywhere(call, error):
+    """The message of `call`'s error, checked to be the same on every rank and not the deadline's."""
+    with pytest.raises(error) as raised:
+        call()
+    message = prompt(raised)
+    assert MPI.COMM_WORLD.allgather(message) == [message] * MPI.COMM_WORLD.Get_size()
+    return message
+
+
+GROUPED_ALLREDUCES_WITH_OP = {
+    "grouped_allreduce": lambda tensors, op: hvd.grouped_allreduce(tensors, name="g", op=op),
+    "grouped_allreduce_": lambda tensors, op: hvd.grouped_allreduce_(tensors, op=op),
+    "grouped_allreduce_async": lambda tensors, op: hvd.synchronize(hvd.grouped_allreduce_async(tensors, op=op)),
+    "grouped_allreduce_async_": lambda tensors, op: hvd.synchronize(
+        hvd.grouped_allreduce_async_(tensors, name="g", op=op)),
+}
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_an_adasum_group_one_rank_asks_for_is_refused_on_every_rank(mpi_world, monkeypatch):
+    """Horovod offers Adasum to allreduce, not to grouped_allreduce: rank 1 asks for it (the others
+    for Sum), named or not, over a group of two kinds. Rank 1 raises NotOfferedError; the others a
+    MismatchError naming rank 1, at once (a rank left waiting for rank 1 would raise the
+    DeadlineError of the low MPIDIST_TIMEOUT, which prompt() fails on). A plain allreduce with
+    Adasum on rank 1 and Sum on the others is refused with the same MismatchError on every rank,
+    naming both ops. Then the group and an unnamed all-reduce still meet on every rank."""
+    monkeypatch.setenv("MPIDIST_TIMEOUT", "30")
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    group = [torch.ones(2), torch.ones(3, dtype=torch.float64)]
+    for operation, call in GROUPED_ALLREDUCES_WITH_OP.items():
+        with pytest.raises((md.NotOfferedError, md.MismatchError)) as error:
+            call([tensor.clone() for tensor in group], hvd.Adasum if rank == 1 else hvd.Sum)
+        if rank == 1:
+            assert type(error.value) is md.NotOfferedError, operation
+            assert "not by grouped_allreduce" in str(error.value), operation
+        else:
+            assert type(error.value) is md.MismatchError, operation
+            assert "ranks [1] refused their arguments" in prompt(error), operation
+        reduced = call([tensor.clone() for tensor in group], hvd.Sum)
+        assert [tensor.tolist() for tensor in reduced] == [[size] * 2, [size] * 3], operation
+        assert hvd.allreduce(torch.tensor([float(rank)]), op=hvd.Sum).item() == sum(range(size)), operation
+    for name in ("a", None):
+        message = refused_everywhere(
+            lambda: hvd.allreduce(torch.ones(4), name=name, op=hvd.Adasum if rank == 1 else hvd.Sum), md.MismatchError)
+        others = [k for k in range(size) if k != 1]
+        assert f'op: ranks {others} have "sum"; ranks [1] have "adasum"' in message, message
+        assert hvd.allreduce(torch.tensor([float(rank)]), op=hvd.Sum).item() == sum(range(size))
+    hvd.barrier()
+
+
+@pytest.mark.mpi(ranks=[3])
+def test_adasum_on_three_ranks_is_refused_on_every_rank(mpi_world, no_deadline_in_reach):
+    """Adasum needs a power-of-two number of ranks: every rank raises the same error, at once."""
+    hvd.init()
+    message = refused_everywhere(lambda: hvd.allreduce(torch.ones(4), op=hvd.Adasum), md.InvalidArgumentError)
+    assert "power-of-two number of ranks" in message
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == 3
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_init_with_process_sets_the_ranks_disagree_on_fails_on_every_rank(mpi_world, no_deadline_in_reach):
+    """hvd.init(process_sets=[...]) registers the same sets in the same order on every rank: a rank
+    passing one set more, or a set it registered already where the others pass a new one, or a
+    list that is not of ProcessSet, gets the same error on every rank at once, and nothing is
+    registered. The same list on every rank registers it; passing it again changes nothing."""
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    pair, first = hvd.ProcessSet([0, 1]), hvd.ProcessSet([0])
+    others = list(range(1, size))
+    message = refused_everywhere(lambda: hvd.init(process_sets=[pair, first] if rank == 0 else [pair]),
+                                 md.MismatchError)
+    assert message == ("hvd.init(process_sets=...): the ranks passed different lists of process sets (every rank "
+                       f"must pass the same sets, in the same order): ranks [0]: [new, new]; ranks {others}: [new]")
+    assert pair.process_set_id is None and first.process_set_id is None
+
+    registered = hvd.add_process_set([0, 1])
+    last = size - 1
+    message = refused_everywhere(
+        lambda: hvd.init(process_sets=[registered] if rank == last else [hvd.ProcessSet([0, 1])]), md.MismatchError)
+    assert f"ranks {list(range(last))}: [new]; ranks [{last}]: [registered already as " \
+           f"{registered.process_set_id}]" in message, message
+
+    message = refused_everywhere(lambda: hvd.init(process_sets=[[0, 1]] if rank == 1 else [pair]),
+                                 md.InvalidArgumentError)
+    assert message == ("hvd.init(process_sets=...) failed: rank 1: hvd.init takes process_sets=None, \"dynamic\" "
+                       "or a list of hvd.ProcessSet, got [[0, 1]]")
+    assert pair.process_set_id is None
+
+    hvd.init(process_sets=[pair, first])
+    assert (pair.process_set_id, first.process_set_id) == (registered.process_set_id + 1,
+                                                            registered.process_set_id + 2)
+    hvd.init(process_sets=[pair, first])  # registered on every rank already: left as they are
+    assert (pair.process_set_id, first.process_set_id) == (registered.process_set_id + 1,
+                                                            registered.process_set_id + 2)
+    if rank < 2:
+        assert hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum, process_set=pair).item() == 2.0
+    for process_set in (registered, pair, first):
+        assert hvd.remove_process_set(process_set)
+    hvd.barrier()

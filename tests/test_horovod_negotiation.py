@@ -4,6 +4,7 @@ the ordered calls (references from every rank's input in float64 NumPy); fused o
 DistributedOptimizer whose gradient hooks fire in a different order on each rank trains as one
 process does; a name still in flight is refused on its rank alone; differing arguments, a name
 some rank never submits, and join()."""
+import gc
 import time
 
 import numpy as np
@@ -13,6 +14,7 @@ from tolerances import assert_exact, assert_reduced
 
 import mpidist as md
 import mpidist.torch as hvd
+from mpidist.torch import negotiation
 
 pytestmark = pytest.mark.mpi_shared_launch
 
@@ -212,3 +214,65 @@ def test_joined_ranks_take_part_with_zeros_in_named_allreduces_in_any_order(mpi_
     assert last == size - 1
     # Afterwards everything runs as before the joins.
     assert hvd.synchronize(hvd.allreduce_async(torch.ones(1), name="after join", op=hvd.Sum)).item() == size
+
+
+JOINED_FUSION_ROUNDS = 6  # the ranks' submissions may straddle cycles: fusion is checked over them all
+FUSED_SHAPES = [(3,), (2, 2), (5,), (1,)]  # float32 sums, one kind: fusable together
+
+
+def integral(rank, shape, seed):
+    """Rank `rank`'s input, whole numbers in float64: exact in every dtype used and any sum."""
+    return np.random.default_rng(1000 * seed + rank).integers(-50, 50, shape).astype(np.float64)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_joined_ranks_fill_fused_allreduces_with_zeros(mpi_world, monkeypatch):
+    """Horovod's joined rank takes part in every pending all-reduce with zeros, fused or not (its
+    TensorQueue::GetTensorEntriesFromResponse makes a zero tensor for each entry of a fused
+    response). While one rank waits in join(), the others submit named all-reduces together, in
+    orders that differ by rank: the results are those of the ordered calls with the joined rank's
+    input zero (Sum: the training ranks' sum; Average: that sum over every rank, an integer one
+    truncated toward zero), small ones are fused as when no rank waits (the largest all-reduce run
+    is larger than any one tensor), and every rank, the joined one too, runs the same all-reduces."""
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "67108864")
+    world = hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    private = negotiation.negotiator_of(world).private
+    run_sizes = []  # the element count of each all-reduce the negotiation runs on this rank
+    allreduce = private.allreduce
+
+    def recorded(array, op="sum"):
+        run_sizes.append(int(array.numel()))
+        return allreduce(array, op=op)
+
+    monkeypatch.setattr(private, "allreduce", recorded)
+    gc.collect()  # no DistributedOptimizer of an earlier test is left for join() to take part for
+    largest = []  # the largest all-reduce of each round
+    for round_ in range(JOINED_FUSION_ROUNDS):
+        joined = round_ % size
+        run_sizes.clear()
+        if rank != joined:
+            training = [k for k in range(size) if k != joined]
+            operations = [(f"f{k}.{round_}", shape, torch.float32, hvd.Sum) for k, shape in enumerate(FUSED_SHAPES)]
+            operations += [(f"i.{round_}", (4,), torch.int32, hvd.Average),
+                           (f"d.{round_}", (3,), torch.float64, hvd.Average)]
+            if rank % 2:
+                operations.reverse()
+            handles = {name: hvd.allreduce_async(torch.from_numpy(integral(rank, shape, round_)).to(dtype),
+                                                 name=name, op=op)
+                       for name, shape, dtype, op in operations}
+            for name, shape, dtype, op in operations:
+                result = hvd.synchronize(handles[name])
+                total = sum(integral(k, shape, round_) for k in training)  # the joined rank's zeros add nothing
+                expected = total if op == hvd.Sum else total / size
+                if not dtype.is_floating_point:
+                    expected = np.trunc(expected)
+                assert result.dtype == dtype and result.shape == shape, name
+                np.testing.assert_allclose(result.double().numpy(), expected, rtol=1e-12, atol=0, err_msg=name)
+        hvd.join()
+        sizes_by_rank = hvd.allgather_object(list(run_sizes))
+        assert sizes_by_rank == [sizes_by_rank[0]] * size, f"round {round_}: {sizes_by_rank}"
+        assert sum(run_sizes) == sum(int(np.prod(shape)) for shape in FUSED_SHAPES) + 4 + 3, run_sizes
+        largest.append(max(run_sizes))
+    assert max(largest) > max(int(np.prod(shape)) for shape in FUSED_SHAPES), \
+        f"no all-reduce was fused while a rank waited in join(): the largest of each round {largest}"

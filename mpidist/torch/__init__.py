@@ -2,9 +2,9 @@
 `import mpidist.torch as hvd` and a Horovod PyTorch script runs on mpidist's collectives.
 
 Laid out as Horovod's horovod/torch: basics (init, ranks, reduction ops), process_sets, mpi_ops
-(the collective operations, handles, synchronize), compression, functions (broadcast of
-parameters, optimizer state and objects), optimizer (DistributedOptimizer), join (hvd.join) and
-timeline. This module only re-exports their public names.
+(the collective operations, handles, synchronize; its all-reduces in reductions), compression,
+functions (broadcast of parameters, optimizer state and objects), optimizer
+(DistributedOptimizer), join (hvd.join) and timeline. This module only re-exports their public names.
 
 Differences from Horovod are listed in README.md ("Horovod compatibility"); features that are
 not offered raise NotOfferedError instead of misbehaving. elastic is Horovod's elastic API on
@@ -51,10 +51,6 @@ from .join import join
 from .mpi_ops import (
                      allgather,
                      allgather_async,
-                     allreduce,
-                     allreduce_,
-                     allreduce_async,
-                     allreduce_async_,
                      alltoall,
                      alltoall_async,
                      barrier,
@@ -64,10 +60,6 @@ from .mpi_ops import (
                      broadcast_async_,
                      grouped_allgather,
                      grouped_allgather_async,
-                     grouped_allreduce,
-                     grouped_allreduce_,
-                     grouped_allreduce_async,
-                     grouped_allreduce_async_,
                      grouped_reducescatter,
                      grouped_reducescatter_async,
                      poll,
@@ -78,6 +70,16 @@ from .mpi_ops import (
 )
 from .optimizer import DistributedOptimizer
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from .reductions import (
+                     allreduce,
+                     allreduce_,
+                     allreduce_async,
+                     allreduce_async_,
+                     grouped_allreduce,
+                     grouped_allreduce_,
+                     grouped_allreduce_async,
+                     grouped_allreduce_async_,
+)
 from .timeline import start_timeline, stop_timeline
 
 __all__ = [

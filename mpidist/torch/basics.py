@@ -12,7 +12,7 @@ from .. import comm as _comm
 from ..errors import InvalidArgumentError, MismatchError, NotOfferedError
 from . import timeline
 from .negotiation import negotiator_of
-from .process_sets import register
+from .process_sets import register_at_init
 
 # ---- reduction ops (Horovod's constants) -----------------------------------------------------
 Average, Sum, Min, Max, Product = "avg", "sum", "min", "max", "prod"
@@ -39,16 +39,15 @@ def resolve_op(op, average=None, adasum_in=None):
 
 def init(comm=None, process_sets=None):
     """Initialize (idempotent). `comm` may be an mpi4py communicator, as in Horovod;
-    `process_sets` a list of ProcessSet to register (in the same order on every rank) or
-    "dynamic" (accepted: add_process_set works either way)."""
+    `process_sets` a list of ProcessSet to register (the same sets in the same order on every
+    rank; those registered already are left as they are, on every rank alike) or "dynamic"
+    (accepted: add_process_set works either way)."""
     world = _comm.init(comm)
     _homogeneous(world)  # collective: found here, where every rank calls, so the query is local
     timeline.start_from_environment()
     negotiator_of(world)  # collective: made here, where every rank calls, before any operation
-    if process_sets is not None and process_sets != "dynamic":
-        for process_set in process_sets:
-            if process_set.process_set_id is None:
-                register(process_set)
+    if process_sets is not None and not (isinstance(process_sets, str) and process_sets == "dynamic"):
+        register_at_init(process_sets)
     return world
 
 

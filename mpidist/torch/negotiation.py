@@ -10,14 +10,15 @@ all ranks exchange what was submitted since the last cycle (one allgather of a J
 and numbers, never pickled), so every rank holds the same table of who submitted what, and
 every rank takes the same decisions from it: the operations every rank has submitted run in the
 order they became complete (within a cycle, in the order of first submission), consecutive
-all-reduces of the same dtype, op and device fused into one buffer up to the threshold.
+all-reduces of the same dtype, op and device fused into one buffer up to the threshold (Adasum's
+never: each combines its own tensor).
 
 What the call check guarantees holds here too: a name submitted with different signatures is
 refused on every rank that submitted it (MismatchError naming the ranks), as is a name some rank
 refused its own arguments to; a name some rank never submits is reported on stderr after
 MPIDIST_STALL_WARNING and refused with DeadlineError after MPIDIST_TIMEOUT, naming the ranks that
 did not submit it. Ranks waiting in hvd.join() take part with zeros in the all-reduces that sum
-or average.
+or average, fused as the others' are (what is fused is decided from the table alone).
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ _UNNAMED = "<unnamed operation "  # + its number and ">"
 _REFUSED = ["refused"]  # the signature of an operation a rank refused its own arguments to
 _REFUSED_GROUP = ["refused", "whole group"]  # ... of an all-reduce group's member 0: see refuse()
 _JOINABLE_OPS = ("sum", "avg")  # zeros change no sum, and an average still divides by every rank
+_FUSABLE_OPS = ("sum", "avg", "min", "max", "prod")  # elementwise: one all-reduce of a concatenation is each's
 _negotiators = {}  # Communicator -> Negotiator
 _creation = threading.Lock()
 _stopped_at_exit = False  # whether _stop_all is registered with atexit
@@ -62,6 +64,13 @@ def negotiator_of(comm) -> Negotiator:
                 _stopped_at_exit = True
             _negotiators[comm] = Negotiator(comm)
         return _negotiators[comm]
+
+
+def submit(comm, name, signature: list, run, buffer=None):
+    """The handle of an operation submitted to `comm`'s negotiation under `name`, or under the
+    next unnamed operation's (None), which runs once every rank has submitted it."""
+    negotiator = negotiator_of(comm)
+    return negotiator.submit(negotiator.name_of(name), signature, run, buffer)
 
 
 def member_name(group: str, index: int) -> str:
@@ -276,8 +285,11 @@ class Negotiator:
                    peers=others, advice="A rank's program hangs outside Python or its process died.")
 
     def _run(self, ready: list) -> None:
-        """Run the operations every rank has submitted, in the table's order; fuse what can be."""
-        fusion, fused_bytes = [], 0
+        """Run the operations every rank has submitted, in the table's order; fuse what can be.
+        What is fused is decided from the signatures alone, the same on every rank, so a rank
+        waiting in join() fuses its zeros as the others fuse their tensors (as Horovod's joined
+        ranks fill a fused response with zeros)."""
+        fusion, fused_bytes = [], 0  # [(signature, this rank's request or None)]
         threshold = config.value("HOROVOD_FUSION_THRESHOLD")
         for name, who in ready:
             # Where this rank refused `name`, a request of its own under the name is its next use's.
@@ -292,28 +304,23 @@ class Negotiator:
                 if request is not None:
                     request.handle._complete(error=error)
                 continue
-            if request is None:  # this rank waits in join(): zeros
-                self._run_fused(fusion)
-                fusion, fused_bytes = [], 0
-                self._take_part_with_zeros(next(iter(who.values())))
-                continue
-            nbytes = request.buffer.numel() * request.buffer.element_size() if request.buffer is not None else 0
-            fusable = request.buffer is not None and not self._joined and 0 < threshold
-            if fusion and (not fusable or fusion[0].signature[1:4:2] != request.signature[1:4:2]
-                           or fusion[0].buffer.device != request.buffer.device or fused_bytes + nbytes > threshold):
+            signature = next(iter(who.values()))
+            fusable = 0 < threshold and signature[0] == "allreduce" and signature[3] in _FUSABLE_OPS
+            nbytes = signature[2] * getattr(torch, signature[1]).itemsize if fusable else 0
+            if fusion and (not fusable or _kind(fusion[0][0]) != _kind(signature) or fused_bytes + nbytes > threshold):
                 self._run_fused(fusion)
                 fusion, fused_bytes = [], 0
             if fusable:
-                fusion.append(request)
+                fusion.append((signature, request))
                 fused_bytes += nbytes
             else:
-                self._complete(request, request.run, self.private)
+                self._run_one(signature, request)
         self._run_fused(fusion)
 
     def _refuse_rest_of_group(self, name: str, who: dict, error) -> None:
         """`name` was refused: where a rank refused it as an all-reduce group's member 0
         (refuse_group), refuse the group's other members too, with the same error. Every rank
-        submits a group's members last to first (mpi_ops), so a rank's member 0 in the table means
+        submits a group's members last to first (reductions.py), so a rank's member 0 in the table means
         all its members are: none is left waiting for the refusing rank."""
         if _REFUSED_GROUP not in who.values():
             return
@@ -355,19 +362,42 @@ class Negotiator:
                                  f"or average (the hvd operation {name!r}: {_described(signature)})")
         return None
 
+    def _run_one(self, signature: list, request) -> None:
+        """Run one operation: this rank's request, or, where this rank waits in join(), its zeros."""
+        if request is None:
+            self._run_fused([(signature, None)])
+        else:
+            self._complete(request, request.run, self.private)
+
     def _run_fused(self, fusion: list) -> None:
-        if len(fusion) == 1:
-            self._complete(fusion[0], fusion[0].run, self.private)
-        elif fusion:
-            flat = torch.cat([request.buffer.reshape(-1) for request in fusion])
-            try:
-                with tracing.continuing(fusion[0].inside_span):
-                    self.private.allreduce(flat, op=fusion[0].signature[3])
-            except Exception as error:
-                for request in fusion:
-                    request.handle._complete(error=error)
-                return
-            for request, part in zip(fusion, flat.split([request.buffer.numel() for request in fusion])):
+        """All-reduce the buffers of `fusion`'s requests as one (zeros for the operations this
+        rank, waiting in join(), did not submit) and complete each request with its part."""
+        if len(fusion) == 1 and fusion[0][1] is not None:
+            self._complete(fusion[0][1], fusion[0][1].run, self.private)
+            return
+        if not fusion:
+            return
+        parts = []
+        for signature, request in fusion:
+            if request is None:
+                _, dtype, count, _, device = signature[:5]
+                parts.append(torch.zeros(count, dtype=getattr(torch, dtype), device=device))
+                self._zeros_while_joined += 1
+            else:
+                parts.append(request.buffer.reshape(-1))
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+        requests = [request for _, request in fusion if request is not None]
+        try:
+            with tracing.continuing(requests[0].inside_span if requests else False):
+                self.private.allreduce(flat, op=fusion[0][0][3])
+        except Exception as error:
+            for request in requests:
+                request.handle._complete(error=error)
+            if not requests:
+                raise  # this rank's thread: the error ends it, handed to what waits here
+            return
+        for (_, request), part in zip(fusion, flat.split([part.numel() for part in parts])):
+            if request is not None:
                 request.buffer.copy_(part.view_as(request.buffer))
                 request.handle._complete(request.buffer)
 
@@ -380,11 +410,6 @@ class Negotiator:
             request.handle._complete(error=error)
         else:
             request.handle._complete(result)
-
-    def _take_part_with_zeros(self, signature: list) -> None:
-        _, dtype, count, op, device = signature[:5]
-        self.private.allreduce(torch.zeros(count, dtype=getattr(torch, dtype), device=device), op=op)
-        self._zeros_while_joined += 1
 
     def _end_join(self) -> None:
         """Every rank has called join(): each lets its join() return, at the same cycle."""
@@ -416,6 +441,11 @@ class Negotiator:
 
 # A signature's fields: [collective, dtype, count, op, device, shape, root, scale factors].
 _FIELDS = ("collective", "dtype", "count", "op", "device", "shape", "root", "scale factors")
+
+
+def _kind(signature: list) -> tuple:
+    """What all-reduces fused into one buffer share: dtype, op and device."""
+    return signature[1], signature[3], signature[4]
 
 
 def _differences(who: dict) -> list:

@@ -26,8 +26,8 @@ from ..runtime import config
 from .basics import Adasum, Average, resolve_op
 from .compression import Compression, cast_only
 from .join import register_adasum_optimizer, register_optimizer
-from .mpi_ops import pack_group
 from .process_sets import ProcessSet, comm_of
+from .reductions import pack_group
 from .timeline import current as current_timeline
 
 

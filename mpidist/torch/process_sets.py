@@ -8,6 +8,7 @@ import numpy as np
 
 from .. import comm as _comm
 from ..errors import InvalidArgumentError, MismatchError
+from ..runtime import wire
 from ..runtime.together import raise_together
 from .negotiation import abandon_negotiators, negotiator_of, stop_negotiator
 
@@ -99,6 +100,7 @@ def root_in(process_set, root_rank) -> int:
 
 
 _REGISTERING = "registering a ProcessSet"
+_INITIALIZING = "hvd.init(process_sets=...)"
 
 
 def register(process_set: ProcessSet) -> ProcessSet:
@@ -136,6 +138,36 @@ def register(process_set: ProcessSet) -> ProcessSet:
     process_set.process_set_id = _registered_so_far[0]
     _process_sets[process_set.process_set_id] = process_set
     return process_set
+
+
+def register_at_init(process_sets) -> None:
+    """hvd.init(process_sets=[...]): register the sets not registered yet, in order. Collective
+    over all ranks, which first agree on the list: a list one rank refuses (not a list of
+    ProcessSet) is refused on every rank with the same InvalidArgumentError naming it, and lists
+    that differ by rank (in length, or in which sets a rank has registered already) with the same
+    MismatchError showing each rank's, instead of a rank skipping a registration the others
+    make, which would leave them waiting for it."""
+    world = _comm.world()
+    sets, problem = [], None
+    if isinstance(process_sets, (list, tuple)) and all(isinstance(item, ProcessSet) for item in process_sets):
+        sets = list(process_sets)
+    else:
+        problem = InvalidArgumentError("hvd.init takes process_sets=None, \"dynamic\" or a list of hvd.ProcessSet, got "
+                                       f"{process_sets!r}")
+    raise_together(world.mpi, problem, _INITIALIZING, InvalidArgumentError)
+    view = "[" + ", ".join("new" if s.process_set_id is None else f"registered already as {s.process_set_id}"
+                           for s in sets) + "]"
+    views = wire.allgather_texts(world.mpi, view, _INITIALIZING)
+    if len(set(views)) > 1:
+        by_view = {}
+        for rank, seen in enumerate(views):
+            by_view.setdefault(seen, []).append(rank)
+        raise MismatchError(f"{_INITIALIZING}: the ranks passed different lists of process sets (every rank must "
+                            "pass the same sets, in the same order): "
+                            + "; ".join(f"ranks {ranks}: {seen}" for seen, ranks in by_view.items()))
+    for process_set in sets:
+        if process_set.process_set_id is None:
+            register(process_set)
 
 
 def _members(process_set: ProcessSet, world, mpi) -> list:
