@@ -12,9 +12,13 @@ gradients, applying them, replying). The fault is one of
 kill (SIGKILL to itself), stop (SIGSTOP to itself), raise (an exception in the training loop),
 launcher (a signal to mpirun, as SLURM sends one) and checkpoint-kill (SIGKILL to itself inside
 the write of a checkpoint, between two of its datasets or just before the file is renamed into
-place), ranks (a signal to every rank, as SLURM sends SIGTERM at a time limit). Kill, stop,
-launcher and ranks fire a drawn fraction of the phase's usual length after the
-phase begins; the phase in progress then is what the record says (fault.json).
+place), ranks (a signal to every rank, as SLURM sends SIGTERM at a time limit), and, on the
+emulated nodes of tests/multinode/cluster.sh, where each rank runs in its node's network
+namespace: link-down (its node's link, eth0, set down) and link-loss (a packet filter on its
+node's link dropping a drawn share of the packets in and out). The campaign restores the link
+(benchmarks/faults.py, restore_link): a rank cannot be trusted to, since the fault may end it.
+Kill, stop, launcher, ranks and the link faults fire a drawn fraction of the phase's usual
+length after the phase begins; the phase in progress then is what the record says (fault.json).
 
 For the replay of elastic training the hook also keeps each rank's batches (batches-<rank>.log),
 the state the survivors restore after a death (restored-1.pt) and the final weights (final.pt).
@@ -26,12 +30,13 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
 
 RANK = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
-LOG_DIR = os.environ["FAULT_DIR"]
+LOG_DIR = os.environ.get("FAULT_DIR", "")  # set by benchmarks/faults.py (which imports LINK from here)
 SPEC = json.loads(os.environ.get("FAULT_SPEC", "null"))
 VICTIM = SPEC is not None and SPEC["rank"] == RANK
 
@@ -85,6 +90,10 @@ class PhaseLog:
             for path in glob.glob(os.path.join(LOG_DIR, "pid-*")):
                 with open(path) as f:
                     os.kill(int(f.read()), getattr(signal, SPEC["signal"]))
+        elif action == "link-down":
+            subprocess.run(["ip", "link", "set", LINK, "down"], check=True)
+        elif action == "link-loss":
+            subprocess.run(["nft", "-f", "-"], input=loss_rules(SPEC["percent"]), text=True, check=True)
         else:
             os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGSTOP)
 
@@ -124,6 +133,20 @@ class PhaseLog:
             self.phase = f"checkpoint write, {where}"
         self.record()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+LINK = "eth0"  # an emulated node's one interface (tests/multinode/cluster.sh)
+LOSS_TABLE = "mpidist_fault"  # the packet filter's table, which benchmarks/faults.py deletes
+
+
+def loss_rules(percent: int) -> str:
+    """nft's rules that drop `percent` % of the packets, drawn at random, that leave or reach
+    this network namespace through LINK (counted, for the record)."""
+    drop = f"numgen random mod 100 < {int(percent)} counter drop"
+    return (f"table inet {LOSS_TABLE} {{\n"
+            f"  chain out {{ type filter hook output priority 0; oifname \"{LINK}\" {drop}; }}\n"
+            f"  chain in {{ type filter hook input priority 0; iifname \"{LINK}\" {drop}; }}\n"
+            "}\n")
 
 
 class _OsWithReplace:

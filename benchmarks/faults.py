@@ -45,6 +45,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 HOOK = os.path.join(HERE, "fault_hook.py")
+CLUSTER = os.path.join(REPO, "tests", "multinode", "cluster.sh")
 DEADLINE = 180  # s: a launch still running then is a hang, killed with its whole process group
 # Parameter server: its updates race, so runs differ even undisturbed, and a dead worker's share of
 # the data goes untrained from its death on: a bound on the loss of test accuracy, not an equality.
@@ -86,6 +87,16 @@ SCENARIOS = {
     "elastic-sigstop-detector": dict(train=["--elastic"], ulfm=True, mpirun=ULFM_DETECTOR, action="stop", victims="any",
                                      survives=True, detect=r"mpidist elastic: rank \d+ of \d+ died; going on"),
     "rank0-checkpoint-kill": dict(train=[], action="checkpoint-kill", victims="rank0", detect=MPIRUN_SAW_IT),
+    # Across the emulated nodes (tests/multinode/cluster.sh; root): a rank of the second node cuts
+    # its node's link during a step (its all-reduces cross the link in backward and apply), or
+    # has a share of the link's packets dropped, and the campaign restores the link `down_s` later
+    # (a cut link: when the job has ended, or at the runner's deadline).
+    "link-down": dict(train=[], nodes=True, action="link-down", victims="node2", phases=("backward", "apply"),
+                      down_s=(5, 40), loses_nothing=True),
+    "link-cut": dict(train=[], nodes=True, action="link-down", victims="node2", phases=("backward", "apply"),
+                     down_s=(DEADLINE, DEADLINE), detect=r"did not complete within"),
+    "link-loss": dict(train=[], nodes=True, action="link-loss", victims="node2", phases=("backward", "apply"),
+                      down_s=(3, 8), percent=(10, 40), loses_nothing=True),
 }
 
 
@@ -113,7 +124,9 @@ def launch(scenario: dict, directory: str, checkpoints: str, args, spec=None, re
     if scenario.get("backup_workers"):
         extra["FAULT_BACKUP_WORKERS"] = str(scenario["backup_workers"])
     ft = (["--with-ft", "ulfm"] if scenario.get("ulfm") else []) + scenario.get("mpirun", [])
-    cmd = ["mpirun", *ft, "--oversubscribe", "--bind-to", "none", "-np", str(args.ranks), sys.executable, HOOK,
+    # Across the emulated nodes: mpirun runs in the first node, with the cluster's environment.
+    on_nodes = ["bash", CLUSTER, "exec", "1"] if scenario.get("nodes") else []
+    cmd = [*on_nodes, "mpirun", *ft, "--oversubscribe", "--bind-to", "none", "-np", str(args.ranks), sys.executable, HOOK,
            "train", "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--no-progress",
            "--checkpoint-dir", checkpoints, *train]
     started = time.time()
@@ -130,6 +143,7 @@ def launch(scenario: dict, directory: str, checkpoints: str, args, spec=None, re
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
+    link = LinkRestorer(directory, spec) if spec is not None and scenario.get("nodes") else None
     try:
         status = process.wait(timeout=DEADLINE)
     except subprocess.TimeoutExpired:
@@ -137,9 +151,68 @@ def launch(scenario: dict, directory: str, checkpoints: str, args, spec=None, re
         process.wait()
         status = None
     ended = time.time()
+    if link is not None:
+        link.finish()
     reader.join(timeout=10)
     return {"cmd": cmd, "status": status, "started": started, "ended": ended, "lines": lines,
-            "checkpoints": checkpoints, "directory": directory}
+            "checkpoints": checkpoints, "directory": directory, "link": link and link.record}
+
+
+def node_pid(node: int) -> str:
+    """The pid of the process holding emulated node `node`'s namespaces (cluster.sh)."""
+    with open(os.path.join(os.environ.get("MPIDIST_MN_DIR", "/tmp/mpidist-multinode"), f"node{node}.pid")) as f:
+        return f.read().strip()
+
+
+def node_slots() -> int:
+    """Ranks per emulated node (cluster.sh's MPIDIST_MN_SLOTS): ranks from it on are on node 2."""
+    return int(os.environ.get("MPIDIST_MN_SLOTS", "2"))
+
+
+def restore_link(node: int) -> dict:
+    """Undo a link fault of the hook on emulated node `node`: its link up, the loss filter gone
+    (with the packets it dropped, for the record)."""
+    from fault_hook import LINK, LOSS_TABLE
+    enter = ["nsenter", "-t", node_pid(node), "--net", "--"]
+    table = subprocess.run([*enter, "nft", "list", "table", "inet", LOSS_TABLE], capture_output=True, text=True)
+    dropped = sum(int(n) for n in re.findall(r"counter packets (\d+)", table.stdout)) if table.returncode == 0 else None
+    if table.returncode == 0:
+        subprocess.run([*enter, "nft", "delete", "table", "inet", LOSS_TABLE], check=True)
+    subprocess.run([*enter, "ip", "link", "set", LINK, "up"], check=True)
+    return {"restored": time.time(), "dropped_packets": dropped}
+
+
+class LinkRestorer:
+    """Restores the link of the victim's node `spec["down_s"]` seconds after the hook's fault
+    (fault.json), or when the job ends, whichever comes first."""
+
+    def __init__(self, directory: str, spec: dict):
+        self.fault_file, self.spec, self.record = os.path.join(directory, "fault.json"), spec, None
+        self.done, self.lock = threading.Event(), threading.Lock()
+        self.thread = threading.Thread(target=self.watch, daemon=True)
+        self.thread.start()
+
+    def watch(self) -> None:
+        while not self.done.is_set() and not os.path.exists(self.fault_file):
+            time.sleep(0.05)
+        if self.done.is_set():
+            return
+        time.sleep(0.05)  # the hook's record is written and closed at once, then the fault
+        with open(self.fault_file) as f:
+            fault_time = json.load(f)["time"]
+        self.done.wait(max(0.0, fault_time + self.spec["down_s"] - time.time()))
+        self.restore()
+
+    def restore(self) -> None:
+        with self.lock:
+            if self.record is None:
+                self.record = restore_link(self.spec["node"])
+
+    def finish(self) -> None:
+        self.done.set()
+        self.thread.join()
+        if os.path.exists(self.fault_file):
+            self.restore()
 
 
 def phase_log(directory: str) -> dict:
@@ -246,6 +319,8 @@ def reference(name: str, scenario: dict, args) -> dict:
     """The undisturbed run of `scenario`'s job (made once per job and kept in the work directory):
     its test accuracy, checkpoint directory, step times and checkpoint size in datasets."""
     key = "-".join(a.strip("-") for a in scenario["train"]) or "data"
+    if scenario.get("nodes"):
+        key += "-nodes"
     if scenario.get("backup_workers"):
         key += f"-backup{scenario['backup_workers']}"
     directory = os.path.join(args.work, f"reference-{key}")
@@ -264,7 +339,8 @@ def reference(name: str, scenario: dict, args) -> dict:
         with h5py.File(newest, "r") as f:
             f.visititems(lambda n, item: datasets.append(n) if isinstance(item, h5py.Dataset) else None)
     result = {"accuracy": accuracy_of(run), "checkpoints": run["checkpoints"], "steps": steps,
-              "datasets": len(datasets), "seconds": run["ended"] - run["started"]}
+              "datasets": len(datasets), "seconds": run["ended"] - run["started"],
+              "train_s": training_seconds(logs)}
     with open(summary, "w") as f:
         json.dump(result, f)
     return result
@@ -274,9 +350,15 @@ def draw(name: str, scenario: dict, ref: dict, args, rng: random.Random, directo
     """The fault of one run: victim rank, step, phase and moment within it."""
     servers = 1 if "ps" in scenario["train"] else 0
     victims = {"any": list(range(args.ranks)), "rank0": [0], "server": [0],
-               "workers": list(range(servers, args.ranks))}[scenario["victims"]]
+               "workers": list(range(servers, args.ranks)),
+               "node2": list(range(node_slots(), args.ranks))}[scenario["victims"]]
     spec = {"action": scenario["action"], "rank": rng.choice(victims), "fraction": rng.random(),
-            "step": rng.randint(2, max(2, int(ref["steps"] * 0.7))), "phase": rng.choice(STEP_PHASES)}
+            "step": rng.randint(2, max(2, int(ref["steps"] * 0.7))),
+            "phase": rng.choice(scenario.get("phases", STEP_PHASES))}
+    if scenario.get("nodes"):
+        spec.update(node=2, down_s=round(rng.uniform(*scenario["down_s"]), 2))
+    if "percent" in scenario:
+        spec.update(percent=rng.randint(*scenario["percent"]))
     if scenario["victims"] == "server":  # its updates, as many as the workers' steps in async mode
         spec.update(phase="update", step=rng.randint(2, max(2, int(ref["steps"] * (args.ranks - 1) * 0.7))))
     if scenario["action"] == "checkpoint-kill":
@@ -308,6 +390,12 @@ def rate(logs: dict, ranks, since: float, until: float) -> float | None:
     return count / len(ranks) / (until - since) if until > since and count else None
 
 
+def training_seconds(logs: dict) -> float:
+    """From the first step completed on any rank to the last."""
+    done = [t for log in logs.values() for t, phase, _ in log if phase == "done"]
+    return max(done) - min(done)
+
+
 def first_step(logs: dict, ranks) -> float:
     return min((t for r in ranks for t, phase, _ in logs.get(r, []) if phase == "done"), default=float("inf"))
 
@@ -318,7 +406,7 @@ def judge(name: str, scenario: dict, ref: dict, run: dict, relaunch, fault: dict
                                                                        relaunch["status"] is None)}
     output = "\n".join(line for _, line in run["lines"])
     t_fault = fault["time"]
-    detected = first_line(run, scenario["detect"], t_fault)
+    detected = first_line(run, scenario["detect"], t_fault) if "detect" in scenario else None
     record["detect_s"] = (detected if detected is not None else run["ended"]) - t_fault
     record["named"] = detected is not None
     victim = fault["rank"]
@@ -330,6 +418,30 @@ def judge(name: str, scenario: dict, ref: dict, run: dict, relaunch, fault: dict
     done_before = [t for t, phase, _ in logs.get(min(survivors), []) if phase == "done" and t < t_fault]
     last_mark = max(marks) if marks else run["started"]
     redone = sum(1 for t in done_before if t > last_mark) if "ps" not in scenario["train"] else 0
+    if scenario.get("loses_nothing"):  # the job goes on as if nothing had happened
+        import numpy as np
+        record["named"] = first_line(run, r"mpidist: stall:", t_fault) is not None  # a stall report, if any
+        record["detect_s"] = None
+        record["completed"] = run["status"] == 0 and accuracy_of(run) is not None
+        record["accuracy"] = accuracy_of(run)
+        record["wrong"] = run["status"] != 0 or not all(
+            np.array_equal(a, b) for a, b in _paired(final_weights(run["checkpoints"]),
+                                                     final_weights(ref["checkpoints"])))
+        restored = (run.get("link") or {}).get("restored", t_fault)
+        after = [t for r in survivors for t, phase, _ in logs.get(r, []) if phase == "done" and t > restored]
+        recovered = min(after) if after else None
+        during = rate(logs, survivors, t_fault, restored)
+        record["steps_per_s_during"] = during
+        record["steps_per_s_before"] = rate(logs, survivors, first_step(logs, survivors), t_fault)
+        record["steps_per_s_after"] = rate(logs, survivors, recovered, max(after)) if after else None
+        record["link"] = run.get("link")
+        redone = 0
+        record["recover_s"] = recovered - t_fault if recovered is not None else None
+        record["redone_steps"] = 0
+        record["lost_s"] = training_seconds(logs) - ref["train_s"] if "train_s" in ref else None
+        if not record["completed"] or record["wrong"] or record["hang"]:
+            record["output_tail"] = output[-3000:]
+        return record
     if scenario.get("survives"):
         record["completed"] = run["status"] == 0 and detected is not None and accuracy_of(run) is not None
         after = [t for r in survivors for t, phase, _ in logs.get(r, []) if phase == "done" and
@@ -347,7 +459,7 @@ def judge(name: str, scenario: dict, ref: dict, run: dict, relaunch, fault: dict
         record["steps_per_s_before"] = rate(logs, survivors, first_step(logs, survivors), t_fault)
     else:
         stopped = scenario.get("stops", False)
-        record["completed"] = (run["status"] == 0) == stopped and detected is not None
+        record["completed"] = run["status"] is not None and (run["status"] == 0) == stopped and detected is not None
         if stopped:
             redone = 0
         relaunch_logs = phase_log(relaunch["directory"]) if relaunch else {}
@@ -370,6 +482,8 @@ def judge(name: str, scenario: dict, ref: dict, run: dict, relaunch, fault: dict
         trainers = [r for r in range(args.ranks) if not (r == 0 and "ps" in scenario["train"])]
         record["steps_per_s_after"] = rate(relaunch_logs, trainers, recovered, last) if recovered else None
         record["job_end_s"] = run["ended"] - t_fault
+        if run.get("link"):
+            record["link"] = run["link"]
     record["recover_s"] = recovered - t_fault if recovered is not None else None
     record["redone_steps"] = redone
     record["lost_s"] = record["recover_s"] + redone * step_s if record["recover_s"] is not None else None
@@ -436,7 +550,8 @@ def summarize(records: list) -> dict:
                "wrong": sum(bool(r.get("wrong")) for r in injected),
                "unloadable_checkpoints": sum(r.get("checkpoint_loadable") is False for r in injected),
                "phases": sorted({r["fault"]["phase"] for r in injected})}
-        for key in ("detect_s", "job_end_s", "recover_s", "lost_s", "steps_per_s_before", "steps_per_s_after"):
+        for key in ("detect_s", "job_end_s", "recover_s", "lost_s", "steps_per_s_before", "steps_per_s_after",
+                    "steps_per_s_during"):
             values = [r.get(key) for r in injected]
             row[key] = {"median": percentile(values, 0.5), "p95": percentile(values, 0.95),
                         "n": sum(v is not None for v in values)}
@@ -494,11 +609,24 @@ def write_reports(out: str, args, started_load) -> None:
         ratio = f"{row['lost_vs_restart']:.2f}" if "lost_vs_restart" in row else "-"
         before, after = row["steps_per_s_before"]["median"], row["steps_per_s_after"]["median"]
         rates = f"{before:.0f} / {after:.0f}" if before and after else "-"
+        if row["steps_per_s_during"]["median"] is not None:
+            rates += f" (during the fault: {row['steps_per_s_during']['median']:.0f})"
         lines.append(f"| {name} | {row['runs']} | {row['injected']} | {row['completed_as_documented']} | "
                      f"{row['hangs']} | {row['wrong']} | {row['unloadable_checkpoints']} | {fmt(row['detect_s'])} | "
                      f"{fmt(row['job_end_s'])} | {fmt(row['recover_s'])} | {fmt(row['lost_s'])} | {ratio} | {rates} |")
     with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def nodes_up() -> None:
+    """The emulated nodes of tests/multinode/cluster.sh, for the scenarios of a network: up
+    already, or brought up now and taken down when the campaign ends."""
+    import atexit
+    state = os.environ.get("MPIDIST_MN_DIR", "/tmp/mpidist-multinode")
+    if os.path.exists(os.path.join(state, "up")):
+        return
+    subprocess.run(["bash", CLUSTER, "up"], check=True)
+    atexit.register(subprocess.run, ["bash", CLUSTER, "down"])
 
 
 def next_utc_time(hours_minutes: str, now: float | None = None) -> float:
@@ -533,6 +661,8 @@ def main(argv=None) -> int:
     started_load = os.getloadavg()
     done = {(r["scenario"], r["run"]) for r in read_records(args.out) if r["seed"] == args.seed}
     stop_at = next_utc_time(args.until) if args.until else None
+    if any(SCENARIOS[name].get("nodes") for name in names):
+        nodes_up()
     # Round-robin over the scenarios, so that a campaign cut short has runs of each.
     for index in range(args.runs):
         for name in names:
