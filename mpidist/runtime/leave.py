@@ -1,9 +1,14 @@
-"""Leaving MPI at the end of a fault-tolerant run in which a rank died: MPI_Finalize with a time
-limit.
+"""Leaving MPI at the end of a fault-tolerant run in which a rank died, or that runs ULFM's
+failure detector: MPI_Finalize with a time limit.
 
 After a death, Open MPI 5's MPI_Finalize sometimes never returns on the survivors (its runtime's
-end-of-job barrier waits forever; docs/elastic.md). So in a run under ULFM, md.init() registers
-finalize_after_a_death to run at exit: when MPI knows a rank of the job dead, it calls
+end-of-job barrier waits forever; docs/elastic.md). With ULFM's heartbeat failure detector on
+(`--mca mpi_ft_detector true`), it sometimes never returns even when no rank died: each rank's
+detector waits in MPI_Finalize for the last heartbeat of the rank it observes, and in a run where
+every rank had finished its program, some ranks spun there for minutes while the others waited
+for them in the end-of-job barrier (benchmarks/faults.py, docs/faults.md). So in a run under
+ULFM, md.init() registers finalize_after_a_death to run at exit: when MPI knows a rank of the job
+dead, or the detector is on, it calls
 MPI_Finalize itself, through ctypes so that Python's lock is released during the call (mpi4py's
 MPI.Finalize holds it), and a watchdog thread ends the process with os._exit once
 MPIDIST_FINALIZE_TIMEOUT has passed, with the exit status the program was going to return.
@@ -95,21 +100,29 @@ def exit_status() -> int:
     return EXCEPTION_STATUS
 
 
+def detector_on() -> bool:
+    """Whether ULFM's heartbeat failure detector runs in this process: mpirun's
+    `--mca mpi_ft_detector true` reaches the ranks as OMPI_MCA_mpi_ft_detector."""
+    return os.environ.get("OMPI_MCA_mpi_ft_detector", "").strip().lower() in ("1", "true", "yes", "on", "enabled")
+
+
 def finalize_after_a_death() -> None:
-    """MPI_Finalize under a watchdog, when MPI knows a rank of the job dead (see the module's
-    docstring); otherwise nothing."""
+    """MPI_Finalize under a watchdog, when MPI knows a rank of the job dead or ULFM's failure
+    detector is on (see the module's docstring); otherwise nothing."""
     MPI = load_mpi()
     import mpi4py  # here, not at the top: importing mpidist must not need mpi4py (errors.MPIUnavailableError)
     if MPI.Is_finalized() or mpi4py.rc.finalize is False:  # finalized already, or by the program's choice never
         return
     dead = failed_ranks(MPI.COMM_WORLD)
-    if not dead:
+    if not dead and not detector_on():
         return
     status, limit = exit_status(), config.value("MPIDIST_FINALIZE_TIMEOUT")
     flush_output()  # what the program printed must not wait on a call that may never return
+    why = (f"after rank(s) {dead} of the job died (Open MPI's end-of-job barrier, docs/elastic.md)" if dead else
+           "with ULFM's failure detector on (its end waits for the heartbeats of the rank it observes, "
+           "docs/faults.md)")
     _watchdog.arm(limit, status, f"mpidist: rank {MPI.COMM_WORLD.Get_rank()}: MPI_Finalize has not returned "
-                  f"{limit:g} s (MPIDIST_FINALIZE_TIMEOUT) after rank(s) {dead} of the job died (Open MPI's "
-                  f"end-of-job barrier, docs/elastic.md): exiting with status {status} without it")
+                  f"{limit:g} s (MPIDIST_FINALIZE_TIMEOUT) {why}: exiting with status {status} without it")
     _mpi_function("MPI_Finalize")()
     _watchdog.disarmed.set()
 
