@@ -90,9 +90,10 @@ SCENARIOS = {
     # Across the emulated nodes (tests/multinode/cluster.sh; root): a rank of the second node cuts
     # its node's link during a step (its all-reduces cross the link in backward and apply), or
     # has a share of the link's packets dropped, and the campaign restores the link `down_s` later
-    # (a cut link: when the job has ended, or at the runner's deadline).
+    # (a cut link: when the job has ended, or at the runner's deadline). link-down's outage, with
+    # TCP's retransmission backoff after it, stays short of TIMEOUT: a longer one is a cut.
     "link-down": dict(train=[], nodes=True, action="link-down", victims="node2", phases=("backward", "apply"),
-                      down_s=(5, 40), loses_nothing=True),
+                      down_s=(3, TIMEOUT / 2), loses_nothing=True),
     "link-cut": dict(train=[], nodes=True, action="link-down", victims="node2", phases=("backward", "apply"),
                      down_s=(DEADLINE, DEADLINE), detect=r"did not complete within"),
     "link-loss": dict(train=[], nodes=True, action="link-loss", victims="node2", phases=("backward", "apply"),

@@ -229,7 +229,7 @@ def report(mpi, what: str, waited: float, timeout: float) -> None:
         name = f"rank {rank}" + (f" (world rank {board_rank})" if board_rank != rank else "")
         if state == WAITING and text == published:
             lines.append(f"{name}: entered {text} {now - since:.0f} s ago, but its wait has not polled for "
-                         f"{now - polled:.0f} s (the process is frozen, or held away from its wait)")
+                         f"{now - polled:.0f} s (the process is frozen, or its poll is held up, in MPI or elsewhere)")
         elif state is None:
             lines.append(f"{name}: its record could not be read within {READ_SECONDS:.0f} s (it is busy away "
                          "from MPI, or gone)")
