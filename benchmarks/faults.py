@@ -7,6 +7,10 @@ relaunched with --resume from its newest checkpoint.
     python benchmarks/faults.py                                  # every scenario, 50 runs each
     python benchmarks/faults.py --runs 5 --scenarios elastic-kill,sigusr1 --out /tmp/faults
 
+The network's scenarios (link-down, link-cut, link-loss) run the job across the emulated nodes of
+tests/multinode/cluster.sh, which needs root: the campaign brings the nodes up (and down at its
+end) unless they are up already, and link-loss needs nftables' `nft`.
+
 Each run's record is appended as one JSON line to <out>.jsonl as soon as it ends; a restart skips
 the runs already there. <out>.json and <out>.md summarize every record in the file, per
 scenario: runs, completed as documented, hangs (killed at the runner's own deadline), wrong
