@@ -389,33 +389,30 @@ class Int8Bucket(BucketCompressor):
         return views
 
     def _quantize(self, rows):
-        """(int8 values (rows x width), float32 scales (rows x chunks)) of `rows` (rows x width,
-        compute dtype)."""
+        """(int8 values (rows x width), float32 scales (rows x chunks), the values dequantized) of
+        `rows` (rows x width, compute dtype)."""
         blocks = rows.view(rows.shape[0], self.chunks, self.settings.chunk)
         # The largest magnitude, from two reductions that vectorize where abs().amax() and
         # aminmax() do not (abs_: a chunk of zeros has the scale +0, whichever zero maximum gives).
         largest = torch.maximum(blocks.amax(dim=2), blocks.amin(dim=2).neg_()).abs_()
         scales = (largest / 127).float()
         divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).to(rows.dtype)
-        values = torch.div(blocks, divisor[:, :, None]).round_().clamp_(-127, 127).to(torch.int8)
-        return values.view(rows.shape[0], self.width), scales
-
-    def _dequantize(self, values, scales):
-        """`values` (int8, rows x width) times their chunks' scales, in the compute dtype."""
-        blocks = values.view(values.shape[0], self.chunks, self.settings.chunk).to(self.compute_dtype)
-        return blocks.mul_(scales.to(self.compute_dtype)[:, :, None]).view(values.shape[0], self.width)
+        levels = torch.div(blocks, divisor[:, :, None]).round_().clamp_(-127, 127)
+        values = levels.to(torch.int8).view(rows.shape[0], self.width)
+        # The levels are the int8 values exactly: dequantized without converting those back.
+        return values, scales, levels.mul_(scales.to(rows.dtype)[:, :, None]).view(rows.shape[0], self.width)
 
     def _payload(self, values, scales):
         """Each row's int8 values (the part's, not the padding) and float32 scales as one row of bytes."""
         return torch.cat([values[:, :self.part].view(torch.uint8), scales.contiguous().view(torch.uint8)], dim=1)
 
-    def _unpack(self, payload):
-        """(int8 values (rows x width, zero past the part), float32 scales) of payload rows."""
-        values = torch.empty(payload.shape[0], self.width, dtype=torch.int8, device=payload.device)
-        values[:, self.part:].zero_()
-        values[:, :self.part] = payload[:, :self.part].view(torch.int8)
-        scales = _as(payload[:, self.part:], torch.float32)
-        return values, scales
+    def _dequantize(self, payload):
+        """Payload rows' values times their chunks' scales, as compute-dtype rows (zero past the part)."""
+        rows = torch.empty(payload.shape[0], self.width, dtype=self.compute_dtype, device=payload.device)
+        rows[:, self.part:].zero_()
+        rows[:, :self.part] = payload[:, :self.part].view(torch.int8)
+        scales = _as(payload[:, self.part:], torch.float32).to(self.compute_dtype)
+        return rows.view(payload.shape[0], self.chunks, self.settings.chunk).mul_(scales[:, :, None]).view_as(rows)
 
     def _start(self, flat, op):
         # The bucket plus its residual, as rows of whole chunks (zero past each part's end).
@@ -424,9 +421,8 @@ class Int8Bucket(BucketCompressor):
         rows[:self.numel // self.part, self.part:].zero_()
         for (flat_part, row_part), (residual_part, _) in zip(self._parts(flat, rows), self._parts(self.residual, rows)):
             torch.add(flat_part, residual_part, out=row_part)
-        values, scales = self._quantize(rows)
+        values, scales, sent = self._quantize(rows)
         # What this rank meant to send, less what it sent; its part's sum adds its own error below.
-        sent = self._dequantize(values, scales)
         for (residual_part, row_part), (_, sent_part) in zip(self._parts(self.residual, rows),
                                                                self._parts(self.residual, sent)):
             torch.sub(row_part, sent_part, out=residual_part)
@@ -434,15 +430,15 @@ class Int8Bucket(BucketCompressor):
 
         def finish():
             received, _ = self.comm.alltoall(payload)
-            dequantized = self._dequantize(*self._unpack(received))
+            dequantized = self._dequantize(received)
             total = torch.zeros(1, self.width, dtype=self.compute_dtype, device=flat.device)
             for rank in range(self.comm.size):  # in rank order
                 total[0] += dequantized[rank]
-            sum_values, sum_scales = self._quantize(total)
+            sum_values, sum_scales, sum_sent = self._quantize(total)
             own = self.residual[self.comm.rank * self.part:][:self.part]  # empty past the bucket's end
-            own += (total - self._dequantize(sum_values, sum_scales))[0, :own.numel()]
+            own += (total - sum_sent)[0, :own.numel()]
             gathered = self.comm.allgather(self._payload(sum_values, sum_scales)).view(self.comm.size, -1)
-            for flat_part, sum_part in self._parts(flat, self._dequantize(*self._unpack(gathered))):
+            for flat_part, sum_part in self._parts(flat, self._dequantize(gathered)):
                 flat_part.copy_(sum_part)
             self._finish_step(flat, op)
         return Exchange(finish)
