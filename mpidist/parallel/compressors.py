@@ -334,6 +334,10 @@ class PowerSGDBucket(BucketCompressor):
 
         def finish():
             handle.wait()
+            # Averaged, as torch's hook does, in what is small: the whole gradients and Q (also the
+            # next warm start), so that P Q^T needs no division after.
+            if op == "avg":
+                self.sent[:self.whole_size].div_(self.comm.size)
             at = 0
             for offset, numel in self.whole:
                 flat[offset:offset + numel] = self.sent[at:at + numel]
@@ -346,10 +350,10 @@ class PowerSGDBucket(BucketCompressor):
                     # in one pass over the matrix, with no temporary of its size
                     torch.addmm(matrix, p_part, q_part.t(), alpha=-1,
                                 out=self.residual[offset:offset + matrix.numel()].view(matrix.shape))
-            self.comm.allreduce(self.q, op="sum", algorithm=self.algorithm)
+            self.comm.allreduce(self.q, op=op, algorithm=self.algorithm)
             for offset, matrix, p_part, q_part in self._views(flat, p):
                 torch.matmul(p_part, q_part.t(), out=matrix)
-            self._finish_step(flat, op)
+            self._finish_step(flat, "sum")  # averaged already
         return Exchange(finish)
 
     def state_dict(self) -> dict:
