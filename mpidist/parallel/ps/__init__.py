@@ -17,9 +17,12 @@ Which gradients each update averages (sync, async, n-softsync, backup workers, b
 staleness, the staleness-aware learning rate) is policy.py's: a pure state machine the
 coordinator (coordinator.py) feeds with the messages it receives and whose decisions it tells
 the other servers (follower.py). The package: protocol.py (message kinds, tags, headers),
-settings.py (the arguments and their agreement), policy.py, server.py (what every server does),
-coordinator.py and follower.py (the servers' loops), worker.py (the workers' calls), state.py
-(the state between servers), shards.py, sparse.py, survival.py; this module is the front.
+settings.py (the arguments and their agreement), model.py (what is trained: the flat dense
+parameters, the tables, the optimizers), roles.py (each rank's state: ServerRole, WorkerRole),
+policy.py, server.py (what every server does), coordinator.py and follower.py (the servers'
+loops), worker.py (the workers' calls), state.py (the state between servers), shards.py,
+sparse.py, survival.py. Their functions take the role of this rank, never the front; this
+module is the front.
 
 A worker gets new weights only once the update that took its gradient is applied, so it never
 computes on weights that miss its own last gradient. The chief is the first worker (the lowest
@@ -58,16 +61,27 @@ import torch
 
 from ...comm import init
 from ...errors import InvalidArgumentError
-from ...runtime import wire
 from ...runtime.mpi import fault_tolerant, is_process_failure, return_errors
 from ..model_state import broadcast_module_state
 from . import coordinator, follower, settings, shards, state, survival, worker
+from .model import take_model
 from .policy import MODES, Update, gradients_per_update
-from .protocol import Push, Tag
-from .server import ServerRole, send_table_ranges, send_weights
-from .worker import WorkerRole
+from .protocol import Tag
+from .roles import Channel, ServerRole, WorkerRole
+from .server import send_table_ranges, send_weights
+from .settings import Settings
 
 __all__ = ["MODES", "ParameterServer", "Update", "gradients_per_update"]
+
+
+def _read(part: str, name: str, absent=None) -> property:
+    """A read-only attribute of the front: `name` of its "role", "settings" or "model"; where
+    this rank's role has none (a worker's dropped gradients, a server's steps), absent()."""
+    def read(ps):
+        held = getattr(ps, part)
+        return getattr(held, name) if absent is None or hasattr(held, name) else absent()
+
+    return property(read)
 
 
 class ParameterServer:
@@ -86,6 +100,20 @@ class ParameterServer:
     `bytes_pushed` and `bytes_pulled` count, on a worker, the payload bytes it sent and received.
     """
 
+    # What every rank agreed on, what it trains, and the state of its role (roles.py).
+    servers, workers, ranges = _read("settings", "servers"), _read("settings", "workers"), _read("settings", "ranges")
+    server, chief = _read("settings", "coordinator"), _read("settings", "chief")
+    mode, max_staleness = _read("settings", "mode"), _read("settings", "max_staleness")
+    staleness_lr, backup_workers = _read("settings", "staleness_lr"), _read("settings", "backup_workers")
+    per_update = _read("settings", "per_update")
+    module, optimizer, optimizers = _read("model", "module"), _read("model", "optimizer"), _read("model", "optimizers")
+    params, tables, dtype = _read("model", "params"), _read("model", "tables"), _read("model", "dtype")
+    numels, numel, shapes = _read("model", "numels"), _read("model", "numel"), _read("model", "shapes")
+    version, stopping, closed = _read("role", "version"), _read("role", "stopping"), _read("role", "closed")
+    dropped, lost = _read("role", "dropped", list), _read("role", "lost", list)
+    steps, bytes_pushed = _read("role", "steps", int), _read("role", "bytes_pushed", int)
+    bytes_pulled = _read("role", "bytes_pulled", int)
+
     def __init__(self, module: torch.nn.Module, optimizer=None, comm=None, mode: str = "sync", softsync=None,
                  max_staleness=None, staleness_lr: bool = False, server: int = 0, version: int = 0, servers=1,
                  backup_workers: int = 0, sparse_embeddings: bool = False):
@@ -102,59 +130,75 @@ class ParameterServer:
             made = [mpi for mpi in (self.comm.mpi, self.mpi) if mpi is not None]
             if not (fault_tolerant() and is_process_failure(error, made)):
                 raise
-            raise survival.ending_at_start(self) from error
+            raise survival.ending_at_start(self.comm, self.mpi) from error
 
     def _build(self, module, optimizer, rules: dict, sparse_embeddings: bool) -> None:
-        """Take the arguments, agree on them with the other ranks and give every rank the chief
-        worker's weights (collective over comm)."""
+        """Take the arguments, agree on them with the other ranks, give every rank the chief
+        worker's weights (collective over comm) and make this rank's role."""
         self.mpi = self.comm.mpi.Dup()  # point-to-point traffic of its own, apart from collectives
         if fault_tolerant():  # a death comes back as an error (survival.py)
             return_errors(self.mpi)
         try:  # a refusal on some ranks only joins the agreement, so that no rank waits for the others
-            unsplittable, declined = self._take_settings(module, optimizer, rules, sparse_embeddings), None
+            (agreed, model, unsplittable), declined = self._take_settings(module, optimizer, rules,
+                                                                          sparse_embeddings), None
         except InvalidArgumentError as error:
-            unsplittable, declined = None, error
-        settings.agree(self, unsplittable, declined)
-        broadcast_module_state(module, self.comm, root=self.chief)
-        # A server of several steps its own rows alone; one server steps the user's optimizer,
-        # whose state is then the whole model's (what checkpoints save).
-        self.server_role.owned = shards.OwnedRange(
-            self.params, self.own_range, self.optimizers,
-            [(table.weight, table.row_range(self.servers.index(self.comm.rank))) for table in self.tables]) \
-            if self.is_server and len(self.servers) > 1 else None
+            (agreed, model, unsplittable), declined = (None, None, None), error
+        settings.agree(self.mpi, agreed, model, rules["version"], unsplittable, declined)
+        self.settings, self.model = agreed, model
+        broadcast_module_state(module, self.comm, root=agreed.chief)
+        rank = self.comm.rank
+        if rank in agreed.servers:
+            channel = Channel(self.mpi, rank, f"rank {rank} (the parameter server)")
+            self.role = ServerRole(agreed, model, channel, version=rules["version"])
+            # A server of several steps its own rows alone; one server steps the user's
+            # optimizer, whose state is then the whole model's (what checkpoints save).
+            if len(agreed.servers) > 1:
+                index = agreed.servers.index(rank)
+                self.role.owned = shards.OwnedRange(model.params, agreed.ranges[index], model.optimizers,
+                                                    [(table.weight, table.row_range(index)) for table in model.tables])
+        else:
+            self.role = WorkerRole(agreed, model, Channel(self.mpi, rank, f"rank {rank} (a worker)"),
+                                   version=rules["version"])
 
-    def _take_settings(self, module, optimizer, rules: dict, sparse_embeddings: bool):
-        """Check and take the arguments of this rank; returns the error of a model too small to
-        split over the servers (raised after the agreement, so that every rank learns of it)."""
-        server = rules["server"]
-        if not isinstance(server, int) or not 0 <= server < self.comm.size:
-            raise InvalidArgumentError(f"server={server!r} is not a rank of this communicator "
-                                       f"(0..{self.comm.size - 1})")
-        self.servers = settings.server_ranks(rules["servers"], server, self.comm.size)
-        settings.check_modes(self.comm.size, len(self.servers), rules["mode"], rules["softsync"],
-                             rules["max_staleness"], rules["version"], rules["backup_workers"])
-        settings.take_model(self, module, optimizer, sparse_embeddings)
+    def _take_settings(self, module, optimizer, rules: dict, sparse_embeddings: bool) -> tuple:
+        """Check the arguments of this rank: (its Settings, its Model, the error of a model too
+        small to split over the servers, raised after the agreement so that every rank learns of
+        it)."""
+        server, size = rules["server"], self.comm.size
+        if not isinstance(server, int) or not 0 <= server < size:
+            raise InvalidArgumentError(f"server={server!r} is not a rank of this communicator (0..{size - 1})")
+        servers = settings.server_ranks(rules["servers"], server, size)
+        settings.check_modes(size, len(servers), rules["mode"], rules["softsync"], rules["max_staleness"],
+                             rules["version"], rules["backup_workers"])
+        model = take_model(module, optimizer, len(servers), sparse_embeddings)
         try:  # each server's part of the flat vector
-            self.ranges, unsplittable = settings.partition(self), None
+            ranges, unsplittable = settings.partition(model, len(servers)), None
         except InvalidArgumentError as error:
-            self.ranges, unsplittable = None, error
-        self.server = self.servers[0]  # the coordinator
-        self.workers = [r for r in range(self.comm.size) if r not in self.servers]
-        self.chief = self.workers[0]
-        self.is_server = self.comm.rank in self.servers
-        self.is_chief = self.comm.rank == self.chief
-        self.mode, self.max_staleness = rules["mode"], rules["max_staleness"]
-        self.staleness_lr, self.backup_workers = bool(rules["staleness_lr"]), rules["backup_workers"]
-        self.per_update = gradients_per_update(self.mode, len(self.workers), rules["softsync"], self.backup_workers)
-        self.version = rules["version"]  # the number of updates applied to the weights held
-        self.dropped = []  # servers: the late gradients dropped (backup workers), as in Update.dropped
-        self.lost = []  # servers: the workers dropped when they died, as survival.Lost
-        self.server_role, self.worker_role = ServerRole(), WorkerRole()
-        self.steps = 0  # workers: gradients pushed
-        self.bytes_pushed = self.bytes_pulled = 0  # workers: payload bytes sent and received
-        self.closed = False
-        self.stopping = False  # the coordinator and workers: every worker is to close (request_stop())
-        return unsplittable
+            ranges, unsplittable = None, error
+        workers = [r for r in range(size) if r not in servers]
+        per_update = gradients_per_update(rules["mode"], len(workers), rules["softsync"], rules["backup_workers"])
+        agreed = Settings(servers, workers, ranges, rules["mode"], rules["max_staleness"], bool(rules["staleness_lr"]),
+                          rules["backup_workers"], per_update)
+        return agreed, model, unsplittable
+
+    @property
+    def is_server(self) -> bool:
+        return isinstance(self.role, ServerRole)
+
+    @property
+    def is_chief(self) -> bool:
+        """The first worker: scripts let it alone log, evaluate and save."""
+        return self.comm.rank == self.settings.chief
+
+    @property
+    def own_range(self) -> tuple:
+        """This server's range of the flat vector of dense parameters."""
+        return self.role.own_range
+
+    @property
+    def who(self) -> str:
+        """This rank as errors name it."""
+        return self.role.channel.who
 
     # ---- the servers -----------------------------------------------------------------------
 
@@ -164,22 +208,23 @@ class ParameterServer:
         weights. Returns the list of Update applied, in order (the same on every server).
         `on_update(update)`, if given, is called after each update, with the module holding its
         weights (with several servers, only this server's range of them until serve() returns)."""
+        role = self.role
         if not self.is_server:
             raise InvalidArgumentError(f"serve() runs on {self._server_name}; rank {self.comm.rank} is a worker: "
                                        "call step() after each backward, and close() at the end")
-        history, self.server_role.serving = [], True
-        loop = coordinator.coordinate if self.comm.rank == self.server else follower.follow
-        sends = loop(self, history, on_update)
-        for worker_rank in [w for w in self.workers if w not in {lost.worker for lost in self.lost}]:
-            sends.append(send_weights(self, worker_rank))
-            sends += send_table_ranges(self, worker_rank, Tag.REPLY)
-        sends += state.share_final_weights(self)
-        sends += state.gather(self, weights=False) + self.server_role.state_sends
-        for failure in self.server_role.failures.values():  # none came
+        history, role.serving = [], True
+        loop = coordinator.coordinate if role.coordinating else follower.follow
+        sends = loop(role, history, on_update)
+        for worker_rank in [w for w in self.workers if w not in {lost.worker for lost in role.lost}]:
+            sends.append(send_weights(role, worker_rank))
+            sends += send_table_ranges(role, worker_rank, Tag.REPLY)
+        sends += state.share_final_weights(role)
+        sends += state.gather(role, weights=False) + role.state_sends
+        for failure in role.failures.values():  # none came
             failure.request.Cancel()
             failure.request.Wait()
-        survival.wait_last_sends(self, sends)
-        self.server_role.serving = False
+        survival.wait_last_sends(role, sends)
+        role.serving = False
         self.mpi.Free()
         return history
 
@@ -189,12 +234,12 @@ class ParameterServer:
         coordinator's module then holds the update's whole weights, tables too, and its
         optimizers (the user's) the whole state, as those of one server do; the other servers
         send their parts and go on at once. With one server there is nothing to gather."""
-        if not self.is_server or not self.server_role.serving:
+        role = self.role
+        if not self.is_server or not role.serving:
             raise InvalidArgumentError("gather_state() runs on the servers during serve(), in on_update")
         if len(self.servers) > 1:
-            role = self.server_role
             role.state_sends = [outgoing for outgoing in role.state_sends if not outgoing.test()]
-            role.state_sends += state.gather(self, weights=True)
+            role.state_sends += state.gather(role, weights=True)
 
     # ---- a worker --------------------------------------------------------------------------
 
@@ -204,7 +249,7 @@ class ParameterServer:
         table of `module` (an embedding of the model that goes by rows) from the servers that
         hold them, into this worker's table. Call it before the forward pass, for every table
         and every id the batch uses."""
-        worker.pull_rows(self, module, ids)
+        worker.pull_rows(self.role, module, ids)
 
     @survival.ends_on_death
     def step(self) -> None:
@@ -212,7 +257,7 @@ class ParameterServer:
         range, and the rows of each table's gradient, each server those in its row ranges; then
         wait for the weights of the update that took them, which replace the module's dense
         parameters."""
-        worker.step(self)
+        worker.step(self.role)
 
     def request_stop(self) -> None:
         """Ask every worker to stop training (a stop signal before the time limit, say), from the
@@ -221,41 +266,18 @@ class ParameterServer:
         turns True, and closes. In sync mode (without backup workers) every worker learns of it
         after the same update."""
         if self.comm.rank == self.server:
-            self.stopping = True
+            self.role.stopping = True
         elif not self.is_server:
-            self.worker_role.stop_asked = True
+            self.role.stop_asked = True
 
     @survival.ends_on_death
     def close(self) -> None:
         """Tell the coordinating server this worker is done, and take the final weights, tables
         whole (once every worker has closed)."""
-        worker.check_worker(self, "close()")
-        nothing = torch.empty(0, dtype=self.dtype)
-        outgoing = wire.send(self.mpi, nothing, self.server, Tag.PUSH,
-                                    fields=(Push.DONE, self.steps, self.version))
-        self._receive_weights()
-        for table in self.tables:
-            parts, _ = worker.receive_replies(self, f"the final rows of {table.name} from the server")
-            with torch.no_grad():
-                table.weight.copy_(torch.cat(parts).to(table.weight.device))
-        outgoing.wait(self.who, "the last message to the server", f"the server (rank {self.server})")
-        self.closed = True
-        self.mpi.Free()
+        worker.close(self.role, self._receive_weights)
 
     def _receive_weights(self) -> None:
-        worker.receive_weights(self)
-
-    # ---- helpers ---------------------------------------------------------------------------
-
-    @property
-    def own_range(self) -> tuple:
-        """This server's range of the flat vector of dense parameters."""
-        return self.ranges[self.servers.index(self.comm.rank)]
-
-    @property
-    def who(self) -> str:
-        """This rank as errors name it."""
-        return f"rank {self.comm.rank} ({'the parameter server' if self.is_server else 'a worker'})"
+        worker.receive_weights(self.role)
 
     @property
     def _server_name(self) -> str:

@@ -14,21 +14,24 @@ from ...runtime.deadlines import wait_until
 from . import survival
 from .policy import Policy
 from .protocol import Command, Push, Tag
+from .roles import ServerRole
 from .server import answer_pull, apply, command, drop, receive_gradient_rows, send_weights, stop
 
 
-def coordinate(ps, history: list, on_update) -> list:
+def coordinate(role: ServerRole, history: list, on_update) -> list:
     """Serve until every worker has closed; returns the sends still going."""
-    policy = Policy(ps.workers, ps.per_update, ps.max_staleness, ps.staleness_lr, ps.backup_workers, ps.version)
-    receives = {w: wire.Incoming(ps.mpi, w, Tag.PUSH) for w in ps.workers}
+    rules, mpi, who = role.settings, role.channel.mpi, role.channel.who
+    policy = Policy(rules.workers, rules.per_update, rules.max_staleness, rules.staleness_lr, rules.backup_workers,
+                    role.version)
+    receives = {w: wire.Incoming(mpi, w, Tag.PUSH) for w in rules.workers}
     # The other servers send the coordinator nothing but the failure of their update.
-    ps.server_role.failures = {s: wire.Incoming(ps.mpi, s, Tag.PUSH) for s in ps.servers[1:]}
+    role.failures = {s: wire.Incoming(mpi, s, Tag.PUSH) for s in rules.servers[1:]}
     gradients = {}  # worker -> (its gradient, its step, its version), waiting for an update
     sends = []
     started = time.time()
     while not policy.finished:
-        worker = next_message(ps, receives)
-        incoming = receives.get(worker) or ps.server_role.failures[worker]
+        worker = next_message(role, receives)
+        incoming = receives.get(worker) or role.failures[worker]
         kind, step, version = incoming.fields[:3]
         decisions = []
         if kind in (Push.DONE, Push.DIED):
@@ -36,62 +39,62 @@ def coordinate(ps, history: list, on_update) -> list:
             decisions = policy.done(worker) if kind == Push.DONE else policy.died(worker)
             gradients.pop(worker, None)
         elif kind == Push.FAILED:
-            stop(ps, worker, incoming, sends)
+            stop(role, worker, incoming, sends)
         elif kind == Push.PULL:
-            sends += take_pull(ps, worker, incoming, receives)
+            sends += take_pull(role, worker, incoming, receives)
         else:
-            gradient = rest_of_message(ps, worker, receives, lambda: (incoming.receive_payload(
-                ps.who, f"the gradient of worker {worker}", f"worker {worker}"), receive_gradient_rows(ps, worker)))
+            gradient = rest_of_message(role, worker, receives, lambda: (incoming.receive_payload(
+                who, f"the gradient of worker {worker}", f"worker {worker}"), receive_gradient_rows(role, worker)))
             if gradient is None:
                 continue
-            ps.stopping |= bool(incoming.fields[3])  # the worker asks every worker to stop
-            receives[worker] = wire.Incoming(ps.mpi, worker, Tag.PUSH)
+            role.stopping |= bool(incoming.fields[3])  # the worker asks every worker to stop
+            receives[worker] = wire.Incoming(mpi, worker, Tag.PUSH)
             gradients[worker] = (gradient, step, version)
             decisions = policy.gradient(worker, step, version)
         for decision in decisions:
-            sends += carry_out(ps, decision, gradients, history, on_update, started)
-        sends = survival.pending(ps, sends)
-    return sends + command(ps, Command.FINISH, [])
+            sends += carry_out(role, decision, gradients, history, on_update, started)
+        sends = survival.pending(role, sends)
+    return sends + command(role, Command.FINISH, [])
 
 
-def carry_out(ps, decision, gradients: dict, history: list, on_update, started: float) -> list:
+def carry_out(role: ServerRole, decision, gradients: dict, history: list, on_update, started: float) -> list:
     """Do one decision of the policy here and command it to the other servers."""
     worker = decision.workers[0]
-    sends = command(ps, decision.kind, list(decision.workers) if decision.kind != Command.LOST
+    sends = command(role, decision.kind, list(decision.workers) if decision.kind != Command.LOST
                     else [worker, decision.steps])
     if decision.kind == Command.APPLY:
-        history.append(apply(ps, {w: gradients.pop(w) for w in decision.workers}, decision.update, on_update))
+        history.append(apply(role, {w: gradients.pop(w) for w in decision.workers}, decision.update, on_update))
     elif decision.kind == Command.DROP:
         gradients.pop(worker)
-        drop(ps, *decision.dropped)
+        drop(role, *decision.dropped)
     elif decision.kind == Command.ANSWER:
-        sends.append(send_weights(ps, worker))
+        sends.append(send_weights(role, worker))
     else:
-        survival.report(ps, worker, decision.steps, started)
+        survival.report(role, worker, decision.steps, started)
     return sends
 
 
-def take_pull(ps, worker: int, incoming: wire.Incoming, receives: dict) -> list:
+def take_pull(role: ServerRole, worker: int, incoming: wire.Incoming, receives: dict) -> list:
     """Answer a worker's pull of rows, and command the other servers to answer it too."""
-    pull = rest_of_message(ps, worker, receives, lambda: incoming.receive_payload(
-        ps.who, f"the rows worker {worker} pulls", f"worker {worker}"))
+    pull = rest_of_message(role, worker, receives, lambda: incoming.receive_payload(
+        role.channel.who, f"the rows worker {worker} pulls", f"worker {worker}"))
     if pull is None:
         return []
-    receives[worker] = wire.Incoming(ps.mpi, worker, Tag.PUSH)
-    return command(ps, Command.ANSWER_PULL, [worker]) + answer_pull(ps, worker, pull, incoming.fields)
+    receives[worker] = wire.Incoming(role.channel.mpi, worker, Tag.PUSH)
+    return command(role, Command.ANSWER_PULL, [worker]) + answer_pull(role, worker, pull, incoming.fields)
 
 
-def next_message(ps, receives: dict) -> int:
+def next_message(role: ServerRole, receives: dict) -> int:
     """The rank whose header arrived first among the pending receives (the workers', and the
     other servers' failures), or a worker that died (its receive replaced by a survival.Death)
     when the parameter server goes on without it."""
     died = [w for w, incoming in receives.items() if isinstance(incoming, survival.Death)]
     if died:
         return died[0]
-    pending = {**receives, **ps.server_role.failures}
+    pending = {**receives, **role.failures}
     ranks = list(pending)
     requests = [pending[r].request for r in ranks]
-    workers = [r for r in ranks if r not in ps.servers]
+    workers = [r for r in ranks if r not in role.settings.servers]
     found = []
 
     def arrived():
@@ -101,17 +104,17 @@ def next_message(ps, receives: dict) -> int:
         return flag
 
     try:
-        wait_until(arrived, ps.who, "the wait for a message from the workers", f"workers {workers}",
+        wait_until(arrived, role.channel.who, "the wait for a message from the workers", f"workers {workers}",
                    peers=workers, advice="A worker that stops training must call close()")
     except Exception as error:
-        died = survival.dead_workers(ps, error, receives)
+        died = survival.dead_workers(role, error, receives)
         for worker in died:
             receives[worker] = survival.Death(Push.DIED)
         return died[0]
     return found[0]
 
 
-def rest_of_message(ps, worker: int, receives: dict, receive):
+def rest_of_message(role: ServerRole, worker: int, receives: dict, receive):
     """receive(): the rest of a worker's message, whose header has come. None when the worker
     died in the middle of it and the parameter server goes on without it: its receive is then
     a survival.Death, taken as its death at the next wait (the other servers had no command to
@@ -119,6 +122,6 @@ def rest_of_message(ps, worker: int, receives: dict, receive):
     try:
         return receive()
     except Exception as error:
-        for dead in survival.dead_workers(ps, error, [worker]):
+        for dead in survival.dead_workers(role, error, [worker]):
             receives[dead] = survival.Death(Push.DIED)
         return None

@@ -5,6 +5,8 @@ same error on every rank before any gradient moves.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from ...errors import InvalidArgumentError, MismatchError
@@ -12,6 +14,7 @@ from ...runtime import wire
 from ...runtime.deadlines import wait_for_collective
 from ...runtime.together import agreed_error, raise_together
 from . import shards, sparse
+from .model import Model
 from .policy import MODES
 
 UNSPLITTABLE = -1  # the layout of a rank whose model has fewer rows than there are servers
@@ -27,6 +30,30 @@ COLUMNS = AGREED + ("has optimizer", "sparse refusal", "declined")
 def column(table: np.ndarray, name: str) -> np.ndarray:
     """Every rank's value of the column `name` of the agreement table."""
     return table[:, COLUMNS.index(name)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What every rank of a parameter server agrees on: the server ranks (the first the
+    coordinator) and the workers, each server's range of the flat dense parameters (None on a
+    rank whose model is too small to split), and the update rules."""
+    servers: list
+    workers: list
+    ranges: list | None
+    mode: str
+    max_staleness: int | None
+    staleness_lr: bool
+    backup_workers: int
+    per_update: int  # gradients per update (policy.gradients_per_update)
+
+    @property
+    def coordinator(self) -> int:
+        return self.servers[0]
+
+    @property
+    def chief(self) -> int:
+        """The first worker: every rank starts from its weights."""
+        return self.workers[0]
 
 
 def server_ranks(servers, server: int, size: int) -> list:
@@ -70,66 +97,46 @@ def check_modes(size: int, servers: int, mode, softsync, max_staleness, version,
                                    f"{size - servers} workers")
 
 
-def take_model(ps, module, optimizer, sparse_embeddings: bool) -> None:
-    """The module's trained parameters, split into the dense path's and the tables."""
-    ps.module = module
-    ps.optimizer = optimizer
-    ps.optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [] if optimizer is None else [optimizer]
-    trained = [p for p in module.parameters() if p.requires_grad]
-    if not trained:
-        raise InvalidArgumentError("the module has no parameters that require a gradient")
-    dtypes = {p.dtype for p in trained}
-    if len(dtypes) > 1 or not trained[0].is_floating_point() \
-            or str(trained[0].dtype).removeprefix("torch.") not in wire.ITEMSIZE:
-        raise InvalidArgumentError(f"the parameters must share one floating-point dtype, got "
-                                   f"{sorted(str(d) for d in dtypes)}")
-    ps.dtype = trained[0].dtype
-    ps.tables = sparse.find_tables(module, len(ps.servers), sparse_embeddings)
-    by_rows = {id(table.weight) for table in ps.tables}
-    ps.params = [p for p in trained if id(p) not in by_rows]  # the dense path's, end to end
-    ps.numels = [p.numel() for p in ps.params]
-    ps.numel = sum(ps.numels)
-    ps.shapes = [tuple(p.shape) for p in ps.params]
+def partition(model: Model, servers: int) -> list:
+    """Each of `servers` servers' range of the flat vector of dense parameters."""
+    if not model.params:  # a model of tables only: nothing goes the dense path
+        return [(0, 0)] * servers
+    return shards.partition(model.shapes, servers)
 
 
-def partition(ps) -> list:
-    """Each server's range of the flat vector of dense parameters."""
-    if not ps.params:  # a model of tables only: nothing goes the dense path
-        return [(0, 0)] * len(ps.servers)
-    return shards.partition(ps.shapes, len(ps.servers))
-
-
-def my_row(ps, unsplittable, refusals: list) -> np.ndarray:
+def my_row(settings: Settings, model: Model, version: int, unsplittable, refusals: list) -> np.ndarray:
     """This rank's row of the agreement table."""
-    tables = [(t.name, tuple(t.weight.shape), tuple(t.bounds)) for t in ps.tables]
+    tables = [(t.name, tuple(t.weight.shape), tuple(t.bounds)) for t in model.tables]
     layout = UNSPLITTABLE if unsplittable else shards.fingerprint(
-        ps.shapes, [(rank, *span) for rank, span in zip(ps.servers, ps.ranges)] + tables)
-    values = {"parameters": ps.numel, "dtype": wire.code_of(wire.name_of(ps.dtype)), "server": ps.server,
-              "servers": len(ps.servers), "layout": layout, "mode": MODES.index(ps.mode),
-              "backup_workers": ps.backup_workers, "gradients per update": ps.per_update,
-              "max_staleness": -1 if ps.max_staleness is None else ps.max_staleness,
-              "staleness_lr": ps.staleness_lr, "starting version": ps.version, "sparse tables": len(ps.tables),
-              "has optimizer": bool(ps.optimizers),
+        model.shapes, [(rank, *span) for rank, span in zip(settings.servers, settings.ranges)] + tables)
+    values = {"parameters": model.numel, "dtype": wire.code_of(wire.name_of(model.dtype)),
+              "server": settings.coordinator, "servers": len(settings.servers), "layout": layout,
+              "mode": MODES.index(settings.mode), "backup_workers": settings.backup_workers,
+              "gradients per update": settings.per_update,
+              "max_staleness": -1 if settings.max_staleness is None else settings.max_staleness,
+              "staleness_lr": settings.staleness_lr, "starting version": version, "sparse tables": len(model.tables),
+              "has optimizer": bool(model.optimizers),
               "sparse refusal": next((index for index, refusal in enumerate(refusals) if refusal), -1),
               "declined": 0}
     return np.array([values[name] for name in COLUMNS], dtype=np.int64)
 
 
-def agree(ps, unsplittable, declined) -> None:
-    """Every rank's model size and settings, checked on every rank alike, so a mismatch raises
-    the same error everywhere before any gradient moves; then whether each server has an
-    optimizer, and one that can apply the tables' sparse gradients. `declined`: the error of
-    this rank's arguments (the others raise it too, naming this rank)."""
-    refusals = []
+def agree(mpi, settings: Settings | None, model: Model | None, version: int, unsplittable, declined) -> None:
+    """Every rank's model size and settings, checked on every rank alike (collective over `mpi`,
+    the parameter server's communicator), so a mismatch raises the same error everywhere before
+    any gradient moves; then whether each server has an optimizer, and one that can apply the
+    tables' sparse gradients. `declined`: the error of this rank's arguments (the others raise it
+    too, naming this rank; `settings` and `model` are then None)."""
+    rank, refusals = mpi.Get_rank(), []
     if declined is None:
-        refusals = [sparse.refusal(ps.optimizers, t) for t in ps.tables] if ps.is_server else []
-        mine = my_row(ps, unsplittable, refusals)
+        refusals = [sparse.refusal(model.optimizers, t) for t in model.tables] if rank in settings.servers else []
+        mine = my_row(settings, model, version, unsplittable, refusals)
     else:
         mine = np.zeros(len(COLUMNS), dtype=np.int64)
         mine[COLUMNS.index("declined")] = 1
-    table = np.empty((ps.comm.size, len(COLUMNS)), dtype=np.int64)
-    wait_for_collective(ps.mpi.Iallgather(mine, table), ps.mpi, "parameter server's agreement on its settings")
-    raise_declined(ps, column(table, "declined").nonzero()[0].tolist(), declined)
+    table = np.empty((mpi.Get_size(), len(COLUMNS)), dtype=np.int64)
+    wait_for_collective(mpi.Iallgather(mine, table), mpi, "parameter server's agreement on its settings")
+    raise_declined(mpi, column(table, "declined").nonzero()[0].tolist(), declined)
     for name in AGREED:
         values = column(table, name)
         if (values != values[0]).any():
@@ -137,29 +144,29 @@ def agree(ps, unsplittable, declined) -> None:
             raise MismatchError(f"the ranks of the parameter server disagree on {name}: {described}")
     if unsplittable:
         raise unsplittable
-    without = [r for r in ps.servers if not column(table, "has optimizer")[r]]
+    without = [r for r in settings.servers if not column(table, "has optimizer")[r]]
     if without:
         raise InvalidArgumentError(f"the server (rank {without[0]}) was given no optimizer; pass the optimizer "
                                    "that applies the updates (workers may pass None)")
-    refusing = [r for r in ps.servers if column(table, "sparse refusal")[r] >= 0]
+    refusing = [r for r in settings.servers if column(table, "sparse refusal")[r] >= 0]
     if refusing:  # the refusing server's words, on every rank
         server = refusing[0]
         mine = InvalidArgumentError(refusals[int(column(table, "sparse refusal")[server])]) \
-            if ps.comm.rank == server else None
-        raise_together(ps.mpi, mine, "the server's refusal", InvalidArgumentError,
+            if rank == server else None
+        raise_together(mpi, mine, "the server's refusal", InvalidArgumentError,
                        message=lambda failures: f"the server (rank {server}): {failures[server][1]}")
 
 
-def raise_declined(ps, declining: list, declined) -> None:
+def raise_declined(mpi, declining: list, declined) -> None:
     """Every rank raises when any rank's arguments were refused (`declining`, in rank order):
     such a rank its own error, the others that of the first of them, naming it."""
     if not declining:
         return
     first = declining[0]
-    agreed = agreed_error(ps.mpi, declined, "the refusal of its arguments", InvalidArgumentError,
+    agreed = agreed_error(mpi, declined, "the refusal of its arguments", InvalidArgumentError,
                           message=lambda failures: f"rank {first} refused its arguments to the parameter server: "
                                                    f"{failures[first][1]}")
-    ps.mpi.Free()
+    mpi.Free()
     if declined is not None:
         raise declined
     raise agreed

@@ -11,72 +11,74 @@ import torch
 from ...runtime import wire
 from . import shards
 from .protocol import Tag, text, words
-from .server import load, receive_from_server, send_table_ranges
+from .roles import ServerRole
+from .server import receive_from_server, send_table_ranges
 
 
-def share_final_weights(ps) -> list:
+def share_final_weights(role: ServerRole) -> list:
     """Every server sends its range of the final weights to the others and takes theirs."""
-    if len(ps.servers) == 1:
+    servers, model = role.settings.servers, role.model
+    if len(servers) == 1:
         return []
-    start, end = ps.own_range
-    weights = torch.empty(ps.numel, dtype=ps.dtype)
-    weights[start:end] = ps.server_role.owned.weights()
-    others = [s for s in ps.servers if s != ps.comm.rank]
-    sends = [wire.send(ps.mpi, weights[start:end], other, Tag.SHARE) for other in others]
+    start, end = role.own_range
+    weights = torch.empty(model.numel, dtype=model.dtype)
+    weights[start:end] = role.owned.weights()
+    others = [s for s in servers if s != role.channel.rank]
+    sends = [wire.send(role.channel.mpi, weights[start:end], other, Tag.SHARE) for other in others]
     for other in others:
-        sends += send_table_ranges(ps, other, Tag.SHARE)
-    for index, (other, (low, high)) in enumerate(zip(ps.servers, ps.ranges)):
-        if other != ps.comm.rank:
+        sends += send_table_ranges(role, other, Tag.SHARE)
+    for index, (other, (low, high)) in enumerate(zip(servers, role.settings.ranges)):
+        if other != role.channel.rank:
             what = f"the final weights of server {other}"
-            weights[low:high], _ = receive_from_server(ps, other, Tag.SHARE, what)
-            for table in ps.tables:
-                rows, _ = receive_from_server(ps, other, Tag.SHARE, what)
+            weights[low:high], _ = receive_from_server(role, other, Tag.SHARE, what)
+            for table in model.tables:
+                rows, _ = receive_from_server(role, other, Tag.SHARE, what)
                 with torch.no_grad():
                     table.weight[slice(*table.row_range(index))] = rows.to(table.weight.device)
-    load(ps, weights)
+    model.load(weights)
     return sends
 
 
-def gather(ps, weights: bool) -> list:
+def gather(role: ServerRole, weights: bool) -> list:
     """The optimizers' state (and, with `weights`, the weights) of every server on the
     coordinator: another server starts sending its part and returns the sends."""
-    if len(ps.servers) == 1:
+    servers, ranges, model = role.settings.servers, role.settings.ranges, role.model
+    if len(servers) == 1:
         return []
-    if ps.comm.rank != ps.server:
-        return send_part(ps, weights)
-    pieces = ps.server_role.owned.state_pieces()
-    flat = torch.empty(ps.numel, dtype=ps.dtype)
+    if not role.coordinating:
+        return send_part(role, weights)
+    pieces = role.owned.state_pieces()
+    flat = torch.empty(model.numel, dtype=model.dtype)
     if weights:
-        flat[slice(*ps.own_range)] = ps.server_role.owned.weights()
-    for other, (low, high) in zip(ps.servers[1:], ps.ranges[1:]):
+        flat[slice(*role.own_range)] = role.owned.weights()
+    for other, (low, high) in zip(servers[1:], ranges[1:]):
         what = f"the state of server {other}"
         if weights:
-            flat[low:high], _ = receive_from_server(ps, other, Tag.STATE, what)
-            for table in ps.tables:
-                rows, _ = receive_from_server(ps, other, Tag.STATE, what)
+            flat[low:high], _ = receive_from_server(role, other, Tag.STATE, what)
+            for table in model.tables:
+                rows, _ = receive_from_server(role, other, Tag.STATE, what)
                 with torch.no_grad():
-                    table.weight[slice(*table.row_range(ps.servers.index(other)))] = rows.to(table.weight.device)
-        said, _ = receive_from_server(ps, other, Tag.STATE, what)
+                    table.weight[slice(*table.row_range(servers.index(other)))] = rows.to(table.weight.device)
+        said, _ = receive_from_server(role, other, Tag.STATE, what)
         contents = json.loads(text(said))
         count = sum(spread is not None for *_, named in contents for spread, _ in named.values())
-        tensors = [receive_from_server(ps, other, Tag.STATE, what)[0] for _ in range(count)]
+        tensors = [receive_from_server(role, other, Tag.STATE, what)[0] for _ in range(count)]
         pieces += [(optimizer, position, tuple(span),
                     {name: (bool(spread), value if spread is None else tensors[value])
                      for name, (spread, value) in named.items()})
                    for optimizer, position, span, named in contents]
     if weights:
-        load(ps, flat)
-    shards.assemble_state(ps.optimizers, pieces)
+        model.load(flat)
+    shards.assemble_state(model.optimizers, pieces)
     return []
 
 
-def send_part(ps, weights: bool) -> list:
+def send_part(role: ServerRole, weights: bool) -> list:
     """Start sending this server's part of the state to the coordinator: the weights of its
     range (with `weights`), a JSON list of its optimizers' state pieces, then their tensors."""
-    index = ps.servers.index(ps.comm.rank)
-    owned = ps.server_role.owned
-    parts = [owned.weights()] + [table.weight.detach()[slice(*table.row_range(index))].clone()
-                                 for table in ps.tables] if weights else []
+    owned = role.owned
+    parts = [owned.weights()] + [table.weight.detach()[slice(*table.row_range(role.index))].clone()
+                                 for table in role.model.tables] if weights else []
     contents, tensors = [], []
     for optimizer, position, span, state in owned.state_pieces():
         named = {}
@@ -85,4 +87,5 @@ def send_part(ps, weights: bool) -> list:
             if torch.is_tensor(value):
                 tensors.append(value)
         contents.append([optimizer, position, list(span), named])
-    return [wire.send(ps.mpi, part, ps.server, Tag.STATE) for part in [*parts, words(json.dumps(contents)), *tensors]]
+    return [wire.send(role.channel.mpi, part, role.settings.coordinator, Tag.STATE)
+            for part in [*parts, words(json.dumps(contents)), *tensors]]

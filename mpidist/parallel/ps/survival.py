@@ -7,7 +7,7 @@ coordinator drops the worker (dead_workers): it stops waiting for it, forgets it
 yet applied, tells the other servers in its order of commands (so every server drops it after
 the same update), prints the report (report: rank, the gradients it pushed, when) and goes on
 with the workers left; an update then takes its share of gradients, or every living worker's
-when fewer are left. Every server keeps the same list of Lost workers (ParameterServer.lost).
+when fewer are left. Every server keeps the same list of Lost workers (ServerRole.lost).
 A send still going to a dropped worker (its reply, on its way when it died) is let go when its
 failure comes, before or after the drop.
 
@@ -37,6 +37,7 @@ import time
 
 from ...errors import RankDiedError
 from ...runtime.mpi import failed_ranks, fault_tolerant, is_process_failure
+from .roles import Role, ServerRole
 
 # How long a rank whose call failed on a revoked communicator waits to hear which rank died.
 NAMING_SECONDS = 5.0
@@ -59,26 +60,27 @@ class Death:
         self.fields = (kind, -1, -1)
 
 
-def dead_workers(ps, error: BaseException, waited_for) -> list:
+def dead_workers(role: ServerRole, error: BaseException, waited_for) -> list:
     """The workers among `waited_for` whose death `error` reports, when the parameter server goes
     on without them (none when all of them were dropped already); otherwise `error` is raised
     again (called in the except block of the wait that met it)."""
-    if not (fault_tolerant() and is_process_failure(error, [ps.mpi])) or ps.mpi.Is_revoked() \
-            or (ps.mode == "sync" and not ps.backup_workers):
+    mpi, rules = role.channel.mpi, role.settings
+    if not (fault_tolerant() and is_process_failure(error, [mpi])) or mpi.Is_revoked() \
+            or (rules.mode == "sync" and not rules.backup_workers):
         raise error
-    known = {lost.worker for lost in ps.lost}
+    known = {lost.worker for lost in role.lost}
     if waited_for and all(rank in known for rank in waited_for):
         # A death met again: a send to a worker already dropped (a reply on its way when it
         # died) fails after the receive from it did. The servers dropped it together then.
         return []
-    dead = [rank for rank in failed_ranks(ps.mpi, wait=NAMING_SECONDS) if rank not in known]
+    dead = [rank for rank in failed_ranks(mpi, wait=NAMING_SECONDS) if rank not in known]
     dropped = [rank for rank in dead if rank in waited_for]
-    if not dropped or any(rank in ps.servers for rank in dead):
+    if not dropped or any(rank in rules.servers for rank in dead):
         raise error
     return dropped
 
 
-def pending(ps, sends: list) -> list:
+def pending(role: ServerRole, sends: list) -> list:
     """The sends (wire.Outgoing) still going. One to a worker that died is dropped when the
     parameter server goes on without it (the coordinator sees the death at its next wait, or
     saw it already: the receive from it may fail first)."""
@@ -88,41 +90,41 @@ def pending(ps, sends: list) -> list:
             if not outgoing.test():
                 going.append(outgoing)
         except Exception as error:
-            dead_workers(ps, error, [outgoing.dest])
+            dead_workers(role, error, [outgoing.dest])
     return going
 
 
-def wait_last_sends(ps, sends: list) -> None:
+def wait_last_sends(role: ServerRole, sends: list) -> None:
     """Wait for serve()'s last sends (wire.Outgoing). A worker that died after its close(), with
     the final weights on their way to it, loses nothing (its training is over and the servers
     hold them): its sends are let go, and the server that meets its death says so on standard
     error. Any other failure is raised."""
-    gone = set()
+    mpi, gone = role.channel.mpi, set()
     for outgoing in sends:
         try:
-            outgoing.wait(ps.who, f"the message sent to rank {outgoing.dest}", f"rank {outgoing.dest}")
+            outgoing.wait(role.channel.who, f"the message sent to rank {outgoing.dest}", f"rank {outgoing.dest}")
         except Exception as error:
-            if outgoing.dest in ps.servers or ps.mpi.Is_revoked() or \
-                    not (fault_tolerant() and is_process_failure(error, [ps.mpi])):
+            if outgoing.dest in role.settings.servers or mpi.Is_revoked() or \
+                    not (fault_tolerant() and is_process_failure(error, [mpi])):
                 raise
             if outgoing.dest not in gone:
                 gone.add(outgoing.dest)
-                print(f"mpidist parameter server: rank {ps.comm.rank}: worker {outgoing.dest} died after its close(), "
-                      "before the final weights reached it; nothing is lost (the servers hold them)",
+                print(f"mpidist parameter server: rank {role.channel.rank}: worker {outgoing.dest} died after its "
+                      "close(), before the final weights reached it; nothing is lost (the servers hold them)",
                       file=sys.stderr, flush=True)
 
 
-def report(ps, worker: int, steps: int, started: float) -> Lost:
+def report(role: ServerRole, worker: int, steps: int, started: float) -> Lost:
     """Remember that `worker` was dropped after pushing `steps` gradients; the coordinator says so
     on standard error (when, how far into serve() it was)."""
     lost = Lost(worker, steps, time.time())
-    ps.lost.append(lost)
-    if ps.comm.rank == ps.server:
-        living = [w for w in ps.workers if w not in {gone.worker for gone in ps.lost}]
+    role.lost.append(lost)
+    if role.coordinating:
+        living = [w for w in role.settings.workers if w not in {gone.worker for gone in role.lost}]
         when = time.strftime("%H:%M:%S", time.gmtime(lost.time))
         print(f"mpidist parameter server: worker {worker} died (seen at {when} UTC, {lost.time - started:.1f} s into "
               f"serve(), after {steps} steps, its last step {steps - 1}); dropped, going on with workers {living} "
-              f"({ps.mode})", file=sys.stderr, flush=True)
+              f"({role.settings.mode})", file=sys.stderr, flush=True)
     return lost
 
 
@@ -136,35 +138,37 @@ def ends_on_death(method):
         except Exception as error:
             if not (fault_tolerant() and is_process_failure(error, [ps.mpi])):
                 raise
-            raise ending(ps) from error
+            raise ending(ps.role) from error
 
     return call
 
 
-def ending_at_start(ps) -> RankDiedError:
+def ending_at_start(comm, mpi) -> RankDiedError:
     """The error that ends the building of a parameter server after a death, the same on every
-    survivor: the communicator it was given and its own, if made (MPI makes a communicator on
-    every survivor or on none), are revoked first, so that every other survivor meets it too."""
-    if ps.mpi is not None and not ps.mpi.Is_revoked():
-        ps.mpi.Revoke()
-    ps.comm.abandon()
-    dead = failed_ranks(ps.comm.mpi, wait=NAMING_SECONDS)
+    survivor: the communicator `comm` it was given and its own `mpi`, if made (MPI makes a
+    communicator on every survivor or on none), are revoked first, so that every other survivor
+    meets it too."""
+    if mpi is not None and not mpi.Is_revoked():
+        mpi.Revoke()
+    comm.abandon()
+    dead = failed_ranks(comm.mpi, wait=NAMING_SECONDS)
     named = f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))}" if dead else \
         "a rank (which one could not be learnt)"
-    return RankDiedError(f"rank {ps.comm.rank}: {named} of its communicator died while the parameter server was being "
+    return RankDiedError(f"rank {comm.rank}: {named} of its communicator died while the parameter server was being "
                          f"built, and the parameter server cannot start without {'them' if len(dead) > 1 else 'it'}. "
                          "The communicator given to it is revoked (it lost a rank); `mpidist train --resume` "
                          "continues from the newest checkpoint", ranks=dead)
 
 
-def ending(ps) -> RankDiedError:
+def ending(role: Role) -> RankDiedError:
     """The error that ends the parameter server after a death, the same on every survivor; its
     communicator is revoked first, so that every other survivor meets it too."""
-    if not ps.mpi.Is_revoked():
-        ps.mpi.Revoke()
-    ps.closed = True
-    dead = failed_ranks(ps.mpi, wait=NAMING_SECONDS)
-    servers = [rank for rank in dead if rank in ps.servers]
+    mpi, rules = role.channel.mpi, role.settings
+    if not mpi.Is_revoked():
+        mpi.Revoke()
+    role.closed = True
+    dead = failed_ranks(mpi, wait=NAMING_SECONDS)
+    servers = [rank for rank in dead if rank in rules.servers]
     if servers:
         named = f"the server{'s' if len(servers) > 1 else ''} (rank{'s' if len(servers) > 1 else ''} " \
                 f"{', '.join(map(str, servers))})"
@@ -172,11 +176,11 @@ def ending(ps) -> RankDiedError:
     elif dead:
         named = f"worker{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))}"
         why = "each update of sync mode without backup workers waits for every worker's gradient" \
-            if ps.mode == "sync" and not ps.backup_workers else \
+            if rules.mode == "sync" and not rules.backup_workers else \
             "it died in the middle of a message to a server after the coordinating server had its part, so the " \
             "servers could not drop it together"
     else:
         named, why = "a rank (which one could not be learnt)", "the parameter server's communicator was revoked"
-    return RankDiedError(f"{ps.who}: {named} died, and the parameter server cannot go on without "
+    return RankDiedError(f"{role.channel.who}: {named} died, and the parameter server cannot go on without "
                          f"{'them' if len(servers or dead) > 1 else 'it'}: {why}. It ends here; `mpidist train "
                          "--resume` continues from the newest checkpoint", ranks=dead)
