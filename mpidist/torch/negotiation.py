@@ -385,7 +385,9 @@ class Negotiator:
                 self._zeros_while_joined += 1
             else:
                 parts.append(request.buffer.reshape(-1))
-        flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+        # One device: the signature holds the device's type only, so a rank whose fused tensors
+        # sit on two GPUs gathers them on the first's, and still runs what the others run.
+        flat = torch.cat([part.to(parts[0].device) for part in parts]) if len(parts) > 1 else parts[0]
         requests = [request for _, request in fusion if request is not None]
         try:
             with tracing.continuing(requests[0].inside_span if requests else False):
