@@ -1,5 +1,6 @@
-"""Adasum (md.adasum_allreduce, hvd.allreduce(op=hvd.Adasum), DistributedOptimizer(op=hvd.Adasum))
-against a float64 NumPy reference of the pairwise tree, and its refusals on every rank.
+"""Adasum (md.adasum_allreduce, hvd.allreduce and hvd.grouped_allreduce with op=hvd.Adasum,
+DistributedOptimizer(op=hvd.Adasum)) against a float64 NumPy reference of the pairwise tree, and
+its refusals on every rank.
 
 The multi-rank tests of one world size run in one launch (mpi_shared_launch.py), in file order."""
 import sys
@@ -197,11 +198,97 @@ def test_sizes_that_do_not_add_up_are_refused(mpi_world):
         md.adasum_allreduce(np.ones(4), sizes=[3, 2])
 
 
+# ---- hvd.grouped_allreduce(op=hvd.Adasum) -------------------------------------------------------
+# A group of two float32 tensors and a float64 one (two packed buffers, one of two tensors): each
+# tensor gets the result of its own allreduce(op=hvd.Adasum), with coefficients of its own.
+GROUP = [((5, 10), "float32"), ((7,), "float64"), ((3,), "float32")]
+
+GROUPED_ADASUMS = {
+    "grouped_allreduce": lambda tensors, **kw: hvd.grouped_allreduce(tensors, op=hvd.Adasum, **kw),
+    "grouped_allreduce_": lambda tensors, **kw: hvd.grouped_allreduce_(tensors, op=hvd.Adasum, **kw),
+    "grouped_allreduce_async": lambda tensors, **kw: hvd.synchronize(
+        hvd.grouped_allreduce_async(tensors, op=hvd.Adasum, **kw)),
+    "grouped_allreduce_async_": lambda tensors, **kw: hvd.synchronize(
+        hvd.grouped_allreduce_async_(tensors, op=hvd.Adasum, **kw)),
+}
+
+
+def group_of(rank, seed):
+    return [torch.from_numpy(rank_vector(rank, int(np.prod(shape)), seed + index, dtype)).reshape(shape)
+            for index, (shape, dtype) in enumerate(GROUP)]
+
+
+def group_reference(size, seed, prescale, postscale):
+    """Each tensor of the group on its own: the Adasum of the ranks' tensors, in float64."""
+    expected = []
+    for index, (shape, dtype) in enumerate(GROUP):
+        scaled = [t.numpy() * getattr(np, dtype)(prescale) for t in (group_of(r, seed)[index] for r in range(size))]
+        expected.append(adasum_reference([v.reshape(-1) for v in scaled], [int(np.prod(shape))], dtype) * postscale)
+    return expected
+
+
 @POWERS_OF_TWO
-def test_grouped_adasum_is_not_offered(mpi_world):
+@pytest.mark.parametrize("operation", list(GROUPED_ADASUMS))
+@pytest.mark.parametrize("name", [None, "group"])
+def test_grouped_allreduce_with_adasum_is_each_tensors_adasum(mpi_ranks, mpi_world, operation, name):
     hvd.init()
-    with pytest.raises(hvd.NotOfferedError, match="Adasum.*grouped"):
-        hvd.grouped_allreduce([torch.ones(2)], op=hvd.Adasum)
+    seed = 20 + list(GROUPED_ADASUMS).index(operation)
+    mine = group_of(mpi_world.rank, seed)
+    result = GROUPED_ADASUMS[operation]([t.clone() for t in mine], name=name, prescale_factor=0.5,
+                                        postscale_factor=3.0)
+    singles = [hvd.allreduce(t, op=hvd.Adasum, prescale_factor=0.5, postscale_factor=3.0) for t in mine]
+    for index, (tensor, single, expected) in enumerate(zip(result, singles, group_reference(mpi_ranks, seed, 0.5, 3.0))):
+        shape, dtype = GROUP[index]
+        assert tensor.shape == shape and str(tensor.dtype) == f"torch.{dtype}", (operation, index)
+        tolerance = TOLERANCE[dtype] * 10  # scaled twice and combined in another split of the work
+        np.testing.assert_allclose(tensor.reshape(-1).double().numpy(), expected, rtol=tolerance, atol=tolerance,
+                                   err_msg=f"{operation} tensor {index} against the reference")
+        torch.testing.assert_close(tensor, single, rtol=tolerance, atol=tolerance,
+                                   msg=f"{operation} tensor {index} against its own allreduce")
+    # Every rank holds the same bits.
+    gathered = mpi_world.mpi.allgather([t.numpy().tobytes() for t in result])
+    assert all(g == gathered[0] for g in gathered)
+
+
+@POWERS_OF_TWO
+def test_grouped_adasum_of_parallel_and_orthogonal_tensors(mpi_ranks, mpi_world):
+    """One group, one buffer: the parallel tensor is averaged and the orthogonal one summed, which
+    coefficients shared by the whole buffer would not give."""
+    hvd.init()
+    rank = mpi_world.rank
+    direction = torch.linspace(-1.0, 2.0, 11, dtype=torch.float64)
+    orthogonal = torch.zeros(2 * mpi_ranks, dtype=torch.float64)
+    orthogonal[rank] = 1.0 + rank
+    averaged, summed = hvd.grouped_allreduce([direction * (rank + 1.0), orthogonal], op=hvd.Adasum)
+    torch.testing.assert_close(averaged, direction * (mpi_ranks + 1) / 2, rtol=1e-13, atol=1e-13)
+    expected = torch.zeros(2 * mpi_ranks, dtype=torch.float64)
+    expected[:mpi_ranks] = 1.0 + torch.arange(mpi_ranks, dtype=torch.float64)
+    assert torch.equal(summed, expected)
+
+
+@POWERS_OF_TWO
+def test_grouped_adasum_of_an_integer_tensor_is_refused_on_every_rank(mpi_world):
+    """The whole group is refused before anything is sent: the in-place group stays as it was."""
+    hvd.init()
+    group = [torch.ones(3), torch.arange(4)]
+    with pytest.raises(md.UnsupportedDtypeError, match="Adasum combines floating-point tensors.*int64"):
+        hvd.grouped_allreduce_(group, op=hvd.Adasum)
+    assert torch.equal(group[0], torch.ones(3)) and torch.equal(group[1], torch.arange(4))
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == mpi_world.size
+
+
+@POWERS_OF_TWO
+def test_grouped_adasum_on_a_process_set_is_refused_on_every_rank(mpi_world):
+    """Horovod's grouped_allreduce takes Adasum on the global process set only."""
+    hvd.init()
+    every_rank = hvd.add_process_set(list(range(mpi_world.size)))
+    try:
+        with pytest.raises(hvd.NotOfferedError, match="global process set"):
+            hvd.grouped_allreduce([torch.ones(2)], op=hvd.Adasum, process_set=every_rank)
+        assert hvd.grouped_allreduce([torch.ones(2)], op=hvd.Sum, process_set=every_rank)[0].tolist() == \
+            [mpi_world.size] * 2
+    finally:
+        hvd.remove_process_set(every_rank)
 
 
 @POWERS_OF_TWO
@@ -226,6 +313,11 @@ def test_adasum_needs_a_power_of_two_ranks_on_every_rank(mpi_world):
         md.adasum_allreduce(np.ones(5))
     with pytest.raises(md.InvalidArgumentError, match="power-of-two number of ranks"):
         hvd.DistributedOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1), op=hvd.Adasum)
+    hvd.init()
+    for operation, call in GROUPED_ADASUMS.items():
+        with pytest.raises(md.InvalidArgumentError, match="power-of-two number of ranks.*has 3"):
+            call([torch.ones(2), torch.ones(3, dtype=torch.float64)])
+        assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == 3, operation
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import buffers
+from .. import comm as _comm
 from ..errors import InvalidArgumentError, MpidistError, NotOfferedError, UnsupportedDtypeError
 from ..parallel.flat import tensors_by_kind
 from .arguments import share_refusal
@@ -91,12 +92,15 @@ def _check_reducible(tensor, op, comm, name):
         raise
 
 
-def _start_allreduce(tensor, name, op, compression, prescale_factor, postscale_factor, comm, shape=None):
+def _start_allreduce(tensor, name, op, compression, prescale_factor, postscale_factor, comm, shape=None,
+                     sizes=None):
     """(handle, finishing step) of the all-reduce of `tensor` in place, negotiated under `name`;
     `shape` (default: the tensor's) is what the ranks' must match. A dtype the reductions do not
     take is refused before anything changes the tensor, under `name` on every rank (an all-reduce
     group's members were checked as a whole before: _allreduce_group). Adasum checks its dtypes
-    itself, in the negotiation's thread, where every rank runs it; it is never fused."""
+    itself, in the negotiation's thread, where every rank runs it; it is never fused. `sizes`: the
+    element counts of a group's members packed in `tensor`, which Adasum combines each with its
+    own coefficients, as each member's own all-reduce would."""
     op, postscale_factor = reduction(tensor, op, postscale_factor, comm)
     if op != Adasum:
         _check_reducible(tensor, op, comm, name)
@@ -114,13 +118,16 @@ def _start_allreduce(tensor, name, op, compression, prescale_factor, postscale_f
     signature = ["allreduce", dtype_name(wire), wire.numel(), op, wire.device.type,
                  list(tensor.shape) if shape is None else shape, 0, [prescale_factor, postscale_factor]]
     if op == Adasum:
-        return submit(comm, name, signature, lambda private: private.adasum_allreduce(wire)), finish
+        return submit(comm, name, signature, lambda private: private.adasum_allreduce(wire, sizes=sizes)), finish
     return submit(comm, name, signature, lambda private: private.allreduce(wire, op=op), buffer=wire), finish
 
 
-def allreduce_into(tensor, op, compression, prescale_factor, postscale_factor, comm, shape=None, name=None):
-    """`tensor` reduced in place; `shape` (default: the tensor's) is what the ranks' must match."""
-    handle, finish = _start_allreduce(tensor, name, op, compression, prescale_factor, postscale_factor, comm, shape)
+def allreduce_into(tensor, op, compression, prescale_factor, postscale_factor, comm, shape=None, name=None,
+                   sizes=None):
+    """`tensor` reduced in place; `shape` (default: the tensor's) is what the ranks' must match;
+    `sizes`: _start_allreduce's."""
+    handle, finish = _start_allreduce(tensor, name, op, compression, prescale_factor, postscale_factor, comm, shape,
+                                      sizes)
     handle.wait()
     return finish(tensor)
 
@@ -188,9 +195,13 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 #
 # A group has one name on every rank (its name=, or the next unnamed operation's), and its kind
 # k is negotiated as member_name(group, k). How many kinds there are, only a rank with the
-# tensors can tell; a rank that refuses the group (its tensors, its op: Adasum is not offered
-# for groups, as in Horovod) refuses it as a whole (arguments.share_refusal), and the
-# negotiation refuses every member the others submitted with it.
+# tensors can tell; a rank that refuses the group (its tensors, its op) refuses it as a whole
+# (arguments.share_refusal), and the negotiation refuses every member the others submitted with it.
+#
+# With op=hvd.Adasum each tensor of the group gets the result of its own allreduce(op=Adasum):
+# a kind's buffer is combined tensor by tensor (adasum_allreduce's sizes), each with its own dot
+# product and norms, as Horovod's Adasum combines the entries of its fusion buffer. As in Horovod,
+# only on the global process set.
 
 def pack_group(members):
     return torch.cat([member.reshape(-1) for member in members])
@@ -214,15 +225,31 @@ def _group_shape(members):
     return [list(member.shape) for member in members]
 
 
+def _sizes(members):
+    return [member.numel() for member in members]
+
+
 def _allreduce_group(tensors, op, average, comm, name):
     """(the op, the name) of the all-reduce group of `tensors` (see above). What the all-reduce
     of one kind would refuse is checked for all of them before the first is sent (an in-place
     group is then left as it was); a refusal is the whole group's, on every rank."""
-    from ..collectives.callcheck import check_op  # imported here: the collectives initialize MPI
-    op = resolved_op(op, average, comm, name, adasum_in="grouped_allreduce", group=True)
+    # Imported here: the collectives initialize MPI.
+    from ..collectives.adasum import ADASUM_DTYPES
+    from ..collectives.callcheck import check_op
+    op = resolved_op(op, average, comm, name, group=True)
     try:
-        for tensor in tensors:
-            check_op(reduction(tensor, op, 1.0, comm)[0], reducible_dtype(tensor))
+        if op == Adasum:
+            if comm is not _comm.world():
+                raise NotOfferedError("hvd.grouped_allreduce with op=hvd.Adasum runs on the global process set "
+                                      "only, as in Horovod (\"Adasum does not support non-global process sets\"); "
+                                      "use allreduce(op=hvd.Adasum) on each tensor of a process set")
+            for tensor in tensors:
+                if dtype_name(tensor) not in ADASUM_DTYPES:
+                    raise UnsupportedDtypeError(f"Adasum combines floating-point tensors of {', '.join(ADASUM_DTYPES)}; "
+                                                f"the group holds a {dtype_name(tensor)} tensor")
+        else:
+            for tensor in tensors:
+                check_op(reduction(tensor, op, 1.0, comm)[0], reducible_dtype(tensor))
     except MpidistError:
         share_refusal(comm, negotiated=True, name=name, group=True)
         raise
@@ -234,7 +261,7 @@ def _grouped_allreduce_into(tensors, op, compression, prescale_factor, postscale
     for kind, members in enumerate(tensors_by_kind(tensors)):
         flat = pack_group(members)
         allreduce_into(flat, op, compression, prescale_factor, postscale_factor, comm, _group_shape(members),
-                       member_name(group, kind))
+                       member_name(group, kind), _sizes(members))
         unpack_group(flat, members)
     return list(tensors)
 
@@ -286,7 +313,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     for kind, members in reversed(list(enumerate(tensors_by_kind(tensors)))):
         flat = pack_group(members)
         handle, finish_flat = _start_allreduce(flat, member_name(group, kind), op, Compression.none, prescale_factor,
-                                               postscale_factor, comm, _group_shape(members))
+                                               postscale_factor, comm, _group_shape(members), _sizes(members))
         handles.insert(0, handle)
         packed.insert(0, (flat, finish_flat, members))
 
