@@ -615,7 +615,7 @@ def write_reports(out: str, args, started_load) -> None:
         before, after = row["steps_per_s_before"]["median"], row["steps_per_s_after"]["median"]
         rates = f"{before:.0f} / {after:.0f}" if before and after else "-"
         if row["steps_per_s_during"]["median"] is not None:
-            rates += f" (during the fault: {row['steps_per_s_during']['median']:.0f})"
+            rates += f" (during the fault: {row['steps_per_s_during']['median']:.1f})"
         lines.append(f"| {name} | {row['runs']} | {row['injected']} | {row['completed_as_documented']} | "
                      f"{row['hangs']} | {row['wrong']} | {row['unloadable_checkpoints']} | {fmt(row['detect_s'])} | "
                      f"{fmt(row['job_end_s'])} | {fmt(row['recover_s'])} | {fmt(row['lost_s'])} | {ratio} | {rates} |")
