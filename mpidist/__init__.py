@@ -12,7 +12,6 @@ from .runtime import mpi as _mpi
 # md.init()): MPI reads these when it starts.
 _mpi.apply_start_settings()
 
-from . import comm as _comm  # noqa: E402
 from . import distributed as _distributed  # noqa: E402
 from .comm import Communicator, init, is_initialized, world  # noqa: E402,F401
 from .errors import (  # noqa: E402,F401
@@ -30,15 +29,6 @@ from .errors import (  # noqa: E402,F401
     UnsupportedBufferError,
     UnsupportedDtypeError,
 )
-
-
-def _load_collectives():
-    # Imported with the first Communicator, not here: importing the collectives initializes MPI.
-    from . import collectives
-    return collectives
-
-
-_comm.provide_collectives(_load_collectives)
 
 # dist.init_process_group("mpidist"): the backend's name reaches torch.distributed once that loads.
 _distributed.register_when_torch_loads()

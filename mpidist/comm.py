@@ -1,26 +1,24 @@
 """Communicator: an mpi4py communicator plus the node-local and leader sub-communicators, its
-point-to-point messages, and the world communicator of md.init().
+point-to-point messages, its collectives, and the world communicator of md.init().
 
 Every Communicator duplicates the communicator it wraps, so mpidist's messages never match the
 user's own sends and receives on the same communicator.
 
-Also declared here, for the collectives above: Channel, what a collective runs on (a
-Communicator, or its asynchronous engine), and Collectives, what a Communicator's collective
-methods call. The collectives sit on a higher floor, so this module never imports them: the
-package root hands them over (provide_collectives), and they are loaded with the first
-Communicator, since importing them initializes MPI.
+This module sits above the collectives (mpidist/collectives/): a Communicator is the Channel
+(channel.py) they run on, and its collective methods call them by name. It imports them with
+the first Communicator rather than at the top, since importing them starts MPI and
+`import mpidist` must not.
 """
 from __future__ import annotations
 
-import abc
 import json
 import threading
-import typing
 import warnings
 
 import numpy as np
 
 from . import buffers, launch
+from .channel import Channel
 from .errors import InvalidArgumentError, NotInitializedError
 from .runtime import config, leave, stall, tracing
 from .runtime.abort import install_abort_on_exception
@@ -28,64 +26,9 @@ from .runtime.cuda_aware import mpi_library_cuda_aware
 from .runtime.mpi import fault_tolerant, load_mpi
 from .runtime.together import raise_together
 
-
-class Channel(abc.ABC):
-    """What a collective (mpidist/collectives/) runs on: a Communicator, or its asynchronous
-    engine (collectives/engine.py), each with its own MPI communicator and memory.
-
-    mpi, rank, size: the mpi4py communicator the messages travel on, and this rank's place in it.
-    check_calls: whether the cross-rank call check runs (MPIDIST_CHECK).
-    tuning_table, forced_algorithm: algorithm="auto"'s table and MPIDIST_ALLREDUCE_ALGORITHM.
-    scratch, staging: scratch memory and pinned host buffers (buffers.ScratchPool, HostStaging).
-    node_window: the hierarchical all-reduce's shared window, None until that algorithm makes it
-    from node_communicators(); the channel frees it with itself.
-    device_window: the node window in GPU memory of CUDA buffers (collectives/device_window.py),
-    None until a collective of one makes it; freed with the channel too.
-    num_nodes: how many nodes the channel's ranks are on.
-    """
-
-    mpi: typing.Any
-    rank: int
-    size: int
-    check_calls: bool
-    tuning_table: typing.Optional[tuple]
-    forced_algorithm: typing.Optional[str]
-    scratch: buffers.ScratchPool
-    staging: buffers.HostStaging
-    node_window: typing.Any
-    device_window: typing.Any
-    num_nodes: int
-
-    @abc.abstractmethod
-    def is_cuda_aware(self) -> bool:
-        """Whether the MPI library reads GPU memory directly (else GPU buffers are staged)."""
-
-    @abc.abstractmethod
-    def node_communicators(self) -> tuple:
-        """(node communicator, leader communicator or None) for node-aware algorithms; the
-        ranks of one node, and one rank per node."""
-
-
-class Collectives(typing.Protocol):
-    """What a Communicator's collective methods call: the namespace of mpidist.collectives."""
-
-    AsyncEngine: type
-
-    def auto_choice(self, mpi, nodes: int) -> tuple: ...
-    def small_cpu_allreduce(self, comm, array, op, algorithm) -> bool: ...
-    def allreduce(self, comm, array, op, algorithm, out, shape): ...
-    def allreduce_async(self, comm, array, op, algorithm, out, shape): ...
-    def adasum_allreduce(self, comm, array, sizes): ...
-    def broadcast(self, comm, array, root): ...
-    def broadcast_async(self, comm, array, root): ...
-    def allgather(self, comm, array): ...
-    def allgather_async(self, comm, array): ...
-    def reduce_scatter(self, comm, array, op): ...
-    def reduce_scatter_async(self, comm, array, op): ...
-    def barrier(self, comm) -> None: ...
-    def alltoall(self, comm, array, splits): ...
-    def free_released_windows(self, node_comm) -> None: ...
-    def forget_released_windows(self, node_comm) -> None: ...
+# mpidist.collectives, imported by the first Communicator (Communicator.__init__): importing the
+# collectives starts MPI, as making a Communicator does anyway.
+collectives = None
 
 
 class Communicator(Channel):
@@ -96,7 +39,10 @@ class Communicator(Channel):
     """
 
     def __init__(self, mpi_comm=None):
+        global collectives
         MPI = load_mpi()
+        from . import collectives
+        super().__init__()
         base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         if base == MPI.COMM_NULL:
             raise InvalidArgumentError("cannot build a Communicator from MPI.COMM_NULL")
@@ -117,19 +63,15 @@ class Communicator(Channel):
         self.mpi.Allreduce(MPI.IN_PLACE, leaders_total, op=MPI.SUM)
         self.num_nodes = int(leaders_total[0])
         self.cuda_aware = None  # asked lazily: only GPU buffers need to know
-        self.scratch = buffers.ScratchPool()
-        self.staging = buffers.HostStaging()
         self.check_calls = config.value("MPIDIST_CHECK")
         # algorithm="auto"'s decision table from `mpidist tune` (None: the built-in one), the
         # algorithm MPIDIST_ALLREDUCE_ALGORITHM forces, and the sizes below which `auto` hands
         # all-reduces to MPI (the small-message fast path's limit).
-        self.tuning_table, self.forced_algorithm, self.fast_path_bounds = api().auto_choice(self.mpi, self.num_nodes)
-        self.node_window = None
-        self.device_window = None
+        self.tuning_table, self.forced_algorithm, self.fast_path_bounds = collectives.auto_choice(
+            self.mpi, self.num_nodes)
         self._lock = threading.Lock()
         self._engine = None
         self._freed = False
-        self.fast_path_scratch = None  # float32 room for small float16/bfloat16 all-reduces
 
     def _split_node(self, MPI):
         shared = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
@@ -223,7 +165,6 @@ class Communicator(Channel):
     # ---- collectives (mpidist's own algorithms; see mpidist/collectives/) ----------------------
 
     def allreduce(self, array, op="sum", algorithm="auto", out=None, shape=None):
-        collectives = api()
         # Small CPU messages go straight to MPI_Allreduce (only without the call check), unless
         # spans are recorded: the general path has them.
         if out is None and not tracing.recording() and collectives.small_cpu_allreduce(self, array, op, algorithm):
@@ -231,50 +172,50 @@ class Communicator(Channel):
         return collectives.allreduce(self, array, op=op, algorithm=algorithm, out=out, shape=shape)
 
     def allreduce_async(self, array, op="sum", algorithm="auto", out=None, shape=None):
-        return api().allreduce_async(self, array, op=op, algorithm=algorithm, out=out, shape=shape)
+        return collectives.allreduce_async(self, array, op=op, algorithm=algorithm, out=out, shape=shape)
 
     def adasum_allreduce(self, array, sizes=None):
         """Adasum of the ranks' arrays, in place (collectives/adasum.py); `sizes` splits the
         array into tensors combined each with its own coefficients."""
-        return api().adasum_allreduce(self, array, sizes)
+        return collectives.adasum_allreduce(self, array, sizes)
 
     def broadcast(self, array, root=0):
-        return api().broadcast(self, array, root=root)
+        return collectives.broadcast(self, array, root=root)
 
     def allgather(self, array):
-        return api().allgather(self, array)
+        return collectives.allgather(self, array)
 
     def reduce_scatter(self, array, op="sum"):
-        return api().reduce_scatter(self, array, op=op)
+        return collectives.reduce_scatter(self, array, op=op)
 
     # The asynchronous forms: each returns a handle (wait(), done()) at once and runs on the
     # communicator's background thread, in the order of the calls, as allreduce_async does.
 
     def broadcast_async(self, array, root=0):
-        return api().broadcast_async(self, array, root=root)
+        return collectives.broadcast_async(self, array, root=root)
 
     def allgather_async(self, array):
-        return api().allgather_async(self, array)
+        return collectives.allgather_async(self, array)
 
     def reduce_scatter_async(self, array, op="sum"):
-        return api().reduce_scatter_async(self, array, op=op)
+        return collectives.reduce_scatter_async(self, array, op=op)
 
     def barrier(self) -> None:
         """Wait until every rank has called barrier() (with the deadline, MPIDIST_TIMEOUT)."""
-        api().barrier(self)
+        collectives.barrier(self)
 
     def alltoall(self, array, splits=None):
         """Send `splits[k]` rows of `array` (its first dimension; equal blocks without splits) to
         rank k (collectives/alltoall.py). Returns (the rows received, in rank order; the row
         counts received from each rank, an int64 NumPy array)."""
-        return api().alltoall(self, array, splits)
+        return collectives.alltoall(self, array, splits)
 
     def async_engine(self):
         """The background thread of this communicator's asynchronous collectives (made on first
         use: every rank makes it at its first asynchronous call, so the duplication is collective)."""
         with self._lock:
             if self._engine is None:
-                self._engine = api().AsyncEngine(self)
+                self._engine = collectives.AsyncEngine(self)
             return self._engine
 
     def free(self) -> None:
@@ -290,10 +231,8 @@ class Communicator(Channel):
         if self._engine is not None:
             self._engine.stop()
             self._engine = None
-        api().free_released_windows(self.node_comm)
-        for window in (self.node_window, self.device_window):
-            if window is not None:
-                window.free()
+        collectives.free_released_windows(self.node_comm)
+        self.free_windows()
         for comm in (self.leader_comm, self.node_comm, self.mpi):
             if comm is not None:
                 comm.Free()
@@ -325,9 +264,8 @@ class Communicator(Channel):
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.stop(free=False)
-        api().forget_released_windows(self.node_comm)
-        self.node_window = None
-        self.device_window = None
+        collectives.forget_released_windows(self.node_comm)
+        self.forget_windows()
 
     def __enter__(self):
         return self
@@ -356,25 +294,6 @@ def broadcast_json(comm, obj, root: int = 0, what: str = "broadcast_json"):
         data = np.empty(int(length[0]), dtype=np.uint8)
     comm.broadcast(data, root=root)
     return json.loads(data.tobytes().decode())
-
-
-def provide_collectives(load) -> None:
-    """Hand over `load()`, which returns the collectives (a Collectives); the package root does
-    so at import, and it is called with the first Communicator."""
-    global _load_collectives
-    _load_collectives = load
-
-
-def api() -> Collectives:
-    """The collectives a Communicator's collective methods call."""
-    global _collectives
-    if _collectives is None:
-        _collectives = _load_collectives()
-    return _collectives
-
-
-_load_collectives = None
-_collectives: Collectives | None = None
 
 
 _world: Communicator | None = None

@@ -1,10 +1,12 @@
 """The package's floors: no import circle (counting imports inside functions), lower floors never
-import upper ones, and the runtime floor never loads MPI but through runtime/mpi.py."""
+import upper ones, not even at run time (no module holds an object of a floor above it), and the
+runtime floor never loads MPI but through runtime/mpi.py."""
 import ast
+import json
 import os
 
 import pytest
-from conftest import REPO
+from conftest import REPO, run_python
 
 PACKAGE = os.path.join(REPO, "mpidist")
 # Floors, lowest first: a module imports only from its own floor or below. The package root
@@ -13,8 +15,9 @@ FLOORS = (
     ("errors",),
     ("runtime",),
     ("_C", "buffers", "kernels", "memory", "launch"),
-    ("comm",),
+    ("channel",),
     ("collectives",),
+    ("comm",),
     ("parallel",),
     ("torch", "distributed"),
 )
@@ -73,6 +76,8 @@ def graph():
 
 
 def floor_of(module: str) -> int:
+    if module == "mpidist":  # the package root: the public face, above every floor
+        return TOP
     part = module.split(".")[1]
     for level, names in enumerate(FLOORS):
         if part in names:
@@ -136,12 +141,72 @@ def test_only_runtime_mpi_loads_mpi_below_the_collectives():
     assert offenders == []
 
 
+# Run in a job of 2 ranks: every collective once (the general path and the fast path, the
+# asynchronous engine, the node window), the Horovod and DataParallel faces loaded; then rank 0
+# lists, for every module of the package, each object it holds (its globals, the attributes of
+# its classes, the items of the containers among them) that was defined in another module of
+# the package.
+HELD_OBJECTS = """
+import json, sys, types
+import numpy as np
+import mpidist as md
+import mpidist.parallel.data, mpidist.torch
+md.init()
+big, small = np.ones(1 << 17, dtype=np.float32), np.ones(4, dtype=np.float32)
+md.allreduce(big); md.allreduce(small); md.allreduce(big, algorithm="hierarchical")
+md.allreduce_async(big).wait(); md.world().broadcast_async(big).wait()
+md.broadcast(big); md.allgather(big); md.reduce_scatter(big); md.barrier(); md.world().alltoall(big)
+
+def owner(value):
+    if isinstance(value, types.ModuleType):
+        return value.__name__
+    module = getattr(value, "__module__", None)
+    return module if isinstance(module, str) else type(value).__module__
+
+def held(value):
+    yield value
+    if isinstance(value, dict):
+        yield from value.values()
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        yield from value
+
+found = []
+for name, module in sorted(sys.modules.items()):
+    if not name.startswith("mpidist.") or module is None:
+        continue
+    values = list(vars(module).items())
+    for attribute, value in list(values):
+        if isinstance(value, type) and value.__module__ == name:
+            values += [(f"{attribute}.{key}", item) for key, item in vars(value).items()]
+    for attribute, value in values:
+        for item in held(value):
+            target = owner(item)
+            if target and (target == "mpidist" or target.startswith("mpidist.")) and target != name:
+                found.append([name, attribute, target])
+if md.rank() == 0:
+    print(json.dumps(found))
+"""
+
+
+def test_no_module_holds_an_object_of_a_floor_above_it():
+    # An import graph says nothing of what a module is handed at run time: a lower floor that
+    # is given a loader, a hook or a module of an upper floor calls upward all the same.
+    result = run_python(HELD_OBJECTS, ranks=2, timeout=300)
+    assert result.returncode == 0, result.stderr
+    held = json.loads(result.stdout.strip().splitlines()[-1])
+    assert held, "the job found no object held across modules: the check would miss every one"
+    upward = sorted(f"{module}.{attribute} -> {target}" for module, attribute, target in held
+                    if floor_of(target) > floor_of(module))
+    assert upward == []
+
+
 def test_the_checker_finds_a_circle():
     assert find_cycle({"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b": 1}, "b": {}}) is None
 
 
-@pytest.mark.parametrize("module, expected", [("mpidist.runtime.wire", 1), ("mpidist.comm", 3),
-                                              ("mpidist.parallel.ps", 5), ("mpidist.train", TOP)])
+@pytest.mark.parametrize("module, expected", [("mpidist.runtime.wire", 1), ("mpidist.channel", 3),
+                                              ("mpidist.collectives.api", 4), ("mpidist.comm", 5),
+                                              ("mpidist.parallel.ps", 6), ("mpidist.train", TOP)])
 def test_floors_are_read_from_the_module_path(module, expected):
     assert floor_of(module) == expected

@@ -4,8 +4,9 @@ api.py holds the public calls; callcheck.py the argument checks and the cross-ra
 engine.py the asynchronous engine and its handles; fastpath.py small all-reduces straight to MPI;
 staging.py GPU buffers through host memory; registry.py the algorithms by name; select.py
 algorithm="auto"'s choice; cost_model.py the algorithms' predicted times, which it uses where
-nothing was measured. This package's namespace is what a Communicator's collective methods
-call (comm.Collectives); importing it initializes MPI.
+nothing was measured. Every call takes the channel it runs on (channel.py) first. This
+package's namespace is what a Communicator's collective methods call (comm.py, above it);
+importing it initializes MPI.
 """
 from ..runtime.mpi import load_mpi
 

@@ -1,7 +1,7 @@
 """The asynchronous engine: a background thread per communicator that runs its collectives in
 submission order on a private duplicate of the communicator, and the Handle of each call.
 
-The engine is a Channel (comm.py) of its own: the collectives run on it exactly as on a
+The engine is a Channel (channel.py) of its own: the collectives run on it exactly as on a
 Communicator. It has its own MPI communicator, scratch and staging buffers (its thread must not
 share them with the caller's), and its own node communicators for the hierarchical all-reduce,
 split from its duplicate on first use; the settings (call check, tuning table, forced algorithm,
@@ -20,8 +20,7 @@ import time
 
 from mpi4py import MPI
 
-from .. import buffers
-from ..comm import Channel
+from ..channel import Channel
 from ..errors import DeadlineError
 from ..runtime import deadlines, tracing
 
@@ -64,6 +63,7 @@ class AsyncEngine(Channel):
     _engine = None
 
     def __init__(self, comm):
+        super().__init__()
         self.comm = comm
         # Nonblocking, with the call check's deadline: a rank whose first asynchronous call never
         # comes (refused locally, or it called something else) would otherwise hang here forever.
@@ -71,12 +71,7 @@ class AsyncEngine(Channel):
         deadlines.wait_for_collective(request, comm.mpi, what="duplication of the communicator for "
                                                               "asynchronous collectives (at the first asynchronous call)")
         self.rank, self.size = comm.rank, comm.size
-        self.scratch = buffers.ScratchPool()
-        self.staging = buffers.HostStaging()
-        self.node_window = None
-        self.device_window = None
         self._node_comms = None  # (node, leaders), split from self.mpi on first use
-        self.fast_path_scratch = None  # the small-message path's float32 room (comm.py), the engine's own
         self._queue = queue.Queue()
         # Held while a collective runs on this engine, on whichever thread: the engine's memory
         # and communicators serve one collective at a time.
@@ -172,9 +167,7 @@ class AsyncEngine(Channel):
         self._thread.join()
         if not free:
             return
-        for window in (self.node_window, self.device_window):
-            if window is not None:
-                window.free()
+        self.free_windows()
         for comm in self._node_comms or ():
             if comm is not None:
                 comm.Free()

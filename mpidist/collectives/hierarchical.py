@@ -97,7 +97,7 @@ def lane_communicator(comm, local_rank: int, local_size: int) -> tuple:
 
 
 def node_window(ctx: Context) -> HierarchicalWindow:
-    """The window of ctx's channel (comm.Channel), made on first use over the channel's node
+    """The window of ctx's channel (channel.Channel), made on first use over the channel's node
     communicators; the channel frees it."""
     channel = ctx.comm
     if channel.node_window is None:

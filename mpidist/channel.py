@@ -1,0 +1,76 @@
+"""Channel: what a collective (mpidist/collectives/) runs on, and the memory the collectives keep
+on it.
+
+A channel is a Communicator (comm.py) or its asynchronous engine (collectives/engine.py). Every
+collective takes one as its first argument. This module sits below the collectives, so that
+they can name what they run on; the Communicator that users call collectives on sits above
+them and is a Channel. Nothing here starts MPI.
+"""
+from __future__ import annotations
+
+import abc
+import typing
+
+from . import buffers
+
+
+class Channel(abc.ABC):
+    """What a collective runs on: its own MPI communicator, the settings the collectives decide
+    with, and the memory they keep between calls.
+
+    Set by the subclass:
+    mpi, rank, size: the mpi4py communicator the messages travel on, and this rank's place in it.
+    num_nodes: how many nodes the channel's ranks are on.
+    check_calls: whether the cross-rank call check runs (MPIDIST_CHECK).
+    tuning_table, forced_algorithm, fast_path_bounds: what algorithm="auto" decides with
+    (collectives/select.py: auto_choice).
+
+    Kept here for the collectives, each channel its own (an engine's thread must not share its
+    communicator's):
+    scratch, staging: scratch memory and pinned host buffers (buffers.ScratchPool, HostStaging).
+    node_window: the hierarchical all-reduce's shared window (collectives/hierarchical.py), None
+    until that algorithm makes it from node_communicators().
+    device_window: the node windows in GPU memory of CUDA buffers (collectives/device_window.py),
+    None until a collective of one makes them.
+    fast_path_scratch: float32 room for small float16/bfloat16 all-reduces (collectives/fastpath.py).
+    nccl_comm: NCCL's communicator of algorithm="nccl" (collectives/nccl.py), made at its first call.
+    The channel frees the windows with itself (free_windows).
+    """
+
+    mpi: typing.Any
+    rank: int
+    size: int
+    num_nodes: int
+    check_calls: bool
+    tuning_table: typing.Optional[tuple]
+    forced_algorithm: typing.Optional[str]
+    fast_path_bounds: tuple
+
+    def __init__(self):
+        self.scratch = buffers.ScratchPool()
+        self.staging = buffers.HostStaging()
+        self.node_window = None
+        self.device_window = None
+        self.fast_path_scratch = None
+        self.nccl_comm = None
+
+    @abc.abstractmethod
+    def is_cuda_aware(self) -> bool:
+        """Whether the MPI library reads GPU memory directly (else GPU buffers are staged)."""
+
+    @abc.abstractmethod
+    def node_communicators(self) -> tuple:
+        """(node communicator, leader communicator or None) for node-aware algorithms; the
+        ranks of one node, and one rank per node."""
+
+    def free_windows(self) -> None:
+        """Free the shared windows the collectives made on this channel (collective over it)."""
+        for window in (self.node_window, self.device_window):
+            if window is not None:
+                window.free()
+        self.node_window = self.device_window = None
+
+    def forget_windows(self) -> None:
+        """Drop the windows without freeing them: the channel lost a rank, so no collective can
+        run on it; the memory goes at MPI_Finalize."""
+        self.node_window = self.device_window = None
