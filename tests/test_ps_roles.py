@@ -48,11 +48,11 @@ def test_the_front_reads_its_state_from_the_role():
     linear = nn.Linear(3, 2)
     front.model = model.take_model(linear, None, 1, False)
     front.settings = None
-    front.role = roles.WorkerRole(None, front.model, roles.Channel(None, 1, "rank 1 (a worker)"), version=4)
+    front.role = roles.WorkerRole(None, front.model, roles.Endpoint(None, 1, "rank 1 (a worker)"), version=4)
     front.role.steps, front.role.bytes_pushed = 3, 96
     assert (front.version, front.steps, front.bytes_pushed, front.numel) == (4, 3, 96, 8)
     assert front.dropped == [] and front.lost == [] and not front.is_server
-    front.role = roles.ServerRole(None, front.model, roles.Channel(None, 0, "rank 0 (the parameter server)"))
+    front.role = roles.ServerRole(None, front.model, roles.Endpoint(None, 0, "rank 0 (the parameter server)"))
     front.role.dropped.append((1, 0, 0))
     assert (front.steps, front.dropped, front.is_server) == (0, [(1, 0, 0)], True)
 

@@ -93,7 +93,7 @@ for name, (members, options, victim, how) in phases.items():
                         wire.send = header_then_death
                     elif world.rank == victim and steps == {KILL_STEP} and how == "reply":
                         def death_as_the_reply_comes(role):  # step()'s gradient sent whole: wait for the reply's header
-                            while not role.channel.mpi.Iprobe(source=role.settings.coordinator, tag=Tag.REPLY):
+                            while not role.endpoint.mpi.Iprobe(source=role.settings.coordinator, tag=Tag.REPLY):
                                 time.sleep(0.001)
                             die(name)
                         ps_worker.receive_weights = death_as_the_reply_comes

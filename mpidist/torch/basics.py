@@ -29,7 +29,8 @@ def resolve_op(op, average=None, adasum_in=None):
     if op == Adasum:
         if adasum_in is None:
             return op
-        raise NotOfferedError(f"op=hvd.Adasum is offered by allreduce, grouped_allreduce and DistributedOptimizer, not by {adasum_in}")
+        raise NotOfferedError("op=hvd.Adasum is offered by allreduce, grouped_allreduce and DistributedOptimizer, "
+                              f"not by {adasum_in}")
     if op not in (Average, Sum, Min, Max, Product):
         raise InvalidArgumentError(f"unknown op {op!r}; use hvd.Average, Sum, Min, Max or Product")
     return op

@@ -67,7 +67,7 @@ from . import coordinator, follower, settings, shards, state, survival, worker
 from .model import take_model
 from .policy import MODES, Update, gradients_per_update
 from .protocol import Tag
-from .roles import Channel, ServerRole, WorkerRole
+from .roles import Endpoint, ServerRole, WorkerRole
 from .server import send_table_ranges, send_weights
 from .settings import Settings
 
@@ -148,8 +148,8 @@ class ParameterServer:
         broadcast_module_state(module, self.comm, root=agreed.chief)
         rank = self.comm.rank
         if rank in agreed.servers:
-            channel = Channel(self.mpi, rank, f"rank {rank} (the parameter server)")
-            self.role = ServerRole(agreed, model, channel, version=rules["version"])
+            endpoint = Endpoint(self.mpi, rank, f"rank {rank} (the parameter server)")
+            self.role = ServerRole(agreed, model, endpoint, version=rules["version"])
             # A server of several steps its own rows alone; one server steps the user's
             # optimizer, whose state is then the whole model's (what checkpoints save).
             if len(agreed.servers) > 1:
@@ -157,7 +157,7 @@ class ParameterServer:
                 self.role.owned = shards.OwnedRange(model.params, agreed.ranges[index], model.optimizers,
                                                     [(table.weight, table.row_range(index)) for table in model.tables])
         else:
-            self.role = WorkerRole(agreed, model, Channel(self.mpi, rank, f"rank {rank} (a worker)"),
+            self.role = WorkerRole(agreed, model, Endpoint(self.mpi, rank, f"rank {rank} (a worker)"),
                                    version=rules["version"])
 
     def _take_settings(self, module, optimizer, rules: dict, sparse_embeddings: bool) -> tuple:
@@ -198,7 +198,7 @@ class ParameterServer:
     @property
     def who(self) -> str:
         """This rank as errors name it."""
-        return self.role.channel.who
+        return self.role.endpoint.who
 
     # ---- the servers -----------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from .server import answer_pull, apply, command, drop, receive_gradient_rows, se
 
 def coordinate(role: ServerRole, history: list, on_update) -> list:
     """Serve until every worker has closed; returns the sends still going."""
-    rules, mpi, who = role.settings, role.channel.mpi, role.channel.who
+    rules, mpi, who = role.settings, role.endpoint.mpi, role.endpoint.who
     policy = Policy(rules.workers, rules.per_update, rules.max_staleness, rules.staleness_lr, rules.backup_workers,
                     role.version)
     receives = {w: wire.Incoming(mpi, w, Tag.PUSH) for w in rules.workers}
@@ -77,10 +77,10 @@ def carry_out(role: ServerRole, decision, gradients: dict, history: list, on_upd
 def take_pull(role: ServerRole, worker: int, incoming: wire.Incoming, receives: dict) -> list:
     """Answer a worker's pull of rows, and command the other servers to answer it too."""
     pull = rest_of_message(role, worker, receives, lambda: incoming.receive_payload(
-        role.channel.who, f"the rows worker {worker} pulls", f"worker {worker}"))
+        role.endpoint.who, f"the rows worker {worker} pulls", f"worker {worker}"))
     if pull is None:
         return []
-    receives[worker] = wire.Incoming(role.channel.mpi, worker, Tag.PUSH)
+    receives[worker] = wire.Incoming(role.endpoint.mpi, worker, Tag.PUSH)
     return command(role, Command.ANSWER_PULL, [worker]) + answer_pull(role, worker, pull, incoming.fields)
 
 
@@ -104,7 +104,7 @@ def next_message(role: ServerRole, receives: dict) -> int:
         return flag
 
     try:
-        wait_until(arrived, role.channel.who, "the wait for a message from the workers", f"workers {workers}",
+        wait_until(arrived, role.endpoint.who, "the wait for a message from the workers", f"workers {workers}",
                    peers=workers, advice="A worker that stops training must call close()")
     except Exception as error:
         died = survival.dead_workers(role, error, receives)

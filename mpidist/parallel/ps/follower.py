@@ -13,7 +13,7 @@ from .server import answer_pull, apply_received, drop, receive_gradient, send_we
 
 def follow(role: ServerRole, history: list, on_update) -> list:
     """Follow the coordinator's commands until FINISH; returns the sends still going."""
-    mpi, who, sends, late = role.channel.mpi, role.channel.who, [], []
+    mpi, who, sends, late = role.endpoint.mpi, role.endpoint.who, [], []
     coordinator = f"the coordinating server (rank {role.settings.coordinator})"
     while True:
         workers, (kind,) = wire.receive(mpi, role.settings.coordinator, Tag.COMMAND, who,

@@ -1,6 +1,6 @@
 """The state of one rank of a parameter server, by its role: a ServerRole on each server (the
 coordinator and the followers), a WorkerRole on each worker. Each holds what every rank shares
-(the agreed Settings, the Model, the Channel its messages travel on) and its own state, and the
+(the agreed Settings, the Model, the Endpoint its messages travel from) and its own state, and the
 functions of server.py, coordinator.py, follower.py, state.py, survival.py (servers) and
 worker.py (workers) take it in place of the whole ParameterServer.
 """
@@ -13,7 +13,7 @@ from .settings import Settings
 
 
 @dataclasses.dataclass(frozen=True)
-class Channel:
+class Endpoint:
     """The parameter server's own communicator `mpi` (a duplicate, apart from collectives), this
     rank in it, and this rank as errors name it (`who`)."""
     mpi: object
@@ -28,7 +28,7 @@ class Role:
     the parameter server (a worker's close(), or an end on a failure)."""
     settings: Settings
     model: Model
-    channel: Channel
+    endpoint: Endpoint
     version: int = 0
     stopping: bool = False
     closed: bool = False
@@ -53,11 +53,11 @@ class ServerRole(Role):
     @property
     def index(self) -> int:
         """This server's position among the servers (that of its ranges)."""
-        return self.settings.servers.index(self.channel.rank)
+        return self.settings.servers.index(self.endpoint.rank)
 
     @property
     def coordinating(self) -> bool:
-        return self.channel.rank == self.settings.coordinator
+        return self.endpoint.rank == self.settings.coordinator
 
     @property
     def own_range(self) -> tuple:

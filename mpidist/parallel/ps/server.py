@@ -1,7 +1,7 @@
 """What every server of a parameter server does, coordinator and followers alike: receive a
 worker's gradient, apply an update to its range, answer a worker with its range of the weights
 or the rows it pulls, and stop the parameter server on a failure. Functions of the server's
-ServerRole (roles.py: the agreed settings, the model, the channel and the server's own state).
+ServerRole (roles.py: the agreed settings, the model, the endpoint and the server's own state).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from .roles import Role, ServerRole
 def command(role: ServerRole, kind: Command, workers: list) -> list:
     """Start sending a command (the workers it concerns) to every other server."""
     payload = torch.tensor(workers, dtype=torch.int64)
-    return [wire.send(role.channel.mpi, payload, follower, Tag.COMMAND, fields=(kind,))
+    return [wire.send(role.endpoint.mpi, payload, follower, Tag.COMMAND, fields=(kind,))
             for follower in role.settings.servers[1:]]
 
 
@@ -30,18 +30,18 @@ def send_weights(role: ServerRole, worker: int) -> wire.Outgoing:
         # every worker with the same one): pending sends only read it.
         weights = role.owned.weights() if role.owned is not None else role.model.flat(role.model.params)
         role.sent_weights = (role.version, weights)
-    return wire.send(role.channel.mpi, role.sent_weights[1], worker, Tag.REPLY,
+    return wire.send(role.endpoint.mpi, role.sent_weights[1], worker, Tag.REPLY,
                      fields=(role.version, Sent.WEIGHTS, role.stopping))
 
 
 def send_table_ranges(role: ServerRole, rank: int, tag: int) -> list:
     """Start sending this server's row range of every table (the final weights)."""
-    return [wire.send(role.channel.mpi, table.weight.detach()[slice(*table.row_range(role.index))], rank, tag,
+    return [wire.send(role.endpoint.mpi, table.weight.detach()[slice(*table.row_range(role.index))], rank, tag,
                       fields=(role.version, Sent.ROWS)) for table in role.model.tables]
 
 
 def receive_gradient(role: ServerRole, worker: int) -> tuple:
-    dense, (_, step, version, _) = wire.receive(role.channel.mpi, worker, Tag.PUSH, role.channel.who,
+    dense, (_, step, version, _) = wire.receive(role.endpoint.mpi, worker, Tag.PUSH, role.endpoint.who,
                                                 f"the gradient of worker {worker}", f"worker {worker}")
     return (dense, receive_gradient_rows(role, worker)), step, version
 
@@ -52,8 +52,8 @@ def receive_gradient_rows(role: ServerRole, worker: int) -> list:
     parts = []
     for table in role.model.tables:
         what, silent = f"the gradient rows of {table.name} from worker {worker}", f"worker {worker}"
-        indices, _ = wire.receive(role.channel.mpi, worker, Tag.SPARSE, role.channel.who, what, silent)
-        rows, _ = wire.receive(role.channel.mpi, worker, Tag.SPARSE, role.channel.who, what, silent)
+        indices, _ = wire.receive(role.endpoint.mpi, worker, Tag.SPARSE, role.endpoint.who, what, silent)
+        rows, _ = wire.receive(role.endpoint.mpi, worker, Tag.SPARSE, role.endpoint.who, what, silent)
         parts.append((indices, rows))
     return parts
 
@@ -61,7 +61,7 @@ def receive_gradient_rows(role: ServerRole, worker: int) -> list:
 def receive_from_server(role: ServerRole, other: int, tag: int, what: str) -> tuple:
     """(tensor, fields) of another server's message with `tag`; on the coordinator, should
     that server's update fail first, its failure stops the parameter server instead."""
-    mpi, who = role.channel.mpi, role.channel.who
+    mpi, who = role.endpoint.mpi, role.endpoint.who
     if not role.coordinating:
         return wire.receive(mpi, other, tag, who, what, f"server {other}")
     incoming = wire.Incoming(mpi, other, tag)
@@ -80,7 +80,7 @@ def answer_pull(role: ServerRole, worker: int, pull: torch.Tensor, fields: tuple
     of the dense weights too when the worker's are older."""
     _, index, version = fields
     rows = role.model.tables[index].weight.detach()[pull]
-    sends = [wire.send(role.channel.mpi, rows, worker, Tag.REPLY, fields=(role.version, Sent.ROWS))]
+    sends = [wire.send(role.endpoint.mpi, rows, worker, Tag.REPLY, fields=(role.version, Sent.ROWS))]
     if version != role.version:
         sends.append(send_weights(role, worker))
     return sends
@@ -153,7 +153,7 @@ def stop(role: ServerRole, rank: int, incoming: wire.Incoming, sends: list):
     """A worker's bad input, or another server's failed update: the coordinator tells the other
     servers, and every other worker in its next reply; then this server raises the error,
     naming the rank."""
-    mpi, who = role.channel.mpi, role.channel.who
+    mpi, who = role.endpoint.mpi, role.endpoint.who
     silent = f"{'server' if rank in role.settings.servers else 'worker'} {rank}"
     incoming.wait(who, f"the failure of {silent}", silent)
     said = incoming.receive_payload(who, f"the failure of {silent}", silent)
@@ -170,13 +170,13 @@ def stop(role: ServerRole, rank: int, incoming: wire.Incoming, sends: list):
 def failure(role: Role, said: torch.Tensor, code: int, rank: int) -> Exception:
     """The error a failure message of `rank` raises here (on a server or a worker)."""
     named = "server" if rank in role.settings.servers else "worker"
-    return FAILURES[code](f"{role.channel.who}: {named} {rank} stopped the parameter server: {text(said)}")
+    return FAILURES[code](f"{role.endpoint.who}: {named} {rank} stopped the parameter server: {text(said)}")
 
 
 def server_failed(role: ServerRole, error: Exception):
     """An error in this server's update stops the parameter server: this server tells the other
     servers and every worker (in place of its next reply), then raises `error`."""
-    mpi, rank, servers = role.channel.mpi, role.channel.rank, role.settings.servers
+    mpi, rank, servers = role.endpoint.mpi, role.endpoint.rank, role.settings.servers
     said = words(f"its update {role.version + 1} raised {type(error).__name__}: {error}")
     sends = command(role, Command.FAIL, [rank]) if role.coordinating else []
     sends += [wire.send(mpi, said, other, Tag.PUSH, fields=(Push.FAILED, UPDATE_FAILED, role.version))
@@ -185,5 +185,5 @@ def server_failed(role: ServerRole, error: Exception):
     sends += [wire.send(mpi, said, worker, Tag.REPLY, fields=(role.version, Sent.FAILURE, UPDATE_FAILED, rank))
               for worker in role.settings.workers]
     for outgoing in sends:
-        outgoing.wait(role.channel.who, f"the failure sent to rank {outgoing.dest}", f"rank {outgoing.dest}")
+        outgoing.wait(role.endpoint.who, f"the failure sent to rank {outgoing.dest}", f"rank {outgoing.dest}")
     raise error

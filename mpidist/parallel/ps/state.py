@@ -23,12 +23,12 @@ def share_final_weights(role: ServerRole) -> list:
     start, end = role.own_range
     weights = torch.empty(model.numel, dtype=model.dtype)
     weights[start:end] = role.owned.weights()
-    others = [s for s in servers if s != role.channel.rank]
-    sends = [wire.send(role.channel.mpi, weights[start:end], other, Tag.SHARE) for other in others]
+    others = [s for s in servers if s != role.endpoint.rank]
+    sends = [wire.send(role.endpoint.mpi, weights[start:end], other, Tag.SHARE) for other in others]
     for other in others:
         sends += send_table_ranges(role, other, Tag.SHARE)
     for index, (other, (low, high)) in enumerate(zip(servers, role.settings.ranges)):
-        if other != role.channel.rank:
+        if other != role.endpoint.rank:
             what = f"the final weights of server {other}"
             weights[low:high], _ = receive_from_server(role, other, Tag.SHARE, what)
             for table in model.tables:
@@ -87,5 +87,5 @@ def send_part(role: ServerRole, weights: bool) -> list:
             if torch.is_tensor(value):
                 tensors.append(value)
         contents.append([optimizer, position, list(span), named])
-    return [wire.send(role.channel.mpi, part, role.settings.coordinator, Tag.STATE)
+    return [wire.send(role.endpoint.mpi, part, role.settings.coordinator, Tag.STATE)
             for part in [*parts, words(json.dumps(contents)), *tensors]]

@@ -64,7 +64,7 @@ def dead_workers(role: ServerRole, error: BaseException, waited_for) -> list:
     """The workers among `waited_for` whose death `error` reports, when the parameter server goes
     on without them (none when all of them were dropped already); otherwise `error` is raised
     again (called in the except block of the wait that met it)."""
-    mpi, rules = role.channel.mpi, role.settings
+    mpi, rules = role.endpoint.mpi, role.settings
     if not (fault_tolerant() and is_process_failure(error, [mpi])) or mpi.Is_revoked() \
             or (rules.mode == "sync" and not rules.backup_workers):
         raise error
@@ -99,17 +99,17 @@ def wait_last_sends(role: ServerRole, sends: list) -> None:
     the final weights on their way to it, loses nothing (its training is over and the servers
     hold them): its sends are let go, and the server that meets its death says so on standard
     error. Any other failure is raised."""
-    mpi, gone = role.channel.mpi, set()
+    mpi, gone = role.endpoint.mpi, set()
     for outgoing in sends:
         try:
-            outgoing.wait(role.channel.who, f"the message sent to rank {outgoing.dest}", f"rank {outgoing.dest}")
+            outgoing.wait(role.endpoint.who, f"the message sent to rank {outgoing.dest}", f"rank {outgoing.dest}")
         except Exception as error:
             if outgoing.dest in role.settings.servers or mpi.Is_revoked() or \
                     not (fault_tolerant() and is_process_failure(error, [mpi])):
                 raise
             if outgoing.dest not in gone:
                 gone.add(outgoing.dest)
-                print(f"mpidist parameter server: rank {role.channel.rank}: worker {outgoing.dest} died after its "
+                print(f"mpidist parameter server: rank {role.endpoint.rank}: worker {outgoing.dest} died after its "
                       "close(), before the final weights reached it; nothing is lost (the servers hold them)",
                       file=sys.stderr, flush=True)
 
@@ -163,7 +163,7 @@ def ending_at_start(comm, mpi) -> RankDiedError:
 def ending(role: Role) -> RankDiedError:
     """The error that ends the parameter server after a death, the same on every survivor; its
     communicator is revoked first, so that every other survivor meets it too."""
-    mpi, rules = role.channel.mpi, role.settings
+    mpi, rules = role.endpoint.mpi, role.settings
     if not mpi.Is_revoked():
         mpi.Revoke()
     role.closed = True
@@ -181,6 +181,6 @@ def ending(role: Role) -> RankDiedError:
             "servers could not drop it together"
     else:
         named, why = "a rank (which one could not be learnt)", "the parameter server's communicator was revoked"
-    return RankDiedError(f"{role.channel.who}: {named} died, and the parameter server cannot go on without "
+    return RankDiedError(f"{role.endpoint.who}: {named} died, and the parameter server cannot go on without "
                          f"{'them' if len(servers or dead) > 1 else 'it'}: {why}. It ends here; `mpidist train "
                          "--resume` continues from the newest checkpoint", ranks=dead)

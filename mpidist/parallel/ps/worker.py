@@ -1,7 +1,7 @@
 """A worker's side of a parameter server: pull a batch's rows of the tables, push its gradient
 (each server its range) and take the weights of the update that took it, and stop the parameter
 server on its bad input. Functions of the worker's WorkerRole (roles.py: the agreed settings,
-the model, the channel and the worker's own state).
+the model, the endpoint and the worker's own state).
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def rows_asked(role: WorkerRole, module, ids) -> tuple:
 def pull(role: WorkerRole, index: int, ids: torch.Tensor) -> bool:
     """Pull rows `ids` (sorted) of table `index`, each server its part, into the table; True
     when they came with newer weights (loaded too)."""
-    table, mpi = role.model.tables[index], role.channel.mpi
+    table, mpi = role.model.tables[index], role.endpoint.mpi
     outgoing = []
     for server, (low, high) in zip(role.settings.servers, table.split(ids)):
         outgoing.append(wire.send(mpi, ids[low:high], server, Tag.PUSH, fields=(Push.PULL, index, role.version)))
@@ -67,7 +67,7 @@ def pull(role: WorkerRole, index: int, ids: torch.Tensor) -> bool:
     with torch.no_grad():
         table.weight[ids.to(table.weight.device)] = torch.cat(parts).to(table.weight.device)
     for sent in outgoing:
-        sent.wait(role.channel.who, "the rows asked of the server", f"the server (rank {sent.dest})")
+        sent.wait(role.endpoint.who, "the rows asked of the server", f"the server (rank {sent.dest})")
     return moved
 
 
@@ -75,7 +75,7 @@ def step(role: WorkerRole) -> None:
     """Push this worker's gradients, each server its range and its rows of each table's
     gradient; then take the weights of the update that took them."""
     check_worker(role, "step()")
-    model, mpi = role.model, role.channel.mpi
+    model, mpi = role.model, role.endpoint.mpi
     try:
         rows = [sparse.gradient_rows(table, role.pulled.get(i)) for i, table in enumerate(model.tables)]
     except InvalidArgumentError as error:
@@ -93,7 +93,7 @@ def step(role: WorkerRole) -> None:
         role.bytes_pushed += sum(part.numel() * part.element_size() for part in parts)
     receive_weights(role)
     for sent in outgoing:
-        sent.wait(role.channel.who, "the gradient sent to the server", f"the server (rank {sent.dest})")
+        sent.wait(role.endpoint.who, "the gradient sent to the server", f"the server (rank {sent.dest})")
     role.steps += 1
     role.pulled = {}
 
@@ -102,7 +102,7 @@ def close(role: WorkerRole, receive_weights) -> None:
     """Tell the coordinating server this worker is done, and take the final weights (by
     `receive_weights()`), tables whole."""
     check_worker(role, "close()")
-    mpi, coordinator = role.channel.mpi, role.settings.coordinator
+    mpi, coordinator = role.endpoint.mpi, role.settings.coordinator
     nothing = torch.empty(0, dtype=role.model.dtype)
     outgoing = wire.send(mpi, nothing, coordinator, Tag.PUSH, fields=(Push.DONE, role.steps, role.version))
     receive_weights()
@@ -110,7 +110,7 @@ def close(role: WorkerRole, receive_weights) -> None:
         parts, _ = receive_replies(role, f"the final rows of {table.name} from the server")
         with torch.no_grad():
             table.weight.copy_(torch.cat(parts).to(table.weight.device))
-    outgoing.wait(role.channel.who, "the last message to the server", f"the server (rank {coordinator})")
+    outgoing.wait(role.endpoint.who, "the last message to the server", f"the server (rank {coordinator})")
     role.closed = True
     mpi.Free()
 
@@ -120,9 +120,9 @@ def fail(role: WorkerRole, error: Exception):
     other workers), then raise `error` here."""
     said = words(str(error))
     code = FAILURES.index(type(error))
-    for sent in [wire.send(role.channel.mpi, said, server, Tag.PUSH, fields=(Push.FAILED, code, role.version))
+    for sent in [wire.send(role.endpoint.mpi, said, server, Tag.PUSH, fields=(Push.FAILED, code, role.version))
                  for server in role.settings.servers]:
-        sent.wait(role.channel.who, "the failure sent to the server", f"the server (rank {sent.dest})")
+        sent.wait(role.endpoint.who, "the failure sent to the server", f"the server (rank {sent.dest})")
     role.closed = True
     raise error
 
@@ -130,7 +130,7 @@ def fail(role: WorkerRole, error: Exception):
 def check_worker(role, call: str) -> None:
     """Refuse a worker's call on a server (`role` a ServerRole) or after close()."""
     if not isinstance(role, WorkerRole):
-        raise InvalidArgumentError(f"{call} runs on workers; rank {role.channel.rank} is a server: call serve()")
+        raise InvalidArgumentError(f"{call} runs on workers; rank {role.endpoint.rank} is a server: call serve()")
     if role.closed:
         raise InvalidArgumentError(f"{call} after close(): this worker has already left the parameter server")
 
@@ -138,8 +138,8 @@ def check_worker(role, call: str) -> None:
 def receive_replies(role: WorkerRole, what: str) -> tuple:
     """([each server's reply], their version): every server's answer to this worker's last
     message, received at once (the coordinator's first), or the failure one reports."""
-    who, servers = role.channel.who, role.settings.servers
-    incoming = [wire.Incoming(role.channel.mpi, server, Tag.REPLY) for server in servers]
+    who, servers = role.endpoint.who, role.settings.servers
+    incoming = [wire.Incoming(role.endpoint.mpi, server, Tag.REPLY) for server in servers]
     parts, versions = [], []
     for position, reply in enumerate(incoming):
         silent = f"the server (rank {reply.source})"
