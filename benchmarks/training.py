@@ -220,7 +220,7 @@ class LockstepCandidate(LocalCandidate):
 
     def __init__(self, sizes, seed, comm):
         super().__init__(sizes, seed)
-        from mpidist.collectives.polled import NodeSlots
+        from mpidist.collectives.node_buckets import NodeSlots
         self.flag = np.zeros(1, dtype=np.float32)
         self.slots = NodeSlots(comm.node_comm, [self.flag.nbytes])
 

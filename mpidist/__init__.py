@@ -84,10 +84,10 @@ def barrier():
 def __getattr__(name):
     # The training modes need torch; import it only when they are used.
     if name == "DataParallel":
-        from .parallel.data import DataParallel
+        from .parallel.data_parallel import DataParallel
         return DataParallel
     if name == "Join":
-        from .parallel.join import Join
+        from .parallel.uneven_inputs import Join
         return Join
     if name == "ParameterAveraging":
         from .parallel.parameter_averaging import ParameterAveraging
@@ -105,8 +105,8 @@ def __getattr__(name):
         from .parallel.zero import ZeroRedundancyOptimizer
         return ZeroRedundancyOptimizer
     if name == "elastic":
-        from .parallel import elastic
-        return elastic
+        from .parallel import elastic_training
+        return elastic_training
     if name == "SyncBatchNorm":
         from .parallel.sync_batchnorm import SyncBatchNorm
         return SyncBatchNorm

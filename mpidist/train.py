@@ -1,5 +1,5 @@
 """`mpidist train`: training of a small network on the embedded digits data, or (--model
-embedding) of a bag-of-embeddings click model on synthetic Zipf-distributed ids (clicks.py).
+embedding) of a bag-of-embeddings click model on synthetic Zipf-distributed ids (sparse_workload.py).
 
     mpirun -np 2 mpidist train --epochs 12            # data parallel
     mpirun -np 3 mpidist train --mode ps --ps-mode async --max-staleness 2
@@ -49,7 +49,7 @@ import torch
 
 import mpidist as md
 
-from . import clicks
+from . import sparse_workload
 from .checkpoint import (
     CHECKPOINT_NAME,
     CheckpointError,
@@ -77,7 +77,7 @@ def build_model(hidden: int = 128) -> torch.nn.Module:
 def build_network(args, sparse: bool = False) -> torch.nn.Module:
     """The network --model names; `sparse`: the embedding table's gradients are sparse rows."""
     if args.model == "embedding":
-        return clicks.ClickModel(args.embedding_rows or EMBEDDING_ROWS, sparse=sparse)
+        return sparse_workload.ClickModel(args.embedding_rows or EMBEDDING_ROWS, sparse=sparse)
     return build_model()
 
 
@@ -97,7 +97,7 @@ def make_optimizer(args, params):
 def load_datasets(args, comm) -> tuple:
     """(training set, test set, what a test item is called) for --model."""
     if args.model == "embedding":
-        return (*clicks.click_datasets(args.embedding_rows or EMBEDDING_ROWS, seed=args.seed), "click bags")
+        return (*sparse_workload.click_datasets(args.embedding_rows or EMBEDDING_ROWS, seed=args.seed), "click bags")
     path = ensure_digits(args.data, comm=comm)
     splits = failure = None
     try:

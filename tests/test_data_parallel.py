@@ -390,7 +390,7 @@ def test_gradient_views_outlive_their_data_parallel(mpi_world):
 def test_freed_communicator_gives_back_dropped_windows(mpi_world):
     """Windows of dropped DataParallels wait for the next construction on their communicator;
     freeing the communicator gives them back instead, and forgets the communicator."""
-    from mpidist.collectives import polled
+    from mpidist.collectives import node_buckets
     x, y = batch(0, mpi_world.rank)
     before = shared_mapping_bytes()
     with md.Communicator(MPI.COMM_WORLD) as comm:
@@ -400,8 +400,8 @@ def test_freed_communicator_gives_back_dropped_windows(mpi_world):
         node_comm = comm.node_comm
         del wide
         gc.collect()
-        assert id(node_comm) in polled._released  # released, not freed yet
-    assert id(node_comm) not in polled._released
+        assert id(node_comm) in node_buckets._released  # released, not freed yet
+    assert id(node_comm) not in node_buckets._released
     assert shared_mapping_bytes() <= before
     comm.free()  # a second time does nothing
 

@@ -42,7 +42,7 @@ def test_use_before_init_is_a_clear_error():
 def test_importing_leaves_mpi_uninitialized():
     # MPI starts in init(), after mpidist has set its defaults for MPI's options (comm.load_mpi).
     result = run_python(
-        "import sys, mpidist, mpidist.torch, mpidist.parallel.data\n"
+        "import sys, mpidist, mpidist.torch, mpidist.parallel.data_parallel\n"
         "print('mpi4py.MPI' in sys.modules)\n")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"

@@ -150,7 +150,7 @@ HELD_OBJECTS = """
 import json, sys, types
 import numpy as np
 import mpidist as md
-import mpidist.parallel.data, mpidist.torch
+import mpidist.parallel.data_parallel, mpidist.torch
 md.init()
 big, small = np.ones(1 << 17, dtype=np.float32), np.ones(4, dtype=np.float32)
 md.allreduce(big); md.allreduce(small); md.allreduce(big, algorithm="hierarchical")

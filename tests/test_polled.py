@@ -1,4 +1,4 @@
-"""The gradient buckets' shared-slot all-reduce, advanced by polling (collectives/polled.py), on
+"""The gradient buckets' shared-slot all-reduce, advanced by polling (collectives/node_buckets.py), on
 1 to 5 ranks against the float64 NumPy reference and tolerances of test_collectives, and its
 errors.
 
@@ -14,7 +14,7 @@ from test_collectives import FLOAT_DTYPES, INT_DTYPES, OPS, rank_values
 from tolerances import reduction_bound, reduction_reference
 
 import mpidist as md
-from mpidist.collectives.polled import OWN_CORE_YIELD_SECONDS, YIELD_SECONDS, NodeSlots, yield_seconds
+from mpidist.collectives.node_buckets import OWN_CORE_YIELD_SECONDS, YIELD_SECONDS, NodeSlots, yield_seconds
 from mpidist.parallel.flat import tensor_at
 
 pytestmark = pytest.mark.mpi_shared_launch

@@ -30,6 +30,6 @@ from .api import (  # noqa: E402,F401
 from .callcheck import OPS  # noqa: E402,F401
 from .engine import AsyncEngine, Handle, in_order  # noqa: E402,F401
 from .fastpath import small_cpu_allreduce  # noqa: E402,F401
-from .polled import forget_released_windows, free_released_windows  # noqa: E402,F401
+from .node_buckets import forget_released_windows, free_released_windows  # noqa: E402,F401
 from .registry import ALGORITHMS, ALLREDUCE  # noqa: E402,F401
 from .select import auto_choice  # noqa: E402,F401

@@ -201,6 +201,6 @@ def reduce_and_publish(dst: int, sources, nbytes: int, dtype: str, op: str, scal
 
 def result_slot(slots: list, owner: int) -> int:
     """Where the reduced slice of local rank `owner` is published on one node (hierarchical.py,
-    polled.py): the other rank's slot with two ranks, over that rank's copy of the slice, which
+    node_buckets.py): the other rank's slot with two ranks, over that rank's copy of the slice, which
     the reduction has just read, else the owner's own slot."""
     return slots[1 - owner] if len(slots) == 2 else slots[owner]

@@ -21,7 +21,7 @@ for L = 2, two syncs, no MPI messages. With two ranks each publishes its result 
 other's slot instead, over the other's copy of its slice, which its reduction has just read (block
 by block, each block read before it is overwritten), and copies the other's result out of its own
 slot: each slot then only ever holds the other rank's half, and the lines written are the ones
-just read, still in cache (polled.py's buckets do the same; it roughly halved the time of a
+just read, still in cache (node_buckets.py's buckets do the same; it roughly halved the time of a
 large message, benchmarks/results/hierarchical-two-ranks-cpu.md).
 
 With more than one node, every node has `lanes` ranks that talk across nodes (its first local

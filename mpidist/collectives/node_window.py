@@ -35,7 +35,7 @@ from ..buffers import BufferInfo
 from ..runtime.deadlines import deadline_error, wait_in_collective
 from ..runtime.mpi import load_mpi
 from .common import reduce_and_publish, result_slot, split_counts
-from .polled import COUNTER_BYTES, NAP_SECONDS, yield_seconds
+from .node_buckets import COUNTER_BYTES, NAP_SECONDS, yield_seconds
 
 
 class HostMemory:

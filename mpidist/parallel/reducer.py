@@ -160,7 +160,7 @@ class GradientBuckets:
 
     When every rank runs on one node and the buckets are on the CPU, each bucket has slots in a
     shared window and its all-reduce is advanced by polling from the gradient hooks on the
-    caller's thread (collectives/polled.py); otherwise each bucket is handed to the
+    caller's thread (collectives/node_buckets.py); otherwise each bucket is handed to the
     communicator's asynchronous engine. `trace`, when set to a list, receives (start, finish)
     perf_counter times of each bucket's all-reduce. Each bucket's wait is an event in a torch
     profiler's trace, and each all-reduce, from its launch to its completion, a span on the
@@ -244,7 +244,7 @@ class GradientBuckets:
         the gradients are views of them)."""
         # Imported here: the collectives package initializes MPI when imported, and
         # `import mpidist.torch` must not (mpidist sets MPI's options first, see comm.load_mpi).
-        from ..collectives.polled import NodeSlots
+        from ..collectives.node_buckets import NodeSlots
         # A compressed or predivided bucket goes through its flat buffer instead (its views are there).
         in_slots = self.gradient_as_bucket_view and self.predivide == 1.0 and all(b.wire is None for b in self.buckets)
         sizes = [b.nbytes for b in self.buckets] + [self._count.element_size()]

@@ -8,7 +8,7 @@ functions (broadcast of parameters, optimizer state and objects), optimizer
 
 Differences from Horovod are listed in README.md ("Horovod compatibility"); features that are
 not offered raise NotOfferedError instead of misbehaving. elastic is Horovod's elastic API on
-md.elastic (elastic.py). Horovod's exception
+md.elastic (parallel/elastic_training.py). Horovod's exception
 names map onto mpidist's errors (basics.py; docs/horovod.md).
 """
 from ..errors import InvalidArgumentError, MismatchError, MpidistError, NotOfferedError

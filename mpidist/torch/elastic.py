@@ -1,4 +1,4 @@
-"""Horovod's elastic API (horovod.torch.elastic) on md.elastic (parallel/elastic.py): the
+"""Horovod's elastic API (horovod.torch.elastic) on md.elastic (parallel/elastic_training.py): the
 decorator run, TorchState and ElasticSampler.
 
     @hvd.elastic.run
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import functools
 
-from ..parallel import elastic as _elastic
-from ..parallel.elastic import ElasticSampler
+from ..parallel import elastic_training as _elastic
+from ..parallel.elastic_training import ElasticSampler
 from .process_sets import drop_process_sets
 
 __all__ = ["run", "State", "TorchState", "ElasticSampler"]

@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import comm as _comm
 from ..errors import MismatchError, MpidistError, NotOfferedError
-from ..parallel.join import last_joiner
+from ..parallel.uneven_inputs import last_joiner
 from ..runtime import wire
 from ..runtime.deadlines import wait_for_collective
 from .basics import Average, Sum

@@ -1,6 +1,6 @@
 """DataParallel: synchronous data parallelism with PyTorch DDP's semantics, a facade over the
 reducer (reducer.py: gradient buckets overlapped with backward), with DDP's join() for uneven
-inputs (join.py) and its built-in communication hooks.
+inputs (uneven_inputs.py) and its built-in communication hooks.
 """
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch
 from ..comm import init
 from ..errors import InvalidArgumentError, MpidistError, NotOfferedError
 from .compressors import PowerSGD, resolve_compression
-from .join import Join, Joinable, last_joiner
 from .model_state import broadcast_in_place, broadcast_module_state
 from .reducer import GradientBuckets, check_not_synchronized, register_gradient_hooks, trainable_parameters
 from .sync_batchnorm import SyncBatchNorm
+from .uneven_inputs import Join, Joinable, last_joiner
 
 
 def _ddp_bucket_size(bucket_mb, bucket_cap_mb):

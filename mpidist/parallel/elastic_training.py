@@ -5,7 +5,7 @@
 
 run() calls train(state). When a rank dies in a collective, the MPI library's fault tolerance
 (ULFM: `mpirun --with-ft ulfm`) tells the ranks waiting for it (MPI_ERR_PROC_FAILED, or a
-revoked communicator); a rank waiting in shared memory asks MPI (collectives/polled.py). Each
+revoked communicator); a rank waiting in shared memory asks MPI (collectives/node_buckets.py). Each
 survivor then revokes mpidist's world communicator and its sub-communicators (so no survivor
 keeps waiting on them), shrinks it to the living ranks (MPIX_Comm_shrink, which they all join),
 makes that the world (md.rank(), md.size(), hvd.size() ...), restores its last commit,
