@@ -22,12 +22,20 @@ it, and the launch's last test fails when mpirun exits with a status other than 
 rank reported: a rank that crashes at exit, in a destructor, in a background thread or in
 MPI_Finalize after its last assertion. Failed tests do not make a rank's pytest exit non-zero
 (their reports say so already), so any such status is news.
+
+A launch that ends before any rank started a test, its output showing one of Open MPI's launcher
+start-up failures (START_UP_FAILURES), is started once more, with a line in the terminal saying
+why; should that one fail too, its tests' reports keep the first launch's output. A launch in
+which some rank started a test is never started again: that would hide its failures. Each launch
+runs with a TMPDIR of its own, which avoids the start-up failure seen in practice (see
+START_UP_FAILURES).
 """
 import hashlib
 import math
 import os
 import pickle
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -46,6 +54,26 @@ OWN_LAUNCH = "mpi_own_launch"
 REPORTS = "PYTEST_MPI_REPORTS_PATH"  # where pytest-isolate-mpi's ranks write their reports
 IN_SHARED_LAUNCH = "MPIDIST_TESTS_SHARED_LAUNCH"
 STOP_GRACE_S = 30  # for mpirun to end its ranks once told to
+
+# What Open MPI's launcher prints when it fails to start, before it has started any rank: with
+# one of these in a launch's output, and no rank having started a test, the launch is started
+# once more. The first is PMIx_server_init's (OpenPMIx help-pmix-server.txt [listener-thread-start])
+# when it cannot set up its listener, which includes writing the tool rendezvous files, with
+# O_EXCL, into mpirun's session directory $TMPDIR/ompi.<mpirun's pid>. An mpirun that ends
+# removes that directory; a killed one (SIGKILL) leaves it behind, and the next mpirun given the
+# same pid finds the files and stops with this message (openpmix/openpmix#4022, fixed after the
+# PMIx 5 that Open MPI 5 bundles). Each launch here therefore has a TMPDIR of its own, removed
+# after it, also when mpirun was killed. The others are PRRTE's (and ORTE's) runtime failing
+# before it launched anything: mpirun's own start-up (help-prte-runtime.txt
+# [prte_init:startup:internal-failure]) and daemons that never reported back
+# (help-errmgr-base.txt [failed-daemon-launch], [failed-daemon]); no rank starts before every
+# daemon has reported.
+START_UP_FAILURES = (
+    "The PMIx server's listener thread failed to start",
+    'It looks like "prte_init()" failed',
+    "was unable to reliably start one or more daemons",
+    "daemon has unexpectedly failed after launch and before communicating back",
+)
 
 
 def register(config):
@@ -106,6 +134,20 @@ def stop(launch):
         launch.wait()
 
 
+def start_up_failure(items, directory, stopped_in, exit_status, output):
+    """The launcher start-up failure (START_UP_FAILURES) that ended the launch of `items` in
+    `directory` before any rank started a test, or None.
+
+    A rank that starts a test makes that test's reports directory first (SharedLaunchRank), so a
+    launch with none of them has run no test, whatever else it did."""
+    if stopped_in is not None or not exit_status:
+        return None
+    if any(os.path.isdir(reports_directory(directory, item.nodeid)) for item in items):
+        return None
+    text = " ".join(" ".join(content for _, content in output).split())  # help texts wrap their lines
+    return next((failure for failure in START_UP_FAILURES if failure in text), None)
+
+
 class SharedLaunch:
     """This session's side: starts a launch at the first test of its group, reports every test."""
 
@@ -150,7 +192,8 @@ class SharedLaunch:
         return True if launch_key(item) is not None else None
 
     def launch(self, items, ranks):
-        """Runs `items` under one `mpirun -np ranks` and keeps every test's reports."""
+        """Runs `items` under one `mpirun -np ranks` and keeps every test's reports; starts the launch
+        once more when it ended before any rank started a test, with a launcher start-up failure."""
         if any(os.getenv(hint) for hint in MPI_ENV_HINTS):
             pytest.exit("forked MPI tests cannot be run in an MPI environment", pytest.ExitCode.USAGE_ERROR)
         option = self.config.option
@@ -158,25 +201,50 @@ class SharedLaunch:
         command = self.mpirun.extend_command_for_parallel_execution(command, ranks)
         if option.verbose_mpi:
             print(f"dispatching command: {command}")
+        first = []  # the output of a first launch that never started, for the reports of the second
+        for again in (False, True):
+            # ignore_cleanup_errors: a killed mpirun's ranks may still be ending in the directory.
+            with tempfile.TemporaryDirectory(prefix="mpidist-launch-", ignore_cleanup_errors=True) as directory:
+                stopped_in, exit_status, output = self.run(command, items, ranks, directory)
+                reason = None if again else start_up_failure(items, directory, stopped_in, exit_status, output)
+                if reason is None:
+                    self.collect(items, ranks, directory, stopped_in, exit_status, output + first)
+                    return
+            first = [(f"{title} of a first launch, which ended before any rank started a test ({reason})", text)
+                     for title, text in output]
+            self.say(f"{items[0].location[0]} on {ranks} ranks: the launch ended before any rank started a test "
+                     f"({reason}); starting it once more")
+
+    def run(self, command, items, ranks, directory):
+        """One launch in `directory`; returns (the test whose time ran out or None, mpirun's exit status
+        or None when it was stopped, [(title, captured output)])."""
         threads = items[0].get_closest_marker("mpi").kwargs.get("threads")
-        capture = option.capture != "no"
-        with tempfile.TemporaryDirectory() as directory:
-            env = dict(os.environ, **{IN_RANKS: "1", IN_SHARED_LAUNCH: "1", REPORTS: directory})
-            if threads is not None:
-                env["OMP_NUM_THREADS"] = str(threads)
-            with open(os.path.join(directory, "stdout"), "w+") as stdout, \
-                    open(os.path.join(directory, "stderr"), "w+") as stderr:
-                process = subprocess.Popen(command, env=env, cwd=self.config.rootpath,
-                                           stdout=stdout if capture else None, stderr=stderr if capture else None)
-                try:
-                    stopped_in = self.wait(process, items, ranks, directory)
-                finally:
-                    stop(process)
-                stdout.seek(0)
-                stderr.seek(0)
-                output = [("Captured stdout", stdout.read()), ("Captured stderr", stderr.read())]
-            exit_status = None if stopped_in is not None else process.returncode
-            self.collect(items, ranks, directory, stopped_in, exit_status, output)
+        capture = self.config.option.capture != "no"
+        # A TMPDIR of the launch's own holds mpirun's session directory (see START_UP_FAILURES).
+        tmpdir = os.path.join(directory, "tmp")
+        os.mkdir(tmpdir)
+        env = dict(os.environ, **{IN_RANKS: "1", IN_SHARED_LAUNCH: "1", REPORTS: directory, "TMPDIR": tmpdir})
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
+        with open(os.path.join(directory, "stdout"), "w+") as stdout, \
+                open(os.path.join(directory, "stderr"), "w+") as stderr:
+            process = subprocess.Popen(command, env=env, cwd=self.config.rootpath,
+                                       stdout=stdout if capture else None, stderr=stderr if capture else None)
+            try:
+                stopped_in = self.wait(process, items, ranks, directory)
+            finally:
+                stop(process)
+            stdout.seek(0)
+            stderr.seek(0)
+            output = [("Captured stdout", stdout.read()), ("Captured stderr", stderr.read())]
+        return stopped_in, None if stopped_in is not None else process.returncode, output
+
+    def say(self, line):
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(line)
+        else:
+            print(line, file=sys.stderr)
 
     @staticmethod
     def wait(process, items, ranks, directory):
