@@ -179,6 +179,45 @@ def test_the_stall_report_names_the_rank_that_has_not_arrived():
     assert "rank 2: last called the allreduce call check, which returned" in output, output
 
 
+# The last rank stops taking part after one all-reduce (it sleeps, as a frozen rank or one whose
+# node lost the network would); the others go on into the ring's transfers with it. Without the
+# call check nothing before the algorithm notices: its own waits must end, naming that rank.
+SILENT_IN_THE_ALGORITHM = textwrap.dedent("""
+    import os, sys, time
+    import numpy as np
+    import mpidist as md
+    from mpidist.errors import DeadlineError
+    md.init()
+    values = np.ones(1 << 20, dtype=np.float32)
+    md.allreduce_async(values, algorithm="ring").wait()  # the engine and the connections exist
+    if md.rank() == md.size() - 1:
+        time.sleep(60)
+        os._exit(0)
+    try:
+        if sys.argv[1] == "async":
+            md.allreduce_async(values, algorithm="ring").wait()
+        else:
+            md.allreduce(values, algorithm="ring")
+    except DeadlineError as error:
+        print(f"rank {md.rank()} raised at {time.time()}: {error} peers={error.peers}", flush=True)
+        os._exit(0)
+""")
+
+
+@pytest.mark.parametrize("call", ["blocking", "async"])
+def test_a_rank_silent_inside_an_algorithm_is_named_at_the_deadline(call):
+    started = time.time()
+    result = run_python(SILENT_IN_THE_ALGORITHM, ranks=3, args=[call], timeout=90,
+                        env={"MPIDIST_CHECK": "0", "MPIDIST_TIMEOUT": "3", "MPIDIST_STALL_WARNING": "60"})
+    output = result.stdout + result.stderr
+    for rank in (0, 1):
+        match = re.search(rf"rank {rank} raised at ([0-9.]+): rank {rank}: the allreduce's transfers with "
+                          r"rank\(s\) \[2\] did not complete within 3 s \(MPIDIST_TIMEOUT\): no answer from "
+                          r"rank\(s\) \[2\]\..* peers=\(2,\)", output)
+        assert match, output
+        assert float(match.group(1)) - started < 60, output  # at the deadline, not when rank 2 woke
+
+
 def test_after_a_death_a_survivor_stuck_in_mpi_finalize_leaves_with_its_exit_status():
     # Under ULFM, rank 2 dies; rank 1 comes to MPI_Finalize 4 s late, so rank 0 waits for it
     # there past MPIDIST_FINALIZE_TIMEOUT (1 s), as a survivor waits forever when Open MPI's

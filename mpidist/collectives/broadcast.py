@@ -6,8 +6,6 @@ allgather completes everyone; every rank moves about 2n bytes whatever p is.
 """
 from __future__ import annotations
 
-from mpi4py import MPI
-
 from ..runtime import config
 from .common import Context, split_counts
 from .ring import allgather_ring
@@ -26,7 +24,7 @@ def broadcast(ctx: Context, root: int) -> None:
     if ctx.rank == root:
         sends = [ctx.isend(ctx.info, offset, count, rank)
                  for rank, (offset, count) in enumerate(chunks) if rank != root and count]
-        MPI.Request.Waitall(sends)
+        ctx.wait(sends)
     else:
         offset, count = chunks[ctx.rank]
         ctx.recv(ctx.info, offset, count, root)

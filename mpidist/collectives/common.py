@@ -12,11 +12,16 @@ from mpi4py import MPI
 
 from .. import kernels
 from ..buffers import ITEMSIZE, BufferInfo, mpi_spec
-from ..runtime import config
+from ..runtime import config, deadlines
 
 # Large messages are cut into segments so the reduction of one segment overlaps the arrival of
 # the next. 256 KiB keeps a segment in L2 while it is reduced.
 SEGMENT_BYTES = config.value("MPIDIST_SEGMENT_BYTES")
+
+# A transfer's wait first tests this many times in a row, as MPI's own wait would spin, before
+# the polled wait with its deadline and stall report, whose set-up costs a few microseconds that
+# a transfer about to complete should not pay.
+QUICK_TESTS = 32
 
 # Every point-to-point request the algorithms start, until it is seen completed. mpi4py frees a
 # request whose object is collected; one still active then (its collective ended in an error
@@ -53,6 +58,7 @@ class Context:
         # it while the data is still in cache does so and clears this; otherwise the caller
         # scales the whole result afterwards.
         self.average = False
+        self._peer_of = {}  # id of a request of isend/irecv: the rank at its other end (wait's error)
 
     # ---- memory --------------------------------------------------------------------------
 
@@ -83,18 +89,46 @@ class Context:
     # ---- point to point ------------------------------------------------------------------
 
     def isend(self, info: BufferInfo, offset: int, count: int, dest: int):
-        return started(self.mpi.Isend(mpi_spec(info, offset, count), dest=dest, tag=self.tag))
+        request = started(self.mpi.Isend(mpi_spec(info, offset, count), dest=dest, tag=self.tag))
+        self._peer_of[id(request)] = dest
+        return request
 
     def irecv(self, info: BufferInfo, offset: int, count: int, source: int):
-        return started(self.mpi.Irecv(mpi_spec(info, offset, count), source=source, tag=self.tag))
+        request = started(self.mpi.Irecv(mpi_spec(info, offset, count), source=source, tag=self.tag))
+        self._peer_of[id(request)] = source
+        return request
 
     def send(self, info: BufferInfo, offset: int, count: int, dest: int):
         if count:
-            self.mpi.Send(mpi_spec(info, offset, count), dest=dest, tag=self.tag)
+            self.wait([self.isend(info, offset, count, dest)])
 
     def recv(self, info: BufferInfo, offset: int, count: int, source: int):
         if count:
-            self.mpi.Recv(mpi_spec(info, offset, count), source=source, tag=self.tag)
+            self.wait([self.irecv(info, offset, count, source)])
+
+    def wait(self, requests: list) -> None:
+        """Wait for `requests` (of this call's isend and irecv). Polled rather than MPI's blocking
+        wait, which never returns while a peer is gone without an error (frozen, or its node cut
+        off the network): a wait past MPIDIST_STALL_WARNING prints the stall report, and one past
+        MPIDIST_TIMEOUT raises DeadlineError naming the ranks whose transfers did not complete."""
+        for _ in range(QUICK_TESTS):
+            if MPI.Request.Testall(requests):
+                return
+
+        def timed_out():
+            MPI.Request.Testsome(requests)  # those that completed become null (falsy)
+            silent = sorted({self._peer_of[id(request)] for request in requests if request})
+            # callcheck sits above the algorithms (it picks them), so its names are read here,
+            # on the way out, rather than imported with this module.
+            from .callcheck import TAGS
+            name = next((name for name, tag in TAGS.items() if tag == self.tag), f"tag {self.tag}")
+            raise deadlines.deadline_error(
+                f"rank {self.rank}", f"the {name}'s transfers with rank(s) {silent}", f"rank(s) {silent}",
+                peers=tuple(silent), advice="A rank may have stopped or frozen, or its node may have lost the "
+                                            "network. This communicator can no longer be used safely.")
+
+        deadlines.wait_in_collective(lambda: MPI.Request.Testall(requests), self.mpi, "a transfer of an algorithm",
+                                     timed_out)
 
     def sendrecv(self, send_offset: int, send_count: int, dest: int,
                  recv_into: BufferInfo, recv_offset: int, recv_count: int, source: int):
@@ -104,7 +138,7 @@ class Context:
             requests.append(self.irecv(recv_into, recv_offset, recv_count, source))
         if send_count:
             requests.append(self.isend(self.info, send_offset, send_count, dest))
-        MPI.Request.Waitall(requests)
+        self.wait(requests)
 
     def exchange_and_reduce(self, send_offset: int, send_count: int, dest: int,
                             recv_offset: int, recv_count: int, source: int, slot: int = 0):
@@ -116,9 +150,9 @@ class Context:
         sends = [self.isend(self.info, send_offset + offset, count, dest)
                  for offset, count in segments(send_count, self.info.itemsize)]
         for offset, count, request in receives:
-            request.Wait()
+            self.wait([request])
             self.reduce(self.info, recv_offset + offset, scratch, offset, count)
-        MPI.Request.Waitall(sends)
+        self.wait(sends)
 
 
 def finish_average(ctx: Context, op: str, offset: int = 0, count: int | None = None) -> None:

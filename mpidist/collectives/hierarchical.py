@@ -120,7 +120,7 @@ class LinkContext(Context):
                     for offset, count in segments(recv_count, recv_into.itemsize)]
         requests += [self.isend(self.info, send_offset + offset, count, dest)
                      for offset, count in segments(send_count, self.info.itemsize)]
-        MPI.Request.Waitall(requests)
+        self.wait(requests)
 
 
 def across_nodes(ctx: Context, peers, info: BufferInfo) -> None:

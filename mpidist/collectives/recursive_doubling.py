@@ -22,7 +22,7 @@ def recursive_doubling_allreduce(ctx: Context) -> None:
             partner = real_rank(partner_new, ctx, p2)
             sends = ctx.isend(current, 0, n, partner)
             ctx.recv(other, 0, n, partner)
-            sends.Wait()
+            ctx.wait([sends])
             if new_rank < partner_new:
                 ctx.reduce(current, 0, other, 0, n)
             else:

@@ -6,8 +6,6 @@ Every rank sends its whole buffer to rank 0, which reduces all p buffers in one 
 """
 from __future__ import annotations
 
-from mpi4py import MPI
-
 from .. import kernels
 from .common import Context
 from .tree import tree_broadcast
@@ -28,7 +26,7 @@ def reduce_bcast_allreduce(ctx: Context) -> None:
             scratches = [ctx.scratch(count, slot) for slot in range(ctx.size - 1)]
             receives = [ctx.irecv(scratch, 0, count, source)
                         for source, scratch in enumerate(scratches, start=1)]
-            MPI.Request.Waitall(receives)
+            ctx.wait(receives)
             start = info.ptr + offset * info.itemsize
             kernels.reduce_many_ptr(start, [start] + [s.ptr for s in scratches], count, info.dtype,
                                     ctx.op, device=info.device)

@@ -6,8 +6,6 @@ segment k while its children already send segment k+1 (a pipelined tree).
 """
 from __future__ import annotations
 
-from mpi4py import MPI
-
 from .common import Context, segments
 
 
@@ -34,11 +32,11 @@ def tree_reduce(ctx: Context, root: int = 0) -> None:
         scratches = [ctx.scratch(count, slot) for slot in range(len(children))]
         receives = [ctx.irecv(scratch, 0, count, child) for scratch, child in zip(scratches, children)]
         for scratch, request in zip(scratches, receives):
-            request.Wait()
+            ctx.wait([request])
             ctx.reduce(ctx.info, offset, scratch, 0, count)
         if parent is not None:
             pending_sends.append(ctx.isend(ctx.info, offset, count, parent))
-    MPI.Request.Waitall(pending_sends)
+    ctx.wait(pending_sends)
 
 
 def tree_broadcast(ctx: Context, root: int = 0, offset: int = 0, count: int | None = None) -> None:
@@ -53,7 +51,7 @@ def tree_broadcast(ctx: Context, root: int = 0, offset: int = 0, count: int | No
             ctx.recv(ctx.info, start, segment_count, parent)
         for child in reversed(children):
             pending_sends.append(ctx.isend(ctx.info, start, segment_count, child))
-    MPI.Request.Waitall(pending_sends)
+    ctx.wait(pending_sends)
 
 
 def tree_allreduce(ctx: Context) -> None:

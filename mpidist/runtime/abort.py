@@ -32,14 +32,18 @@ def install_abort_on_exception(world_mpi) -> None:
 
     def abort_on_exception(kind, exception, trace):
         # The traceback first, printed by whichever hook the program had, and flushed: MPI_Abort
-        # ends the process without Python's own flushing at exit.
-        with contextlib.redirect_stderr(_stream_that_outlives_the_abort()):
+        # ends the process without Python's own flushing at exit. It goes out in one write:
+        # printed in pieces, mpirun may forward some of them after its own abort message, which
+        # then cuts a line of the traceback in two.
+        stream, printed = _stream_that_outlives_the_abort(), io.StringIO()
+        with contextlib.redirect_stderr(printed):
             previous_hook(kind, exception, trace)
-            status = INTERRUPT_STATUS if issubclass(kind, KeyboardInterrupt) else EXCEPTION_STATUS
-            print(f"mpidist: rank {world_mpi.Get_rank()} of {world_mpi.Get_size()} ended with an uncaught "
-                  f"{kind.__name__}: aborting the whole job (MPIDIST_ABORT_ON_EXCEPTION=0 leaves the other "
-                  "ranks running)", file=sys.stderr)
-            flush_output()
+        status = INTERRUPT_STATUS if issubclass(kind, KeyboardInterrupt) else EXCEPTION_STATUS
+        stream.write(printed.getvalue() + f"mpidist: rank {world_mpi.Get_rank()} of {world_mpi.Get_size()} ended "
+                     f"with an uncaught {kind.__name__}: aborting the whole job (MPIDIST_ABORT_ON_EXCEPTION=0 "
+                     "leaves the other ranks running)\n")
+        flush_output()
+        stream.flush()
         world_mpi.Abort(status)
 
     abort_on_exception.aborts_job = True
