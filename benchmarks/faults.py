@@ -425,6 +425,7 @@ def judge(name: str, scenario: dict, ref: dict, run: dict, relaunch, fault: dict
     detected = first_line(run, scenario["detect"], t_fault) if "detect" in scenario else None
     record["detect_s"] = (detected if detected is not None else run["ended"]) - t_fault
     record["named"] = detected is not None
+    record["detected_by"] = next((line for t, line in run["lines"] if t == detected), None)
     victim = fault["rank"]
     survivors = [r for r in range(args.ranks) if r != victim and not (r == 0 and "ps" in scenario["train"])]
     before = step_times(logs.get(min(survivors), []), t_fault)

@@ -89,7 +89,12 @@ def run_python(code: str, *, ranks: int = 0, env=None, timeout: int = 120, args=
     for hint in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PYTEST_ISOLATE_MPI_IS_FORKED"):
         full_env.pop(hint, None)
     full_env.update(env or {})
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+    # A TMPDIR of its own, as the suite's launches have (mpi_shared_launch.py): an mpirun killed
+    # by a timeout leaves its session directory there, which must not meet a later mpirun.
+    with tempfile.TemporaryDirectory(prefix="run-", dir=os.environ.get("MPIDIST_TESTS_TMP")) as tmp:
+        if "TMPDIR" not in (env or {}):
+            full_env["TMPDIR"] = tmp
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
 
 
 def make_array(kind: str, values: np.ndarray, dtype: str):
