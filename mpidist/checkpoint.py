@@ -42,7 +42,7 @@ from collections import OrderedDict
 import numpy as np
 
 from . import checkpoint_rng
-from .checkpoint_files import atomic_hdf5, read_seal, verify
+from .checkpoint_files import atomic_hdf5, read_seal, verified, verify
 from .checkpoint_tree import ITEMS, TENSOR, TUPLE, decode, read_tree, write_tree
 from .comm import is_initialized, world
 from .errors import CheckpointError, MpidistError
@@ -142,8 +142,12 @@ def latest_checkpoint(directory, comm=None):
     and none is intact, a CheckpointError says so, naming the newest and its problem: a caller
     that took None for "start from scratch" would write its fresh run's checkpoints over them.
 
+    The path is a str that also records the check (checkpoint_files.Verified): ``load_checkpoint``
+    of it in this process does not read the file's bytes again while the file is unchanged.
+
     With ``comm`` (every rank must call) rank 0 looks and every rank gets its answer, or raises
-    its error, so all ranks resume from the same file.
+    its error, so all ranks resume from the same file. Only rank 0 checked it: the other ranks'
+    paths are plain, and ``load_checkpoint`` checks the file on each of them.
     """
     if _mpi_comm(comm) is None:
         return _find_latest(os.fspath(directory))
@@ -154,11 +158,12 @@ def latest_checkpoint(directory, comm=None):
         except CheckpointError as exc:
             return None, str(exc)
 
-    found = on_root(comm, look, f"looking for checkpoints in {directory}", CheckpointError)
-    found, problem = _mpi_comm(comm).bcast(found, root=0)
+    mine = on_root(comm, look, f"looking for checkpoints in {directory}", CheckpointError)
+    found, problem = _mpi_comm(comm).bcast(mine, root=0)
     if problem is not None:
         raise on_every_rank(CheckpointError(problem))
-    return found
+    # bcast answers rank 0 with a copy too, in which the record of the check became the plain path
+    return found if mine is None else mine[0]
 
 
 def _find_latest(directory):
@@ -177,8 +182,7 @@ def _find_latest(directory):
                 refused.append(_skip(exc))
     for *_, path in sorted(found, reverse=True):
         try:
-            verify(path)
-            return path
+            return verified(path)
         except CheckpointError as exc:
             refused.insert(0, _skip(exc))
     if refused:
@@ -257,7 +261,9 @@ def _to_json(value, what: str) -> str:
 
 def load_checkpoint(path, model=None, optimizer=None, sampler=None, restore_rng: bool = True, comm=None) -> dict:
     """Load a checkpoint written by ``save_checkpoint`` into the given objects; returns
-    ``{"step", "epoch", "extra"}``. Each rank reads the file itself.
+    ``{"step", "epoch", "extra"}``. Each rank reads the file itself, and checks its bytes against
+    the seal first, except where ``path`` is what ``latest_checkpoint`` returned on this rank and
+    the file is unchanged since it was checked there.
 
     The model and optimizer are loaded with their own ``load_state_dict`` (strict: missing or
     unexpected entries raise). With ``restore_rng`` each rank restores the RNG state saved for

@@ -7,7 +7,9 @@ read the file as any other): ``mpidist-checkpoint sha256`` and a line of JSON, `
 of the whole file, "sha256": hex digest of every byte after the user block, "created_unix":
 time}``. ``tail -c +513 FILE | sha256sum`` prints the digest. HDF5 has no checksums of its own
 on data, and a damaged file can crash the library itself, so a file from elsewhere is checked
-first: a truncated or altered one is refused before it is opened.
+first: a truncated or altered one is refused before it is opened. ``verified`` hands the check on:
+the path it returns records the file as checked, so that loading the file a search chose reads
+its bytes once.
 
 Checkpoints of format version 1, written before the seal, are HDF5 from their first byte: they
 are read as before (``sealed`` False in what ``read_seal`` returns), unchecked, so that a run
@@ -114,32 +116,53 @@ def read_seal(path) -> dict:
     return {**fields, "sealed": True}
 
 
-# The identity (_identity) of the file verify() last found intact in this process. Resuming
-# checks the newest checkpoint in latest_checkpoint and again in load_checkpoint: the second
-# check of a file unchanged since then does not read every byte again.
-_last_intact = None
+class Verified(str):
+    """The path of a checkpoint that ``verified`` found intact, with the file's identity then
+    (``identity``: device, inode, size, modification and change times, as os.stat saw them before
+    its bytes were read). ``verify`` of it does not read the bytes again while the file's identity
+    is unchanged; a file written to or replaced since is checked again. It is a str, the path, so
+    it goes wherever a path goes. The record holds in this process only: pickled (sent to another
+    rank, say) it becomes the plain path, which the receiver checks itself."""
+
+    def __new__(cls, path, identity: tuple):
+        record = super().__new__(cls, os.fspath(path))
+        record.identity = identity
+        return record
+
+    def __reduce__(self):
+        return str, (str(self),)
 
 
 def verify(path) -> dict:
     """``read_seal``, then every byte checked against the sealed digest: a CheckpointError naming
     the file where any differs. Returns the seal's fields (an unsealed file's are not checked).
-    The file this process found intact last is not read again while it is unchanged."""
-    global _last_intact
+    A ``Verified`` record of a file unchanged since its check is not read again."""
+    return _check(path)[0]
+
+
+def verified(path) -> Verified:
+    """``verify``; the path as a ``Verified`` record, which a later ``verify`` (the loader's) takes
+    as checked while the file is unchanged."""
+    return Verified(path, _check(path)[1])
+
+
+def _check(path) -> tuple:
+    """``verify``'s work: the seal's fields and the file's identity before its bytes were read."""
     fields = read_seal(path)
-    if not fields["sealed"]:
-        return fields
     identity = _identity(path)  # before the digest, so that a write during it counts as a change
-    if identity != _last_intact:
-        if _digest(path) != fields["sha256"]:
-            raise CheckpointError(f"checkpoint {path} is damaged: its content does not match the SHA-256 sealed in "
-                                  "it (bytes changed after it was written)")
-        _last_intact = identity
-    return fields
+    checked = isinstance(path, Verified) and path.identity == identity
+    if fields["sealed"] and not checked and _digest(path) != fields["sha256"]:
+        raise CheckpointError(f"checkpoint {path} is damaged: its content does not match the SHA-256 sealed in it "
+                              "(bytes changed after it was written)")
+    return fields, identity
 
 
 def _identity(path) -> tuple:
     """What differs after the file at ``path`` is replaced, renamed over or written to."""
-    status = os.stat(path)
+    try:
+        status = os.stat(path)
+    except OSError as exc:  # removed since read_seal read it
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
     return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns
 
 

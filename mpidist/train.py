@@ -462,10 +462,9 @@ def train_with_pipeline(args, comm, train_set, test_set, say, stop) -> int:
         if found is None:
             nothing_to_resume(args, args.checkpoint_dir, say, "every rank has ")
         else:
-            state = load_checkpoint(checkpoint_path(directory, *found), pipe, optimizer, sampler, comm=comm)
+            state = load_checkpoint(found, pipe, optimizer, sampler, comm=comm)
             step, start_epoch = state["step"], state["epoch"]
-            say(f"resumed from {checkpoint_path(directory, *found)} and the other ranks' of epoch {start_epoch} "
-                f"(step {step})", flush=True)
+            say(f"resumed from {found} and the other ranks' of epoch {start_epoch} (step {step})", flush=True)
     step = run_epochs(args, PipelineMode(args, comm, pipe, optimizer, sampler, directory, say, stop), sampler,
                       loader, start_epoch, step)
     if step is None:

@@ -64,9 +64,11 @@ class PipelineMode(Mode):
 
 
 def common_checkpoint(directory, comm):
-    """(epoch, step) of the newest checkpoint that every rank has in its own `directory`, or None
-    when a rank has none. Where ranks' newest differ (a job stopped while some ranks were writing
-    an epoch's files), the oldest of them, if every rank has it; otherwise every rank raises."""
+    """The path in this rank's `directory` of the newest checkpoint (epoch and step) that every
+    rank has in its own, or None when a rank has none. Where ranks' newest differ (a job stopped
+    while some ranks were writing an epoch's files), the oldest of them, if every rank has it;
+    otherwise every rank raises. Where it is this rank's newest, the path is latest_checkpoint's,
+    which load_checkpoint takes as checked."""
     latest = failure = None
     try:
         latest = latest_checkpoint(directory)
@@ -85,4 +87,4 @@ def common_checkpoint(directory, comm):
         newest = ", ".join(f"rank {r}: epoch {e}" for r, (e, _) in enumerate(table.tolist()))
         raise CheckpointError(f"the ranks' newest pipeline checkpoints differ ({newest}) and not every rank has "
                               f"epoch {epoch}'s; start again without --resume")
-    return epoch, step
+    return latest if [epoch, step] == mine else checkpoint_path(directory, epoch, step)
