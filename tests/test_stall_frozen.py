@@ -6,7 +6,7 @@ frozen there (SIGSTOP) holds the others until MPIDIST_TIMEOUT; the report before
 Each check launches mpirun itself: the report is printed to the job's output."""
 import textwrap
 
-from conftest import run_python
+from stall_output import launch, report_before_deadline
 
 # Rank 2 comes first to the gradient exchange and freezes (SIGSTOP to itself) at its first poll
 # of the bucket's wait, after it has published that it waits there. Ranks 0 and 1 come 2 s later.
@@ -36,14 +36,11 @@ FROZEN_IN_THE_WAIT = textwrap.dedent("""
 
 
 def test_a_rank_frozen_inside_the_gradient_exchange_is_named_before_the_deadline():
-    result = run_python(FROZEN_IN_THE_WAIT, ranks=3, env={"MPIDIST_STALL_WARNING": "1", "MPIDIST_TIMEOUT": "8"},
-                        timeout=120)
-    output = result.stdout + result.stderr
+    result, output = launch(FROZEN_IN_THE_WAIT, deadline_s=8)
     assert result.returncode != 0, output
-    report = output.find("mpidist: stall: rank 0 has waited 1 s in the all-reduce of gradient bucket 0 "
-                         "(MPIDIST_STALL_WARNING); ranks [2] have not arrived:\n"
-                         "  rank 2: entered the all-reduce of gradient bucket 0 ")
-    deadline = output.find("did not complete within 8 s (MPIDIST_TIMEOUT)")
-    assert -1 < report < deadline, output
-    assert "its wait has not polled for" in output[report:deadline], output
+    report = report_before_deadline(output, "mpidist: stall: rank 0 has waited 1 s in the all-reduce of gradient "
+                                    "bucket 0 (MPIDIST_STALL_WARNING); ranks [2] have not arrived:\n"
+                                    "  rank 2: entered the all-reduce of gradient bucket 0 ",
+                                    "did not complete within 8 s (MPIDIST_TIMEOUT)")
+    assert "its wait has not polled for" in report, output
     assert output.count("mpidist: stall:") == 1, output  # rank 1 waits too: rank 0 alone reports

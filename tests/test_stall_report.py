@@ -8,9 +8,7 @@ running inside the ranks cannot read."""
 import re
 import textwrap
 
-from conftest import run_python
-
-STALL = {"MPIDIST_STALL_WARNING": "1", "MPIDIST_TIMEOUT": "60"}
+from stall_output import launch, report_before_deadline
 
 # Rank 1 comes 2.5 s late to each route's exchange; the others wait for it, report it once
 # (from rank 0, the lowest rank waiting), and the exchange then completes with the right result.
@@ -70,8 +68,7 @@ LATE_RANK = textwrap.dedent("""
 
 
 def test_every_route_reports_the_rank_that_comes_late():
-    result = run_python(LATE_RANK, ranks=3, env=STALL, timeout=180)
-    output = result.stdout + result.stderr
+    result, output = launch(LATE_RANK, deadline_s=60, timeout=180)
     assert result.returncode == 0, output
     routes = re.split(r"route: ", result.stderr)[1:]
     assert [route.split("\n")[0] for route in routes] == [
@@ -104,12 +101,9 @@ def test_ranks_training_on_while_one_saves_a_checkpoint_alone_each_report_the_ot
                             comm=md.world())
         model(torch.ones(1, 3)).sum().backward()
     """)
-    result = run_python(code, ranks=3, env={"MPIDIST_STALL_WARNING": "1", "MPIDIST_TIMEOUT": "6"}, timeout=120)
-    output = result.stdout + result.stderr
+    result, output = launch(code, deadline_s=6)
     assert result.returncode != 0, output
-    bucket_report = output.find("rank 1 has waited 1 s in the all-reduce of gradient bucket 0 "
-                                "(MPIDIST_STALL_WARNING); ranks [0] have not arrived:\n"
-                                "  rank 0: waits in the gather of save_checkpoint")
-    gather_report = output.find("rank 0 has waited 1 s in the gather of save_checkpoint")
-    deadline = output.find("DeadlineError")
-    assert -1 < bucket_report < deadline and -1 < gather_report < deadline, output
+    report_before_deadline(output, "rank 1 has waited 1 s in the all-reduce of gradient bucket 0 "
+                           "(MPIDIST_STALL_WARNING); ranks [0] have not arrived:\n"
+                           "  rank 0: waits in the gather of save_checkpoint", "DeadlineError")
+    report_before_deadline(output, "rank 0 has waited 1 s in the gather of save_checkpoint", "DeadlineError")
