@@ -163,10 +163,11 @@ def test_the_only_server_drops_a_worker_that_dies_mid_exchange_and_the_others_tr
     assert len(accuracies) == 1, phase
     reference = records["async"][0]["accuracy"]
     assert reference > 0.85, records["async"]
-    # Within a few points: the dead worker's gradients after KILL_STEP (a fifth of the phase's)
-    # are missing, and asynchronous updates race, so the same phase ends a few points apart
+    # Within the fault campaign's bound for the parameter server (ACCURACY_TOLERANCE of
+    # benchmarks/faults.py): the dead worker's gradients after KILL_STEP (a fifth of the phase's)
+    # are missing, and asynchronous updates race, so the same phase ends several points apart
     # from run to run; a server that lost its weights or applied garbage ends near chance (1/3).
-    assert accuracies.pop() >= reference - 0.07, (phase, reference)
+    assert accuracies.pop() >= reference - 0.15, (phase, reference)
 
 
 def test_the_undisturbed_run(job):
