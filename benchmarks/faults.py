@@ -50,6 +50,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 HOOK = os.path.join(HERE, "fault_hook.py")
 CLUSTER = os.path.join(REPO, "tests", "multinode", "cluster.sh")
+NOTES_HEADING = "## Notes"  # the summary's own section, written by hand; kept when the summary is rewritten
 DEADLINE = 180  # s: a launch still running then is a hang, killed with its whole process group
 # Parameter server: its updates race, so runs differ even undisturbed, and a dead worker's share of
 # the data goes untrained from its death on: a bound on the loss of test accuracy, not an equality.
@@ -632,8 +633,14 @@ def write_reports(out: str, args, started_load) -> None:
         lines.append(f"| {name} | {row['runs']} | {row['injected']} | {row['completed_as_documented']} | "
                      f"{row['hangs']} | {row['wrong']} | {row['unloadable_checkpoints']} | {fmt(row['detect_s'])} | "
                      f"{fmt(row['job_end_s'])} | {fmt(row['recover_s'])} | {fmt(row['lost_s'])} | {ratio} | {rates} |")
+    notes = ""  # what was written about the runs by hand, kept from the file being replaced
+    if os.path.exists(out + ".md"):
+        with open(out + ".md") as f:
+            existing = f.read()
+        if NOTES_HEADING in existing:
+            notes = "\n" + existing[existing.index(NOTES_HEADING):]
     with open(out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write("\n".join(lines) + "\n" + notes)
 
 
 def nodes_up() -> None:
