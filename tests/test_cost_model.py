@@ -191,7 +191,8 @@ def test_auto_keeps_the_table_where_the_model_cannot_predict(many_cores):
     tables = model_file([{"max_bytes": None, "algorithm": "tree"}],
                         {"4": {"ranks_per_node": 4, "smallest": 8, "largest": 65536}}, parameters=one_node)
     # No link parameters, and the table was measured on one node: across nodes the built-in table.
-    assert auto(tables, 1 << 24, 4, 4) == "mpi"
+    assert auto(tables, 1 << 24, 4, 4) == choose_allreduce(1 << 24, 4, layout_table(4, 4)) == "ring"
+    assert auto(tables, 1 << 16, 4, 4) == "mpi"
     across = model_file([{"max_bytes": None, "algorithm": "tree"}],
                         {"4": {"ranks_per_node": 2, "smallest": 8, "largest": 65536}}, parameters=one_node)
     assert auto(across, 1 << 24, 4, 2) == "tree"  # measured on this layout: the table, as before the model
@@ -204,14 +205,16 @@ def test_auto_without_a_tune_with_one_rank_per_node_takes_mpi_or_whole_exchanges
     # 2 nodes: MPI's own, recursive doubling (one whole message each way) from 2 MiB.
     assert [auto({}, nbytes, 2, 2) for nbytes in (8, 4096, 65536, (2 << 20) - 1, 2 << 20, 1 << 26)] == \
         ["mpi", "mpi", "mpi", "mpi", "recursive_doubling", "recursive_doubling"]
-    # More nodes: recursive doubling sends log2(N) n bytes per node: MPI's own at every size.
+    # More nodes: recursive doubling sends log2(N) n bytes per node: MPI's own up to 2 MiB, then the
+    # ring, which sends 2(N-1)/N n, each step to one neighbour while receiving from the other.
     for nodes in (3, 4, 8):
-        assert {auto({}, nbytes, nodes, nodes) for nbytes in (8, 4096, 65536, 2 << 20, 1 << 26)} == {"mpi"}
+        assert [auto({}, nbytes, nodes, nodes) for nbytes in (8, 4096, 65536, (2 << 20) - 1, 2 << 20, 1 << 26)] == \
+            ["mpi", "mpi", "mpi", "mpi", "ring", "ring"]
     # float16 cannot go to MPI's own beyond a few KiB: the table's next algorithm that is not MPI's,
     # else the half-precision table's.
     assert auto({}, 2048, 2, 2, "float16") == "mpi"
     assert auto({}, 1 << 16, 2, 2, "bfloat16") == "recursive_doubling"
-    assert auto({}, 1 << 16, 4, 4, "bfloat16") == "hierarchical"
+    assert auto({}, 1 << 16, 4, 4, "bfloat16") == "ring"
     # On one node the rank count's built-in table; with several ranks per node across nodes,
     # MPI's own up to 256 KiB, then the hierarchical algorithm.
     assert layout_table(4, 1) is None and layout_table(4, 2) is not None

@@ -20,7 +20,8 @@ writes a decision table per rank count (JSON: {"<ranks>": [{"max_bytes": b, "alg
 Each Communicator's rank 0 reads the file once and broadcasts the entry, so every rank
 chooses alike even when the ranks' home directories differ. Without an entry for the rank count
 the built-in table applies: on one node the rank count's; across nodes, with one rank per
-node, MPI's own (between 2 nodes recursive doubling from 2 MiB), and with several ranks per node
+node, MPI's own up to 2 MiB and from there recursive doubling between 2 nodes, the ring on more,
+and with several ranks per node
 MPI's own up to 256 KiB and the hierarchical algorithm from there (layout_table).
 
 `mpidist tune` also keeps its measured times in the file (under "model", with the layout they
@@ -65,16 +66,22 @@ TWO_RANK_TABLE = (
 # only the all-reduce between the nodes. MPI's own was ahead of recursive doubling (our fastest
 # there) for small messages, and as fast as any of ours up to about 1 MiB. Between 2 nodes, from
 # a few MiB, recursive doubling (one whole message each way) sends what MPI's own does in fewer
-# messages and pulls ahead, more so on a slow link. On more nodes it sends log2(N)·n bytes per
-# node against MPI's 2(N-1)/N·n, so MPI's own keeps every size there. The measurements behind
-# these bounds: benchmarks/results/multinode-cpu.md, multinode-cpu-500mbit.md and
-# multinode-cpu-one-per-node-small.md.
+# messages and pulls ahead, more so on a slow link. On more nodes recursive doubling sends
+# log2(N)·n bytes per node against 2(N-1)/N·n, and from a few MiB our ring takes over: MPI's own
+# and recursive halving (ours, or inside the hierarchical algorithm) send as many bytes, but
+# took about twice the link's time on a slow link, where the ring, which sends to one neighbour
+# while it receives from the other, ran close to the link's rate. The exchanges of recursive
+# halving go to and from the same peer at once, and over a shaped link such a two-way exchange
+# moved at about half the rate of a one-way pair. The measurements behind these bounds:
+# benchmarks/results/multinode-cpu.md, multinode-cpu-500mbit.md,
+# multinode-cpu-one-per-node-small.md and multinode-cpu-4x1-500mbit.md.
 TWO_NODES_ONE_PER_NODE_TABLE = (
     (2 * 1024 * 1024, "mpi"),
     (float("inf"), "recursive_doubling"),
 )
 MANY_NODES_ONE_PER_NODE_TABLE = (
-    (float("inf"), "mpi"),
+    (2 * 1024 * 1024, "mpi"),
+    (float("inf"), "ring"),
 )
 # Several ranks per node, across nodes: the hierarchical algorithm's node barriers and copies
 # cost more than they save until messages are a few hundred KiB: on 2 x 2 MPI's own was ahead
