@@ -70,9 +70,9 @@ TWO_RANK_TABLE = (
 # log2(N)·n bytes per node against 2(N-1)/N·n, and from a few MiB our ring takes over: MPI's own
 # and recursive halving (ours, or inside the hierarchical algorithm) send as many bytes, but
 # took about twice the link's time on a slow link, where the ring, which sends to one neighbour
-# while it receives from the other, ran close to the link's rate. The exchanges of recursive
-# halving go to and from the same peer at once, and over a shaped link such a two-way exchange
-# moved at about half the rate of a one-way pair. The measurements behind these bounds:
+# while it receives from the other, ran close to the link's rate (recursive halving's exchanges
+# go to and from the same peer at once). Below 2 MiB MPI's own stays: on a fast link it was
+# ahead of the ring at 1 MiB. The measurements behind these bounds:
 # benchmarks/results/multinode-cpu.md, multinode-cpu-500mbit.md,
 # multinode-cpu-one-per-node-small.md and multinode-cpu-4x1-500mbit.md.
 TWO_NODES_ONE_PER_NODE_TABLE = (
