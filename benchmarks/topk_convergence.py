@@ -30,8 +30,9 @@ variant turns the ranks' gradients into the update:
 
 Prints a Markdown table and writes PATH.json (every evaluation) when --output is given: per
 variant, the test accuracy at each `--report` step, the first step (evaluated every
-`--eval-every` steps) at which it reached `--target`, and how many of the elements had been sent
-at least once (by any rank) by each `--report` step.
+`--eval-every` steps) at which it reached `--target` and the last at which it was below, the
+best accuracy, and how many of the elements had been sent at least once (by any rank) by each
+`--report` step.
 """
 from __future__ import annotations
 
@@ -201,22 +202,25 @@ def run(variant, data, args) -> dict:
         print(f"topk_convergence: {variant} step {done} accuracy {accuracy:.4f} "
               f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
     accuracy_at = {s: a for s, a in history}
+    below = [s for s, a in history if a < args.target]
     return {"variant": variant, "bucket_sizes": sizes, "steps_to_target": reached,
+            "last_step_below_target": below[-1] if below else None,
             "accuracy_at": {s: accuracy_at.get(s) for s in args.report_steps},
             "best_accuracy": max(a for _, a in history), "sent_at_least_once": sent_by, "history": history}
 
 
 def table(rows, args) -> str:
     head = ("| variant | " + " | ".join(f"accuracy at {s}" for s in args.report_steps)
-            + f" | first step at {100 * args.target:.0f}% | "
+            + f" | first step at >= {100 * args.target:.0f}% | last step below | best | "
             + " | ".join(f"elements ever sent by {s}" for s in args.report_steps) + " |")
-    lines = [head, "|---|" + "---:|" * (2 * len(args.report_steps) + 1)]
+    lines = [head, "|---|" + "---:|" * (2 * len(args.report_steps) + 3)]
     for row in rows:
         accuracies = " | ".join("-" if row["accuracy_at"][s] is None else f"{100 * row['accuracy_at'][s]:.1f}%"
                                 for s in args.report_steps)
         sent = " | ".join(f"{100 * row['sent_at_least_once'][s]:.1f}%" if s in row["sent_at_least_once"] else "-"
                           for s in args.report_steps)
-        lines.append(f"| {row['variant']} | {accuracies} | {row['steps_to_target'] or 'not reached'} | {sent} |")
+        lines.append(f"| {row['variant']} | {accuracies} | {row['steps_to_target'] or 'not reached'} | "
+                     f"{row['last_step_below_target'] or '-'} | {100 * row['best_accuracy']:.1f}% | {sent} |")
     return "\n".join(lines)
 
 
