@@ -36,8 +36,8 @@ from mpi4py import MPI
 from .. import buffers
 from ..errors import InvalidArgumentError, UnsupportedDtypeError
 from ..runtime.deadlines import wait_for_request
-from .callcheck import TAGS, check_same_call, checked_in_order, signature
-from .common import started
+from .callcheck import check_same_call, checked_in_order, signature
+from .common import TAGS, started
 from .staging import staged
 
 ADASUM_DTYPES = ("float16", "float32", "float64")

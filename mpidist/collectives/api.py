@@ -22,9 +22,7 @@ from . import device_window
 from .broadcast import broadcast as broadcast_algorithm
 from .callcheck import (
     BARRIER_SIGNATURE,
-    COLLECTIVES,
     OPS,
-    TAGS,
     check_algorithm,
     check_op,
     check_root,
@@ -36,7 +34,7 @@ from .callcheck import (
     share_refusal,
     signature,
 )
-from .common import Context, finish_average, kernel_op, split_counts
+from .common import COLLECTIVES, TAGS, Context, finish_average, kernel_op, split_counts
 from .engine import Handle, in_order
 from .registry import ALGORITHMS, ALLREDUCE, DEVICE_MEMORY_ALGORITHMS, HOST_MEMORY_ALGORITHMS
 from .ring import allgather_ring, reduce_scatter_ring

@@ -21,20 +21,13 @@ from ..errors import InvalidArgumentError, MismatchError, MpidistError, Unsuppor
 from ..runtime.deadlines import wait_for_collective
 from ..runtime.wire import FLOAT_DTYPES
 from . import device_window
+from .common import COLLECTIVES
 from .engine import in_order
 from .nccl import check_usable
 from .registry import ALGORITHMS, ALLREDUCE
 from .select import choose_allreduce
 
 OPS = ("sum", "avg", "min", "max", "prod")
-# "first allreduce_async" (and the other "first"s): the first asynchronous call of each rank starts
-# the background thread, which duplicates the communicator (a collective of its own); ranks check
-# that they all do so, with the same call.
-COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "first allreduce_async", "adasum",
-               "alltoall", "first broadcast_async", "first allgather_async", "first reduce_scatter_async", "barrier",
-               "join")
-# Tags keep the messages of different collectives apart should a rank ever run ahead.
-TAGS = {name: 0x4D44 + index for index, name in enumerate(COLLECTIVES)}
 SIGNATURE_FIELDS = ("collective", "count", "dtype", "op", "algorithm", "root", "row shape")
 # The "collective" field of a rank that refused its own arguments (see share_refusal).
 REFUSED = -1

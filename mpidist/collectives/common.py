@@ -18,6 +18,16 @@ from ..runtime import config, deadlines
 # the next. 256 KiB keeps a segment in L2 while it is reduced.
 SEGMENT_BYTES = config.value("MPIDIST_SEGMENT_BYTES")
 
+# The collectives the call check (callcheck.py) knows, in the order of its signatures' first
+# field. "first allreduce_async" (and the other "first"s): the first asynchronous call of each
+# rank starts the background thread, which duplicates the communicator (a collective of its own);
+# ranks check that they all do so, with the same call.
+COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "first allreduce_async", "adasum",
+               "alltoall", "first broadcast_async", "first allgather_async", "first reduce_scatter_async", "barrier",
+               "join")
+# Tags keep the messages of different collectives apart should a rank ever run ahead.
+TAGS = {name: 0x4D44 + index for index, name in enumerate(COLLECTIVES)}
+
 # A transfer's wait first tests this many times in a row, as MPI's own wait would spin, before
 # the polled wait with its deadline and stall report, whose set-up costs a few microseconds that
 # a transfer about to complete should not pay.
@@ -118,9 +128,6 @@ class Context:
         def timed_out():
             MPI.Request.Testsome(requests)  # those that completed become null (falsy)
             silent = sorted({self._peer_of[id(request)] for request in requests if request})
-            # callcheck sits above the algorithms (it picks them), so its names are read here,
-            # on the way out, rather than imported with this module.
-            from .callcheck import TAGS
             name = next((name for name, tag in TAGS.items() if tag == self.tag), f"tag {self.tag}")
             raise deadlines.deadline_error(
                 f"rank {self.rank}", f"the {name}'s transfers with rank(s) {silent}", f"rank(s) {silent}",
