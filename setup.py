@@ -106,7 +106,9 @@ def make_extension():
         depends=sorted(glob.glob("csrc/*.h")),
         # -fno-trapping-math: FP exceptions are never unmasked, and without it GCC refuses to
         # if-convert (and so to vectorize) the float16 conversion selects in csrc/reduce_loops.h.
-        extra_compile_args=["-O3", "-fopenmp", "-fno-trapping-math"],
+        # -ffp-contract=off: no fused multiply-adds the source does not ask for, so that the
+        # int8 kernels (csrc/quantize.cpp) round every step as torch does, on every CPU.
+        extra_compile_args=["-O3", "-fopenmp", "-fno-trapping-math", "-ffp-contract=off"],
         extra_link_args=["-fopenmp"],
         cxx_std=17,
     )

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "counters.h"
+#include "quantize.h"
 #include "reduce.h"
 
 namespace py = pybind11;
@@ -243,6 +244,48 @@ PYBIND11_MODULE(_C, m) {
     m.attr("built_with_cuda") = false;
 #endif
     bind_kernels<CpuBackend>(m, "");
+    m.def("int8_quantize",
+          [](const std::string& dtype, std::uintptr_t grad, std::uintptr_t residual, std::size_t n, std::size_t rows,
+             std::size_t part, std::size_t chunk, std::uintptr_t payload) {
+              const DType t = mpidist::parse_dtype(dtype);
+              const std::size_t bytes = n * mpidist::itemsize(t);
+              const void* g = address(grad, bytes, "grad");
+              void* r = address(residual, bytes, "residual");
+              auto p = static_cast<std::uint8_t*>(address(payload, rows, "payload"));
+              py::gil_scoped_release release;
+              mpidist::cpu::int8_quantize(t, g, r, n, rows, part, chunk, p);
+          },
+          "Payload rows (int8 values, then float32 scales per chunk) of grad + residual; residual = what "
+          "was not sent.",
+          py::arg("dtype"), py::arg("grad"), py::arg("residual"), py::arg("n"), py::arg("rows"), py::arg("part"),
+          py::arg("chunk"), py::arg("payload"));
+    m.def("int8_sum_requantize",
+          [](const std::string& dtype, std::uintptr_t received, std::size_t rows, std::size_t part, std::size_t chunk,
+             std::uintptr_t residual, std::size_t residual_len, std::uintptr_t out) {
+              const DType t = mpidist::parse_dtype(dtype);
+              auto in = static_cast<const std::uint8_t*>(address(received, rows, "received"));
+              void* r = address(residual, residual_len, "residual");
+              auto o = static_cast<std::uint8_t*>(address(out, part, "out"));
+              py::gil_scoped_release release;
+              mpidist::cpu::int8_sum_requantize(t, in, rows, part, chunk, r, residual_len, o);
+          },
+          "The received payload rows summed in row order, quantized into out; residual += the sum minus "
+          "what out holds.",
+          py::arg("dtype"), py::arg("received"), py::arg("rows"), py::arg("part"), py::arg("chunk"),
+          py::arg("residual"), py::arg("residual_len"), py::arg("out"));
+    m.def("int8_dequantize",
+          [](const std::string& dtype, std::uintptr_t payload, std::size_t rows, std::size_t part, std::size_t chunk,
+             std::uintptr_t flat, std::size_t n) {
+              const DType t = mpidist::parse_dtype(dtype);
+              auto p = static_cast<const std::uint8_t*>(address(payload, rows, "payload"));
+              void* f = address(flat, n, "flat");
+              py::gil_scoped_release release;
+              mpidist::cpu::int8_dequantize(t, p, rows, part, chunk, f, n);
+          },
+          "flat = the payload rows' values times their scales.", py::arg("dtype"), py::arg("payload"),
+          py::arg("rows"), py::arg("part"), py::arg("chunk"), py::arg("flat"), py::arg("n"));
+    m.def("int8_row_bytes", &mpidist::cpu::int8_row_bytes, py::arg("part"), py::arg("chunk"),
+          "Bytes of one int8 payload row: part values and a float32 scale per chunk.");
     m.def("set_num_threads", &mpidist::cpu::set_num_threads, py::arg("n"),
           "Threads the CPU kernels use once a call touches 65,536 elements or more (over all its arrays).");
     m.def("get_num_threads", &mpidist::cpu::get_num_threads);

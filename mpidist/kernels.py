@@ -21,6 +21,7 @@ CAST_DTYPES = ("float32", "float16", "bfloat16")
 
 __all__ = [
     "OPS", "reduce", "reduce_scale", "scale", "reduce_many", "reduce_many_to", "pack", "unpack", "cast",
+    "int8_row_bytes", "int8_quantize", "int8_sum_requantize", "int8_dequantize",
     "reduce_ptr", "reduce_scale_ptr", "scale_ptr", "reduce_many_ptr", "reduce_many_to_ptr",
     "cuda_available", "set_num_threads", "get_num_threads", "cpu_isa", "cpu_isas", "set_cpu_isa",
 ]
@@ -254,6 +255,68 @@ def cast(dst, src, scale: float = 1.0) -> None:
             f"cast: dst and src differ in {field} ({getattr(d, field)} vs {getattr(s, field)})")
     _call("cast", d.device, _stream_of(dst, d) if d.is_cuda else None,
           d.ptr, d.dtype, s.ptr, s.dtype, d.count, float(scale))
+
+
+# ---- int8 with a scale per chunk (the int8 gradient compressor) -------------------------------
+
+INT8_DTYPES = ("float32", "float64")
+
+
+def int8_row_bytes(part: int, chunk: int) -> int:
+    """Bytes of one int8 payload row: `part` int8 values, then a float32 scale per `chunk` of them."""
+    return _C.int8_row_bytes(part, chunk)
+
+
+def _int8_check(what: str, payload, rows: int, part: int, chunk: int, **floats) -> tuple:
+    """The payload's and the float arrays' BufferInfos, once they are CPU arrays of one compute
+    dtype and the payload holds `rows` rows."""
+    if part < 1 or chunk < 1:
+        raise InvalidArgumentError(f"{what}: part ({part}) and chunk ({chunk}) must be >= 1")
+    p = describe(payload)
+    infos = {name: describe(array) for name, array in floats.items()}
+    dtypes = {info.dtype for info in infos.values()}
+    if len(dtypes) != 1 or not dtypes <= set(INT8_DTYPES):
+        raise UnsupportedDtypeError(f"{what}: {', '.join(infos)} must share one dtype of {', '.join(INT8_DTYPES)}; "
+                                    f"got {', '.join(info.dtype for info in infos.values())}")
+    for name, info in [("payload", p), *infos.items()]:
+        if info.device != "cpu":
+            raise InvalidArgumentError(f"{what}: {name} is on {info.device}; the int8 kernels run on the CPU")
+    if p.nbytes != rows * int8_row_bytes(part, chunk):
+        raise InvalidArgumentError(f"{what}: the payload holds {p.nbytes} bytes, not {rows} rows of "
+                                   f"{int8_row_bytes(part, chunk)}")
+    return p, infos
+
+
+def int8_quantize(grad, residual, payload, rows: int, part: int, chunk: int) -> None:
+    """Quantizes grad + residual into `payload` (`rows` rows of int8_row_bytes(part, chunk) bytes:
+    row r holds elements r * part to (r + 1) * part) and leaves in `residual` what was not sent
+    (csrc/quantize.h). grad and residual: CPU float32 or float64, one dtype and length."""
+    p, infos = _int8_check("int8_quantize", payload, rows, part, chunk, grad=grad, residual=residual)
+    g, r = infos["grad"], infos["residual"]
+    if g.count != r.count or rows * part < g.count:
+        raise InvalidArgumentError(f"int8_quantize: grad ({g.count}) and residual ({r.count}) must have one length, "
+                                   f"at most rows x part ({rows * part})")
+    _call("int8_quantize", "cpu", None, g.dtype, g.ptr, r.ptr, g.count, rows, part, chunk, p.ptr)
+
+
+def int8_sum_requantize(received, rows: int, part: int, chunk: int, residual, out) -> None:
+    """One part's sum: the `rows` received payload rows' values, summed in row order, quantized
+    into `out` (one row); `residual` (at most `part` elements) gains the sum minus what `out` holds."""
+    _int8_check("int8_sum_requantize", out, 1, part, chunk, residual=residual)
+    p, infos = _int8_check("int8_sum_requantize", received, rows, part, chunk, residual=residual)
+    r = infos["residual"]
+    if r.count > part:
+        raise InvalidArgumentError(f"int8_sum_requantize: the residual ({r.count}) is longer than a part ({part})")
+    _call("int8_sum_requantize", "cpu", None, r.dtype, p.ptr, rows, part, chunk, r.ptr, r.count, describe(out).ptr)
+
+
+def int8_dequantize(payload, rows: int, part: int, chunk: int, flat) -> None:
+    """flat = the payload rows' values times their scales (element r * part + j from row r)."""
+    p, infos = _int8_check("int8_dequantize", payload, rows, part, chunk, flat=flat)
+    f = infos["flat"]
+    if rows * part < f.count:
+        raise InvalidArgumentError(f"int8_dequantize: flat ({f.count}) is longer than rows x part ({rows * part})")
+    _call("int8_dequantize", "cpu", None, f.dtype, p.ptr, rows, part, chunk, f.ptr, f.count)
 
 
 # ---- threads ----------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ exact resumption, training on the digits data, and their refusals, raised on eve
 The multi-rank tests of one world size run in one launch (mpi_shared_launch.py)."""
 import copy
 import gc
+import types
 
 import h5py
 import numpy as np
@@ -109,6 +110,81 @@ def test_largest_magnitudes_picks_the_top_k_of_a_large_bucket(case):
     assert indices.dtype == torch.int64 and indices.numel() == k
     expected = np.argsort(-np.abs(x.numpy()), kind="stable")[:k]
     np.testing.assert_array_equal(np.sort(indices.numpy()), np.sort(expected))
+
+
+def int8_pair(dtype, numel, size, chunk):
+    """Two Int8 buckets of one `numel`-element parameter as rank 1 of `size` sees it (only the
+    exchange's local steps run here): one through mpidist._C's kernels, one through torch's
+    operations, with the same random residual."""
+    comm = types.SimpleNamespace(size=size, rank=1)
+    fused, torch_ops = (Int8(chunk=chunk).for_bucket([torch.zeros(numel, dtype=dtype)], comm, "auto") for _ in "ab")
+    assert fused.fused
+    torch_ops.fused = False
+    residual = torch.randn(numel, generator=torch.Generator().manual_seed(5), dtype=dtype)
+    for bucket in (fused, torch_ops):
+        bucket.residual.copy_(residual)
+    return fused, torch_ops
+
+
+def assert_bits_equal(a, b, what):
+    np.testing.assert_array_equal(a.numpy().view(np.uint8), b.numpy().view(np.uint8), err_msg=what)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("numel, size, chunk", [(1000, 3, 7), (1000, 3, 1024), (10, 4, 3), (200_000, 2, 1024)])
+def test_int8_kernels_give_the_bits_of_torchs_operations(dtype, numel, size, chunk):
+    """Each step of the int8 exchange (quantize the parts, sum one part, dequantize every part),
+    run by the kernels of mpidist._C and by torch's operations: the same payload bytes, sums and
+    residuals, including the last part short and, for 10 elements over 4 ranks, the last empty."""
+    fused, torch_ops = int8_pair(dtype, numel, size, chunk)
+    other_rank = copy.deepcopy(torch_ops)
+    grad = torch.randn(numel, generator=torch.Generator().manual_seed(6), dtype=dtype) * 10
+    payloads = [bucket._quantize_parts(grad) for bucket in (fused, torch_ops)]
+    assert_bits_equal(*payloads, "the payload")
+    assert_bits_equal(fused.residual, torch_ops.residual, "the residual after quantizing")
+    # What the ranks send this one: its part of their payloads, here of two different gradients.
+    others = other_rank._quantize_parts(grad * 3)
+    received = torch.stack([others[1] if rank % 2 else payloads[0][1] for rank in range(size)])
+    sums = [bucket._sum_own_part(received) for bucket in (fused, torch_ops)]
+    assert_bits_equal(*sums, "the summed part")
+    assert_bits_equal(fused.residual, torch_ops.residual, "the residual after summing")
+    gathered = torch.cat([sums[0]] * size)
+    flats = [torch.full((numel,), 7.0, dtype=dtype) for _ in "ab"]
+    for bucket, flat in zip((fused, torch_ops), flats):
+        bucket._dequantize_into(flat, gathered)
+    assert_bits_equal(*flats, "the dequantized bucket")
+
+
+def test_int8_kernels_make_a_chunk_with_nan_or_infinity_nan():
+    """A non-finite value makes its chunk's scale NaN: that chunk comes out NaN, as an
+    uncompressed sum would; the other chunks are untouched by it."""
+    fused, _ = int8_pair(torch.float32, 64, 2, 16)
+    fused.residual.zero_()
+    grad = torch.ones(64)
+    grad[3], grad[40] = float("nan"), float("inf")
+    payload = fused._quantize_parts(grad)
+    flat = torch.empty(64)
+    fused._dequantize_into(flat, payload)
+    assert flat[:16].isnan().all() and flat[32:48].isnan().all()
+    assert (flat[16:32] == 1).all() and (flat[48:] == 1).all()
+
+
+def test_int8_kernels_refuse_bad_arrays_naming_them():
+    from mpidist import kernels
+    row = kernels.int8_row_bytes(10, 4)
+    assert row == 10 + 4 * 3
+    grad, payload = torch.zeros(20), torch.zeros(2, row, dtype=torch.uint8)
+    with pytest.raises(md.UnsupportedDtypeError, match="grad, residual must share one dtype of float32, float64; "
+                                                       "got float32, float16"):
+        kernels.int8_quantize(grad, torch.zeros(20, dtype=torch.float16), payload, 2, 10, 4)
+    with pytest.raises(md.InvalidArgumentError, match="the payload holds 44 bytes, not 3 rows of 22"):
+        kernels.int8_quantize(grad, torch.zeros(20), payload, 3, 10, 4)
+    with pytest.raises(md.InvalidArgumentError, match=r"at most rows x part \(18\)"):
+        kernels.int8_quantize(grad, torch.zeros(20), torch.zeros(2, 9 + 4 * 3, dtype=torch.uint8), 2, 9, 3)
+    with pytest.raises(md.InvalidArgumentError, match="part \\(0\\) and chunk \\(4\\) must be >= 1"):
+        kernels.int8_dequantize(payload, 2, 0, 4, grad)
+    with pytest.raises(md.InvalidArgumentError, match=r"the residual \(11\) is longer than a part \(10\)"):
+        kernels.int8_sum_requantize(payload, 2, 10, 4, torch.zeros(11), torch.zeros(1, row, dtype=torch.uint8))
 
 
 def test_mpidist_train_resumes_exactly_with_error_feedback(tmp_path):

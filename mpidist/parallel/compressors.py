@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from .. import kernels
 from ..errors import InvalidArgumentError
 
 CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -382,6 +383,8 @@ class Int8Bucket(BucketCompressor):
         self.width = self.chunks * settings.chunk
         dtype = params[0].dtype
         self.compute_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self.fused = dtype == self.compute_dtype and params[0].device.type == "cpu"
+        self.row_bytes = self.part + 4 * self.chunks
 
     def _parts(self, flat, rows):
         """(flat, rows) views of the parts: the whole ones as matrices, then a short last one."""
@@ -419,6 +422,26 @@ class Int8Bucket(BucketCompressor):
         return rows.view(payload.shape[0], self.chunks, self.settings.chunk).mul_(scales[:, :, None]).view_as(rows)
 
     def _start(self, flat, op):
+        payload = self._quantize_parts(flat)
+
+        def finish():
+            received, _ = self.comm.alltoall(payload)
+            summed = self._sum_own_part(received)
+            gathered = self.comm.allgather(summed).view(self.comm.size, -1)
+            self._dequantize_into(flat, gathered)
+            self._finish_step(flat, op)
+        return Exchange(finish)
+
+    # Each step runs in one kernel of mpidist._C (csrc/quantize.h) where the bucket is float32 or
+    # float64 on the CPU, and as torch operations otherwise; both give the same bits.
+
+    def _quantize_parts(self, flat):
+        """The payload rows of the bucket plus its residual, one per rank's part; leaves in the
+        residual what this rank meant to send less what it sent."""
+        if self.fused:
+            payload = torch.empty(self.comm.size, self.row_bytes, dtype=torch.uint8)
+            kernels.int8_quantize(flat, self.residual, payload, self.comm.size, self.part, self.settings.chunk)
+            return payload
         # The bucket plus its residual, as rows of whole chunks (zero past each part's end).
         rows = torch.empty(self.comm.size, self.width, dtype=self.compute_dtype, device=flat.device)
         rows[self.numel // self.part:].zero_()
@@ -426,26 +449,34 @@ class Int8Bucket(BucketCompressor):
         for (flat_part, row_part), (residual_part, _) in zip(self._parts(flat, rows), self._parts(self.residual, rows)):
             torch.add(flat_part, residual_part, out=row_part)
         values, scales, sent = self._quantize(rows)
-        # What this rank meant to send, less what it sent; its part's sum adds its own error below.
         for (residual_part, row_part), (_, sent_part) in zip(self._parts(self.residual, rows),
                                                                self._parts(self.residual, sent)):
             torch.sub(row_part, sent_part, out=residual_part)
-        payload = self._payload(values, scales)
+        return self._payload(values, scales)
 
-        def finish():
-            received, _ = self.comm.alltoall(payload)
-            dequantized = self._dequantize(received)
-            total = torch.zeros(1, self.width, dtype=self.compute_dtype, device=flat.device)
-            for rank in range(self.comm.size):  # in rank order
-                total[0] += dequantized[rank]
-            sum_values, sum_scales, sum_sent = self._quantize(total)
-            own = self.residual[self.comm.rank * self.part:][:self.part]  # empty past the bucket's end
-            own += (total - sum_sent)[0, :own.numel()]
-            gathered = self.comm.allgather(self._payload(sum_values, sum_scales)).view(self.comm.size, -1)
-            for flat_part, sum_part in self._parts(flat, self._dequantize(gathered)):
-                flat_part.copy_(sum_part)
-            self._finish_step(flat, op)
-        return Exchange(finish)
+    def _sum_own_part(self, received):
+        """The payload row of this rank's part summed over the received rows in rank order; the
+        residual of that part gains the sum's own quantization error."""
+        own = self.residual[self.comm.rank * self.part:][:self.part]  # empty past the bucket's end
+        if self.fused:
+            summed = torch.empty(1, self.row_bytes, dtype=torch.uint8)
+            kernels.int8_sum_requantize(received, self.comm.size, self.part, self.settings.chunk, own, summed)
+            return summed
+        dequantized = self._dequantize(received)
+        total = torch.zeros(1, self.width, dtype=self.compute_dtype, device=received.device)
+        for rank in range(self.comm.size):  # in rank order
+            total[0] += dequantized[rank]
+        sum_values, sum_scales, sum_sent = self._quantize(total)
+        own += (total - sum_sent)[0, :own.numel()]
+        return self._payload(sum_values, sum_scales)
+
+    def _dequantize_into(self, flat, gathered):
+        """flat = every rank's summed part, dequantized."""
+        if self.fused:
+            kernels.int8_dequantize(gathered, self.comm.size, self.part, self.settings.chunk, flat)
+            return
+        for flat_part, sum_part in self._parts(flat, self._dequantize(gathered)):
+            flat_part.copy_(sum_part)
 
 
 def _as(data, dtype):
