@@ -15,6 +15,7 @@ from conftest import run_python
 from tolerances import assert_within
 
 import mpidist as md
+from mpidist import kernels
 from mpidist.parallel import compressors
 from mpidist.parallel.compressors import Int8, PowerSGD, TopK, parse_compression
 
@@ -130,12 +131,22 @@ def assert_bits_equal(a, b, what):
     np.testing.assert_array_equal(a.numpy().view(np.uint8), b.numpy().view(np.uint8), err_msg=what)
 
 
+@pytest.fixture(params=kernels.cpu_isas())
+def cpu_isa(request):
+    """Each instruction set this CPU runs the kernels' loops with, in turn."""
+    chosen = kernels.cpu_isa()
+    kernels.set_cpu_isa(request.param)
+    yield request.param
+    kernels.set_cpu_isa(chosen)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("numel, size, chunk", [(1000, 3, 7), (1000, 3, 1024), (10, 4, 3), (200_000, 2, 1024)])
-def test_int8_kernels_give_the_bits_of_torchs_operations(dtype, numel, size, chunk):
+def test_int8_kernels_give_the_bits_of_torchs_operations(dtype, numel, size, chunk, cpu_isa):
     """Each step of the int8 exchange (quantize the parts, sum one part, dequantize every part),
-    run by the kernels of mpidist._C and by torch's operations: the same payload bytes, sums and
-    residuals, including the last part short and, for 10 elements over 4 ranks, the last empty."""
+    run by the kernels of mpidist._C (with each instruction set's loops) and by torch's
+    operations: the same payload bytes, sums and residuals, including the last part short and,
+    for 10 elements over 4 ranks, the last empty."""
     fused, torch_ops = int8_pair(dtype, numel, size, chunk)
     other_rank = copy.deepcopy(torch_ops)
     grad = torch.randn(numel, generator=torch.Generator().manual_seed(6), dtype=dtype) * 10
@@ -170,7 +181,6 @@ def test_int8_kernels_make_a_chunk_with_nan_or_infinity_nan():
 
 
 def test_int8_kernels_refuse_bad_arrays_naming_them():
-    from mpidist import kernels
     row = kernels.int8_row_bytes(10, 4)
     assert row == 10 + 4 * 3
     grad, payload = torch.zeros(20), torch.zeros(2, row, dtype=torch.uint8)

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from .. import kernels
+from .. import collectives, kernels
 from ..errors import InvalidArgumentError
 
 CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -424,11 +424,15 @@ class Int8Bucket(BucketCompressor):
     def _start(self, flat, op):
         payload = self._quantize_parts(flat)
 
+        def exchange(channel):
+            received, _ = collectives.alltoall(channel, payload)
+            return collectives.allgather(channel, self._sum_own_part(received)).view(self.comm.size, -1)
+        # On the communicator's engine, in the order of the other buckets' exchanges: the parts
+        # travel and the owned part is summed while the backward pass goes on.
+        handle = self.comm.async_engine().submit("int8 exchange", exchange)
+
         def finish():
-            received, _ = self.comm.alltoall(payload)
-            summed = self._sum_own_part(received)
-            gathered = self.comm.allgather(summed).view(self.comm.size, -1)
-            self._dequantize_into(flat, gathered)
+            self._dequantize_into(flat, handle.wait())
             self._finish_step(flat, op)
         return Exchange(finish)
 
