@@ -56,3 +56,17 @@ def test_a_tiny_local_run_writes_every_configuration(tmp_path):
     markdown = output.with_suffix(".md").read_text()
     assert "## 1 nodes x 2 ranks per node" in markdown and "load average" in markdown
     assert all(f"| {configuration} |" in markdown for configuration in configurations)
+
+
+def test_int8_compute_benchmark_writes_both_rows(tmp_path):
+    """benchmarks/int8_compute.py on a tiny model: a row for torch's operations and one for the
+    kernels, each with a positive CPU time per round."""
+    output = tmp_path / "int8.json"
+    result = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "int8_compute.py"), "--hidden", "40",
+                             "--chunk", "16", "--steps", "2", "--rounds", "2", "--output", str(output)],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "| torch operations |" in result.stdout and "| mpidist._C kernels |" in result.stdout
+    measured = json.loads(output.read_text())["cpu_seconds_per_step"]
+    assert sorted(measured) == ["mpidist._C kernels", "torch operations"]
+    assert all(len(rounds) == 2 and min(rounds) > 0 for rounds in measured.values())
