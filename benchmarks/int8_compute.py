@@ -23,7 +23,6 @@ import platform
 import statistics
 import sys
 import time
-import types
 
 import torch
 
@@ -33,38 +32,29 @@ sys.path.insert(0, HERE)
 from machine import cpu_model  # noqa: E402
 
 from mpidist import kernels  # noqa: E402
-from mpidist.parallel.compressors import Int8  # noqa: E402
-
-
-def buckets(args, fused):
-    comm = types.SimpleNamespace(size=args.ranks, rank=1)
-    shapes = [(args.hidden, 64), (args.hidden, args.hidden), (10, args.hidden)]
-    made = []
-    for rows, columns in shapes:
-        numel = rows * columns + rows
-        bucket = Int8(chunk=args.chunk).for_bucket([torch.zeros(numel)], comm, "auto")
-        bucket.fused = fused
-        made.append(bucket)
-    return made
+from mpidist.parallel.compressors import Int8, Int8Parts  # noqa: E402
 
 
 def step_seconds(args, fused):
     """CPU seconds of each step's local int8 work over every bucket."""
     generator = torch.Generator().manual_seed(0)
     work = []
-    for bucket in buckets(args, fused):
-        grad = torch.randn(bucket.numel, generator=generator)
-        received = torch.stack([bucket._quantize_parts(grad * (rank + 1))[rank % args.ranks]
+    for rows, columns in [(args.hidden, 64), (args.hidden, args.hidden), (10, args.hidden)]:
+        numel = rows * columns + rows
+        parts = Int8Parts(numel, args.ranks, 1, args.chunk, torch.float32, "cpu")
+        parts.fused = fused
+        grad, residual = torch.randn(numel, generator=generator), torch.zeros(numel)
+        received = torch.stack([parts.quantize(grad * (rank + 1), torch.zeros(numel))[rank % args.ranks]
                                 for rank in range(args.ranks)])
-        gathered = torch.cat([bucket._sum_own_part(received)] * args.ranks)
-        work.append((bucket, grad, received, gathered))
+        gathered = torch.cat([parts.sum_own(received, torch.zeros(numel))] * args.ranks)
+        work.append((parts, grad, residual, received, gathered))
     times = []
     for _ in range(args.steps + 1):
         began = time.process_time()
-        for bucket, grad, received, gathered in work:
-            bucket._quantize_parts(grad)
-            bucket._sum_own_part(received)
-            bucket._dequantize_into(grad.clone(), gathered)
+        for parts, grad, residual, received, gathered in work:
+            parts.quantize(grad, residual)
+            parts.sum_own(received, residual)
+            parts.dequantize_into(grad.clone(), gathered)
         times.append(time.process_time() - began)
     return statistics.median(times[1:])
 

@@ -5,13 +5,13 @@ exact resumption, training on the digits data, and their refusals, raised on eve
 The multi-rank tests of one world size run in one launch (mpi_shared_launch.py)."""
 import copy
 import gc
-import types
 
 import h5py
 import numpy as np
 import pytest
 import torch
 from conftest import run_python
+from mpi4py import MPI
 from tolerances import assert_within
 
 import mpidist as md
@@ -114,17 +114,14 @@ def test_largest_magnitudes_picks_the_top_k_of_a_large_bucket(case):
 
 
 def int8_pair(dtype, numel, size, chunk):
-    """Two Int8 buckets of one `numel`-element parameter as rank 1 of `size` sees it (only the
-    exchange's local steps run here): one through mpidist._C's kernels, one through torch's
-    operations, with the same random residual."""
-    comm = types.SimpleNamespace(size=size, rank=1)
-    fused, torch_ops = (Int8(chunk=chunk).for_bucket([torch.zeros(numel, dtype=dtype)], comm, "auto") for _ in "ab")
+    """Int8's arithmetic over `numel` elements as rank 1 of `size` does it (only the exchange's
+    local steps run here): once through mpidist._C's kernels, once through torch's operations;
+    and the same random residual for each."""
+    fused, torch_ops = (compressors.Int8Parts(numel, size, 1, chunk, dtype, "cpu") for _ in "ab")
     assert fused.fused
     torch_ops.fused = False
     residual = torch.randn(numel, generator=torch.Generator().manual_seed(5), dtype=dtype)
-    for bucket in (fused, torch_ops):
-        bucket.residual.copy_(residual)
-    return fused, torch_ops
+    return fused, torch_ops, residual, residual.clone()
 
 
 def assert_bits_equal(a, b, what):
@@ -147,35 +144,34 @@ def test_int8_kernels_give_the_bits_of_torchs_operations(dtype, numel, size, chu
     run by the kernels of mpidist._C (with each instruction set's loops) and by torch's
     operations: the same payload bytes, sums and residuals, including the last part short and,
     for 10 elements over 4 ranks, the last empty."""
-    fused, torch_ops = int8_pair(dtype, numel, size, chunk)
-    other_rank = copy.deepcopy(torch_ops)
+    fused, torch_ops, fused_residual, torch_residual = int8_pair(dtype, numel, size, chunk)
     grad = torch.randn(numel, generator=torch.Generator().manual_seed(6), dtype=dtype) * 10
-    payloads = [bucket._quantize_parts(grad) for bucket in (fused, torch_ops)]
+    payloads = [fused.quantize(grad, fused_residual), torch_ops.quantize(grad, torch_residual)]
     assert_bits_equal(*payloads, "the payload")
-    assert_bits_equal(fused.residual, torch_ops.residual, "the residual after quantizing")
+    assert_bits_equal(fused_residual, torch_residual, "the residual after quantizing")
     # What the ranks send this one: its part of their payloads, here of two different gradients.
-    others = other_rank._quantize_parts(grad * 3)
+    others = torch_ops.quantize(grad * 3, torch.zeros(numel, dtype=dtype))
     received = torch.stack([others[1] if rank % 2 else payloads[0][1] for rank in range(size)])
-    sums = [bucket._sum_own_part(received) for bucket in (fused, torch_ops)]
+    sums = [fused.sum_own(received, fused_residual), torch_ops.sum_own(received, torch_residual)]
     assert_bits_equal(*sums, "the summed part")
-    assert_bits_equal(fused.residual, torch_ops.residual, "the residual after summing")
+    assert_bits_equal(fused_residual, torch_residual, "the residual after summing")
     gathered = torch.cat([sums[0]] * size)
     flats = [torch.full((numel,), 7.0, dtype=dtype) for _ in "ab"]
-    for bucket, flat in zip((fused, torch_ops), flats):
-        bucket._dequantize_into(flat, gathered)
+    for parts, flat in zip((fused, torch_ops), flats):
+        parts.dequantize_into(flat, gathered)
     assert_bits_equal(*flats, "the dequantized bucket")
 
 
 def test_int8_kernels_make_a_chunk_with_nan_or_infinity_nan():
     """A non-finite value makes its chunk's scale NaN: that chunk comes out NaN, as an
     uncompressed sum would; the other chunks are untouched by it."""
-    fused, _ = int8_pair(torch.float32, 64, 2, 16)
-    fused.residual.zero_()
+    fused, _, residual, _ = int8_pair(torch.float32, 64, 2, 16)
+    residual.zero_()
     grad = torch.ones(64)
     grad[3], grad[40] = float("nan"), float("inf")
-    payload = fused._quantize_parts(grad)
+    payload = fused.quantize(grad, residual)
     flat = torch.empty(64)
-    fused._dequantize_into(flat, payload)
+    fused.dequantize_into(flat, payload)
     assert flat[:16].isnan().all() and flat[32:48].isnan().all()
     assert (flat[16:32] == 1).all() and (flat[48:] == 1).all()
 
@@ -334,14 +330,16 @@ def int8_quantized(x, chunk):
     return sent
 
 
-def int8_reference(size, steps, chunk):
+def int8_reference(size, steps, chunk, values=None):
     """(each step's result, each rank's residual after the last step) of Int8's summing
-    exchange of every rank's float32 gradients, as the module docstring describes it, in NumPy
-    float32: each rank adds its residual, cuts the bucket into one part per rank (the last one
-    short or empty), quantizes each part; rank j adds the parts j in rank order from zero,
-    quantizes that sum, and every rank gets the quantized sums. A rank's residual: what it had
-    less what it sent, and for its own part also the sum less its quantized sum."""
-    numel = sum(int(np.prod(s)) for s in SHAPES)
+    exchange of every rank's float32 gradients (or of values(rank, step), float32 vectors), as
+    the module docstring describes it, in NumPy float32: each rank adds its residual, cuts the
+    bucket into one part per rank (the last one short or empty), quantizes each part; rank j
+    adds the parts j in rank order from zero, quantizes that sum, and every rank gets the
+    quantized sums. A rank's residual: what it had less what it sent, and for its own part also
+    the sum less its quantized sum."""
+    values = values or (lambda rank, step: gradient(rank, step).numpy())
+    numel = values(0, 0).size
     part = -(-numel // size)
     residuals = [np.zeros(size * part, np.float32) for _ in range(size)]
     results = []
@@ -349,7 +347,7 @@ def int8_reference(size, steps, chunk):
         parts = []
         for rank in range(size):
             had = np.zeros(size * part, np.float32)
-            had[:numel] = gradient(rank, step).numpy() + residuals[rank][:numel]
+            had[:numel] = values(rank, step) + residuals[rank][:numel]
             had = had.reshape(size, part)
             sent = np.stack([int8_quantized(row, chunk) for row in had])
             residuals[rank] = (had - sent).reshape(-1)
@@ -374,6 +372,38 @@ def test_int8_exchange_is_bit_for_bit_its_numpy_description(mpi_world, chunk):
     for step, (result, reference) in enumerate(zip(results, expected)):
         np.testing.assert_array_equal(result.numpy().view(np.int32), reference.view(np.int32), err_msg=f"step {step}")
     np.testing.assert_array_equal(bucket.residual.numpy().view(np.int32), residuals[comm.rank].view(np.int32))
+
+
+@pytest.mark.mpi(ranks=[4])
+def test_int8_across_nodes_compresses_only_the_node_sums(mpi_world, monkeypatch):
+    """Four ranks on two emulated nodes of two: each node sums its ranks' gradients
+    uncompressed, the local ranks 0 exchange the first half of the sums through int8 between the
+    nodes, the local ranks 1 the second half. Bit for bit the NumPy replay of that (int8_reference
+    over the two nodes' sums, per half); nothing lost (results plus every rank's residual are
+    the gradients' sum, float64); the same bits on every rank."""
+    monkeypatch.setenv("MPIDIST_RANKS_PER_NODE", "2")
+    comm = md.Communicator(MPI.COMM_WORLD)
+    results, bucket = exchange(Int8(chunk=16), comm)
+    assert (bucket.node.size, bucket.across.size) == (2, 2)
+    numel = results[0].numel()
+    halves = [(0, -(-numel // 2)), (-(-numel // 2), numel)]
+    expected, residual = [np.empty(numel, np.float32) for _ in range(STEPS)], np.zeros(numel, np.float32)
+    for local, (begin, end) in enumerate(halves):
+        def node_sum(node, step, begin=begin, end=end):
+            return (gradient(2 * node, step).numpy() + gradient(2 * node + 1, step).numpy())[begin:end]
+        half_results, half_residuals = int8_reference(2, STEPS, 16, node_sum)
+        for step, half in enumerate(half_results):
+            expected[step][begin:end] = half
+        if comm.local_rank == local:
+            residual[begin:end] = half_residuals[comm.node_rank]
+    for step, (result, reference) in enumerate(zip(results, expected)):
+        np.testing.assert_array_equal(result.numpy().view(np.int32), reference.view(np.int32), err_msg=f"step {step}")
+        assert_same_on_every_rank(comm, result)
+    np.testing.assert_array_equal(bucket.residual.numpy().view(np.int32), residual.view(np.int32))
+    residuals = everyones(comm, bucket.residual).to(torch.float64)
+    delivered = torch.stack(results).to(torch.float64).sum(0) + residuals.sum(0)
+    everything = sum(gradient(rank, step).to(torch.float64) for rank in range(4) for step in range(STEPS))
+    assert_within(delivered.float(), everything, roundings=16 * STEPS * 6)
 
 
 @pytest.mark.mpi(ranks=[2, 3])

@@ -26,10 +26,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import weakref
 
 import torch
 
 from .. import collectives, kernels
+from ..collectives.common import split_counts
+from ..comm import Communicator
 from ..errors import InvalidArgumentError
 
 CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -371,20 +374,22 @@ class PowerSGDBucket(BucketCompressor):
         self.generator.set_state(state["generator"])
 
 
-class Int8Bucket(BucketCompressor):
-    """Int8 of one bucket: its cut into one part per rank, and each part's chunks. The work runs on
-    rows of whole chunks (one row per part, zero past the part's end), so that quantizing and
-    dequantizing are one view and a few whole-tensor operations each."""
+class Int8Parts:
+    """Int8's arithmetic over `numel` elements cut into one part per rank of `size` (`rank` owns
+    one), each part into chunks; the work runs on rows of whole chunks (one row per part, zero
+    past the part's end), so that quantizing and dequantizing are one view and a few whole-tensor
+    operations each. Each step runs in one kernel of mpidist._C (csrc/quantize.h) where the
+    values are float32 or float64 on the CPU, and as torch operations otherwise; both give the
+    same bits."""
 
-    def __init__(self, settings, params, comm, algorithm):
-        super().__init__(settings, params, comm, algorithm)
-        self.part = -(-self.numel // comm.size)
-        self.chunks = -(-self.part // settings.chunk)
-        self.width = self.chunks * settings.chunk
-        dtype = params[0].dtype
-        self.compute_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        self.fused = dtype == self.compute_dtype and params[0].device.type == "cpu"
+    def __init__(self, numel, size, rank, chunk, dtype, device):
+        self.numel, self.size, self.rank, self.chunk = numel, size, rank, chunk
+        self.part = max(1, -(-numel // size))
+        self.chunks = -(-self.part // chunk)
+        self.width = self.chunks * chunk
         self.row_bytes = self.part + 4 * self.chunks
+        self.compute_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self.fused = dtype == self.compute_dtype and torch.device(device).type == "cpu"
 
     def _parts(self, flat, rows):
         """(flat, rows) views of the parts: the whole ones as matrices, then a short last one."""
@@ -398,7 +403,7 @@ class Int8Bucket(BucketCompressor):
     def _quantize(self, rows):
         """(int8 values (rows x width), float32 scales (rows x chunks), the values dequantized) of
         `rows` (rows x width, compute dtype)."""
-        blocks = rows.view(rows.shape[0], self.chunks, self.settings.chunk)
+        blocks = rows.view(rows.shape[0], self.chunks, self.chunk)
         # The largest magnitude, from two reductions that vectorize where abs().amax() and
         # aminmax() do not (abs_: a chunk of zeros has the scale +0, whichever zero maximum gives).
         largest = torch.maximum(blocks.amax(dim=2), blocks.amin(dim=2).neg_()).abs_()
@@ -419,68 +424,109 @@ class Int8Bucket(BucketCompressor):
         rows[:, self.part:].zero_()
         rows[:, :self.part] = payload[:, :self.part].view(torch.int8)
         scales = _as(payload[:, self.part:], torch.float32).to(self.compute_dtype)
-        return rows.view(payload.shape[0], self.chunks, self.settings.chunk).mul_(scales[:, :, None]).view_as(rows)
+        return rows.view(payload.shape[0], self.chunks, self.chunk).mul_(scales[:, :, None]).view_as(rows)
 
-    def _start(self, flat, op):
-        payload = self._quantize_parts(flat)
-
-        def exchange(channel):
-            received, _ = collectives.alltoall(channel, payload)
-            return collectives.allgather(channel, self._sum_own_part(received)).view(self.comm.size, -1)
-        # On the communicator's engine, in the order of the other buckets' exchanges: the parts
-        # travel and the owned part is summed while the backward pass goes on.
-        handle = self.comm.async_engine().submit("int8 exchange", exchange)
-
-        def finish():
-            self._dequantize_into(flat, handle.wait())
-            self._finish_step(flat, op)
-        return Exchange(finish)
-
-    # Each step runs in one kernel of mpidist._C (csrc/quantize.h) where the bucket is float32 or
-    # float64 on the CPU, and as torch operations otherwise; both give the same bits.
-
-    def _quantize_parts(self, flat):
-        """The payload rows of the bucket plus its residual, one per rank's part; leaves in the
-        residual what this rank meant to send less what it sent."""
+    def quantize(self, values, residual):
+        """The payload rows of values plus residual, one per rank's part; leaves in residual what
+        this rank meant to send less what it sent."""
         if self.fused:
-            payload = torch.empty(self.comm.size, self.row_bytes, dtype=torch.uint8)
-            kernels.int8_quantize(flat, self.residual, payload, self.comm.size, self.part, self.settings.chunk)
+            payload = torch.empty(self.size, self.row_bytes, dtype=torch.uint8)
+            kernels.int8_quantize(values, residual, payload, self.size, self.part, self.chunk)
             return payload
-        # The bucket plus its residual, as rows of whole chunks (zero past each part's end).
-        rows = torch.empty(self.comm.size, self.width, dtype=self.compute_dtype, device=flat.device)
+        # The values plus the residual, as rows of whole chunks (zero past each part's end).
+        rows = torch.empty(self.size, self.width, dtype=self.compute_dtype, device=values.device)
         rows[self.numel // self.part:].zero_()
         rows[:self.numel // self.part, self.part:].zero_()
-        for (flat_part, row_part), (residual_part, _) in zip(self._parts(flat, rows), self._parts(self.residual, rows)):
-            torch.add(flat_part, residual_part, out=row_part)
-        values, scales, sent = self._quantize(rows)
-        for (residual_part, row_part), (_, sent_part) in zip(self._parts(self.residual, rows),
-                                                               self._parts(self.residual, sent)):
+        for (value_part, row_part), (residual_part, _) in zip(self._parts(values, rows), self._parts(residual, rows)):
+            torch.add(value_part, residual_part, out=row_part)
+        levels, scales, sent = self._quantize(rows)
+        for (residual_part, row_part), (_, sent_part) in zip(self._parts(residual, rows), self._parts(residual, sent)):
             torch.sub(row_part, sent_part, out=residual_part)
-        return self._payload(values, scales)
+        return self._payload(levels, scales)
 
-    def _sum_own_part(self, received):
+    def sum_own(self, received, residual):
         """The payload row of this rank's part summed over the received rows in rank order; the
         residual of that part gains the sum's own quantization error."""
-        own = self.residual[self.comm.rank * self.part:][:self.part]  # empty past the bucket's end
+        own = residual[self.rank * self.part:][:self.part]  # empty past the values' end
         if self.fused:
             summed = torch.empty(1, self.row_bytes, dtype=torch.uint8)
-            kernels.int8_sum_requantize(received, self.comm.size, self.part, self.settings.chunk, own, summed)
+            kernels.int8_sum_requantize(received, self.size, self.part, self.chunk, own, summed)
             return summed
         dequantized = self._dequantize(received)
         total = torch.zeros(1, self.width, dtype=self.compute_dtype, device=received.device)
-        for rank in range(self.comm.size):  # in rank order
+        for rank in range(self.size):  # in rank order
             total[0] += dequantized[rank]
         sum_values, sum_scales, sum_sent = self._quantize(total)
         own += (total - sum_sent)[0, :own.numel()]
         return self._payload(sum_values, sum_scales)
 
-    def _dequantize_into(self, flat, gathered):
-        """flat = every rank's summed part, dequantized."""
+    def dequantize_into(self, values, gathered):
+        """values = every rank's summed part, dequantized."""
         if self.fused:
-            kernels.int8_dequantize(gathered, self.comm.size, self.part, self.settings.chunk, flat)
+            kernels.int8_dequantize(gathered, self.size, self.part, self.chunk, values)
             return
-        for flat_part, sum_part in self._parts(flat, self._dequantize(gathered)):
-            flat_part.copy_(sum_part)
+        for value_part, sum_part in self._parts(values, self._dequantize(gathered)):
+            value_part.copy_(sum_part)
+
+
+class Int8Bucket(BucketCompressor):
+    """Int8 of one bucket. On several nodes of several ranks each, the bucket is first summed
+    within each node, uncompressed (reduce-scatter over the node: each rank gets a slice), each
+    slice goes through int8 between the ranks holding it on the other nodes, and an allgather
+    within the node gives back the whole bucket: so only the links between nodes carry int8.
+    Each rank's residual is then that of its slice (the rest of it stays zero)."""
+
+    def __init__(self, settings, params, comm, algorithm):
+        super().__init__(settings, params, comm, algorithm)
+        self.node, self.across = node_groups(comm)
+        first = params[0]
+        if self.node is None:
+            self.offset, count, over = 0, self.numel, comm
+        else:
+            self.offset, count = split_counts(self.numel, self.node.size)[self.node.rank]
+            over = self.across
+        self.parts = Int8Parts(count, over.size, over.rank, settings.chunk, first.dtype, first.device)
+
+    def _start(self, flat, op):
+        parts = self.parts
+
+        def exchange(channel):
+            over = channel if self.node is None else self.across
+            values = flat if self.node is None else self.node.reduce_scatter(flat)
+            residual = self.residual[self.offset:self.offset + parts.numel]
+            received, _ = collectives.alltoall(over, parts.quantize(values, residual))
+            parts.dequantize_into(values, collectives.allgather(over, parts.sum_own(received, residual))
+                                  .view(parts.size, -1))
+            return values if self.node is None else self.node.allgather(values)
+        # On the communicator's engine, in the order of the other buckets' exchanges, while the
+        # backward pass goes on.
+        handle = self.comm.async_engine().submit("int8 exchange", exchange)
+
+        def finish():
+            result = handle.wait()
+            if result is not flat:
+                flat.copy_(result)
+            self._finish_step(flat, op)
+        return Exchange(finish)
+
+
+_NODE_GROUPS = weakref.WeakKeyDictionary()
+
+
+def node_groups(comm):
+    """(the ranks of this rank's node, the ranks of the same local rank on every node) as
+    Communicators, where `comm` spans several nodes with the same number (more than one) of its
+    ranks on each; (None, None) otherwise. Made once per communicator (collective on it, at its
+    first int8 bucket: every rank makes its buckets in the same order), kept until it is freed."""
+    if comm not in _NODE_GROUPS:
+        sizes = comm.mpi.allgather(comm.local_size) if comm.num_nodes > 1 else [comm.local_size]
+        if comm.num_nodes == 1 or min(sizes) != max(sizes) or sizes[0] == 1:
+            _NODE_GROUPS[comm] = (None, None)
+        else:
+            across = comm.mpi.Split(comm.local_rank, comm.rank)
+            _NODE_GROUPS[comm] = (Communicator(comm.node_comm), Communicator(across))
+            across.Free()
+    return _NODE_GROUPS[comm]
 
 
 def _as(data, dtype):
