@@ -192,7 +192,8 @@ def check_mode_options(args) -> None:
         raise InvalidArgumentError("--elastic goes without --zero (a dead rank would take its share of the optimizer "
                                    "state with it) and without --resume (its commits are in memory, not on disk)")
     if args.mode != "data" and args.compression != "none":
-        raise InvalidArgumentError(f"--compression applies to --mode data; --mode {args.mode} sends full precision")
+        raise InvalidArgumentError(f"--compression applies to --mode data; --mode {args.mode} sends full precision "
+                                   "(in your own script md.ParameterServer(compression=...) compresses the pushes)")
 
 
 def cmd_train(args, stop: GracefulStop | None = None) -> int:

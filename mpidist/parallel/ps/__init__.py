@@ -62,7 +62,9 @@ import torch
 from ...comm import init
 from ...errors import InvalidArgumentError
 from ...runtime.mpi import fault_tolerant, is_process_failure, return_errors
+from ..compressors import resolve_compression
 from ..model_state import broadcast_module_state
+from ..push_compression import check_push, push_codec
 from . import coordinator, follower, settings, shards, state, survival, worker
 from .model import take_model
 from .policy import MODES, Update, gradients_per_update
@@ -98,6 +100,11 @@ class ParameterServer:
     Embedding weights with sparse=True (all of them with sparse_embeddings=True) go by rows: a
     worker calls pull_rows(embedding, ids) before its forward pass for the rows it uses.
     `bytes_pushed` and `bytes_pulled` count, on a worker, the payload bytes it sent and received.
+
+    `compression` ("fp16", "bf16", "int8", "topk:<fraction>" or such a compressor of
+    mpidist.parallel.compressors; the same on every rank) compresses each worker's push of its
+    dense gradient, range by range, with error feedback kept on the worker for int8 and top-k
+    (push_compression.py); the weights come back uncompressed.
     """
 
     # What every rank agreed on, what it trains, and the state of its role (roles.py).
@@ -105,7 +112,7 @@ class ParameterServer:
     server, chief = _read("settings", "coordinator"), _read("settings", "chief")
     mode, max_staleness = _read("settings", "mode"), _read("settings", "max_staleness")
     staleness_lr, backup_workers = _read("settings", "staleness_lr"), _read("settings", "backup_workers")
-    per_update = _read("settings", "per_update")
+    per_update, compression = _read("settings", "per_update"), _read("settings", "compression")
     module, optimizer, optimizers = _read("model", "module"), _read("model", "optimizer"), _read("model", "optimizers")
     params, tables, dtype = _read("model", "params"), _read("model", "tables"), _read("model", "dtype")
     numels, numel, shapes = _read("model", "numels"), _read("model", "numel"), _read("model", "shapes")
@@ -116,7 +123,7 @@ class ParameterServer:
 
     def __init__(self, module: torch.nn.Module, optimizer=None, comm=None, mode: str = "sync", softsync=None,
                  max_staleness=None, staleness_lr: bool = False, server: int = 0, version: int = 0, servers=1,
-                 backup_workers: int = 0, sparse_embeddings: bool = False):
+                 backup_workers: int = 0, sparse_embeddings: bool = False, compression=None):
         self.comm = comm if comm is not None else init()
         if self.comm.size < 2:
             raise InvalidArgumentError("a parameter server needs at least 2 ranks (the server and one worker); "
@@ -125,7 +132,8 @@ class ParameterServer:
         try:
             self._build(module, optimizer, dict(mode=mode, softsync=softsync, max_staleness=max_staleness,
                                                 staleness_lr=staleness_lr, server=server, version=version,
-                                                servers=servers, backup_workers=backup_workers), sparse_embeddings)
+                                                servers=servers, backup_workers=backup_workers,
+                                                compression=compression), sparse_embeddings)
         except Exception as error:
             made = [mpi for mpi in (self.comm.mpi, self.mpi) if mpi is not None]
             if not (fault_tolerant() and is_process_failure(error, made)):
@@ -149,7 +157,9 @@ class ParameterServer:
         rank = self.comm.rank
         if rank in agreed.servers:
             endpoint = Endpoint(self.mpi, rank, f"rank {rank} (the parameter server)")
-            self.role = ServerRole(agreed, model, endpoint, version=rules["version"])
+            start, end = agreed.ranges[agreed.servers.index(rank)]
+            self.role = ServerRole(agreed, model, endpoint, version=rules["version"],
+                                   codec=push_codec(agreed.compression, end - start, model.dtype))
             # A server of several steps its own rows alone; one server steps the user's
             # optimizer, whose state is then the whole model's (what checkpoints save).
             if len(agreed.servers) > 1:
@@ -158,7 +168,9 @@ class ParameterServer:
                                                     [(table.weight, table.row_range(index)) for table in model.tables])
         else:
             self.role = WorkerRole(agreed, model, Endpoint(self.mpi, rank, f"rank {rank} (a worker)"),
-                                   version=rules["version"])
+                                   version=rules["version"],
+                                   codecs=[push_codec(agreed.compression, end - start, model.dtype)
+                                           for start, end in agreed.ranges])
 
     def _take_settings(self, module, optimizer, rules: dict, sparse_embeddings: bool) -> tuple:
         """Check the arguments of this rank: (its Settings, its Model, the error of a model too
@@ -171,6 +183,9 @@ class ParameterServer:
         settings.check_modes(size, len(servers), rules["mode"], rules["softsync"], rules["max_staleness"],
                              rules["version"], rules["backup_workers"])
         model = take_model(module, optimizer, len(servers), sparse_embeddings)
+        compressor = resolve_compression(rules["compression"])
+        check_push(compressor)
+        compressor.check(model.params)
         try:  # each server's part of the flat vector
             ranges, unsplittable = settings.partition(model, len(servers)), None
         except InvalidArgumentError as error:
@@ -178,7 +193,7 @@ class ParameterServer:
         workers = [r for r in range(size) if r not in servers]
         per_update = gradients_per_update(rules["mode"], len(workers), rules["softsync"], rules["backup_workers"])
         agreed = Settings(servers, workers, ranges, rules["mode"], rules["max_staleness"], bool(rules["staleness_lr"]),
-                          rules["backup_workers"], per_update)
+                          rules["backup_workers"], per_update, compressor)
         return agreed, model, unsplittable
 
     @property

@@ -43,8 +43,8 @@ def coordinate(role: ServerRole, history: list, on_update) -> list:
         elif kind == Push.PULL:
             sends += take_pull(role, worker, incoming, receives)
         else:
-            gradient = rest_of_message(role, worker, receives, lambda: (incoming.receive_payload(
-                who, f"the gradient of worker {worker}", f"worker {worker}"), receive_gradient_rows(role, worker)))
+            gradient = rest_of_message(role, worker, receives, lambda: (role.codec.decode(incoming.receive_payload(
+                who, f"the gradient of worker {worker}", f"worker {worker}")), receive_gradient_rows(role, worker)))
             if gradient is None:
                 continue
             role.stopping |= bool(incoming.fields[3])  # the worker asks every worker to stop

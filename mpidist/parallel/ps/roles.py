@@ -41,8 +41,10 @@ class ServerRole(Role):
     weights) that replies share. `failures`: on the coordinator in serve(), another server ->
     the receive of its failure. `state_sends`: its parts of gather_state() still being sent.
     `dropped`: the late gradients dropped (backup workers), as in Update.dropped; `lost`: the
-    workers dropped when they died, as survival.Lost."""
+    workers dropped when they died, as survival.Lost. `codec`: the decoding of the workers'
+    pushes of its range (push_compression.py)."""
     owned: object = None
+    codec: object = None
     sent_weights: tuple | None = None
     failures: dict = dataclasses.field(default_factory=dict)
     state_sends: list = dataclasses.field(default_factory=list)
@@ -69,9 +71,11 @@ class ServerRole(Role):
 class WorkerRole(Role):
     """A worker's own state. `steps`: the gradients it pushed; `bytes_pushed`, `bytes_pulled`:
     the payload bytes it sent and received; `pulled`: table index -> the rows pulled in this
-    step (sorted, unique); `stop_asked`: request_stop() was called here."""
+    step (sorted, unique); `stop_asked`: request_stop() was called here; `codecs`: the encoding
+    of its push of each server's range, with that range's residual (push_compression.py)."""
     steps: int = 0
     bytes_pushed: int = 0
     bytes_pulled: int = 0
     pulled: dict = dataclasses.field(default_factory=dict)
     stop_asked: bool = False
+    codecs: list = dataclasses.field(default_factory=list)

@@ -43,7 +43,7 @@ def send_table_ranges(role: ServerRole, rank: int, tag: int) -> list:
 def receive_gradient(role: ServerRole, worker: int) -> tuple:
     dense, (_, step, version, _) = wire.receive(role.endpoint.mpi, worker, Tag.PUSH, role.endpoint.who,
                                                 f"the gradient of worker {worker}", f"worker {worker}")
-    return (dense, receive_gradient_rows(role, worker)), step, version
+    return (role.codec.decode(dense), receive_gradient_rows(role, worker)), step, version
 
 
 def receive_gradient_rows(role: ServerRole, worker: int) -> list:

@@ -1,7 +1,7 @@
 """A parameter server's settings: every rank's arguments checked, then agreed on by every rank
-in one allgather of a row of named columns, so that a mismatch, a refusal on some ranks only, a
-server without an optimizer or one that cannot apply the tables' sparse gradients raises the
-same error on every rank before any gradient moves.
+in one allgather of a row of named columns (and one of the compression's spelling), so that a
+mismatch, a refusal on some ranks only, a server without an optimizer or one that cannot apply
+the tables' sparse gradients raises the same error on every rank before any gradient moves.
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ class Settings:
     staleness_lr: bool
     backup_workers: int
     per_update: int  # gradients per update (policy.gradients_per_update)
+    compression: object  # the Compressor of the workers' pushes (push_compression.py)
 
     @property
     def coordinator(self) -> int:
@@ -142,6 +143,10 @@ def agree(mpi, settings: Settings | None, model: Model | None, version: int, uns
         if (values != values[0]).any():
             described = "; ".join(f"rank {r}: {describe(name, int(v))}" for r, v in enumerate(values))
             raise MismatchError(f"the ranks of the parameter server disagree on {name}: {described}")
+    spellings = wire.allgather_texts(mpi, str(settings.compression), "parameter server's agreement on its compression")
+    if len(set(spellings)) > 1:
+        described = "; ".join(f"rank {r}: {spelling}" for r, spelling in enumerate(spellings))
+        raise MismatchError(f"the ranks of the parameter server disagree on compression: {described}")
     if unsplittable:
         raise unsplittable
     without = [r for r in settings.servers if not column(table, "has optimizer")[r]]

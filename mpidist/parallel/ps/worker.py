@@ -84,7 +84,7 @@ def step(role: WorkerRole) -> None:
     outgoing = []
     header = (Push.GRADIENT, role.steps, role.version, role.stop_asked)
     for position, (server, (start, end)) in enumerate(zip(role.settings.servers, role.settings.ranges)):
-        parts = [gradient[start:end]]
+        parts = [role.codecs[position].encode(gradient[start:end])]
         outgoing.append(wire.send(mpi, parts[0], server, Tag.PUSH, fields=header))
         for table, (indices, values) in zip(model.tables, rows):
             low, high = table.split(indices)[position]

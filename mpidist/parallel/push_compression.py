@@ -1,0 +1,108 @@
+"""Compressed pushes of a parameter server's dense gradient: the compressors of compressors.py in
+their point-to-point form. A worker encodes each server's range of its gradient on its own
+(there is no sum between workers to fold into), keeping the residual of that range; the server
+decodes the payload back into a gradient range before it averages the workers' gradients.
+
+- fp16 / bf16: the range in half precision, without error feedback (as the reducer's casts).
+- int8: the range as one part of int8 values with a float32 scale per `chunk` (Int8Parts with
+  one rank: the same arithmetic, kernels and bits as the all-reduce's), with error feedback.
+- top-k: the range's ceil(fraction * n) elements largest in magnitude, as (int32 index, value)
+  pairs, with error feedback.
+- PowerSGD is refused: its factors come from an all-reduce over the ranks (P = sum of M_r Q,
+  orthogonalized), which a push has not got, and a server's range cuts weight matrices apart.
+
+With error feedback, what a server decodes plus the worker's residual is, over any number of
+steps, the sum of the worker's gradients (tests/test_ps_compression.py).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import InvalidArgumentError
+from .compressors import Cast, Int8, Int8Parts, NoCompression, PowerSGD, TopK, _as, largest_magnitudes
+
+
+def check_push(compressor) -> None:
+    """Refuse a compressor that cannot compress a push (on every rank: the ranks' settings agree)."""
+    if isinstance(compressor, PowerSGD):
+        raise InvalidArgumentError(
+            f"compression={str(compressor)!r} cannot compress a parameter server's push: PowerSGD's factors "
+            "come from an all-reduce over the ranks, and a push goes from one worker to one server; use "
+            "int8, topk:<fraction> or fp16 / bf16 (or md.DataParallel for PowerSGD)")
+    if not isinstance(compressor, (NoCompression, Cast, Int8, TopK)):
+        raise InvalidArgumentError(f"compression={compressor!r} has no push form; give none, fp16, bf16, int8 "
+                                   "or topk:<fraction>")
+
+
+def push_codec(compressor, numel: int, dtype, device="cpu") -> PushCodec:
+    """The codec of one range of `numel` elements of `dtype` under `compressor` (check_push first)."""
+    kinds = {NoCompression: PlainPush, Cast: CastPush, Int8: Int8Push, TopK: TopKPush}
+    return kinds[type(compressor)](compressor, numel, dtype, device)
+
+
+class PushCodec:
+    """One range's encoding on a worker (with its residual) and decoding on the server."""
+
+    def __init__(self, settings, numel: int, dtype, device):
+        self.settings, self.numel, self.dtype = settings, numel, dtype
+        self.residual = torch.zeros(numel, dtype=dtype, device=device)
+
+    def encode(self, values: torch.Tensor) -> torch.Tensor:
+        """The payload of `values` (this range of the gradient), as it travels."""
+        raise NotImplementedError
+
+    def decode(self, payload: torch.Tensor) -> torch.Tensor:
+        """The gradient range a payload stands for."""
+        raise NotImplementedError
+
+
+class PlainPush(PushCodec):
+    def encode(self, values):
+        return values
+
+    def decode(self, payload):
+        return payload
+
+
+class CastPush(PushCodec):
+    def encode(self, values):
+        return values.to(self.settings.wire_dtype)
+
+    def decode(self, payload):
+        return payload.to(self.dtype)
+
+
+class Int8Push(PushCodec):
+    def __init__(self, settings, numel, dtype, device):
+        super().__init__(settings, numel, dtype, device)
+        self.parts = Int8Parts(numel, 1, 0, settings.chunk, dtype, device)
+
+    def encode(self, values):
+        return self.parts.quantize(values.contiguous(), self.residual).view(-1)
+
+    def decode(self, payload):
+        values = torch.empty(self.numel, dtype=self.dtype, device=payload.device)
+        self.parts.dequantize_into(values, payload.view(1, -1))
+        return values
+
+
+class TopKPush(PushCodec):
+    def __init__(self, settings, numel, dtype, device):
+        super().__init__(settings, numel, dtype, device)
+        self.k = min(numel, max(1, math.ceil(settings.fraction * numel)))
+
+    def encode(self, values):
+        had = values + self.residual
+        indices = largest_magnitudes(had, self.k)
+        sent = had[indices]
+        self.residual.copy_(had)
+        self.residual[indices] = 0
+        return torch.cat([indices.to(torch.int32).view(torch.uint8), sent.view(torch.uint8)])
+
+    def decode(self, payload):
+        values = torch.zeros(self.numel, dtype=self.dtype, device=payload.device)
+        indices = _as(payload[:4 * self.k], torch.int32).long()
+        values[indices] = _as(payload[4 * self.k:], self.dtype)
+        return values
