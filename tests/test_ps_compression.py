@@ -146,9 +146,23 @@ def test_sync_training_is_sgd_on_the_decoded_pushes(mpi_world, spelling):
     workers = list(range(servers, comm.size))
     expected, pushes = sync_reference(spelling, workers, workers[0], ps.ranges)
     torch.testing.assert_close(flat(model), expected, rtol=1e-12, atol=1e-14)
-    if not ps.is_server:
-        per_step = sum(push.payload_bytes(end - start) for push, (start, end) in zip(pushes[comm.rank], ps.ranges))
-        assert ps.bytes_pushed == steps_of(comm.rank) * per_step
+    if ps.is_server:
+        assert ps.compression_state_dict() == {}
+        return
+    per_step = sum(push.payload_bytes(end - start) for push, (start, end) in zip(pushes[comm.rank], ps.ranges))
+    assert ps.bytes_pushed == steps_of(comm.rank) * per_step
+    # The residuals a checkpoint keeps are the reference's, and load back.
+    state = ps.compression_state_dict()
+    if spelling == "fp16":
+        assert state == {}
+        return
+    assert sorted(state) == [f"range{index}" for index in range(servers)]
+    for index, push in enumerate(pushes[comm.rank]):
+        np.testing.assert_array_equal(state[f"range{index}"].numpy(), push.residual)
+    ps.load_compression_state_dict({key: residual * 2 for key, residual in state.items()})
+    assert torch.equal(ps.compression_state_dict()["range0"], state["range0"] * 2)
+    with pytest.raises(md.InvalidArgumentError, match=r"compression state 'range0' of shape \[1\]; this rank's is"):
+        ps.load_compression_state_dict({**state, "range0": torch.zeros(1, dtype=torch.float64)})
 
 
 @pytest.mark.mpi(ranks=[3])

@@ -43,7 +43,10 @@ def push_codec(compressor, numel: int, dtype, device="cpu") -> PushCodec:
 
 
 class PushCodec:
-    """One range's encoding on a worker (with its residual) and decoding on the server."""
+    """One range's encoding on a worker (with its residual) and decoding on the server.
+    `error_feedback`: whether the residual carries anything (what the checkpoints keep)."""
+
+    error_feedback = False
 
     def __init__(self, settings, numel: int, dtype, device):
         self.settings, self.numel, self.dtype = settings, numel, dtype
@@ -75,6 +78,8 @@ class CastPush(PushCodec):
 
 
 class Int8Push(PushCodec):
+    error_feedback = True
+
     def __init__(self, settings, numel, dtype, device):
         super().__init__(settings, numel, dtype, device)
         self.parts = Int8Parts(numel, 1, 0, settings.chunk, dtype, device)
@@ -89,6 +94,8 @@ class Int8Push(PushCodec):
 
 
 class TopKPush(PushCodec):
+    error_feedback = True
+
     def __init__(self, settings, numel, dtype, device):
         super().__init__(settings, numel, dtype, device)
         self.k = min(numel, max(1, math.ceil(settings.fraction * numel)))

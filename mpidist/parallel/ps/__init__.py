@@ -274,6 +274,27 @@ class ParameterServer:
         parameters."""
         worker.step(self.role)
 
+    def compression_state_dict(self) -> dict:
+        """This worker's residuals of its compressed pushes ("range<i>": that of server i's
+        range), for a checkpoint of its own (they differ between workers); {} on a server and
+        for compressions without error feedback."""
+        if self.is_server or not self.role.codecs[0].error_feedback:
+            return {}
+        return {f"range{index}": codec.residual.clone() for index, codec in enumerate(self.role.codecs)}
+
+    def load_compression_state_dict(self, state: dict) -> None:
+        """Restore what compression_state_dict() gave, on the same worker of the same layout."""
+        expected = self.compression_state_dict()
+        if set(state) != set(expected):
+            raise InvalidArgumentError(f"compression state with entries {sorted(state)}; this rank's pushes keep "
+                                       f"{sorted(expected)}")
+        for key, residual in state.items():
+            if tuple(residual.shape) != tuple(expected[key].shape):
+                raise InvalidArgumentError(f"compression state {key!r} of shape {list(residual.shape)}; this rank's "
+                                           f"is {list(expected[key].shape)}")
+        for index, codec in enumerate(self.role.codecs if expected else []):
+            codec.residual.copy_(state[f"range{index}"])
+
     def request_stop(self) -> None:
         """Ask every worker to stop training (a stop signal before the time limit, say), from the
         coordinating server or a worker (elsewhere it does nothing). A worker's request goes with
