@@ -249,16 +249,20 @@ class BucketCompressor:
         return {"residual": self.residual.clone(), "steps": torch.tensor(self.steps, dtype=torch.int64)}
 
     def load_state_dict(self, state: dict) -> None:
-        expected = self.state_dict()
-        if set(state) != set(expected):
-            raise InvalidArgumentError(f"compression state with entries {sorted(state)}; "
-                                       f"{self.settings} keeps {sorted(expected)}")
-        for key, value in state.items():
-            if tuple(value.shape) != tuple(expected[key].shape):
-                raise InvalidArgumentError(f"compression state {key!r} of shape {list(value.shape)}; this bucket's "
-                                           f"is {list(expected[key].shape)}")
+        check_state(state, self.state_dict(), str(self.settings), "this bucket's")
         self.residual.copy_(state["residual"])
         self.steps = int(state["steps"])
+
+
+def check_state(state: dict, expected: dict, keeper: str, whose: str) -> None:
+    """Refuse a compression state whose entries or shapes are not those of `expected` (what
+    `keeper` keeps; `whose` names its owner in the message)."""
+    if set(state) != set(expected):
+        raise InvalidArgumentError(f"compression state with entries {sorted(state)}; {keeper} keeps {sorted(expected)}")
+    for key, value in state.items():
+        if tuple(value.shape) != tuple(expected[key].shape):
+            raise InvalidArgumentError(f"compression state {key!r} of shape {list(value.shape)}; {whose} "
+                                       f"is {list(expected[key].shape)}")
 
 
 def orthogonalize(matrix, epsilon: float = 0.0) -> None:

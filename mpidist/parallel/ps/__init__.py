@@ -62,7 +62,7 @@ import torch
 from ...comm import init
 from ...errors import InvalidArgumentError
 from ...runtime.mpi import fault_tolerant, is_process_failure, return_errors
-from ..compressors import resolve_compression
+from ..compressors import check_state, resolve_compression
 from ..model_state import broadcast_module_state
 from ..push_compression import check_push, push_codec
 from . import coordinator, follower, settings, shards, state, survival, worker
@@ -285,13 +285,7 @@ class ParameterServer:
     def load_compression_state_dict(self, state: dict) -> None:
         """Restore what compression_state_dict() gave, on the same worker of the same layout."""
         expected = self.compression_state_dict()
-        if set(state) != set(expected):
-            raise InvalidArgumentError(f"compression state with entries {sorted(state)}; this rank's pushes keep "
-                                       f"{sorted(expected)}")
-        for key, residual in state.items():
-            if tuple(residual.shape) != tuple(expected[key].shape):
-                raise InvalidArgumentError(f"compression state {key!r} of shape {list(residual.shape)}; this rank's "
-                                           f"is {list(expected[key].shape)}")
+        check_state(state, expected, "this rank's pushes", "this rank's")
         for index, codec in enumerate(self.role.codecs if expected else []):
             codec.residual.copy_(state[f"range{index}"])
 
