@@ -523,8 +523,8 @@ def node_groups(comm):
     ranks on each; (None, None) otherwise. Made once per communicator (collective on it, at its
     first int8 bucket: every rank makes its buckets in the same order), kept until it is freed."""
     if comm not in _NODE_GROUPS:
-        sizes = comm.mpi.allgather(comm.local_size) if comm.num_nodes > 1 else [comm.local_size]
-        if comm.num_nodes == 1 or min(sizes) != max(sizes) or sizes[0] == 1:
+        local_sizes = set(comm.allgather(torch.tensor([comm.local_size])).tolist()) if comm.num_nodes > 1 else {1}
+        if local_sizes == {1} or len(local_sizes) > 1:
             _NODE_GROUPS[comm] = (None, None)
         else:
             across = comm.mpi.Split(comm.local_rank, comm.rank)
