@@ -18,8 +18,9 @@ Each one's exchange in full: docs/compression.md, "How they exchange". In short:
 (Vogels et al., as torch's powerSGD_hook defines it) sends each weight matrix M as P = M Q and
 Q = M^T P (two all-reduces), its residual M - P Q_rank^T; int8 sends one int8 part per rank
 (all-to-all), each owner sums its part in float32 in rank order and requantizes it, and every
-rank gathers the sums (allgather); top-k allgathers each rank's (index, value) pairs; fp16 /
-bf16 are the reducer's casts, without error feedback.
+rank gathers the sums (allgather), on nodes of several ranks after a sum within each node, so
+that only the node sums travel between nodes; top-k allgathers each rank's (index, value)
+pairs; fp16 / bf16 are the reducer's casts, without error feedback.
 """
 from __future__ import annotations
 
@@ -521,7 +522,7 @@ def node_groups(comm):
     """(the ranks of this rank's node, the ranks of the same local rank on every node) as
     Communicators, where `comm` spans several nodes with the same number (more than one) of its
     ranks on each; (None, None) otherwise. Made once per communicator (collective on it, at its
-    first int8 bucket: every rank makes its buckets in the same order), kept until it is freed."""
+    first int8 bucket: every rank makes its buckets in the same order), kept while it lives."""
     if comm not in _NODE_GROUPS:
         local_sizes = set(comm.allgather(torch.tensor([comm.local_size])).tolist()) if comm.num_nodes > 1 else {1}
         if local_sizes == {1} or len(local_sizes) > 1:
