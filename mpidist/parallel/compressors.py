@@ -31,8 +31,7 @@ import weakref
 
 import torch
 
-from .. import collectives, kernels
-from ..collectives.common import split_counts
+from .. import kernels
 from ..comm import Communicator
 from ..errors import InvalidArgumentError
 
@@ -485,26 +484,25 @@ class Int8Bucket(BucketCompressor):
         super().__init__(settings, params, comm, algorithm)
         self.node, self.across = node_groups(comm)
         first = params[0]
+        self.over = comm if self.node is None else self.across
         if self.node is None:
-            self.offset, count, over = 0, self.numel, comm
-        else:
-            self.offset, count = split_counts(self.numel, self.node.size)[self.node.rank]
-            over = self.across
-        self.parts = Int8Parts(count, over.size, over.rank, settings.chunk, first.dtype, first.device)
+            self.offset, count = 0, self.numel
+        else:  # this rank's slice, as reduce_scatter cuts the bucket over the node
+            base, extra = divmod(self.numel, self.node.size)
+            self.offset, count = self.node.rank * base + min(self.node.rank, extra), base + (self.node.rank < extra)
+        self.parts = Int8Parts(count, self.over.size, self.over.rank, settings.chunk, first.dtype, first.device)
 
     def _start(self, flat, op):
         parts = self.parts
 
-        def exchange(channel):
-            over = channel if self.node is None else self.across
+        def exchange(_):
             values = flat if self.node is None else self.node.reduce_scatter(flat)
             residual = self.residual[self.offset:self.offset + parts.numel]
-            received, _ = collectives.alltoall(over, parts.quantize(values, residual))
-            parts.dequantize_into(values, collectives.allgather(over, parts.sum_own(received, residual))
-                                  .view(parts.size, -1))
+            received, _ = self.over.alltoall(parts.quantize(values, residual))
+            parts.dequantize_into(values, self.over.allgather(parts.sum_own(received, residual)).view(parts.size, -1))
             return values if self.node is None else self.node.allgather(values)
         # On the communicator's engine, in the order of the other buckets' exchanges, while the
-        # backward pass goes on.
+        # backward pass goes on (the communicator's collectives called there run there at once).
         handle = self.comm.async_engine().submit("int8 exchange", exchange)
 
         def finish():
