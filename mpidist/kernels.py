@@ -1,4 +1,5 @@
-"""Typed Python face of the fused reduction kernels in ``mpidist._C``.
+"""Typed Python face of the kernels in ``mpidist._C``: the fused reductions, casts and copies of
+the collectives, and the int8 gradient compressor's quantization (CPU only).
 
 Array-level functions take NumPy arrays, torch tensors or CuPy arrays, check them and run the CPU
 or CUDA kernel in place. The ``*_ptr`` forms are the hot path of the collectives: raw addresses,

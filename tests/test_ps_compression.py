@@ -60,9 +60,9 @@ class Reference:
 @pytest.mark.parametrize("spelling", ["fp16", "int8", Int8(chunk=7), "topk:0.1"], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_each_codec_delivers_its_numpy_description_and_loses_nothing(spelling, dtype):
-    """Six pushes of random ranges of 1000 elements: the decoded payload is the NumPy codec's
-    result (bit for bit for int8 and top-k in float64; within the dtype's rounding in float32),
-    and the decoded pushes plus the residual are the gradients' sum."""
+    """Six pushes of random ranges of 1000 elements: the payload's bytes are the codec's, the
+    decoded payload is the NumPy codec's result bit for bit (float64 ranges, and fp16 in either
+    dtype), and the decoded pushes plus the residual are the gradients' sum (every dtype)."""
     compressor = parse_compression(spelling) if isinstance(spelling, str) else spelling
     check_push(compressor)
     codec, reference = push_codec(compressor, 1000, dtype), Reference(compressor, 1000)
