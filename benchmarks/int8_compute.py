@@ -32,7 +32,8 @@ sys.path.insert(0, HERE)
 from machine import cpu_model  # noqa: E402
 
 from mpidist import kernels  # noqa: E402
-from mpidist.parallel.compressors import Int8, Int8Parts  # noqa: E402
+from mpidist.parallel.compressors import Int8  # noqa: E402
+from mpidist.parallel.int8_parts import Int8Parts  # noqa: E402
 
 
 def step_seconds(args, fused):

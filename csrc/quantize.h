@@ -1,5 +1,5 @@
 // Int8 with one float32 scale per chunk: the CPU kernels of the int8 gradient compressor
-// (mpidist/parallel/compressors.py), each one pass over memory where the compressor's torch
+// (mpidist/parallel/int8_parts.py), each one pass over memory where the compressor's torch
 // operations make about ten.
 //
 // A bucket of n elements is cut into `rows` parts of `part` elements (the last ones shorter, or

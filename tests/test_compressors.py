@@ -18,6 +18,7 @@ import mpidist as md
 from mpidist import kernels
 from mpidist.parallel import compressors
 from mpidist.parallel.compressors import Int8, PowerSGD, TopK, parse_compression
+from mpidist.parallel.int8_parts import Int8Parts
 
 pytestmark = pytest.mark.mpi_shared_launch
 
@@ -117,7 +118,7 @@ def int8_pair(dtype, numel, size, chunk):
     """Int8's arithmetic over `numel` elements as rank 1 of `size` does it (only the exchange's
     local steps run here): once through mpidist._C's kernels, once through torch's operations;
     and the same random residual for each."""
-    fused, torch_ops = (compressors.Int8Parts(numel, size, 1, chunk, dtype, "cpu") for _ in "ab")
+    fused, torch_ops = (Int8Parts(numel, size, 1, chunk, dtype, "cpu") for _ in "ab")
     assert fused.fused
     torch_ops.fused = False
     residual = torch.randn(numel, generator=torch.Generator().manual_seed(5), dtype=dtype)

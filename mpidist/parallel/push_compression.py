@@ -21,7 +21,8 @@ import math
 import torch
 
 from ..errors import InvalidArgumentError
-from .compressors import Cast, Int8, Int8Parts, NoCompression, PowerSGD, TopK, _as, largest_magnitudes
+from .compressors import Cast, Int8, NoCompression, PowerSGD, TopK, largest_magnitudes
+from .int8_parts import Int8Parts, bytes_as
 
 
 def check_push(compressor) -> None:
@@ -110,6 +111,6 @@ class TopKPush(PushCodec):
 
     def decode(self, payload):
         values = torch.zeros(self.numel, dtype=self.dtype, device=payload.device)
-        indices = _as(payload[:4 * self.k], torch.int32).long()
-        values[indices] = _as(payload[4 * self.k:], self.dtype)
+        indices = bytes_as(payload[:4 * self.k], torch.int32).long()
+        values[indices] = bytes_as(payload[4 * self.k:], self.dtype)
         return values
