@@ -125,12 +125,15 @@ def replay(restored, size=2, until_steps=None):
     return weight, bias, steps
 
 
-def launch_under_ulfm(out, api) -> tuple:
-    """(output, exit status) of WORKER on 3 ranks under `mpirun --with-ft ulfm`; the status is None
-    when the job had not ended after 150 s and was killed (its whole process group)."""
+def launch_under_ulfm(out, api, exit_on_rank_loss=None) -> tuple:
+    """(output, exit status) of WORKER on 3 ranks under `mpirun --with-ft ulfm`, with
+    MPIDIST_EXIT_ON_RANK_LOSS set when given; the status is None when the job had not ended after
+    150 s and was killed (its whole process group)."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK",
-                                                           "PYTEST_ISOLATE_MPI_IS_FORKED")}
+                                                           "PYTEST_ISOLATE_MPI_IS_FORKED", "MPIDIST_EXIT_ON_RANK_LOSS")}
     env["MPIDIST_TIMEOUT"] = "60"
+    if exit_on_rank_loss is not None:
+        env["MPIDIST_EXIT_ON_RANK_LOSS"] = str(exit_on_rank_loss)
     cmd = ["mpirun", "--with-ft", "ulfm", "--oversubscribe", "--bind-to", "none", "-np", "3", sys.executable, "-c",
            WORKER, str(out), api]
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
@@ -142,9 +145,27 @@ def launch_under_ulfm(out, api) -> tuple:
         return process.communicate()[0], None
 
 
+# The md launch leaves MPIDIST_EXIT_ON_RANK_LOSS unset (the job exits 0), the hvd one asks for 3.
+EXIT_ON_RANK_LOSS = {"md": None, "hvd": 3}
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """api -> (its folder, output, exit status) of one launch each, shared by the checks."""
+    done = {}
+
+    def launch(api):
+        if api not in done:
+            out = tmp_path_factory.mktemp(f"elastic-{api}")
+            done[api] = (out, *launch_under_ulfm(out, api, EXIT_ON_RANK_LOSS[api]))
+        return done[api]
+
+    return launch
+
+
 @pytest.mark.parametrize("api", ["md", "hvd"])
-def test_elastic_run_survives_a_killed_rank_and_matches_the_replay(api, tmp_path):
-    output, status = launch_under_ulfm(tmp_path, api)
+def test_elastic_run_survives_a_killed_rank_and_matches_the_replay(api, launches):
+    tmp_path, output, status = launches(api)
     assert f"rank {VICTIM} of 3 died; going on with 2 ranks" in output, output
     finals = [torch.load(tmp_path / f"final-{rank}.pt") for rank in range(2)]
     assert not os.path.exists(tmp_path / "final-2.pt"), output
@@ -168,9 +189,27 @@ def test_elastic_run_survives_a_killed_rank_and_matches_the_replay(api, tmp_path
         model = final["model"]
         assert_within(model[prefix + "weight"], weight, roundings=steps * per_step)
         assert_within(model[prefix + "bias"], bias, roundings=steps * per_step)
+
+
+@pytest.mark.parametrize("api", ["md", "hvd"])
+def test_elastic_run_ends_with_one_summary_of_the_rank_lost(api, launches):
+    _, output, _ = launches(api)
+    summaries = [line for line in output.splitlines() if "mpidist: the job lost" in line]
+    assert len(summaries) == 1, output
+    # The victim died as the others were in the all-reduce of step KILL_AFTER_STEPS; they went
+    # back to the commit of the step before.
+    assert f"mpidist: the job lost rank {VICTIM} of 3 (elastic training) at epoch=1 steps={KILL_AFTER_STEPS} (" \
+        in summaries[0], summaries
+    assert f"the training since the last commit (epoch=1 steps={KILL_AFTER_STEPS - 1}) was done again on the 2 " \
+        "ranks left" in summaries[0], summaries
+
+
+@pytest.mark.parametrize("api", ["md", "hvd"])
+def test_elastic_run_that_lost_a_rank_exits_0_or_with_the_status_of_mpidist_exit_on_rank_loss(api, launches):
+    _, output, status = launches(api)
     # Open MPI's MPI_Finalize sometimes never returns after a death; the survivors then leave it
     # after MPIDIST_FINALIZE_TIMEOUT with their own status (runtime/leave.py).
-    assert status == 0, output
+    assert status == (EXIT_ON_RANK_LOSS[api] or 0), output
     print(f"{api}: MPI_Finalize left after MPIDIST_FINALIZE_TIMEOUT on {output.count('MPI_Finalize has not returned')} "
           "rank(s)")
 

@@ -30,6 +30,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import warnings
 import zlib
 
@@ -38,6 +39,7 @@ import torch
 
 from ..comm import Communicator, broadcast_json, init, replace_world, world
 from ..errors import InvalidArgumentError
+from ..runtime import losses
 from ..runtime.mpi import fault_tolerance_missing, is_process_failure, load_mpi, return_errors
 from ..runtime.wire import byte_view
 
@@ -250,24 +252,40 @@ def run_elastic(train_fn, state: State, args=(), kwargs=None, on_shrink=None):
     while True:
         state.sync()
         try:
-            return train_fn(state, *args, **(kwargs or {}))
+            result = train_fn(state, *args, **(kwargs or {}))
         except Exception as exc:
             if missing is not None or not is_process_failure(exc, world().communicators()):
                 raise
+        else:
+            losses.tell()  # the end of training: the summary of the ranks lost, if any
+            return result
         # Out of the except block: the traceback, which holds the old communicator's buckets and
         # handles, is gone.
-        old_size = world().size
+        old_size, reached = world().size, counters(state)
         dead = shrink_world()
         processes = end_frozen_processes(processes, dead)
+        ranks = f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} of {old_size}"
         if world().rank == 0:
-            lost = (f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} of {old_size} died" if dead else
-                    "a communicator was revoked, but no rank died")
+            lost = f"{ranks} died" if dead else "a communicator was revoked, but no rank died"
             print(f"mpidist elastic: {lost}; going on with {world().size} ranks from the last commit",
                   file=sys.stderr, flush=True)
+        if dead:
+            losses.record(losses.RankLoss(f"{ranks} (elastic training)", reached, time.time(),
+                                          f"the training since the last commit ({counters(state, committed=True)}) "
+                                          f"was done again on the {world().size} ranks left"),
+                          reports=world().rank == 0)
         state.restore()
         if on_shrink is not None:
             on_shrink()
         state.on_reset()
+
+
+def counters(state: State, committed: bool = False) -> str:
+    """Where training is (or was at the last commit): the state's whole-number values, as
+    "epoch=1 batch=3"."""
+    values = state._committed["values"] if committed else {name: getattr(state, name) for name in state._value_names}
+    named = [f"{name}={value}" for name, value in values.items() if isinstance(value, int) and not isinstance(value, bool)]
+    return " ".join(named) or "a step (the state names no counter such as epoch=)"
 
 
 def where_ranks_run(comm: Communicator) -> np.ndarray:

@@ -85,6 +85,11 @@ VARIABLES = (
              "has not returned after this long at exit ends without it, with the exit status its program was "
              "going to return: Open MPI's `MPI_Finalize` sometimes never returns after a death "
              "([Elastic training](elastic.md#leaving-the-job))", minimum=0.1),
+    _package("MPIDIST_EXIT_ON_RANK_LOSS", "count", 0, "`0` (the program's own status)", "when a rank's loss is seen",
+             "in a fault-tolerant run that lost a rank and went on ([elastic training](elastic.md#the-summary-at-the-end), "
+             "a [parameter server](parameter-server.md#when-a-rank-dies)), the exit status (1 to 255) of the ranks "
+             "that know of the loss, after the summary line at the end, so that the batch system sees it; `0` "
+             "leaves the status to the program (0 when it did its work)"),
     _package("MPIDIST_STALL_WARNING", "number", 60.0, "`60` (seconds)", "at every collective wait",
              "a rank that has waited this long in a collective prints a stall report: which ranks have not "
              "arrived and what each last called ([Faults](faults.md#stall-report)); the wait goes on until "

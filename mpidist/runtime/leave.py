@@ -21,7 +21,8 @@ noted on the way: an uncaught exception (sys.last_value, set before sys.exceptho
 gives 1 (130 for a KeyboardInterrupt, as a shell reports Ctrl-C), and sys.exit, wrapped by
 install(), notes its argument (None: 0, a number: itself, anything else: 1, as Python does). A
 SystemExit raised by the program itself, not through sys.exit, is not seen: such a program leaves
-with 0.
+with 0. A process that recorded a rank's loss (losses.py) and whose program leaves with 0 ends with
+MPIDIST_EXIT_ON_RANK_LOSS's status instead, through os._exit once MPI_Finalize has returned.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import os
 import sys
 import threading
 
-from . import config
+from . import config, losses
 from .abort import EXCEPTION_STATUS, INTERRUPT_STATUS, flush_output
 from .mpi import failed_ranks, load_mpi, loaded_mpi_libraries
 
@@ -89,7 +90,13 @@ class Watchdog:
 
 
 def exit_status() -> int:
-    """The status this process was going to exit with (see the module's docstring)."""
+    """The status this process ends with: its program's (program_status), or where that is 0 and
+    this process recorded a rank's loss, MPIDIST_EXIT_ON_RANK_LOSS's (losses.py)."""
+    return program_status() or (losses.exit_status_on_loss() if losses.lost_any() else 0)
+
+
+def program_status() -> int:
+    """The status this process's program was going to exit with (see the module's docstring)."""
     error = getattr(sys, "last_value", None)
     if error is not None:
         return INTERRUPT_STATUS if isinstance(error, KeyboardInterrupt) else EXCEPTION_STATUS
@@ -114,7 +121,7 @@ def finalize_after_a_death() -> None:
     if MPI.Is_finalized() or mpi4py.rc.finalize is False:  # finalized already, or by the program's choice never
         return
     dead = failed_ranks(MPI.COMM_WORLD)
-    if not dead and not detector_on():
+    if not dead and not detector_on() and not losses.lost_any():
         return
     status, limit = exit_status(), config.value("MPIDIST_FINALIZE_TIMEOUT")
     flush_output()  # what the program printed must not wait on a call that may never return
@@ -125,6 +132,9 @@ def finalize_after_a_death() -> None:
                   f"{limit:g} s (MPIDIST_FINALIZE_TIMEOUT) {why}: exiting with status {status} without it")
     _mpi_function("MPI_Finalize")()
     _watchdog.disarmed.set()
+    if status != program_status():
+        flush_output()
+        os._exit(status)  # Python would exit 0: it decided its status before its exit handlers ran
 
 
 def _mpi_function(name):

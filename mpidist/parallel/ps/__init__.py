@@ -61,6 +61,7 @@ import torch
 
 from ...comm import init
 from ...errors import InvalidArgumentError
+from ...runtime import losses
 from ...runtime.mpi import fault_tolerant, is_process_failure, return_errors
 from ..compressors import check_state, resolve_compression
 from ..model_state import broadcast_module_state
@@ -241,6 +242,7 @@ class ParameterServer:
         survival.wait_last_sends(role, sends)
         role.serving = False
         self.mpi.Free()
+        losses.tell()  # the end of training: the coordinator's summary of the workers lost, if any
         return history
 
     def gather_state(self) -> None:

@@ -36,6 +36,7 @@ import sys
 import time
 
 from ...errors import RankDiedError
+from ...runtime import losses
 from ...runtime.mpi import failed_ranks, fault_tolerant, is_process_failure
 from .roles import Role, ServerRole
 
@@ -109,6 +110,9 @@ def wait_last_sends(role: ServerRole, sends: list) -> None:
                 raise
             if outgoing.dest not in gone:
                 gone.add(outgoing.dest)
+                losses.record(losses.RankLoss(_worker_named(role, outgoing.dest), "its close()", time.time(),
+                                              "nothing: its training was over, and the servers hold the final weights"),
+                              reports=role.coordinating)
                 print(f"mpidist parameter server: rank {role.endpoint.rank}: worker {outgoing.dest} died after its "
                       "close(), before the final weights reached it; nothing is lost (the servers hold them)",
                       file=sys.stderr, flush=True)
@@ -119,6 +123,10 @@ def report(role: ServerRole, worker: int, steps: int, started: float) -> Lost:
     on standard error (when, how far into serve() it was)."""
     lost = Lost(worker, steps, time.time())
     role.lost.append(lost)
+    losses.record(losses.RankLoss(_worker_named(role, worker), f"update {role.version}, after its {steps} gradients",
+                                  lost.time, "its gradient not yet applied, if any, and the steps it had yet to take "
+                                  "(its share of the data, unless the script deals it to the other workers)"),
+                  reports=role.coordinating)
     if role.coordinating:
         living = [w for w in role.settings.workers if w not in {gone.worker for gone in role.lost}]
         when = time.strftime("%H:%M:%S", time.gmtime(lost.time))
@@ -126,6 +134,10 @@ def report(role: ServerRole, worker: int, steps: int, started: float) -> Lost:
               f"serve(), after {steps} steps, its last step {steps - 1}); dropped, going on with workers {living} "
               f"({role.settings.mode})", file=sys.stderr, flush=True)
     return lost
+
+
+def _worker_named(role: ServerRole, worker: int) -> str:
+    return f"rank {worker} of {role.endpoint.mpi.Get_size()} (a worker of the parameter server, {role.settings.mode})"
 
 
 def ends_on_death(method):
