@@ -23,10 +23,25 @@ mpirun); recover, to the first training step completed after it: by a survivor f
 the job survives, by the relaunched job (--resume=auto) for those that end it; lost, recover plus
 the time the steps that are done again had taken (those since the last elastic commit, or since
 the newest checkpoint). Wrong: a run that ends and resumes must reach the undisturbed run's
-final weights bit for bit (data parallel restores its sampler and RNG states); an elastic or
-parameter-server run, whose updates race, must come within ACCURACY_TOLERANCE below the
-undisturbed run's test accuracy (a bound, not an equality: tests/test_ps_resume.py and
-tests/test_ps_faults.py compare the parameter server with its float64 replay).
+final weights bit for bit (data parallel restores its sampler and RNG states); an elastic run
+must come within REPLAY_TOLERANCE of a float64 replay of its survivors' batches.
+
+A parameter-server run, whose updates race, differs from run to run even undisturbed, and a dead
+worker's share of the data goes untrained from its death on. So each parameter-server
+configuration (the job's options: async, softsync, sync with backup workers, ...) is first run
+undisturbed --references times, with training seeds 0, 1, ...; each such reference records its
+final test accuracy, the gradients its server applied and its accuracy curve: the test accuracy
+of each of its checkpoints against the gradients applied by then. They are appended to
+<out>.jsonl as reference records and reused by a campaign that restarts. Disturbed run i trains
+with seed i modulo --references, so that the references and the disturbed runs differ in the
+same ways but for the fault. Its lost share of work is 1 - g / G, g the gradients applied to its
+final weights (for a job that ended and resumed: those of the checkpoint it resumed from plus the
+relaunch's), G the references' median. It is judged against the references after as much work:
+at g gradients the references' accuracies (each one's curve, interpolated linearly) range from
+low to high, and the run is wrong when its accuracy is below low - max(high - low, one test
+item): below the worst reference by more than the references' own spread (at least the
+accuracy's resolution). tests/test_ps_resume.py and tests/test_ps_faults.py compare the
+parameter server with its float64 replay.
 """
 from __future__ import annotations
 
@@ -52,9 +67,6 @@ HOOK = os.path.join(HERE, "fault_hook.py")
 CLUSTER = os.path.join(REPO, "tests", "multinode", "cluster.sh")
 NOTES_HEADING = "## Notes"  # the summary's own section, written by hand; kept when the summary is rewritten
 DEADLINE = 180  # s: a launch still running then is a hang, killed with its whole process group
-# Parameter server: its updates race, so runs differ even undisturbed, and a dead worker's share of
-# the data goes untrained from its death on: a bound on the loss of test accuracy, not an equality.
-ACCURACY_TOLERANCE = 0.15
 REPLAY_TOLERANCE = 1e-4  # elastic: float32 training against the float64 replay, relative to the weights
 STALL_WARNING, TIMEOUT = 5, 20  # MPIDIST_STALL_WARNING and MPIDIST_TIMEOUT for the frozen rank
 STEP_PHASES = ("forward", "backward", "apply")
@@ -127,15 +139,19 @@ def mpirun_env(extra: dict) -> dict:
     return env
 
 
-def launch(scenario: dict, directory: str, checkpoints: str, args, spec=None, resume=False) -> dict:
-    """One mpirun of `mpidist train` through the hook, its phase logs in `directory`; its output
-    lines with the time each came, its exit status (None: killed at DEADLINE) and the times it
-    started and ended."""
+def launch(scenario: dict, directory: str, checkpoints: str, args, spec=None, resume=False, seed=0) -> dict:
+    """One mpirun of `mpidist train --seed seed` through the hook, its phase logs in `directory`;
+    its output lines with the time each came, its exit status (None: killed at DEADLINE) and the
+    times it started and ended."""
     os.makedirs(directory, exist_ok=True)
-    train = list(scenario["train"])
+    train = [*scenario["train"], "--seed", str(seed)]
     if resume:
         train.append("--resume=auto")
-    extra = {"FAULT_DIR": directory, "MPIDIST_STALL_WARNING": str(STALL_WARNING), "MPIDIST_TIMEOUT": str(TIMEOUT)}
+    # A TMPDIR of its own: a killed mpirun leaves its session directory behind, which can make a
+    # later mpirun refuse to start.
+    session = tempfile.mkdtemp(prefix="faults-mpirun-")
+    extra = {"FAULT_DIR": directory, "MPIDIST_STALL_WARNING": str(STALL_WARNING), "MPIDIST_TIMEOUT": str(TIMEOUT),
+             "TMPDIR": session}
     if spec is not None:
         extra["FAULT_SPEC"] = json.dumps(spec)
     if scenario.get("backup_workers"):
@@ -171,6 +187,7 @@ def launch(scenario: dict, directory: str, checkpoints: str, args, spec=None, re
     if link is not None:
         link.finish()
     reader.join(timeout=10)
+    shutil.rmtree(session, ignore_errors=True)
     return {"cmd": cmd, "status": status, "started": started, "ended": ended, "lines": lines,
             "checkpoints": checkpoints, "directory": directory, "link": link and link.record}
 
@@ -332,20 +349,25 @@ def elastic_replay(directory: str):
                for k, v in model.state_dict().items())
 
 
-def reference(name: str, scenario: dict, args) -> dict:
-    """The undisturbed run of `scenario`'s job (made once per job and kept in the work directory):
-    its test accuracy, checkpoint directory, step times and checkpoint size in datasets."""
+def reference_key(scenario: dict) -> str:
+    """The name of a scenario's job: scenarios with the same job share its undisturbed runs."""
     key = "-".join(a.strip("-") for a in scenario["train"]) or "data"
     if scenario.get("nodes"):
         key += "-nodes"
     if scenario.get("backup_workers"):
         key += f"-backup{scenario['backup_workers']}"
-    directory = os.path.join(args.work, f"reference-{key}")
-    summary = os.path.join(directory, "reference.json")
-    if os.path.exists(summary):
-        with open(summary) as f:
-            return json.load(f)
-    run = launch(scenario, directory, os.path.join(directory, "checkpoints"), args)
+    return key
+
+
+def is_ps(scenario: dict) -> bool:
+    return "ps" in scenario["train"]
+
+
+def undisturbed(name: str, scenario: dict, directory: str, args, seed=0) -> dict:
+    """An undisturbed run of `scenario`'s job: its test accuracy, checkpoint directory, step
+    times and checkpoint size in datasets."""
+    shutil.rmtree(directory, ignore_errors=True)  # one cut short before
+    run = launch(scenario, directory, os.path.join(directory, "checkpoints"), args, seed=seed)
     if run["status"] != 0 or accuracy_of(run) is None:
         raise RuntimeError(f"the undisturbed run of {name} failed:\n" + "\n".join(line for _, line in run["lines"]))
     logs = phase_log(directory)
@@ -358,14 +380,112 @@ def reference(name: str, scenario: dict, args) -> dict:
     result = {"accuracy": accuracy_of(run), "checkpoints": run["checkpoints"], "steps": steps,
               "datasets": len(datasets), "seconds": run["ended"] - run["started"],
               "train_s": training_seconds(logs)}
+    if is_ps(scenario):
+        result.update(gradients=gradients_applied(run), curve=accuracy_curve(run), load_average=os.getloadavg())
+    return result
+
+
+def reference(name: str, scenario: dict, args) -> dict:
+    """The undisturbed run of `scenario`'s job, made once per job and kept in the work directory;
+    for the parameter server's, whose runs differ, the first of its references (ps_references),
+    with all of them under "references"."""
+    if is_ps(scenario):
+        return ps_references(name, scenario, args)
+    directory = os.path.join(args.work, f"reference-{reference_key(scenario)}")
+    summary = os.path.join(directory, "reference.json")
+    if os.path.exists(summary):
+        with open(summary) as f:
+            return json.load(f)
+    result = undisturbed(name, scenario, directory, args)
     with open(summary, "w") as f:
         json.dump(result, f)
     return result
 
 
+def ps_references(name: str, scenario: dict, args) -> dict:
+    """The --references undisturbed runs of a parameter-server job, with training seeds 0, 1, ...:
+    those <out>.jsonl holds already (same job, ranks, epochs and batch size), the others run now
+    and appended to it as reference records."""
+    key = reference_key(scenario)
+    recorded = {r["reference_seed"]: r for r in read_records(args.out)
+                if r.get("reference") == key and (r["ranks"], r["epochs"], r["batch_size"]) ==
+                (args.ranks, args.epochs, args.batch_size)}
+    for seed in range(args.references):
+        if seed not in recorded:
+            run = undisturbed(name, scenario, os.path.join(args.work, f"reference-{key}-seed{seed}"), args, seed)
+            recorded[seed] = {"reference": key, "reference_seed": seed, "ranks": args.ranks, "epochs": args.epochs,
+                              "batch_size": args.batch_size, "command": args.command, **run}
+            append_record(args.out, recorded[seed])
+            print(f"reference {key} seed {seed}: accuracy {run['accuracy']}, {run['gradients']} gradients",
+                  flush=True)
+    spread = [recorded[seed] for seed in range(args.references)]
+    return {**spread[0], "references": spread}
+
+
+def gradients_applied(run: dict):
+    """The gradients the server applied in this launch (its summary line), or None."""
+    for _, line in run["lines"]:
+        found = re.search(r"parameter server \(.*\): \d+ updates of (\d+) gradients", line)
+        if found:
+            return int(found.group(1))
+    return None
+
+
+def gradients_resumed(run: dict) -> int:
+    """The gradients applied to the checkpoint a relaunch resumed from (its "resumed from" line)."""
+    for _, line in run["lines"]:
+        found = re.search(r"resumed from .* gradients per worker \[([0-9, ]*)\]", line)
+        if found:
+            return sum(int(n) for n in found.group(1).split(",") if n.strip())
+    return 0
+
+
+def checkpoint_accuracy(path: str) -> float:
+    """The test accuracy of the network in the checkpoint at `path`, as `mpidist train` measures it."""
+    from mpidist.checkpoint import load_checkpoint
+    from mpidist.data import HDF5Dataset, default_digits_path
+    from mpidist.train import build_model, evaluate
+    model = build_model()
+    load_checkpoint(path, model, restore_rng=False)
+    return evaluate(model, HDF5Dataset(default_digits_path(), "test"))
+
+
+def accuracy_curve(run: dict) -> list:
+    """[gradients applied, test accuracy] of each checkpoint of an undisturbed parameter-server
+    run, its final weights last."""
+    import h5py
+    curve = {}
+    for path in sorted(glob.glob(os.path.join(run["checkpoints"], "ps", "*.h5"))):
+        with h5py.File(path, "r") as f:
+            applied = json.loads(f.attrs["extra"])["applied"]
+        curve[sum(applied.values())] = checkpoint_accuracy(path)
+    curve[gradients_applied(run)] = accuracy_of(run)
+    return sorted([gradients, accuracy] for gradients, accuracy in curve.items())
+
+
+def digits_test_size() -> int:
+    from mpidist.data import HDF5Dataset, default_digits_path
+    return len(HDF5Dataset(default_digits_path(), "test"))
+
+
+def accuracy_verdict(accuracy, gradients, references: list, resolution: float) -> dict:
+    """A parameter-server run's accuracy judged against its job's references after as much work
+    (the module's docstring; `resolution`: one test item's share of the accuracy): its lost share
+    of work, the references' range there, the bound, and whether it is wrong."""
+    import numpy as np
+    if accuracy is None or gradients is None:
+        return {"wrong": True, "gradients": gradients}
+    at_same_work = [float(np.interp(gradients, *zip(*r["curve"]))) for r in references]
+    low, high = min(at_same_work), max(at_same_work)
+    bound = low - max(high - low, resolution)
+    return {"gradients": gradients,
+            "lost_share": 1 - gradients / statistics.median(r["gradients"] for r in references),
+            "references_at_same_work": [low, high], "accuracy_bound": bound, "wrong": accuracy < bound}
+
+
 def draw(name: str, scenario: dict, ref: dict, args, rng: random.Random, directory: str) -> dict:
     """The fault of one run: victim rank, step, phase and moment within it."""
-    servers = 1 if "ps" in scenario["train"] else 0
+    servers = 1 if is_ps(scenario) else 0
     victims = {"any": list(range(args.ranks)), "rank0": [0], "server": [0],
                "workers": list(range(servers, args.ranks)),
                "node2": list(range(node_slots(), args.ranks))}[scenario["victims"]]
@@ -428,14 +548,14 @@ def judge(name: str, scenario: dict, ref: dict, run: dict, relaunch, fault: dict
     record["named"] = detected is not None
     record["detected_by"] = next((line for t, line in run["lines"] if t == detected), None)
     victim = fault["rank"]
-    survivors = [r for r in range(args.ranks) if r != victim and not (r == 0 and "ps" in scenario["train"])]
+    survivors = [r for r in range(args.ranks) if r != victim and not (r == 0 and is_ps(scenario))]
     before = step_times(logs.get(min(survivors), []), t_fault)
     step_s = statistics.median(before) if before else 0.0
     marks = [t for t, phase, _ in logs.get(0 if victim != 0 else min(survivors), []) if t < t_fault and
              phase in ("commit" if scenario.get("survives") else "checkpoint-done",)]
     done_before = [t for t, phase, _ in logs.get(min(survivors), []) if phase == "done" and t < t_fault]
     last_mark = max(marks) if marks else run["started"]
-    redone = sum(1 for t in done_before if t > last_mark) if "ps" not in scenario["train"] else 0
+    redone = sum(1 for t in done_before if t > last_mark) if not is_ps(scenario) else 0
     if scenario.get("loses_nothing"):  # the job goes on as if nothing had happened
         import numpy as np
         record["named"] = first_line(run, r"mpidist: stall:", t_fault) is not None  # a stall report, if any
@@ -466,9 +586,9 @@ def judge(name: str, scenario: dict, ref: dict, run: dict, relaunch, fault: dict
                  t > (detected or t_fault)]
         recovered = min(after) if after else None
         record["accuracy"] = accuracy_of(run)
-        if "ps" in scenario["train"]:
-            record["wrong"] = record["accuracy"] is None or \
-                record["accuracy"] < ref["accuracy"] - ACCURACY_TOLERANCE
+        if is_ps(scenario):
+            record.update(accuracy_verdict(record["accuracy"], gradients_applied(run), ref["references"],
+                                           1 / digits_test_size()))
         else:
             record["replay_difference"] = elastic_replay(run["directory"])
             record["wrong"] = record["replay_difference"] is None or record["replay_difference"] > REPLAY_TOLERANCE
@@ -487,10 +607,11 @@ def judge(name: str, scenario: dict, ref: dict, run: dict, relaunch, fault: dict
         record["resumed_from"] = next((line for _, line in relaunch["lines"] if "resumed from" in line), None) \
             if relaunch else None
         record["relaunch_status"] = relaunch and relaunch["status"]
-        if "ps" in scenario["train"]:
+        if is_ps(scenario):
             record["accuracy"] = accuracy_of(relaunch) if relaunch else None
-            record["wrong"] = record["accuracy"] is None or \
-                record["accuracy"] < ref["accuracy"] - ACCURACY_TOLERANCE
+            relaunched = gradients_applied(relaunch) if relaunch else None
+            record.update(accuracy_verdict(record["accuracy"], relaunched and relaunched + gradients_resumed(relaunch),
+                                           ref["references"], 1 / digits_test_size()))
         else:
             import numpy as np
             record["wrong"] = relaunch is None or relaunch["status"] != 0 or not all(
@@ -498,7 +619,7 @@ def judge(name: str, scenario: dict, ref: dict, run: dict, relaunch, fault: dict
                                                          final_weights(ref["checkpoints"])))
         record["steps_per_s_before"] = rate(logs, survivors, first_step(logs, survivors), t_fault)
         last = max((t for log in relaunch_logs.values() for t, phase, _ in log if phase == "done"), default=None)
-        trainers = [r for r in range(args.ranks) if not (r == 0 and "ps" in scenario["train"])]
+        trainers = [r for r in range(args.ranks) if not (r == 0 and is_ps(scenario))]
         record["steps_per_s_after"] = rate(relaunch_logs, trainers, recovered, last) if recovered else None
         record["job_end_s"] = run["ended"] - t_fault
         if run.get("link"):
@@ -526,10 +647,11 @@ def one_run(name: str, index: int, args) -> dict:
     checkpoints = os.path.join(args.work, f"{name}-{index}", "checkpoints")
     os.makedirs(directory, exist_ok=True)
     spec = draw(name, scenario, ref, args, rng, directory)
-    run = launch(scenario, directory, checkpoints, args, spec=spec)
+    training_seed = index % args.references if is_ps(scenario) else 0  # the references' seeds, in turn
+    run = launch(scenario, directory, checkpoints, args, spec=spec, seed=training_seed)
     fault_file = os.path.join(directory, "fault.json")
-    record = {"scenario": name, "run": index, "seed": args.seed, "ranks": args.ranks, "command": args.command,
-              "spec": spec}
+    record = {"scenario": name, "run": index, "seed": args.seed, "ranks": args.ranks, "epochs": args.epochs,
+              "batch_size": args.batch_size, "command": args.command, "spec": spec, "training_seed": training_seed}
     if not os.path.exists(fault_file):  # the job ended (or hung) before the drawn moment came
         record.update(injected=False, hang=run["status"] is None, status=run["status"],
                       output_tail="\n".join(line for _, line in run["lines"])[-3000:])
@@ -543,7 +665,7 @@ def one_run(name: str, index: int, args) -> dict:
         record["checkpoint_loadable"] = None if newest is None else loads(newest, args) is None
         relaunch_dir = os.path.join(args.work, f"{name}-{index}", "relaunch")
         if run["status"] is not None:
-            relaunch = launch(scenario, relaunch_dir, checkpoints, args, resume=True)
+            relaunch = launch(scenario, relaunch_dir, checkpoints, args, resume=True, seed=training_seed)
     logs = phase_log(directory)
     record.update(injected=True, fault=fault, **judge(name, scenario, ref, run, relaunch, fault, logs, args))
     return record
@@ -559,7 +681,7 @@ def percentile(values, q):
 def summarize(records: list) -> dict:
     summary = {}
     for name in SCENARIOS:
-        mine = [r for r in records if r["scenario"] == name]
+        mine = [r for r in records if r.get("scenario") == name]
         if not mine:
             continue
         injected = [r for r in mine if r.get("injected")]
@@ -574,12 +696,35 @@ def summarize(records: list) -> dict:
             values = [r.get(key) for r in injected]
             row[key] = {"median": percentile(values, 0.5), "p95": percentile(values, 0.95),
                         "n": sum(v is not None for v in values)}
+        if is_ps(SCENARIOS[name]):
+            row.update(accuracy_summary(SCENARIOS[name], injected, records))
         summary[name] = row
     for name, row in summary.items():
         baseline = SCENARIOS[name].get("baseline")
         if baseline in summary and row["lost_s"]["median"] and summary[baseline]["lost_s"]["median"]:
             row["lost_vs_restart"] = row["lost_s"]["median"] / summary[baseline]["lost_s"]["median"]
     return summary
+
+
+def spread(values) -> dict:
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return {"min": None, "median": None, "max": None, "n": 0}
+    return {"min": values[0], "median": statistics.median(values), "max": values[-1], "n": len(values)}
+
+
+def accuracy_summary(scenario: dict, injected: list, records: list) -> dict:
+    """A parameter-server scenario's test accuracies: its runs', and its job's references' (those
+    of the runs' ranks and epochs), with the lost shares of work and the bounds the runs met."""
+    shapes = {(r["ranks"], r.get("epochs"), r.get("batch_size")) for r in injected}
+    references = [r for r in records if r.get("reference") == reference_key(scenario) and
+                  (r["ranks"], r["epochs"], r["batch_size"]) in shapes]
+    return {"accuracy": spread(r.get("accuracy") for r in injected),
+            "lost_share": spread(r.get("lost_share") for r in injected),
+            "accuracy_bound": spread(r.get("accuracy_bound") for r in injected),
+            "references": {"seeds": sorted(r["reference_seed"] for r in references),
+                           "accuracy": spread(r["accuracy"] for r in references),
+                           "gradients": spread(r["gradients"] for r in references)}}
 
 
 def machine() -> dict:
@@ -590,10 +735,16 @@ def machine() -> dict:
 
 
 def read_records(out: str) -> list:
+    """Every record of <out>.jsonl: the runs' (with "scenario") and the references' (with "reference")."""
     if not os.path.exists(out + ".jsonl"):
         return []
     with open(out + ".jsonl") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def append_record(out: str, record: dict) -> None:
+    with open(out + ".jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def write_reports(out: str, args, started_load) -> None:
@@ -604,7 +755,7 @@ def write_reports(out: str, args, started_load) -> None:
     report = {"commands": commands, "machine": machine(), "load_average_at_start": started_load,
               "ranks": args.ranks, "epochs": args.epochs, "batch_size": args.batch_size,
               "stall_warning_s": STALL_WARNING, "timeout_s": TIMEOUT, "deadline_s": DEADLINE,
-              "accuracy_tolerance": ACCURACY_TOLERANCE, "scenarios": summary}
+              "scenarios": summary}
     with open(out + ".json", "w") as f:
         json.dump(report, f, indent=1)
 
@@ -633,6 +784,16 @@ def write_reports(out: str, args, started_load) -> None:
         lines.append(f"| {name} | {row['runs']} | {row['injected']} | {row['completed_as_documented']} | "
                      f"{row['hangs']} | {row['wrong']} | {row['unloadable_checkpoints']} | {fmt(row['detect_s'])} | "
                      f"{fmt(row['job_end_s'])} | {fmt(row['recover_s'])} | {fmt(row['lost_s'])} | {ratio} | {rates} |")
+    lines += ["", "Parameter server: test accuracy, min / median / max (N), of the undisturbed references (training "
+              "seeds 0, 1, ...) and of the disturbed runs; the runs' lost share of work (1 - gradients applied / the "
+              "references' median) and the bound each was judged by (the references' lowest accuracy after as much "
+              "work, less their range there, at least one test item; benchmarks/faults.py).", "",
+              "| scenario | references' accuracy | runs' accuracy | lost share of work | bound | wrong |",
+              "|" + "---|" * 6]
+    for name, row in summary.items():
+        if "references" in row:
+            lines.append(f"| {name} | {fmt_spread(row['references']['accuracy'])} | {fmt_spread(row['accuracy'])} | "
+                         f"{fmt_spread(row['lost_share'])} | {fmt_spread(row['accuracy_bound'])} | {row['wrong']} |")
     notes = ""  # what was written about the runs by hand, kept from the file being replaced
     if os.path.exists(out + ".md"):
         with open(out + ".md") as f:
@@ -641,6 +802,12 @@ def write_reports(out: str, args, started_load) -> None:
             notes = "\n" + existing[existing.index(NOTES_HEADING):]
     with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n" + notes)
+
+
+def fmt_spread(cell: dict) -> str:
+    if not cell["n"]:
+        return "-"
+    return f"{cell['min']:.4f} / {cell['median']:.4f} / {cell['max']:.4f} ({cell['n']})"
 
 
 def nodes_up() -> None:
@@ -668,7 +835,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=50, help="runs per scenario (default 50)")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, of: " + ", ".join(SCENARIOS))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the seed of the faults' draws")
+    parser.add_argument("--references", type=int, default=5,
+                        help="undisturbed runs per parameter-server job, to judge its disturbed runs by (default 5)")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -677,6 +846,8 @@ def main(argv=None) -> int:
     parser.add_argument("--work", default=None, help="scratch directory (default: a new temporary one)")
     parser.add_argument("--until", default=None, help="stop starting runs after this UTC time (HH:MM)")
     args = parser.parse_args(argv)
+    if args.references < 2:
+        parser.error(f"--references must be at least 2, for a spread (got {args.references})")
     names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
@@ -684,7 +855,7 @@ def main(argv=None) -> int:
     args.work = args.work or tempfile.mkdtemp(prefix="faults-")
     args.command = "python benchmarks/faults.py " + " ".join(argv if argv is not None else sys.argv[1:])
     started_load = os.getloadavg()
-    done = {(r["scenario"], r["run"]) for r in read_records(args.out) if r["seed"] == args.seed}
+    done = {(r["scenario"], r["run"]) for r in read_records(args.out) if "scenario" in r and r["seed"] == args.seed}
     stop_at = next_utc_time(args.until) if args.until else None
     if any(SCENARIOS[name].get("nodes") for name in names):
         nodes_up()
@@ -697,8 +868,7 @@ def main(argv=None) -> int:
                 write_reports(args.out, args, started_load)
                 return 0
             record = one_run(name, index, args)
-            with open(args.out + ".jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_record(args.out, record)
             print(f"{name} #{index}: injected={record.get('injected')} completed={record.get('completed')} "
                   f"hang={record.get('hang')} wrong={record.get('wrong')} detect={record.get('detect_s')} "
                   f"recover={record.get('recover_s')} lost={record.get('lost_s')}", flush=True)
