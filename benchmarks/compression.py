@@ -1,8 +1,10 @@
 """Time to accuracy with gradient compression across emulated nodes: md.DataParallel with every
-compressor and without, and torch DDP with its PowerSGD hook over gloo as the peer.
+compressor and without, and torch DDP with its PowerSGD hook, over gloo and over the "mpidist"
+torch.distributed backend, as the peers.
 
     sudo python benchmarks/compression.py [--layouts 2x2,4x1] [--rates 500mbit,10gbit] [--delay 25us]
-        [--compressions none,fp16,bf16,int8,powersgd:4,topk:0.01,ddp-powersgd:4] [--hidden 2560]
+        [--compressions none,fp16,bf16,int8,powersgd:4,topk:0.01,ddp-powersgd:4,ddp-mpidist-powersgd:4]
+        [--hidden 2560]
         [--batch 32] [--lr 0.05] [--steps 60] [--deadline 150] [--target 0.95] [--output PATH]
     python benchmarks/compression.py --local ...   (no root: the layouts' ranks on this machine, no link)
 
@@ -15,16 +17,29 @@ gradients dominates a step on a slow link) on the handwritten digits that mpidis
 images per rank per step in a fresh permutation every epoch, SGD with momentum 0.9.
 
 Every configuration runs `--steps` steps, or fewer when its training time passes `--deadline`
-seconds. Rank 0 measures the test accuracy every `--eval-every` steps while the other ranks
-wait; that time is not training time. A row holds: step time (median of rank 0's steps after
-the first `--start` ones: PowerSGD's plain all-reduce steps, the same count for every
-configuration), bytes per step (the bytes every node's link sent during those steps, read
-from the node's /proc/net/dev; not measured with --local), the training time and step at which
-the test accuracy first reached `--target` (null if never), and the final accuracy.
+seconds. Rank 0 measures the test accuracy and the test loss (the mean cross entropy, in
+float64, kept to full precision) every `--eval-every` steps while the other ranks wait; that
+time is not training time. A row holds: step time (median of rank 0's steps after the first
+`--start` ones: PowerSGD's plain all-reduce steps, the same count for every configuration),
+bytes per step (the bytes every node's link sent during those steps, read from the node's
+/proc/net/dev; not measured with --local), the training time and step at which the test
+accuracy first reached `--target` (null if never), the final accuracy and test loss, and how
+far the final weights are from those of `none` in the same run (the L2 norm of the difference
+over none's, and the largest absolute difference, in float64; null without a `none` row). On
+297 test images a compressor's rounding seldom flips a prediction, so the loss and the distance
+are what tell the compressors apart.
 
 `ddp-powersgd:<rank>` is torch.nn.parallel.DistributedDataParallel over a gloo process group
-(MASTER_ADDR: node 1's address) with torch's powerSGD_hook and a PowerSGDState of that rank;
-`powersgd:<rank>` is mpidist's, with the same start (`--start`, torch's start_powerSGD_iter).
+(MASTER_ADDR: node 1's address) with torch's powerSGD_hook and a PowerSGDState of that rank,
+registered as users register it (`register_comm_hook(state, powerSGD_hook)`: the hook returns
+its future and DDP waits for it only at the end of backward), in one bucket: over gloo the hook
+of several buckets fails (its second and third all-reduces start from gloo's thread when the
+first ends, in an order that differs between the ranks from that of the next bucket's first,
+and gloo pairs them by that order). `ddp-mpidist-powersgd:<rank>` is the same over the
+"mpidist" backend (`dist.init_process_group("mpidist")`) in DDP's own buckets, whose exchanges
+overlap the rest of backward. A DDP row names the hook that DDP holds (`comm_hook`, module and
+name). `powersgd:<rank>` is mpidist's, with the same start
+(`--start`, torch's start_powerSGD_iter).
 Writes PATH.json (the rows of every layout and rate, the command, the link settings, the
 machine's CPU and the load average) and PATH.md (the tables).
 """
@@ -32,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -42,10 +58,20 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 CLUSTER = os.path.join(REPO, "tests", "multinode", "cluster.sh")
-COMPRESSIONS = "none,fp16,bf16,int8,powersgd:4,topk:0.01,ddp-powersgd:4"
-DDP_PEER = "ddp-powersgd:"
+COMPRESSIONS = "none,fp16,bf16,int8,powersgd:4,topk:0.01,ddp-powersgd:4,ddp-mpidist-powersgd:4"
+DDP_PEERS = {"ddp-powersgd:": "gloo", "ddp-mpidist-powersgd:": "mpidist"}  # spelling -> DDP's backend
 ROW_KEYS = ("configuration", "steps", "step_ms", "bytes_per_step", "time_to_target_s", "steps_to_target",
-            "final_accuracy", "training_s", "accuracy_history")
+            "final_accuracy", "final_loss", "training_s", "history", "distance_from_none_relative",
+            "distance_from_none_max_abs", "comm_hook")
+HISTORY_KEYS = ("step", "training_s", "accuracy", "loss")
+
+
+def ddp_peer(configuration: str) -> tuple[str, str] | None:
+    """(backend, PowerSGD rank as written) of a DDP peer's spelling; None for mpidist's own."""
+    for prefix, backend in DDP_PEERS.items():
+        if configuration.startswith(prefix):
+            return backend, configuration[len(prefix):]
+    return None
 
 
 def parse_args(argv=None):
@@ -54,7 +80,8 @@ def parse_args(argv=None):
     parser.add_argument("--rates", default="500mbit,10gbit", help="link rates (tc units), one run each")
     parser.add_argument("--delay", default="25us", help="every node's one-way delay (netem)")
     parser.add_argument("--compressions", default=COMPRESSIONS,
-                        help=f"configurations: md.DataParallel's compression spellings, or {DDP_PEER}<rank>")
+                        help="configurations: md.DataParallel's compression spellings, or "
+                        + ", ".join(f"{prefix}<rank>" for prefix in DDP_PEERS))
     parser.add_argument("--hidden", type=int, default=2560, help="width of the MLP's two hidden layers")
     parser.add_argument("--batch", type=int, default=32, help="images per rank per step")
     parser.add_argument("--lr", type=float, default=0.05)
@@ -73,10 +100,11 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     from mpidist.parallel.compressors import parse_compression
     for name in args.compressions.split(","):
-        if name.startswith(DDP_PEER):
-            rank = name[len(DDP_PEER):]
+        peer = ddp_peer(name)
+        if peer is not None:
+            rank = peer[1]
             if not rank.isdigit() or int(rank) < 1:
-                parser.error(f"{name}: give {DDP_PEER}<rank>, a whole number >= 1")
+                parser.error(f"{name}: give {name[:len(name) - len(rank)]}<rank>, a whole number >= 1")
         else:
             try:
                 parse_compression(name)
@@ -129,40 +157,49 @@ def make_model(hidden: int):
                                torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
 
 
-def wrapped(model, configuration: str, args, gloo):
+def wrapped(model, configuration: str, args, groups: dict):
+    """The model in md.DataParallel with the configuration's compression, or in DDP over the
+    peer's process group (`groups`: backend -> group) with torch's PowerSGD hook."""
     import dataclasses
 
     import mpidist as md
     from mpidist.parallel.compressors import PowerSGD, parse_compression
-    if not configuration.startswith(DDP_PEER):
+    peer = ddp_peer(configuration)
+    if peer is None:
         compression = parse_compression(configuration)
         if isinstance(compression, PowerSGD):
             compression = dataclasses.replace(compression, start_iter=args.start)
         return md.DataParallel(model, compression=compression)
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
-    ddp = DistributedDataParallel(model, process_group=gloo)
-
-    def one_bucket_at_a_time(state, bucket):
-        # Over gloo, the hook's second all-reduce of one bucket (started when its first ends) and
-        # the next bucket's first one start in an order that differs between the ranks, and gloo
-        # fails or hangs on the mismatch; so each bucket's exchange ends before the next begins.
-        future = powerSGD_hook.powerSGD_hook(state, bucket)
-        future.wait()
-        return future
-    ddp.register_comm_hook(powerSGD_hook.PowerSGDState(
-        process_group=gloo, matrix_approximation_rank=int(configuration[len(DDP_PEER):]),
-        start_powerSGD_iter=args.start, random_seed=0), one_bucket_at_a_time)
+    backend, rank = peer
+    # gloo runs the hook in one bucket only (the docstring says why); mpidist in DDP's own.
+    model_mb = math.ceil(sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20)
+    ddp = DistributedDataParallel(model, process_group=groups[backend],
+                                  bucket_cap_mb=model_mb if backend == "gloo" else None)
+    ddp.register_comm_hook(PowerSGDState(process_group=groups[backend], matrix_approximation_rank=int(rank),
+                                         start_powerSGD_iter=args.start, random_seed=0), powerSGD_hook)
     return ddp
 
 
-def train(configuration: str, data, args, comm, is_node_leader: bool, gloo) -> dict:
-    """One configuration's row (on rank 0; the other ranks' rows are not kept)."""
+def comm_hook_name(net) -> str | None:
+    """The module and name of the communication hook DDP holds; None for md.DataParallel."""
+    hooks = getattr(net, "_comm_hooks", None)
+    if not hooks:
+        return None
+    [(hook, _)] = hooks
+    return f"{hook.__module__}.{hook.__qualname__}"
+
+
+def train(configuration: str, data, args, comm, is_node_leader: bool, groups: dict):
+    """One configuration's row and its final weights, flat (on rank 0; the other ranks' rows are
+    not kept)."""
     import torch
     x_train, y_train, x_test, y_test = data
     rank, size = comm.Get_rank(), comm.Get_size()
     model = make_model(args.hidden)
-    net = wrapped(model, configuration, args, gloo)
+    net = wrapped(model, configuration, args, groups)
+    comm_hook = comm_hook_name(net)
     optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
     per_step = args.batch * size
     steps_per_epoch = max(1, len(x_train) // per_step)
@@ -184,12 +221,14 @@ def train(configuration: str, data, args, comm, is_node_leader: bool, gloo) -> d
         step += 1
         if step % args.eval_every and step != args.steps:
             continue
-        accuracy = None
+        accuracy = loss = None
         if rank == 0:
             with torch.no_grad():
-                accuracy = (model(x_test).argmax(1) == y_test).double().mean().item()
-        accuracy, training_s = comm.bcast((accuracy, training_s))  # rank 0's clock decides for all
-        history.append([step, round(training_s, 3), accuracy])
+                logits = model(x_test).double()
+                accuracy = (logits.argmax(1) == y_test).double().mean().item()
+                loss = torch.nn.functional.cross_entropy(logits, y_test).item()
+        accuracy, loss, training_s = comm.bcast((accuracy, loss, training_s))  # rank 0's clock decides for all
+        history.append([step, round(training_s, 3), accuracy, loss])
         if reached is None and accuracy >= args.target:
             reached = (step, training_s)
         if training_s >= args.deadline:
@@ -201,11 +240,25 @@ def train(configuration: str, data, args, comm, is_node_leader: bool, gloo) -> d
         sent = None if sent is None or sent_before is None else sent - sent_before
         sent = comm.allreduce(sent if sent is not None else -1)
     del net, optimizer
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()]).double() if rank == 0 else None
     return {"configuration": configuration, "steps": step,
             "step_ms": 1e3 * statistics.median(step_s[args.start:]) if step > args.start else None,
             "bytes_per_step": sent / (step - args.start) if sent is not None and sent >= 0 else None,
             "time_to_target_s": reached and round(reached[1], 3), "steps_to_target": reached and reached[0],
-            "final_accuracy": history[-1][2], "training_s": round(training_s, 3), "accuracy_history": history}
+            "final_accuracy": history[-1][2], "final_loss": history[-1][3], "training_s": round(training_s, 3),
+            "history": history, "comm_hook": comm_hook}, weights
+
+
+def add_distances_from_none(rows: list[dict], weights: list) -> None:
+    """Each row's final weights against none's: the L2 norm of the difference over none's, and
+    the largest absolute difference (null without a `none` row)."""
+    names = [row["configuration"] for row in rows]
+    reference = weights[names.index("none")] if "none" in names else None
+    for row, mine in zip(rows, weights):
+        difference = None if reference is None else mine - reference
+        row["distance_from_none_relative"] = None if difference is None else (
+            difference.norm() / reference.norm()).item()
+        row["distance_from_none_max_abs"] = None if difference is None else difference.abs().max().item()
 
 
 def worker(args) -> None:
@@ -218,27 +271,30 @@ def worker(args) -> None:
     md.init()
     comm = MPI.COMM_WORLD
     data = load_digits(comm)
-    gloo = None
+    groups = {}
     configurations = args.compressions.split(",")
-    if any(c.startswith(DDP_PEER) for c in configurations):
+    if any(ddp_peer(c) for c in configurations):
         # gloo's store and connections between the nodes: node 1's address, its own interface.
         node_addresses = os.environ.get("MPIDIST_MN_NODE_ADDRS")
         os.environ["MASTER_ADDR"] = node_addresses.split(",")[0] if node_addresses else "127.0.0.1"
         if node_addresses:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")
         dist.init_process_group("mpidist")
-        gloo = dist.new_group(backend="gloo")
-    rows = []
+        groups = {"mpidist": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    rows, weights = [], []
     for configuration in configurations:
-        rows.append(train(configuration, data, args, comm, md.local_rank() == 0, gloo))
+        row, final_weights = train(configuration, data, args, comm, md.local_rank() == 0, groups)
+        rows.append(row)
+        weights.append(final_weights)
         if comm.Get_rank() == 0:
-            print(f"compression: {configuration}: {json.dumps({k: v for k, v in rows[-1].items() if k != 'accuracy_history'})}",
+            print(f"compression: {configuration}: {json.dumps({k: v for k, v in row.items() if k != 'history'})}",
                   file=sys.stderr, flush=True)
-    gc.collect()  # DDP's reducer before the gloo group that it holds
-    if gloo is not None:
-        dist.destroy_process_group(gloo)
+    gc.collect()  # DDP's reducer before the process groups that it holds
+    if groups:
+        dist.destroy_process_group(groups["gloo"])
         dist.destroy_process_group()
     if comm.Get_rank() == 0:
+        add_distances_from_none(rows, weights)
         with open(args.worker, "w") as out:
             json.dump(rows, out)
 
@@ -273,8 +329,9 @@ def run_layout(nodes: int, per_node: int, rate: str | None, args, argv) -> tuple
 def table(rows: list[dict]) -> str:
     baseline = next((r for r in rows if r["configuration"] == "none"), None)
     lines = ["| configuration | MB per step | step ms | vs none | time to target s | vs none | "
-             "steps to target | final accuracy | steps run |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "steps to target | final accuracy | final test loss | weights vs none: relative L2 | max abs | "
+             "steps run |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def ratio(key, row):
         if baseline is None or not baseline[key] or not row[key]:
@@ -285,15 +342,19 @@ def table(rows: list[dict]) -> str:
         megabytes = f"{row['bytes_per_step'] / 1e6:.2f}" if row["bytes_per_step"] is not None else "-"
         step = f"{row['step_ms']:.0f}" if row["step_ms"] is not None else "-"
         to_target = f"{row['time_to_target_s']:.1f}" if row["time_to_target_s"] is not None else "not reached"
+        distances = [f"{row[key]:.3g}" if row[key] is not None else "-"
+                     for key in ("distance_from_none_relative", "distance_from_none_max_abs")]
         lines.append(f"| {row['configuration']} | {megabytes} | {step} | {ratio('step_ms', row)} | {to_target} | "
                      f"{ratio('time_to_target_s', row)} | {row['steps_to_target'] or '-'} | "
-                     f"{100 * row['final_accuracy']:.1f}% | {row['steps']} |")
+                     f"{100 * row['final_accuracy']:.1f}% | {row['final_loss']:.6f} | {' | '.join(distances)} | "
+                     f"{row['steps']} |")
     return "\n".join(lines)
 
 
 def verdict(run: dict) -> str:
     """Where compression pays on this run: each configuration's time to the target against none's
-    with its final accuracy, and mpidist's PowerSGD against DDP's hook over gloo."""
+    with its final accuracy, and mpidist's PowerSGD against DDP's hook of the same rank over each
+    backend."""
     rows = {row["configuration"]: row for row in run["rows"]}
     baseline = rows.get("none")
     if baseline is None or baseline["time_to_target_s"] is None:
@@ -311,11 +372,11 @@ def verdict(run: dict) -> str:
         (paying if speedup > 1 and points >= -0.5 else not_paying).append(text)
     lines = ["Time to the target against none's " + (f"(pays: {'; '.join(paying)}" if paying else "(pays: nothing")
              + (f"; does not pay: {'; '.join(not_paying)})." if not_paying else ").")]
-    ours = [row for name, row in rows.items() if name.startswith("powersgd:")]
-    theirs = [row for name, row in rows.items() if name.startswith(DDP_PEER)]
-    for mine, peer in zip(ours, theirs):
-        if mine["time_to_target_s"] and peer["time_to_target_s"]:
-            lines.append(f"{mine['configuration']} against {peer['configuration']} over gloo: "
+    for name, peer in rows.items():
+        backend, rank = ddp_peer(name) or (None, None)
+        mine = rows.get(f"powersgd:{rank}")
+        if backend and mine and mine["time_to_target_s"] and peer["time_to_target_s"]:
+            lines.append(f"{mine['configuration']} against {name} (torch's hook over {backend}): "
                          f"{peer['time_to_target_s'] / mine['time_to_target_s']:.2f}x the speed to the target, "
                          f"step time {peer['step_ms'] / mine['step_ms']:.2f}x.")
     return " ".join(lines)
@@ -344,10 +405,19 @@ def where_it_pays(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def cpu_description() -> str:
+    """lscpu's model name, family and model, and whether the CPU has AVX-512."""
+    fields = dict(line.split(":", 1) for line in subprocess.run(
+        ["lscpu"], capture_output=True, text=True).stdout.splitlines() if ":" in line)
+    fields = {name.strip(): value.strip() for name, value in fields.items()}
+    avx512 = "AVX-512" if "avx512f" in fields.get("Flags", "").split() else "no AVX-512"
+    return (f"{fields.get('Model name', 'unknown')} (family {fields.get('CPU family', '?')} "
+            f"model {fields.get('Model', '?')}, {avx512})")
+
+
 def write(args, argv, results: list[dict], uptimes: list[str]) -> None:
     """PATH.json and PATH.md of the runs so far."""
-    cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(
-        ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name")), "unknown")
+    cpu = cpu_description()
     command = "python benchmarks/compression.py " + " ".join(argv)
     with open(args.output + ".json", "w") as out:
         json.dump({"command": command, "cpu": cpu, "cores": os.cpu_count(), "uptime": uptimes,
@@ -365,7 +435,11 @@ def write(args, argv, results: list[dict], uptimes: list[str]) -> None:
                   f"sent, all nodes together, per step after the first {args.start}; step ms: the median of "
                   "those steps (rank 0); time to target: training seconds (evaluations excluded) until the "
                   "test accuracy, measured every "
-                  f"{args.eval_every} steps, first reached the target; vs none: none's time over the row's.\n\n"
+                  f"{args.eval_every} steps, first reached the target; vs none: none's time over the row's; "
+                  "final test loss: the mean cross entropy on the test images after the last step (every "
+                  "evaluation's, to full precision, in the JSON's `history`: step, training s, accuracy, loss); "
+                  "weights vs none: the final weights' difference from none's in this run, its L2 norm over "
+                  "none's and its largest absolute element.\n\n"
                   f"Where compression pays (time to the target, final accuracy within 0.5 point of none's):\n\n"
                   f"{where_it_pays(results)}\n\n" + "\n".join(sections))
 

@@ -1,5 +1,7 @@
 """benchmarks/compression.py: its arguments are checked, and a tiny run of its ranks on this
-machine (--local, no emulated nodes) writes complete rows (no timing assertions)."""
+machine (--local, no emulated nodes) writes complete rows: the test loss at every evaluation,
+the final weights' distance from none's, torch's PowerSGD hook registered as it is over gloo and
+over the "mpidist" backend (no timing assertions)."""
 import json
 import os
 import subprocess
@@ -9,7 +11,7 @@ import pytest
 from conftest import REPO
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-from compression import ROW_KEYS, parse_args  # noqa: E402
+from compression import HISTORY_KEYS, ROW_KEYS, parse_args  # noqa: E402
 
 SCRIPT = os.path.join(REPO, "benchmarks", "compression.py")
 
@@ -18,6 +20,7 @@ SCRIPT = os.path.join(REPO, "benchmarks", "compression.py")
     (["--compressions", "none,zip"], "compression 'zip' is unknown"),
     (["--compressions", "powersgd:0"], "PowerSGD rank=0"),
     (["--compressions", "ddp-powersgd:x"], "ddp-powersgd:x: give ddp-powersgd:<rank>"),
+    (["--compressions", "ddp-mpidist-powersgd:0"], "ddp-mpidist-powersgd:0: give ddp-mpidist-powersgd:<rank>"),
     (["--layouts", "2by2"], "--layouts 2by2: give NODESxRANKS_PER_NODE"),
     (["--layouts", "0x2"], "--layouts 0x2: give NODESxRANKS_PER_NODE"),
     (["--steps", "5", "--start", "5"], "--start 5: give 0 <= start < --steps"),
@@ -29,33 +32,77 @@ def test_bad_arguments_are_refused_by_name(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-def test_a_tiny_local_run_writes_every_configuration(tmp_path):
-    output = tmp_path / "compression"
-    configurations = ["none", "powersgd:1", "int8", "ddp-powersgd:1"]
+CONFIGURATIONS = ["none", "fp16", "powersgd:1", "int8", "ddp-powersgd:1", "ddp-mpidist-powersgd:1"]
+TORCH_HOOK = "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.powerSGD_hook"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One tiny --local run of two ranks, its JSON's run and its markdown, for the tests below."""
+    output = tmp_path_factory.mktemp("compression") / "compression"
     result = subprocess.run([sys.executable, SCRIPT, "--local", "--layouts", "1x2", "--hidden", "32", "--steps", "4",
-                             "--start", "2", "--eval-every", "2", "--compressions", ",".join(configurations),
+                             "--start", "2", "--eval-every", "2", "--compressions", ",".join(CONFIGURATIONS),
                              "--output", str(output)], capture_output=True, text=True, timeout=240, cwd=REPO)
     assert result.returncode == 0, result.stdout + result.stderr
-    results = json.loads(output.with_suffix(".json").read_text())
-    [run] = results["runs"]
+    [run] = json.loads(output.with_suffix(".json").read_text())["runs"]
+    return run, output.with_suffix(".md").read_text()
+
+
+def test_a_tiny_local_run_writes_every_configuration(tiny_run):
+    run, _ = tiny_run
     assert (run["nodes"], run["ranks_per_node"]) == (1, 2)
-    rows = run["rows"]
-    assert [row["configuration"] for row in rows] == configurations
-    for row in rows:
+    assert [row["configuration"] for row in run["rows"]] == CONFIGURATIONS
+
+
+def test_every_row_has_every_field(tiny_run):
+    run, _ = tiny_run
+    for row in run["rows"]:
         assert set(row) == set(ROW_KEYS)
         assert row["steps"] == 4 and row["step_ms"] > 0
         assert row["bytes_per_step"] is None  # no emulated link to count them on
-        assert [step for step, _, _ in row["accuracy_history"]] == [2, 4]
         assert 0 <= row["final_accuracy"] <= 1
-    # Before PowerSGD starts its steps are plain all-reduces, ours and DDP's over gloo: the same
-    # model from the same weights on the same batches (up to an image whose prediction the
-    # all-reduces' rounding flips).
-    first_accuracies = [row["accuracy_history"][0][2] for row in rows if "powersgd" in row["configuration"]]
-    for accuracy in first_accuracies:
-        assert abs(accuracy - rows[0]["accuracy_history"][0][2]) <= 1 / 297 + 1e-12
-    markdown = output.with_suffix(".md").read_text()
+
+
+def test_the_test_loss_is_kept_at_every_evaluation(tiny_run):
+    run, _ = tiny_run
+    for row in run["rows"]:
+        assert all(len(entry) == len(HISTORY_KEYS) for entry in row["history"])
+        assert [entry[0] for entry in row["history"]] == [2, 4]
+        assert all(entry[3] > 0 for entry in row["history"])
+        assert row["final_loss"] == row["history"][-1][3]
+
+
+def test_the_ddp_peers_hold_torchs_own_hook(tiny_run):
+    """Registered as users register it: DDP holds powerSGD_hook itself, no wrapper around it."""
+    run, _ = tiny_run
+    hooks = {row["configuration"]: row["comm_hook"] for row in run["rows"]}
+    assert hooks == {name: TORCH_HOOK if name.startswith("ddp-") else None for name in CONFIGURATIONS}
+
+
+def test_every_compressor_moves_the_weights_away_from_none(tiny_run):
+    run, _ = tiny_run
+    distances = {row["configuration"]: (row["distance_from_none_relative"], row["distance_from_none_max_abs"])
+                 for row in run["rows"]}
+    assert distances.pop("none") == (0, 0)
+    assert all(relative > 0 and max_abs > 0 for relative, max_abs in distances.values()), distances
+
+
+def test_the_ddp_peers_start_from_the_same_plain_steps(tiny_run):
+    """Before PowerSGD starts its steps are plain all-reduces, ours and DDP's over either
+    backend: the same model from the same weights on the same batches, up to the all-reduces'
+    rounding."""
+    run, _ = tiny_run
+    rows = {row["configuration"]: row for row in run["rows"]}
+    first_loss = rows["none"]["history"][0][3]
+    for name in ("powersgd:1", "ddp-powersgd:1", "ddp-mpidist-powersgd:1"):
+        assert rows[name]["history"][0][3] == pytest.approx(first_loss, rel=1e-5)
+
+
+def test_the_markdown_has_a_table_row_per_configuration(tiny_run):
+    _, markdown = tiny_run
     assert "## 1 nodes x 2 ranks per node" in markdown and "load average" in markdown
-    assert all(f"| {configuration} |" in markdown for configuration in configurations)
+    assert "final test loss" in markdown and "weights vs none: relative L2" in markdown
+    assert all(f"| {configuration} |" in markdown for configuration in CONFIGURATIONS)
 
 
 def test_int8_compute_benchmark_writes_both_rows(tmp_path):
