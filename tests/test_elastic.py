@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import REPO, run_python
 from tolerances import assert_within
+from ulfm_job import loss_summaries
 
 SAMPLES, FEATURES, BATCH, EPOCHS, LR, MOMENTUM = 24, 3, 2, 3, 0.1, 0.9
 VICTIM, KILL_AFTER_STEPS, COMMIT_EVERY = 1, 7, 2  # killed in epoch 1, one step after the commit at step 6
@@ -194,7 +195,7 @@ def test_elastic_run_survives_a_killed_rank_and_matches_the_replay(api, launches
 @pytest.mark.parametrize("api", ["md", "hvd"])
 def test_elastic_run_ends_with_one_summary_of_the_rank_lost(api, launches):
     _, output, _ = launches(api)
-    summaries = [line for line in output.splitlines() if "mpidist: the job lost" in line]
+    summaries = loss_summaries(output)
     assert len(summaries) == 1, output
     # The victim died as the others were in the all-reduce of step KILL_AFTER_STEPS; they went
     # back to the commit of the step before.

@@ -29,7 +29,7 @@ MPIDIST_FINALIZE_TIMEOUT with its own exit status (runtime/leave.py), which the 
 checks."""
 
 import pytest
-from ulfm_job import job_start, phase_records, run_ulfm_job
+from ulfm_job import job_start, loss_summaries, phase_records, run_ulfm_job
 
 RANKS, FEATURES, CLASSES, SAMPLES, TESTS, BATCH, EPOCHS, LR = 8, 8, 3, 1536, 2000, 64, 3, 0.5
 KILL_STEP, KILL_UPDATE = 9, 12
@@ -47,6 +47,7 @@ PHASES = {
     "server-killed": ([0, 1], 1, {"mode": "async"}, 0),
     "building": ([1, 6], 1, {"mode": "async"}, 6),
 }
+EXIT_ON_RANK_LOSS = 4  # the servers that dropped a worker exit with it, and so mpirun
 RUN_SECONDS, EXIT_SECONDS = 150, 30  # the exit: the interpreter's end, then MPI_Finalize (MPIDIST_FINALIZE_TIMEOUT at most)
 DETECTION_SECONDS = 10  # from a kill to the end of the waits it ends (seen: under 1 s, on a loaded host)
 
@@ -143,7 +144,8 @@ def job(tmp_path_factory):
     """(the job's output, its exit status or None when it was stopped, the records by phase and
     world rank, when each phase's victim killed itself (time.time()), the seconds the job took)."""
     out = tmp_path_factory.mktemp("ps-faults")
-    text, status, seconds = run_ulfm_job(out, RANKS, JOB, PHASES, survivors(), RUN_SECONDS, EXIT_SECONDS)
+    text, status, seconds = run_ulfm_job(out, RANKS, JOB, PHASES, survivors(), RUN_SECONDS, EXIT_SECONDS,
+                                         exit_on_rank_loss=EXIT_ON_RANK_LOSS)
     records = phase_records(out, PHASES)
     kills = {name: float((out / f"killed-{name}").read_text()) for name in PHASES if (out / f"killed-{name}").exists()}
     return text, status, records, kills, seconds
@@ -235,10 +237,34 @@ def test_a_death_in_the_building_plain_sync_or_of_a_server_ends_with_an_error_na
     assert ended < DETECTION_SECONDS, phase
 
 
-def test_the_job_ends(job):
+# The phases that went on without a worker: each coordinator's one line at the end of serve()
+# names it by its rank in the phase, and where it was lost.
+SUMMARIES = {
+    "async-killed": ("rank 4 of 5 (a worker of the parameter server, async) at update ",
+                     f", after its {KILL_STEP} gradients ("),
+    "closed": ("rank 3 of 4 (a worker of the parameter server, sync) at its close() (",
+               "nothing: its training was over, and the servers hold the final weights"),
+    "softsync": ("rank 4 of 5 (a worker of the parameter server, softsync) at update ",
+                 f", after its {KILL_STEP} gradients ("),
+    "backup": ("rank 3 of 4 (a worker of the parameter server, sync) at update ",),
+}
+
+
+@pytest.mark.parametrize("name", SUMMARIES)
+def test_a_parameter_server_that_dropped_a_worker_sums_it_up_once_at_its_end(job, name):
+    output = job[0]
+    assert len(loss_summaries(output, *SUMMARIES[name])) == 1, output
+
+
+def test_the_summaries_tell_only_the_workers_dropped(job):
+    output = job[0]
+    assert len(loss_summaries(output)) == len(SUMMARIES), output
+
+
+def test_the_job_ends_with_the_status_of_mpidist_exit_on_rank_loss(job):
     output, status, records, _, seconds = job
     assert all(records[name] for name in PHASES), output
-    assert status == 0, output
+    assert status == EXIT_ON_RANK_LOSS, output
     left = "MPI_Finalize has not returned" in output
     print(f"the job took {seconds:.1f} s" + (" (MPI_Finalize left after MPIDIST_FINALIZE_TIMEOUT)" if left else ""))
 

@@ -22,7 +22,7 @@ EXIT_SECONDS after every survivor wrote its last file: how a job ends after a de
 tests/test_ps_faults.py's concern."""
 
 import pytest
-from ulfm_job import job_start, phase_records, run_ulfm_job
+from ulfm_job import job_start, loss_summaries, phase_records, run_ulfm_job
 
 RANKS, FEATURES, CLASSES, SAMPLES, TESTS, BATCH, EPOCHS, LR = 8, 8, 3, 1536, 2000, 64, 2, 0.1
 WIDE = 4096  # the hidden width: weights of 140 KB, sent by rendezvous, not eagerly
@@ -178,3 +178,18 @@ def test_the_undisturbed_run(job):
     assert sum(map(len, undisturbed[0]["updates"])) == 3 * STEPS
     assert all(undisturbed[rank]["steps"] == STEPS for rank in (1, 2, 3)), undisturbed
     assert len({record["accuracy"] for record in undisturbed.values()}) == 1, undisturbed
+
+
+@pytest.mark.parametrize("name", [name for name, (*_, victim, _) in PHASES.items() if victim is not None])
+def test_the_server_sums_up_the_worker_it_dropped_once_at_its_end(job, name):
+    output, _, _ = job
+    _, options, _, how = PHASES[name]
+    pushed = KILL_STEP + 1 if how == "reply" else KILL_STEP
+    said = loss_summaries(output, f"rank 3 of 4 (a worker of the parameter server, {options['mode']}) at update ",
+                          f", after its {pushed} gradients (")
+    assert len(said) == 1, output
+
+
+def test_only_the_workers_dropped_are_summed_up(job):
+    output, _, killed = job
+    assert len(loss_summaries(output)) == len(killed) == 4, output

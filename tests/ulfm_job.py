@@ -15,11 +15,15 @@ import time
 from conftest import REPO
 
 
-def run_ulfm_job(out, ranks: int, job: str, phases: dict, survivors, run_seconds: float, exit_seconds: float):
-    """(the job's output, its exit status or None where it was stopped, the seconds it took)."""
+def run_ulfm_job(out, ranks: int, job: str, phases: dict, survivors, run_seconds: float, exit_seconds: float,
+                 exit_on_rank_loss=None):
+    """(the job's output, its exit status or None where it was stopped, the seconds it took);
+    MPIDIST_EXIT_ON_RANK_LOSS is set to `exit_on_rank_loss` when given."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK",
-                                                           "PYTEST_ISOLATE_MPI_IS_FORKED")}
+                                                           "PYTEST_ISOLATE_MPI_IS_FORKED", "MPIDIST_EXIT_ON_RANK_LOSS")}
     env.update(MPIDIST_TIMEOUT="60", MPIDIST_STALL_WARNING="120")
+    if exit_on_rank_loss is not None:
+        env["MPIDIST_EXIT_ON_RANK_LOSS"] = str(exit_on_rank_loss)
     cmd = ["mpirun", "--with-ft", "ulfm", "--oversubscribe", "--bind-to", "none", "-np", str(ranks), sys.executable,
            "-c", job, str(out), json.dumps(phases)]
     started = time.monotonic()
@@ -40,6 +44,12 @@ def run_ulfm_job(out, ranks: int, job: str, phases: dict, survivors, run_seconds
         text = output.read()
     status = None if process.returncode < 0 else process.returncode
     return text, status, time.monotonic() - started
+
+
+def loss_summaries(output: str, *parts: str) -> list:
+    """The summary lines of ranks lost (runtime/losses.py) in a job's output that hold every one
+    of `parts`."""
+    return [line for line in output.splitlines() if "mpidist: the job lost " in line and all(p in line for p in parts)]
 
 
 def phase_records(out, phases: dict) -> dict:
