@@ -128,20 +128,58 @@ def test_empty_files_directories_and_other_files_are_refused(tmp_path):
 
 
 
-# A checkpoint that mpidist wrote before checkpoints were sealed (format version 1): the model of
-# trained(), step 3 of epoch 1.
-VERSION_1 = os.path.join(os.path.dirname(__file__), "data", "ckpt-0001-00000003.h5")
+# A checkpoint that mpidist wrote before checkpoints were sealed (format version 1); files.json
+# says how it was made and what a load of it gives.
+DATA = os.path.join(os.path.dirname(__file__), "data")
+VERSION_1 = os.path.join(DATA, "ckpt-0001-00000003.h5")
+with open(os.path.join(DATA, "files.json")) as handle:
+    VERSION_1_EXPECTED = json.load(handle)[os.path.basename(VERSION_1)]["expected"]
+
+
+def stored_datasets(path):
+    """Every dataset of the HDF5 file at `path`, read with h5py alone: {name: its bytes, dtype, shape}."""
+    datasets = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, item: datasets.__setitem__(name, as_bits(item[()]))
+                     if isinstance(item, h5py.Dataset) else None)
+    return datasets
+
+
+def loaded_datasets(model, optimizer):
+    """What a load put in the model, the optimizer state and torch's generator, under the names of
+    the datasets it came from."""
+    tensors = {f"model/{name}": value for name, value in model.state_dict().items()}
+    tensors.update({f"optimizer/state/{index}/{key}": value
+                    for index, state in optimizer.state_dict()["state"].items() for key, value in state.items()})
+    tensors["rng/0/torch_cpu"] = torch.get_rng_state()
+    return {name: as_bits(tensor.numpy()) for name, tensor in tensors.items()}
+
+
+def as_bits(array):
+    return array.tobytes(), str(array.dtype), array.shape
 
 
 def test_a_checkpoint_from_before_the_seal_still_loads_with_a_warning(tmp_path):
+    """What loads is what the file holds, bit for bit; the file's values are those of the machine
+    that wrote it (files.json), so they are read from it, never computed again here."""
     shutil.copy(VERSION_1, tmp_path)
     path = str(tmp_path / os.path.basename(VERSION_1))
     assert latest_checkpoint(tmp_path) == path
-    model, optimizer = trained(seed=1)
+    with h5py.File(path, "r") as f:
+        assert f.attrs["format_version"] == VERSION_1_EXPECTED["format_version"]
+    stored = stored_datasets(path)
+    assert sorted(stored) == VERSION_1_EXPECTED["datasets"]
+    # Other values everywhere before the load: weights of seed 1, another learning rate and betas.
+    model, optimizer = trained(seed=1, optimizer_class=lambda p, lr: torch.optim.Adam(p, lr=0.5, betas=(0.5, 0.5)))
     with pytest.warns(UserWarning, match="without checkpoint checksums .format version 1.: loaded without checking"):
-        assert load_checkpoint(path, model, optimizer) == {"step": 3, "epoch": 1, "extra": {}}
-    reference, reference_optimizer = trained(seed=0)
-    assert states(model, optimizer)[:2] == states(reference, reference_optimizer)[:2]
+        assert load_checkpoint(path, model, optimizer) == VERSION_1_EXPECTED["load_checkpoint_returns"]
+    loaded = loaded_datasets(model, optimizer)
+    assert sorted(loaded) == sorted(stored)
+    assert [name for name in stored if loaded[name] != stored[name]] == [], "these differ from the file"
+    expected_groups = VERSION_1_EXPECTED["param_groups"]
+    groups = [{key: group[key] for key in expected} for group, expected in
+              zip(optimizer.state_dict()["param_groups"], expected_groups, strict=True)]
+    assert json.loads(json.dumps(groups)) == expected_groups
 
 
 def test_an_unsealed_checkpoint_of_a_sealed_format_is_refused(tmp_path):
