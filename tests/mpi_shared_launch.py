@@ -1,15 +1,16 @@
-"""Every multi-rank test runs under an mpirun started here, one launch per test module and rank count
-for modules marked `mpi_shared_launch`; every test is reported once, whatever its rank count, and
+"""Every multi-rank test runs under an mpirun started here, one launch per rank count for all the
+modules marked `mpi_shared_launch`; every test is reported once, whatever its rank count, and
 a launch is judged by every rank's reports and by how mpirun itself ended.
 
 pytest-isolate-mpi starts `mpirun -np N pytest <test>` for every multi-rank test and rank count,
 and every start gives each rank a fresh interpreter that imports torch: seconds of CPU, more than
-most checks cost. In a module with `pytestmark = pytest.mark.mpi_shared_launch` the selected
-multi-rank tests of one rank count run in one launch instead, in the order pytest runs them; the
-ranks' processes (MPI, mpidist's state) carry over from one test to the next, so a test must not
-depend on what an earlier one leaves behind, nor leave behind what a later one would notice. A
-test marked `mpi_own_launch` (one that leaves a collective unfinished, say), and every multi-rank
-test of an unmarked module, runs in a launch of its own, started the same way.
+most checks cost. The selected multi-rank tests of one rank count in the modules with
+`pytestmark = pytest.mark.mpi_shared_launch` run in one launch instead, in the order pytest runs
+them; the ranks' processes (MPI, mpidist's state, every module's imports) carry over from one
+test to the next and from one module to the next, so a test must not depend on what an earlier
+one leaves behind, nor leave behind what a later one would notice. A test marked
+`mpi_own_launch` (one that leaves a collective unfinished, say), and every multi-rank test of an
+unmarked module, runs in a launch of its own, started the same way.
 
 In the ranks, pytest-isolate-mpi writes each test's reports as it always does, here into a
 directory of that test's own; this session reads them and reports each phase (setup, call,
@@ -21,7 +22,8 @@ output and the tests after it fail as not run. A test fails too when a rank wrot
 it, and the launch's last test fails when mpirun exits with a status other than 0 after every
 rank reported: a rank that crashes at exit, in a destructor, in a background thread or in
 MPI_Finalize after its last assertion. Failed tests do not make a rank's pytest exit non-zero
-(their reports say so already), so any such status is news.
+(their reports say so already), so any such status is news. The ranks' pytest reads the tests'
+ids from a file (pytest's `@file` arguments): a launch of every shared module names thousands.
 
 A launch that ends before any rank started a test, its output showing one of Open MPI's launcher
 start-up failures (START_UP_FAILURES), is started once more, with a line in the terminal saying
@@ -94,16 +96,17 @@ def register(config):
 
 
 def launch_key(item):
-    """(module, ranks, OpenMP threads) of a test that shares its module's launch, that plus the
-    test's own id for one that runs alone; None for a test that is not a multi-rank one."""
+    """(ranks, OpenMP threads) of a test that shares the shared modules' launch, that plus the
+    module and the test's own id for one that runs alone; None for a test that is not a
+    multi-rank one."""
     mark = item.get_closest_marker("mpi")
     if mark is None or item.config.getoption("--no-mpi-isolation"):
         return None
     callspec = getattr(item, "callspec", None)
     ranks = callspec.params.get("mpi_ranks", 1) if callspec is not None else 1
-    key = (item.path, ranks, mark.kwargs.get("threads"))
+    key = (ranks, mark.kwargs.get("threads"))
     if item.get_closest_marker(MARKER) is None or item.get_closest_marker(OWN_LAUNCH) is not None:
-        return key + (item.nodeid,)
+        return key + (item.path, item.nodeid)
     return key
 
 
@@ -165,7 +168,7 @@ class SharedLaunch:
             return None
         if item.nodeid not in self.reports:
             items = item.session.items
-            self.launch([other for other in items[items.index(item):] if launch_key(other) == key], key[1])
+            self.launch([other for other in items[items.index(item):] if launch_key(other) == key], key[0])
         ihook = item.ihook
         ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
         reports = self.reports.pop(item.nodeid)
@@ -197,14 +200,17 @@ class SharedLaunch:
         if any(os.getenv(hint) for hint in MPI_ENV_HINTS):
             pytest.exit("forked MPI tests cannot be run in an MPI environment", pytest.ExitCode.USAGE_ERROR)
         option = self.config.option
-        command = assemble_sub_pytest_cmd(option, items[0].nodeid)[:-1] + [item.nodeid for item in items]
-        command = self.mpirun.extend_command_for_parallel_execution(command, ranks)
-        if option.verbose_mpi:
-            print(f"dispatching command: {command}")
+        pytest_command = assemble_sub_pytest_cmd(option, items[0].nodeid)[:-1]
         first = []  # the output of a first launch that never started, for the reports of the second
         for again in (False, True):
             # ignore_cleanup_errors: a killed mpirun's ranks may still be ending in the directory.
             with tempfile.TemporaryDirectory(prefix="mpidist-launch-", ignore_cleanup_errors=True) as directory:
+                tests = os.path.join(directory, "tests")
+                with open(tests, "w") as file:
+                    file.writelines(f"{item.nodeid}\n" for item in items)
+                command = self.mpirun.extend_command_for_parallel_execution(pytest_command + [f"@{tests}"], ranks)
+                if option.verbose_mpi:
+                    print(f"dispatching command: {command} ({len(items)} tests)")
                 stopped_in, exit_status, output = self.run(command, items, ranks, directory)
                 reason = None if again else start_up_failure(items, directory, stopped_in, exit_status, output)
                 if reason is None:
@@ -212,7 +218,9 @@ class SharedLaunch:
                     return
             first = [(f"{title} of a first launch, which ended before any rank started a test ({reason})", text)
                      for title, text in output]
-            self.say(f"{items[0].location[0]} on {ranks} ranks: the launch ended before any rank started a test "
+            modules = list(dict.fromkeys(item.location[0] for item in items))
+            more = f" and {len(modules) - 1} more modules" if len(modules) > 1 else ""
+            self.say(f"{modules[0]}{more} on {ranks} ranks: the launch ended before any rank started a test "
                      f"({reason}); starting it once more")
 
     def run(self, command, items, ranks, directory):

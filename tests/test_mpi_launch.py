@@ -1,9 +1,11 @@
 """The suite's own launcher (mpi_shared_launch.py): a multi-rank test is green only when every rank
 ended well. Each check plants ranks that misbehave after their last report in a small test
 project of its own, runs pytest on it as `make test` runs the suite, and reads the outcome of
-every test from its JUnit XML; the project's modules run in one pytest session, as the suite's do.
-The launches that fail to start run under a stand-in for mpirun that prints Open MPI's start-up
-failure and exits before starting any rank, as mpirun does when its PMIx server cannot start."""
+every test from its JUnit XML; a project's modules run in one pytest session, as the suite's do,
+and their shared tests of one rank count in one launch, so each planted misbehaviour has a project
+of its own. The launches that fail to start run under a stand-in for mpirun that prints Open MPI's
+start-up failure and exits before starting any rank, as mpirun does when its PMIx server cannot
+start."""
 import os
 import shutil
 import subprocess
@@ -93,12 +95,16 @@ def test_after_a_failure(mpi_ranks):
 """
 
 
-# Stands in for mpirun and logs each launch: the first launch of test_restarted.py, and every one
-# of test_never_starts.py, print what mpirun prints when its PMIx server cannot start and exit
-# as it does, before starting any rank; every other launch is the real mpirun's.
+# Stands in for mpirun and logs each launch, its command and the tests its @file names: the first
+# launch of test_restarted.py, and every one of test_never_starts.py, print what mpirun prints when
+# its PMIx server cannot start and exit as it does, before starting any rank; every other launch is
+# the real mpirun's.
 FAKE_MPIRUN = """#!/bin/sh
-echo "$*" >> {log}
-case "$*" in
+for last; do :; done
+tests=""
+case "$last" in @*) tests=$(cat "${{last#@}}" | tr '\\n' ' ') ;; esac
+echo "$* $tests" >> {log}
+case "$* $tests" in
   *test_restarted.py*) [ "$(grep -c test_restarted.py {log})" = 1 ] && fail=1 ;;
   *test_never_starts.py*) fail=1 ;;
 esac
@@ -172,27 +178,63 @@ def run_project(project, files):
 
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
-    """The outcome of a project of every planted module (run_project)."""
-    return run_project(tmp_path_factory.mktemp("planted"), {
-        "conftest.py": CONFTEST, "pytest.ini": PYTEST_INI, "test_shared.py": SHARED, "test_own.py": OWN,
-        "test_hang.py": HANG, "test_good.py": GOOD})
+    """The outcomes of three projects (run_project), one per planted misbehaviour, merged: the
+    test ids are unique across them."""
+    outcomes, failures, output = {}, {}, ""
+    for name, modules in (("exit", {"test_shared.py": SHARED, "test_own.py": OWN}), ("hang", {"test_hang.py": HANG}),
+                          ("good", {"test_good.py": GOOD})):
+        files = {"conftest.py": CONFTEST, "pytest.ini": PYTEST_INI, **modules}
+        project_outcomes, project_failures, project_output = run_project(tmp_path_factory.mktemp(name), files)
+        outcomes.update(project_outcomes)
+        failures.update(project_failures)
+        output += project_output
+    return outcomes, failures, output
 
 
-@pytest.fixture(scope="module")
-def restarted(tmp_path_factory):
+def run_counted_project(project, modules):
     """The outcome of a project whose launches run under FAKE_MPIRUN (run_project), with the
-    command line of each launch and the runs of each test (COUNTED)."""
-    project = tmp_path_factory.mktemp("restarted")
+    command line and tests of each launch and the runs of each test (COUNTED)."""
     fake, mpirun = project / "fake-mpirun", shutil.which("mpirun")
     assert mpirun is not None, "no mpirun on PATH"
     fake.write_text(FAKE_MPIRUN.format(log=project / "launches", mpirun=mpirun))
     fake.chmod(0o755)
-    outcome = run_project(project, {
-        "conftest.py": CONFTEST, "pytest.ini": PYTEST_INI.replace("= mpirun", f"= {fake}"),
-        "test_restarted.py": RESTARTED, "test_never_starts.py": NEVER_STARTS, "test_rank_ran.py": RANK_RAN})
+    outcome = run_project(project, {"conftest.py": CONFTEST, "pytest.ini": PYTEST_INI.replace("= mpirun", f"= {fake}"),
+                                    **modules})
     launches = (project / "launches").read_text().splitlines()
     runs = (project / "runs").read_text().splitlines()
     return outcome, launches, runs
+
+
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory):
+    """A project of a shared module whose first launch fails to start and an unshared one whose
+    launches never start (run_counted_project)."""
+    return run_counted_project(tmp_path_factory.mktemp("restarted"), {
+        "test_restarted.py": RESTARTED, "test_never_starts.py": NEVER_STARTS})
+
+
+@pytest.fixture(scope="module")
+def rank_ran(tmp_path_factory):
+    """A project whose ranks print the start-up failure after starting the test (run_counted_project)."""
+    return run_counted_project(tmp_path_factory.mktemp("rank-ran"), {"test_rank_ran.py": RANK_RAN})
+
+
+SECOND_SHARED = COUNTED + """
+pytestmark = pytest.mark.mpi_shared_launch
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_in_the_second_module(mpi_ranks):
+    count_run()
+"""
+
+FIRST_SHARED = SECOND_SHARED.replace("second", "first")
+
+
+@pytest.fixture(scope="module")
+def two_shared_modules(tmp_path_factory):
+    """Two shared modules and an unshared one, with tests of 2 and 3 ranks (run_counted_project)."""
+    return run_counted_project(tmp_path_factory.mktemp("two-shared"), {
+        "test_first.py": FIRST_SHARED, "test_second.py": SECOND_SHARED, "test_never_starts.py": NEVER_STARTS})
 
 
 def test_a_rank_that_fails_after_its_last_report_fails_the_test(planted):
@@ -215,7 +257,7 @@ def test_each_test_counted_once_and_failing_ranks_named(planted):
         "test_first[2]": "passed", "test_passes[2]": "passed", "test_passes[3]": "passed",
         "test_fails_on_the_last_rank[2]": "failed", "test_fails_on_the_last_rank[3]": "failed",
         "test_after_a_failure[3]": "passed"}, output
-    assert "5 failed, 4 passed" in output, output
+    assert "2 failed, 3 passed" in output, output  # the project of GOOD
     assert "_ rank 2 _" in failures["test_fails_on_the_last_rank[3]"], output
     assert "_ rank 0 _" not in failures["test_fails_on_the_last_rank[3]"], output
 
@@ -244,10 +286,23 @@ def test_a_launch_that_fails_to_start_twice_keeps_both_outputs(restarted):
         in output, output
 
 
-def test_a_launch_in_which_a_rank_ran_a_test_is_not_started_again(restarted):
-    (outcomes, failures, output), launches, runs = restarted
+def test_a_launch_in_which_a_rank_ran_a_test_is_not_started_again(rank_ran):
+    (outcomes, failures, output), launches, runs = rank_ran
     assert outcomes["test_prints_the_start_up_failure[2]"] == "failed", output
     assert "ranks [0, 1] wrote no report" in failures["test_prints_the_start_up_failure[2]"], output
     assert len([launch for launch in launches if "test_rank_ran.py" in launch]) == 1, launches
     assert sorted(run for run in runs if run.startswith("test_rank_ran")) == ["test_rank_ran 0", "test_rank_ran 1"]
     assert "test_rank_ran.py on 2 ranks" not in output, output
+
+
+def test_the_shared_modules_tests_of_one_rank_count_run_in_one_launch(two_shared_modules):
+    (outcomes, failures, output), launches, runs = two_shared_modules
+    assert {key: value for key, value in outcomes.items() if "never" not in key} == {
+        "test_in_the_first_module[2]": "passed", "test_in_the_first_module[3]": "passed",
+        "test_in_the_second_module[2]": "passed", "test_in_the_second_module[3]": "passed"}, output
+    shared = sorted(launch.split("-np ")[1].split()[0] for launch in launches if "test_first.py" in launch)
+    assert shared == ["2", "3"], launches
+    assert all("test_second.py" in launch for launch in launches if "test_first.py" in launch), launches
+    assert not [launch for launch in launches if "test_second.py" in launch and "test_first.py" not in launch]
+    assert sorted(runs) == sorted(f"test_{module} {rank}" for module in ("first", "second")
+                                  for size in (2, 3) for rank in range(size)), runs
