@@ -6,11 +6,15 @@
 """
 __version__ = "0.1.0"
 
+from . import launch as _launch
 from .runtime import mpi as _mpi
 
 # Before anything can import mpi4py.MPI (the program itself, between `import mpidist` and
 # md.init()): MPI reads these when it starts.
 _mpi.apply_start_settings()
+# torchrun's RANK, LOCAL_RANK, ... from the launcher's variables, for code that reads them
+# before init_process_group (to pick its GPU); MPI does not start here.
+_launch.set_launcher_variables()
 
 from . import distributed as _distributed  # noqa: E402
 from .comm import Communicator, init, is_initialized, world  # noqa: E402,F401

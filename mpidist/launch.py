@@ -14,11 +14,18 @@ slurm        a task of an srun job step: SLURM_STEP_ID with SLURM_PROCID, SLURM_
 single       anything else, including the batch script itself (it is not a step)
 ===========  =========================================================================
 
+(srun --mpi=pmi2 also sets PMI_RANK and PMI_SIZE, but not Hydra's local rank: its tasks are
+told by the step's variables.) A PMIx launcher of another personality than Open MPI's puts
+only PMIX_RANK in the environment (the rest it gives through the PMIx API): that is a rank
+without a launch this module can describe, used for RANK alone.
+
 Run ``python -m mpidist.launch`` under a launcher to see what each rank detects.
 
-Once MPI has started, md.init() holds the launch against MPI's world (check_agrees_with_mpi: a
-launcher whose processes MPI does not join into one job is refused) and hands the process its
-place as torchrun would (set_torchrun_variables).
+``import mpidist`` hands the process its place as torchrun would, from the launcher's variables
+(set_launcher_variables), before MPI starts: torchrun scripts read LOCAL_RANK before
+init_process_group to pick their GPU. Once MPI has started, md.init() holds the launch against
+MPI's world (check_agrees_with_mpi: a launcher whose processes MPI does not join into one job is
+refused) and sets what the launcher did not say from MPI's world (set_torchrun_variables).
 """
 from __future__ import annotations
 
@@ -31,7 +38,8 @@ from typing import Mapping, Optional
 
 from .errors import InvalidArgumentError, LaunchMismatchError
 
-__all__ = ["LaunchInfo", "check_agrees_with_mpi", "detect", "gpu_for_local_rank", "set_torchrun_variables"]
+__all__ = ["LaunchInfo", "check_agrees_with_mpi", "detect", "gpu_for_local_rank", "set_launcher_variables",
+           "set_torchrun_variables"]
 
 
 @dataclass(frozen=True)
@@ -102,27 +110,33 @@ def _detect_slurm(environ: Mapping[str, str]) -> LaunchInfo:
     return LaunchInfo("slurm", rank, size, local_rank, local_size, node_rank, num_nodes)
 
 
-def detect(environ: Mapping[str, str] = os.environ) -> LaunchInfo:
-    """The launcher of this process and its place in the launch; see the module docstring."""
-    if "OMPI_COMM_WORLD_RANK" in environ and "OMPI_COMM_WORLD_SIZE" in environ:
-        return _block_placement(
-            "openmpi",
-            rank=_int(environ, "OMPI_COMM_WORLD_RANK"),
-            size=_int(environ, "OMPI_COMM_WORLD_SIZE"),
-            local_rank=_first_int(environ, "OMPI_COMM_WORLD_LOCAL_RANK") or 0,
-            local_size=_first_int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE") or 1,
-        )
-    if "PMI_RANK" in environ and "PMI_SIZE" in environ:
-        return _block_placement(
-            "mpich",
-            rank=_int(environ, "PMI_RANK"),
-            size=_int(environ, "PMI_SIZE"),
-            local_rank=_first_int(environ, "MPI_LOCALRANKID") or 0,
-            local_size=_first_int(environ, "MPI_LOCALNRANKS") or 1,
-        )
+# The launchers that name a process's rank, size, local rank and local size each in a variable
+# of its own, in the order they are recognised.
+LAUNCHER_VARIABLES = {
+    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+}
+PMIX_RANK = "PMIX_RANK"
+
+
+def _is_slurm_step(environ: Mapping[str, str]) -> bool:
     # SLURM_STEP_ID tells a task of an srun step from the batch script, which also carries
     # SLURM_PROCID=0 and the job's SLURM_NTASKS but is a single process.
-    if "SLURM_PROCID" in environ and ("SLURM_STEP_ID" in environ or "SLURM_STEPID" in environ):
+    return "SLURM_PROCID" in environ and ("SLURM_STEP_ID" in environ or "SLURM_STEPID" in environ)
+
+
+def detect(environ: Mapping[str, str] = os.environ) -> LaunchInfo:
+    """The launcher of this process and its place in the launch; see the module docstring."""
+    for launcher, (rank, size, local_rank, local_size) in LAUNCHER_VARIABLES.items():
+        if rank not in environ or size not in environ:
+            continue
+        if local_rank not in environ and _is_slurm_step(environ):
+            continue  # srun --mpi=pmi2: the step names the local rank
+        return _block_placement(launcher, rank=_int(environ, rank), size=_int(environ, size),
+                                local_rank=_first_int(environ, local_rank) or 0,
+                                local_size=_first_int(environ, local_size) or 1)
+    if _is_slurm_step(environ):
         return _detect_slurm(environ)
     return SINGLE
 
@@ -174,6 +188,31 @@ def _srun_mpi_types() -> list[str]:
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
+def launcher_place(environ: Mapping[str, str] = os.environ) -> dict[str, int]:
+    """torchrun's variables, as many as the launcher of this process names: all four under a
+    launcher detect() knows, RANK alone under a PMIx launcher that names no more, none in a
+    process of no launcher."""
+    launch = detect(environ)
+    if launch.launcher != "single":
+        return dict(zip(TORCHRUN_VARIABLES, (launch.rank, launch.size, launch.local_rank, launch.local_size)))
+    if environ.get(PMIX_RANK, "") != "":
+        return {"RANK": _int(environ, PMIX_RANK)}
+    return {}
+
+
+def set_launcher_variables(environ=os.environ) -> None:
+    """Set RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE, as torchrun does, from the
+    launcher's own variables (launcher_place) wherever `environ` lacks them; never MPI. A value
+    the user or torchrun set is kept. Malformed launcher variables are left for md.init() to
+    name: importing mpidist does not fail on them."""
+    try:
+        place = launcher_place(environ)
+    except InvalidArgumentError:
+        return
+    for name, value in place.items():
+        environ.setdefault(name, str(value))
+
+
 def set_torchrun_variables(rank: int, size: int, local_rank: int, local_size: int,
                            environ=os.environ) -> list[str]:
     """In a process that a launcher started, set RANK, WORLD_SIZE, LOCAL_RANK and
@@ -182,7 +221,7 @@ def set_torchrun_variables(rank: int, size: int, local_rank: int, local_size: in
     mpirun and srun. A value already set is kept; returns a line for each one that differs from
     mpidist's. A process of no launcher is left alone: the programs it starts (an mpirun of
     their own) would inherit its world of one."""
-    if detect(environ).launcher == "single":
+    if not launcher_place(environ):
         return []
     differing = []
     for name, value in zip(TORCHRUN_VARIABLES, (rank, size, local_rank, local_size)):

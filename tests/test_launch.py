@@ -1,6 +1,7 @@
 """mpidist.launch: launcher detection, the check of a launch against MPI's world and torchrun's
 variables from synthetic environments; md.init() and `mpidist info` under a launch MPI does not
-join (an srun task's variables around a process that starts MPI alone); once under a real mpirun."""
+join (an srun task's variables around a process that starts MPI alone); under a real mpirun of 2
+and 3 ranks, torchrun's variables at `import mpidist` against MPI's own ranks."""
 import json
 import os
 import shutil
@@ -12,7 +13,14 @@ import pytest
 from conftest import run_python
 
 from mpidist.errors import InvalidArgumentError, LaunchMismatchError
-from mpidist.launch import LaunchInfo, check_agrees_with_mpi, detect, gpu_for_local_rank, set_torchrun_variables
+from mpidist.launch import (
+    LaunchInfo,
+    check_agrees_with_mpi,
+    detect,
+    gpu_for_local_rank,
+    set_launcher_variables,
+    set_torchrun_variables,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -218,11 +226,110 @@ def test_torchrun_variables_are_left_alone_without_a_launcher():
         assert environ == before
 
 
+def torchrun_variables(environ):
+    return {name: environ[name] for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") if name in environ}
+
+
+RANK5_VARIABLES = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+
+
+@pytest.mark.parametrize("environ", [OPENMPI, MPICH, SLURM_STEP], ids=["openmpi", "mpich", "slurm"])
+def test_launcher_variables_give_torchruns(environ):
+    environ = dict(environ)
+    set_launcher_variables(environ)
+    assert torchrun_variables(environ) == RANK5_VARIABLES
+
+
+def test_srun_with_pmi2_takes_the_local_rank_from_the_step():
+    # srun --mpi=pmi2 sets PMI_RANK and PMI_SIZE but not Hydra's MPI_LOCALRANKID.
+    environ = {**SLURM_STEP, "PMI_RANK": "5", "PMI_SIZE": "8", "PMI_FD": "7"}
+    assert detect(environ) == LaunchInfo("slurm", **RANK5_OF_8)
+    set_launcher_variables(environ)
+    assert torchrun_variables(environ) == RANK5_VARIABLES
+
+
+def test_a_pmix_launcher_gives_the_rank_alone():
+    environ = {"PMIX_RANK": "5", "PMIX_NAMESPACE": "prterun-node-1234@1"}
+    set_launcher_variables(environ)
+    assert torchrun_variables(environ) == {"RANK": "5"}
+    # md.init() then sets the others from MPI's world.
+    assert set_torchrun_variables(5, 8, 1, 4, environ) == []
+    assert torchrun_variables(environ) == RANK5_VARIABLES
+
+
+def test_launcher_variables_keep_what_the_user_or_torchrun_set():
+    environ = {**MPICH, "LOCAL_RANK": "3", "WORLD_SIZE": ""}
+    set_launcher_variables(environ)
+    assert torchrun_variables(environ) == {"RANK": "5", "WORLD_SIZE": "", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}
+
+
+def test_launcher_variables_are_not_set_without_a_launcher():
+    for environ in ({}, dict(SLURM_BATCH)):
+        before = dict(environ)
+        set_launcher_variables(environ)
+        assert environ == before
+
+
+def test_malformed_launcher_variables_leave_the_environment_alone():
+    # `import mpidist` must not fail on them: md.init() names the variable (check_agrees_with_mpi).
+    environ = {**OPENMPI, "OMPI_COMM_WORLD_LOCAL_RANK": "one"}
+    set_launcher_variables(environ)
+    assert torchrun_variables(environ) == {}
+
+
 def _mpirun():
     beside_python = Path(sys.executable).parent / "mpirun"
     if beside_python.exists():
         return str(beside_python)
     return shutil.which("mpirun")
+
+
+def _mpirun_env(**variables):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", **variables}
+    for name in [n for n in env if n.startswith(("OMPI_COMM_WORLD", "PMI_", "PMIX_", "SLURM_"))
+                 or (n in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") and n not in variables)]:
+        del env[name]
+    return env
+
+
+# A torchrun script's first lines, then MPI's own answer: COMM_WORLD and the ranks sharing its node.
+READS_TORCHRUN_VARIABLES_AT_IMPORT = """\
+import json, os, sys
+import mpidist as md
+given = {name: int(os.environ[name]) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+mpi_started_by_import = "mpi4py.MPI" in sys.modules
+md.init()
+from mpi4py import MPI
+node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+mpi = {"RANK": MPI.COMM_WORLD.Get_rank(), "WORLD_SIZE": MPI.COMM_WORLD.Get_size(),
+       "LOCAL_RANK": node.Get_rank(), "LOCAL_WORLD_SIZE": node.Get_size()}
+print(json.dumps({"given": given, "mpi": mpi, "mpi_started_by_import": mpi_started_by_import}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def torchrun_script_under_mpirun(request):
+    if _mpirun() is None:
+        pytest.skip("no mpirun beside this Python or on PATH: cannot start a real Open MPI launch")
+    result = subprocess.run(
+        [_mpirun(), "-np", str(request.param), "--oversubscribe", "--bind-to", "none", sys.executable, "-c",
+         READS_TORCHRUN_VARIABLES_AT_IMPORT],
+        cwd=REPO_ROOT, env=_mpirun_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    ranks = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(ranks) == request.param, result.stdout + result.stderr
+    return ranks
+
+
+def test_torchruns_variables_are_mpis_ranks_right_after_import(torchrun_script_under_mpirun):
+    assert [rank["given"] for rank in torchrun_script_under_mpirun] == \
+        [rank["mpi"] for rank in torchrun_script_under_mpirun]
+
+
+def test_importing_mpidist_under_mpirun_does_not_start_mpi(torchrun_script_under_mpirun):
+    assert not any(rank["mpi_started_by_import"] for rank in torchrun_script_under_mpirun)
 
 
 @pytest.fixture(scope="module")
@@ -231,11 +338,7 @@ def real_mpirun():
     then torchrun's variables after it (LOCAL_WORLD_SIZE set beforehand, to a wrong value)."""
     if _mpirun() is None:
         pytest.skip("no mpirun beside this Python or on PATH: cannot start a real Open MPI launch")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "LOCAL_WORLD_SIZE": "7"}
-    for name in [n for n in env if n.startswith(("OMPI_COMM_WORLD", "PMI_", "SLURM_"))
-                 or n in ("RANK", "WORLD_SIZE", "LOCAL_RANK")]:
-        del env[name]
+    env = _mpirun_env(LOCAL_WORLD_SIZE="7")
     code = ("import json, os, dataclasses, mpidist.launch as l\n"
             "print(json.dumps(dataclasses.asdict(l.detect())), flush=True)\n"
             "import mpidist as md\n"
