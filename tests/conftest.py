@@ -1,8 +1,8 @@
 """Shared test helpers.
 
 Multi-rank tests use pytest-isolate-mpi: `@pytest.mark.mpi(ranks=[2, 3])` plus an `mpi_ranks`
-argument runs the test under `mpirun -np N` once per N and reports every rank's traceback. In a
-module marked `mpi_shared_launch` one launch per N runs all of the module's tests of N ranks
+argument runs the test under `mpirun -np N` once per N and reports every rank's traceback. In the
+modules marked `mpi_shared_launch` one launch per N runs all of their tests of N ranks
 (mpi_shared_launch.py).
 Inside the ranks, pytest-timeout (pyproject.toml) dumps all stacks and exits a hung rank, and
 the plugin's --mpi-default-test-timeout kills the whole launch as a last resort.
