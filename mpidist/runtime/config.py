@@ -85,7 +85,8 @@ VARIABLES = (
              "has not returned after this long at exit ends without it, with the exit status its program was "
              "going to return: Open MPI's `MPI_Finalize` sometimes never returns after a death "
              "([Elastic training](elastic.md#leaving-the-job))", minimum=0.1),
-    _package("MPIDIST_EXIT_ON_RANK_LOSS", "count", 0, "`0` (the program's own status)", "when a rank's loss is seen",
+    _package("MPIDIST_EXIT_ON_RANK_LOSS", "count", 0, "`0` (the program's own status)",
+             "by `md.init()` under ULFM (checked), and at exit",
              "in a fault-tolerant run that lost a rank and went on ([elastic training](elastic.md#the-summary-at-the-end), "
              "a [parameter server](parameter-server.md#when-a-rank-dies)), the exit status (1 to 255) of the ranks "
              "that know of the loss, after the summary line at the end, so that the batch system sees it; `0` "

@@ -47,6 +47,7 @@ def install() -> None:
     global _watchdog
     if _watchdog is not None:
         return
+    losses.exit_status_on_loss()  # a malformed MPIDIST_EXIT_ON_RANK_LOSS is refused on every rank, at md.init()
     exit_python = sys.exit
 
     def exit_noting_status(status=None):

@@ -51,7 +51,6 @@ class RankLoss:
 
 def record(loss: RankLoss, reports: bool) -> None:
     """Remember `loss`; `reports`: this rank is the one that tells it (see the module's notes)."""
-    exit_status_on_loss()  # a malformed MPIDIST_EXIT_ON_RANK_LOSS is refused now, not at exit
     if not _recorded:
         # Registered after md.init()'s leave.install(), so run before its MPI_Finalize.
         atexit.register(tell)
