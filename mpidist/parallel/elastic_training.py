@@ -16,6 +16,9 @@ over the ranks left. A rank that ULFM's heartbeat detector (`--mca mpi_ft_detect
 declares dead may be frozen, not gone: the survivors on its host kill its process, which mpirun
 would otherwise wait for after they end.
 
+Each shrink is recorded (runtime/losses.py): the lowest surviving rank sums up the ranks lost in
+one line when run() returns, and MPIDIST_EXIT_ON_RANK_LOSS may give the survivors an exit status.
+
 A commit is a copy in memory on every rank (model, optimizer, sampler, the named values): what
 was done since the last commit is done again after a death. Ranks are never added: an MPI job's
 processes are fixed when it starts, so a job only shrinks. Without ULFM a death ends the job as

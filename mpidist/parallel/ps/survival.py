@@ -8,6 +8,8 @@ yet applied, tells the other servers in its order of commands (so every server d
 the same update), prints the report (report: rank, the gradients it pushed, when) and goes on
 with the workers left; an update then takes its share of gradients, or every living worker's
 when fewer are left. Every server keeps the same list of Lost workers (ServerRole.lost).
+Every server records each worker dropped (runtime/losses.py), and the coordinator sums them up in
+one line when serve() returns.
 A send still going to a dropped worker (its reply, on its way when it died) is let go when its
 failure comes, before or after the drop.
 
