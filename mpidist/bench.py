@@ -32,6 +32,7 @@ import time
 import numpy as np
 
 from . import bench_device
+from .runtime.wire import COLLECTIVE_DTYPES, ITEMSIZE
 
 # torch, matplotlib and mpi4py's MPI are imported in the functions that use them: the `mpidist`
 # command builds its parser from this module without torch, and importing mpi4py's MPI
@@ -294,12 +295,56 @@ def element_count(collective: str, nbytes: int, itemsize: int, ranks: int) -> in
     return count
 
 
+def known_algorithms(collective: str, device: str) -> tuple:
+    """The names --algorithms takes for `collective` on `device`: on CUDA buffers also NCCL, the
+    bound and every route of an all-reduce algorithm ("staged:ring", bench_device.ROUTES)."""
+    if device != "cuda":
+        return OURS[collective] + PEERS
+    names = OUR_ALLREDUCE + ("mpi",)
+    return names + ("gloo", "nccl", "bound") + tuple(f"{route}:{name}" for route in bench_device.ROUTES
+                                                     for name in names)
+
+
+def refusal(options: Options) -> str | None:
+    """What makes `options` no measurement, named as a usage error, or None. It reads the options
+    alone (no MPI, no torch), so that the `mpidist` command refuses them before MPI starts, as
+    nccl-tests and the OSU benchmarks refuse theirs."""
+    if options.collective not in WORKLOADS:
+        return f"unknown collective {options.collective!r}; choose one of {', '.join(COLLECTIVES)}"
+    if options.device == "cuda" and options.collective != "allreduce":
+        return "--device cuda measures allreduce only"
+    unknown_dtypes = [name for name in options.dtypes if name not in COLLECTIVE_DTYPES]
+    if unknown_dtypes or not options.dtypes:
+        return (f"unknown dtype {', '.join(unknown_dtypes) or '(none given)'}; "
+                f"choose from {', '.join(COLLECTIVE_DTYPES)}")
+    if not options.sizes:
+        return "--sizes names no size"
+    not_positive = [size for size in options.sizes if size <= 0]
+    if not_positive:
+        return f"--sizes must be positive numbers of bytes, got {', '.join(map(str, not_positive))}"
+    for dtype in options.dtypes:
+        uneven = [size for size in options.sizes if size % ITEMSIZE[dtype]]
+        if uneven:
+            return (f"--sizes {', '.join(map(str, uneven))} is not a multiple of {ITEMSIZE[dtype]} bytes, "
+                    f"the size of one {dtype} element")
+    if options.iters is not None and options.iters < 1:
+        return f"--iters must be at least 1, got {options.iters}"
+    if options.warmup is not None and options.warmup < 0:
+        return f"--warmup must be 0 or more, got {options.warmup}"
+    if options.algorithms is not None:
+        known = known_algorithms(options.collective, options.device)
+        unknown = [name for name in options.algorithms if name not in known]
+        if unknown or not options.algorithms:
+            return (f"unknown algorithm {', '.join(map(repr, unknown)) or '(none given)'} for {options.collective}"
+                    f"{' on cuda' if options.device == 'cuda' else ''}; choose from {', '.join(known)}")
+    return None
+
+
 def run(comm, options: Options, out=sys.stdout) -> list[dict]:
     """Measure every (dtype, size, algorithm) of one collective; returns the rows (on every rank)."""
-    if options.collective not in WORKLOADS:
-        raise ValueError(f"unknown collective {options.collective!r}; choose one of {', '.join(COLLECTIVES)}")
-    if options.device == "cuda" and options.collective != "allreduce":
-        raise ValueError("--device cuda measures allreduce only")
+    problem = refusal(options)
+    if problem is not None:
+        raise ValueError(problem)
     if options.device == "cuda":
         import torch
         torch.cuda.set_device(comm.local_rank % torch.cuda.device_count())

@@ -13,14 +13,13 @@ import numpy as np
 
 from . import __version__, bench
 from . import tune as tuning
-from .comm import init
+from .comm import init, is_initialized
 from .data import add_prepare_data_command, default_digits_path
 from .errors import DeadlineError, MpidistError
 from .info import collect, format_report
-from .launch import detect
+from .launch import detect, launcher_place
 from .runtime.abort import abort_job
 from .runtime.leave import note_exit_status
-from .runtime.wire import COLLECTIVE_DTYPES
 
 # The collectives (tune) and train are imported when their command runs: importing the
 # collectives initializes MPI, and train needs torch, whose import takes seconds.
@@ -120,11 +119,8 @@ def size_list(text: str) -> list[int]:
 
 
 def dtype_list(text: str) -> list[str]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in COLLECTIVE_DTYPES]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown dtype {', '.join(unknown)}; choose from {', '.join(COLLECTIVE_DTYPES)}")
-    return names
+    # Unknown names are refused with the other measurement options (bench.refusal).
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def add_measurement_options(parser, sizes: str, default_dtype: str = "float32") -> None:
@@ -217,12 +213,38 @@ def report_once(message: str) -> None:
 
 
 class CommandParser(argparse.ArgumentParser):
-    """argparse's parser, whose usage errors every rank meets alike: printed once (report_once),
-    exit status 2 as argparse's."""
+    """argparse's parser, whose usage errors every rank meets alike: printed once, exit status 2
+    as argparse's, before MPI starts. `check`: a function of the parsed arguments that returns
+    the usage error of arguments that are wrong together (a size against a dtype), or None."""
+
+    def __init__(self, *args, check=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.check = check
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        problem = self.check(namespace) if self.check else None
+        if problem:
+            self.error(problem)
+        return namespace, extras
 
     def error(self, message):
-        report_once(f"{self.format_usage()}{self.prog}: error: {message}")
+        usage_error = f"{self.format_usage()}{self.prog}: error: {message}"
+        if is_initialized():
+            report_once(usage_error)
+            sys.exit(2)
+        # MPI is not started for a usage error, so the launcher's rank says who prints it. The
+        # other ranks leave with status 0: a rank that ended with an error first would have
+        # mpirun end rank 0, perhaps before it printed; the job's status is rank 0's.
+        if launcher_place().get("RANK", 0) != 0:
+            sys.exit(0)
+        print(usage_error, file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+def measurement_refusal(args) -> str | None:
+    """bench.refusal of the measurement `args` ask for (`mpidist tune`: all-reduce's)."""
+    return bench.refusal(bench_options(args, getattr(args, "collective", "allreduce")))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -233,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print the facts as JSON")
     info.set_defaults(run=cmd_info)
 
-    bench_parser = sub.add_parser("bench", help="collective micro-benchmarks (nccl-tests style table, JSON, plot)")
+    bench_parser = sub.add_parser("bench", help="collective micro-benchmarks (nccl-tests style table, JSON, plot)",
+                                  check=measurement_refusal)
     bench_parser.add_argument("collective", choices=bench.COLLECTIVES)
     add_measurement_options(bench_parser, bench.DEFAULT_SIZES)
     bench_parser.add_argument("--algorithms", default=None,
@@ -244,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
                               help="cuda: all-reduce on each rank's GPU, by route (docs/gpu.md)")
     bench_parser.set_defaults(run=cmd_bench)
 
-    tune = sub.add_parser("tune", help="measure the all-reduce algorithms here and write auto's decision table")
+    tune = sub.add_parser("tune", help="measure the all-reduce algorithms here and write auto's decision table",
+                          check=measurement_refusal)
     add_measurement_options(tune, tuning.TUNE_SIZES)
     tune.add_argument("--output", default=None,
                       help="table file (default: $MPIDIST_TUNING_FILE or ~/.cache/mpidist/tuning.json); "

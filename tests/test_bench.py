@@ -98,3 +98,79 @@ print("tuned", comm.rank)
                         ranks=2, env=env)
     assert result.returncode == 0 and result.stdout.count("fallback") == 2, result.stdout + result.stderr
     assert "ignoring the tuning file" in result.stderr
+
+
+# Arguments that make no measurement, and the usage error that names them: refused as nccl-tests
+# and OSU refuse theirs, not measured as a 4-byte row or a time of no iterations.
+REFUSALS = {
+    "zero size": (["bench", "allreduce", "--sizes", "0"], "--sizes must be positive numbers of bytes, got 0"),
+    "negative size": (["bench", "allreduce", "--sizes", "-5"], "--sizes must be positive numbers of bytes, got -5"),
+    "size of no whole element": (["bench", "allreduce", "--sizes", "8,7"],
+                                 "--sizes 7 is not a multiple of 4 bytes, the size of one float32 element"),
+    "size of no whole element of the second dtype": (
+        ["bench", "allreduce", "--sizes", "12", "--dtype", "float32,float64"],
+        "--sizes 12 is not a multiple of 8 bytes, the size of one float64 element"),
+    "no iterations": (["bench", "allreduce", "--iters", "0"], "--iters must be at least 1, got 0"),
+    "negative warmup": (["bench", "allreduce", "--warmup", "-1"], "--warmup must be 0 or more, got -1"),
+    "unknown algorithm": (["bench", "allreduce", "--algorithms", "ring,foo"], "unknown algorithm 'foo' for allreduce"),
+    "algorithm of another collective": (["bench", "broadcast", "--algorithms", "ring"],
+                                        "unknown algorithm 'ring' for broadcast"),
+    "unknown dtype": (["bench", "allreduce", "--dtype", "complex64"], "unknown dtype complex64"),
+    "cuda for another collective": (["bench", "broadcast", "--device", "cuda"], "--device cuda measures allreduce only"),
+    "tune of no size": (["tune", "--sizes", "0"], "--sizes must be positive numbers of bytes, got 0"),
+}
+
+# Each rank runs every refused command line in turn: its exit status, what it printed on standard
+# error, and whether MPI had started by then.
+RUN_REFUSALS = """
+import contextlib, io, json, sys
+from mpidist.cli import main
+results = {}
+for case, argv in json.loads(sys.argv[1]).items():
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            main(argv)
+            status = None
+        except SystemExit as exit:
+            status = exit.code
+    results[case] = {"status": status, "stderr": stderr.getvalue(), "mpi_started": "mpi4py.MPI" in sys.modules}
+print(json.dumps(results), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def refusals_under_mpirun():
+    """{case: [rank 0's result, rank 1's]} of every refusal under one `mpirun -np 2`."""
+    argvs = {case: argv for case, (argv, _) in REFUSALS.items()}
+    result = run_python(RUN_REFUSALS, ranks=2, args=[json.dumps(argvs)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    ranks = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(ranks) == 2, result.stdout + result.stderr
+    # The launcher's rank 0 is the one that prints: find it by what it printed.
+    ranks.sort(key=lambda results: not any(r["stderr"] for r in results.values()))
+    return {case: [ranks[0][case], ranks[1][case]] for case in REFUSALS}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_bench_refusal_is_printed_once_naming_the_problem(refusals_under_mpirun, case):
+    printer, other = refusals_under_mpirun[case]
+    assert printer["stderr"].startswith("usage: mpidist ") and other["stderr"] == ""
+    assert ": error: " + REFUSALS[case][1] in printer["stderr"].splitlines()[-1], printer["stderr"]
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_bench_refusal_exits_with_status_2(refusals_under_mpirun, case):
+    # Rank 0's status is the job's; the others leave quietly (status 0) so as not to end it first.
+    assert [rank["status"] for rank in refusals_under_mpirun[case]] == [2, 0]
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_bench_refusal_comes_before_mpi_starts(refusals_under_mpirun, case):
+    assert [rank["mpi_started"] for rank in refusals_under_mpirun[case]] == [False, False]
+
+
+def test_bench_refusal_under_mpirun_ends_the_job_with_status_2_and_one_message(tmp_path):
+    result = cli_under_mpirun(tmp_path, "bench", "allreduce", "--sizes", "0")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.count("mpidist bench: error: --sizes must be positive") == 1, result.stderr
