@@ -15,7 +15,9 @@ Each run's record is appended as one JSON line to <out>.jsonl as soon as it ends
 the runs already there. <out>.json and <out>.md summarize every record in the file, per
 scenario: runs, completed as documented, hangs (killed at the runner's own deadline), wrong
 results, unloadable newest checkpoints, and the median and p95 of the time to detect, to recover
-and lost per failure.
+and lost per failure; for the parameter server's scenarios also the test accuracy (min / median
+/ max) of their runs and of their job's references, the runs' lost shares of work and the bounds
+they were judged by (below).
 
 Per run, times are seconds from the fault (the moment the victim rank records just before it):
 detect, to the first line of the job that names the fault (or, where none does, to the end of

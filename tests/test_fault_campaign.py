@@ -1,53 +1,164 @@
-"""benchmarks/faults.py, one run of three fast scenarios (an elastic rank killed under ULFM, an
-exception on one rank, SIGUSR1 to mpirun), on 3 ranks of `mpidist train`: each fault is injected,
-the job does what docs/faults.md says, nothing hangs, the resumed runs end with the undisturbed
-run's weights bit for bit, the newest checkpoints load; a second call finds every run recorded
-and runs none again."""
+"""benchmarks/faults.py, one run of four fast scenarios (an elastic rank killed under ULFM, an
+exception on one rank, SIGUSR1 to mpirun, a parameter-server worker killed under ULFM), on 3
+ranks of `mpidist train`: each fault is injected, the job does what docs/faults.md says, nothing
+hangs, nothing goes wrong, the newest checkpoints load; a second call finds every run and
+reference recorded and runs none again.
+
+What the campaign decides, the tests here check on their own where they can: the resumed runs'
+final checkpoints, read with h5py, hold the reference run's weights bit for bit; the parameter
+server's accuracies (its run's, its references' and their curves') are those of the weights in
+its checkpoints, computed here in float64 NumPy from the files; and its rule rejects a run below
+its references' spread.
+"""
+import glob
 import json
 import os
 import subprocess
 import sys
 
+import h5py
+import numpy as np
 import pytest
 from conftest import REPO
 
-SCENARIOS = ["elastic-kill", "exception", "sigusr1"]
+SCENARIOS = ["elastic-kill", "exception", "sigusr1", "ps-async-kill"]
+REFERENCES = 2  # undisturbed parameter-server runs: the fewest that have a spread
+# The campaign (ten launches of `mpidist train`: about 3 minutes on a quiet machine) runs in the
+# first test that needs it.
+pytestmark = pytest.mark.timeout(960)
 
 
 def run_campaign(out, work):
     return subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "faults.py"), "--runs", "1", "--ranks", "3",
-                           "--epochs", "2", "--scenarios", ",".join(SCENARIOS), "--out", str(out), "--work", str(work)],
+                           "--epochs", "2", "--references", str(REFERENCES), "--scenarios", ",".join(SCENARIOS),
+                           "--out", str(out), "--work", str(work)],
                           capture_output=True, text=True, timeout=900, cwd=REPO)
 
 
-@pytest.mark.timeout(960)  # seven launches of `mpidist train`: about 2 minutes on a quiet machine
-def test_a_sample_of_the_campaign_injects_each_fault_and_nothing_hangs_or_goes_wrong(tmp_path):
-    out = tmp_path / "faults"
-    result = run_campaign(out, tmp_path / "work")
+@pytest.fixture(scope="module")
+def campaign(tmp_path_factory):
+    """The campaign's files: out (prefix of .jsonl, .json, .md), work (the runs' directories),
+    the records of its runs and references, and the result of a second call."""
+    base = tmp_path_factory.mktemp("campaign")
+    out, work = base / "faults", base / "work"
+    result = run_campaign(out, work)
     assert result.returncode == 0, result.stdout + result.stderr
     records = [json.loads(line) for line in open(f"{out}.jsonl")]
-    assert sorted(r["scenario"] for r in records) == sorted(SCENARIOS)
-    for record in records:
+    again = run_campaign(out, work)
+    return {"out": out, "work": work, "again": again, "records_before_again": len(records),
+            "runs": {r["scenario"]: r for r in records if "scenario" in r},
+            "references": [r for r in records if "reference" in r]}
+
+
+def digits_accuracy(checkpoint) -> tuple:
+    """The test accuracy of the MLP of `mpidist train` in `checkpoint`, in float64 NumPy, from
+    the files alone (h5py), and one test item's share of it."""
+    from mpidist.data import default_digits_path
+    with h5py.File(checkpoint, "r") as f:
+        layers = [(f[f"model/{i}.weight"][()].astype(np.float64), f[f"model/{i}.bias"][()].astype(np.float64))
+                  for i in (0, 2, 4)]
+    with h5py.File(default_digits_path(), "r") as f:
+        x, y = f["test/x"][()].astype(np.float64), f["test/y"][()]
+    for i, (weight, bias) in enumerate(layers):
+        x = x @ weight.T + bias
+        if i < len(layers) - 1:
+            x = np.maximum(x, 0)
+    return float(np.mean(x.argmax(axis=1) == y)), 1 / len(y)
+
+
+def model_weights(checkpoint: str) -> dict:
+    with h5py.File(checkpoint, "r") as f:
+        return {name: f[f"model/{name}"][()] for name in f["model"]}
+
+
+def newest(directory) -> str:
+    return sorted(glob.glob(os.path.join(directory, "*.h5")))[-1]
+
+
+def test_a_sample_of_the_campaign_injects_each_fault_and_nothing_hangs_or_goes_wrong(campaign):
+    runs = campaign["runs"]
+    assert sorted(runs) == sorted(SCENARIOS)
+    for record in runs.values():
         assert record["injected"] and record["completed"] and not record["hang"] and not record["wrong"], record
         assert record["detect_s"] < record["recover_s"] and record["named"], record
-    summary = json.load(open(f"{out}.json"))["scenarios"]
+    summary = json.load(open(f"{campaign['out']}.json"))["scenarios"]
     for name in SCENARIOS:
         row = summary[name]
         assert (row["runs"], row["completed_as_documented"], row["hangs"], row["wrong"],
                 row["unloadable_checkpoints"]) == (1, 1, 0, 0, 0), row
     for name in ("exception", "sigusr1"):  # they end (or stop) the job, and --resume continues
-        record = next(r for r in records if r["scenario"] == name)
-        assert record["checkpoint_loadable"] is not False and record["relaunch_status"] == 0, record
-    assert "| elastic-kill | 1 | 1 | 1 | 0 | 0 | 0 |" in open(f"{out}.md").read()
-    again = run_campaign(out, tmp_path / "work")
+        assert runs[name]["checkpoint_loadable"] is not False and runs[name]["relaunch_status"] == 0, runs[name]
+    assert "| elastic-kill | 1 | 1 | 1 | 0 | 0 | 0 |" in open(f"{campaign['out']}.md").read()
+
+
+def test_a_second_call_runs_nothing_again(campaign):
+    again = campaign["again"]
     assert again.returncode == 0 and again.stdout == "", again.stdout + again.stderr
-    assert len(open(f"{out}.jsonl").readlines()) == len(SCENARIOS)
+    assert len(open(f"{campaign['out']}.jsonl").readlines()) == campaign["records_before_again"]
+
+
+def test_the_parameter_server_job_has_its_references_one_per_seed(campaign):
+    assert sorted(r["reference_seed"] for r in campaign["references"]) == list(range(REFERENCES))
+
+
+def test_the_resumed_runs_end_with_the_reference_weights_read_from_their_checkpoints(campaign):
+    reference = model_weights(newest(campaign["work"] / "reference-data" / "checkpoints"))
+    for name in ("exception", "sigusr1"):
+        resumed = model_weights(newest(campaign["work"] / f"{name}-0" / "checkpoints"))
+        assert resumed.keys() == reference.keys() and all(np.array_equal(resumed[k], reference[k]) for k in reference)
+
+
+def test_the_parameter_server_run_has_the_accuracy_of_its_final_weights(campaign):
+    accuracy, item = digits_accuracy(campaign["work"] / "ps-async-kill-0" / "checkpoints" / "ps-final.h5")
+    assert abs(accuracy - campaign["runs"]["ps-async-kill"]["accuracy"]) <= item  # float64 here, float32 there
+
+
+def test_the_references_have_the_accuracies_of_their_final_weights(campaign):
+    for record in campaign["references"]:
+        accuracy, item = digits_accuracy(campaign["work"] / f"reference-{record['reference']}-seed"
+                                         f"{record['reference_seed']}" / "checkpoints" / "ps-final.h5")
+        assert abs(accuracy - record["accuracy"]) <= item, record
+
+
+def test_a_reference_curve_is_the_accuracy_of_its_checkpoints_by_gradients_applied(campaign):
+    record = campaign["references"][0]
+    directory = campaign["work"] / f"reference-{record['reference']}-seed{record['reference_seed']}" / "checkpoints"
+    curve = dict(map(tuple, record["curve"]))
+    checkpoints = sorted(glob.glob(os.path.join(directory, "ps", "*.h5")))
+    assert len(checkpoints) == len(curve)  # the last one holds the final weights
+    for path in checkpoints:
+        with h5py.File(path, "r") as f:
+            gradients = sum(json.loads(f.attrs["extra"])["applied"].values())
+        accuracy, item = digits_accuracy(path)
+        assert abs(accuracy - curve[gradients]) <= item, (path, curve)
+
+
+def faults_module():
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import faults
+    return faults
+
+
+def test_a_parameter_server_run_below_its_references_spread_after_as_much_work_is_wrong():
+    """References at 0.6 and 0.7 after 100 gradients, 0.9 and 0.95 after 200: a run that applied
+    100 may go down to 0.5, one that applied 200 to 0.85 (with 0.15 below the references, as the
+    campaign once allowed, 0.80 would have passed)."""
+    faults = faults_module()
+    references = [{"curve": [[100, 0.6], [200, 0.9]], "gradients": 200},
+                  {"curve": [[100, 0.7], [200, 0.95]], "gradients": 200}]
+    verdicts = [faults.accuracy_verdict(accuracy, gradients, references, 0.01)["wrong"]
+                for accuracy, gradients in ((0.51, 100), (0.49, 100), (0.86, 200), (0.84, 200), (0.80, 200))]
+    assert verdicts == [False, True, False, True, True]
+
+
+def test_a_parameter_server_run_with_no_accuracy_is_wrong():
+    faults = faults_module()
+    assert faults.accuracy_verdict(None, 200, [{"curve": [[200, 0.9]], "gradients": 200}] * 2, 0.01)["wrong"]
 
 
 def test_until_crosses_midnight():
     """--until names the next time the UTC clock reads it: 00:30 given at 23:00 is 90 minutes away."""
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    import faults
+    faults = faults_module()
     eleven_pm = 1796000000 - 1796000000 % 86400 + 23 * 3600
     assert faults.next_utc_time("00:30", eleven_pm) - eleven_pm == 90 * 60
     assert faults.next_utc_time("23:30", eleven_pm) - eleven_pm == 30 * 60
