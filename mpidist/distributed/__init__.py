@@ -3,9 +3,10 @@ DDP, FSDP, DTensor, pipelining and checkpointing on mpidist's collectives.
 
 registration.py names the backend to torch; rendezvous.py takes rank and size from MPI and
 sets up torch's store; backend.py is the process group itself, its sends and receives
-point_to_point.py's. Importing this package imports neither torch nor MPI: `import mpidist`
-calls register_when_torch_loads(), which registers the backend at once when torch.distributed
-is already imported, else as soon as the program imports it.
+point_to_point.py's; outside_compile.py keeps torch.compile out of both. Importing this
+package imports neither torch nor MPI: `import mpidist` calls register_when_torch_loads(), which
+registers the backend at once when torch.distributed is already imported, else as soon as the
+program imports it.
 """
 from __future__ import annotations
 

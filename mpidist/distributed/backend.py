@@ -10,6 +10,7 @@ in the background, and returns a Work at once, except on CPU tensors in a group 
 (MPIDIST_EAGER_ON_NODE), where it runs at once like a blocking call and its Work is complete when
 returned. Point-to-point operations are point_to_point.py's: nonblocking MPI messages on a
 duplicate communicator of the group's own, so a user's tag never matches a collective's.
+Every method torch's C++ calls back into runs outside torch.compile (outside_compile.py).
 
 How the c10d operations map onto the collectives: all_reduce (SUM, AVG, PRODUCT, MIN, MAX) is
 allreduce; PREMUL_SUM scales, then sums; BAND/BOR/BXOR gather the ranks' tensors and fold them
@@ -30,6 +31,7 @@ from ..comm import Communicator, init
 from ..errors import InvalidArgumentError, NotOfferedError
 from ..runtime import config
 from . import point_to_point
+from .outside_compile import run_outside_compile
 from .rendezvous import check_agrees_with_mpi
 
 # c10d's reduce ops by their numbers (an enum as a dictionary key costs microseconds on every call).
@@ -42,6 +44,7 @@ PREMUL_SUM = RedOpType.PREMUL_SUM.value
 BITWISE_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
+@run_outside_compile
 class MpidistWork(dist.Work):
     """A collective's Work: wait() raises the collective's error, get_future() completes with
     the output tensors (as gloo's)."""
@@ -78,6 +81,7 @@ class MpidistWork(dist.Work):
         return self._future
 
 
+@run_outside_compile
 class ProcessGroupMpidist(dist.ProcessGroup):
     """torch.distributed's process group on an mpidist Communicator (see the module docstring)."""
 

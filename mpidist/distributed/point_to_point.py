@@ -11,6 +11,7 @@ from mpi4py import MPI
 
 from ..errors import InvalidArgumentError
 from ..runtime.deadlines import wait_for_request
+from .outside_compile import run_outside_compile
 
 
 def send(mpi, tensor, dst_rank: int, tag: int) -> PointToPointWork:
@@ -29,6 +30,7 @@ def receive(mpi, tensor, source: int, tag: int) -> PointToPointWork:
     return PointToPointWork(request, f"receive from {who} (tag {tag})", source, mpi, finish)
 
 
+@run_outside_compile
 class PointToPointWork(dist.Work):
     """A send's or receive's Work: the nonblocking MPI request, waited with the deadline."""
 
