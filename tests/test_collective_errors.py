@@ -54,6 +54,42 @@ def test_describe_mismatch_survives_values_that_are_no_signature():
     assert "12345" not in callcheck.describe_mismatch(table)
 
 
+# ---- different collectives: only the fields they share ---------------------------------------------
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_allreduce_against_broadcast_names_no_field_broadcast_lacks(mpi_ranks, mpi_world):
+    # A broadcast has no algorithm (nor op): the all-reduce's "mpi" is no difference to name.
+    with pytest.raises(md.MismatchError) as excinfo:
+        if mpi_world.rank == 0:
+            md.allreduce(np.ones(4), algorithm="mpi")
+        else:
+            md.broadcast(np.ones(4))
+    others = list(range(1, mpi_ranks))
+    assert str(excinfo.value) == \
+        f"ranks called different collectives: collective: ranks [0] have allreduce; ranks {others} have broadcast"
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_different_collectives_name_the_fields_they_share_that_differ(mpi_ranks, mpi_world):
+    # Shared: count (equal), dtype and op; not the all-reduce's algorithm, nor the shapes, which
+    # mean a row to reduce_scatter and the whole buffer to an all-reduce.
+    with pytest.raises(md.MismatchError) as excinfo:
+        if mpi_world.rank == 0:
+            md.reduce_scatter(np.ones(4 * mpi_ranks), op="max")
+        else:
+            md.allreduce(np.ones(4 * mpi_ranks, dtype=np.float32), op="sum", algorithm="ring")
+    others = list(range(1, mpi_ranks))
+    assert str(excinfo.value) == (
+        f"ranks called different collectives: collective: ranks [0] have reduce_scatter; ranks {others} have "
+        f"allreduce | dtype: ranks [0] have float64; ranks {others} have float32 | op: ranks [0] have max; "
+        f"ranks {others} have sum")
+
+
+def test_every_collective_says_which_fields_it_has():
+    from mpidist.collectives.common import COLLECTIVES
+    assert set(callcheck.FIELDS_OF) == set(COLLECTIVES)
+
+
 # ---- the asynchronous engine's start -------------------------------------------------------------
 
 def test_a_rank_that_never_starts_the_async_engine_is_an_error_not_a_hang():

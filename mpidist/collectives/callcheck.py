@@ -3,7 +3,7 @@
 The call check: before a collective moves any data, every rank contributes its signature (which
 collective, count, dtype, op, algorithm, root, row shape or shape; as int64 numbers) to one small
 allgather with a deadline; any difference raises MismatchError on every rank, naming who passed
-what. A rank that refused its own arguments still joins, with a row that says so
+what (of ranks that called different collectives, in the fields those share: FIELDS_OF). A rank that refused its own arguments still joins, with a row that says so
 (share_refusal), so the others fail at once instead of waiting out MPIDIST_TIMEOUT. So does a
 rank that has run out of data and waits in join (join_call_check): a rank calling another
 collective meanwhile raises, naming it, while the joined rank waits on; in an all-reduce that
@@ -29,13 +29,45 @@ from .select import choose_allreduce
 
 OPS = ("sum", "avg", "min", "max", "prod")
 SIGNATURE_FIELDS = ("collective", "count", "dtype", "op", "algorithm", "root", "row shape")
+# The fields each collective has beyond its name, by the name a difference in them is given. In
+# its signature the others hold NOT_APPLICABLE (no code of a real value), and a mismatch between
+# two collectives names only the fields both have: a broadcast has no algorithm to differ from an
+# all-reduce's. The first dimension of allgather's and alltoall's inputs may differ between ranks:
+# their count is no field. The column "row shape" holds, by collective, one of ROW_SHAPE_FIELDS.
+ROW_SHAPE = "row shape (shape[1:])"
+ROW_SHAPE_FIELDS = (ROW_SHAPE, "shape", "tensor sizes")  # an all-reduce's caller's shape, Adasum's sizes
+FIELDS_OF = {
+    "allreduce": ("count", "dtype", "op", "algorithm", "shape"),
+    "first allreduce_async": ("count", "dtype", "op", "algorithm"),
+    "broadcast": ("count", "dtype", "root"),
+    "first broadcast_async": ("count", "dtype", "root"),
+    "allgather": ("dtype", ROW_SHAPE),
+    "first allgather_async": ("dtype", ROW_SHAPE),
+    "reduce_scatter": ("count", "dtype", "op", ROW_SHAPE),
+    "first reduce_scatter_async": ("count", "dtype", "op", ROW_SHAPE),
+    "adasum": ("count", "dtype", "tensor sizes"),
+    "alltoall": ("dtype", ROW_SHAPE),
+    "barrier": (),
+    "join": (),
+}
+NOT_APPLICABLE = -1
+
+
+def column_of(field: str) -> str:
+    """The signature column (SIGNATURE_FIELDS) that holds a field of FIELDS_OF."""
+    return "row shape" if field in ROW_SHAPE_FIELDS else field
+
+
+def fields_of(code: int) -> tuple:
+    """The fields of the collective whose code a signature holds (none for a code of none)."""
+    return FIELDS_OF[COLLECTIVES[code]] if 0 <= code < len(COLLECTIVES) else ()
 # The "collective" field of a rank that refused its own arguments (see share_refusal).
 REFUSED = -1
-REFUSED_SIGNATURE = dict.fromkeys(SIGNATURE_FIELDS, 0) | {"collective": REFUSED}
+REFUSED_SIGNATURE = dict.fromkeys(SIGNATURE_FIELDS, NOT_APPLICABLE) | {"collective": REFUSED}
 # A barrier moves no data: its signature is the collective alone. So is a joined rank's.
-BARRIER_SIGNATURE = dict.fromkeys(SIGNATURE_FIELDS, 0) | {"collective": COLLECTIVES.index("barrier")}
+BARRIER_SIGNATURE = dict.fromkeys(SIGNATURE_FIELDS, NOT_APPLICABLE) | {"collective": COLLECTIVES.index("barrier")}
 JOINED = COLLECTIVES.index("join")
-JOIN_SIGNATURE = dict.fromkeys(SIGNATURE_FIELDS, 0) | {"collective": JOINED}
+JOIN_SIGNATURE = dict.fromkeys(SIGNATURE_FIELDS, NOT_APPLICABLE) | {"collective": JOINED}
 
 
 # ---- argument checks (local: refused before any communication) --------------------------
@@ -194,25 +226,26 @@ def checked_in_order(comm, check, run):
 
 
 def describe_mismatch(table: np.ndarray, row_shapes: list | None = None) -> str:
+    """The differences in `table` (a signature by rank), field by field; of ranks that called
+    different collectives, only in the fields those collectives share (FIELDS_OF)."""
     names = {"collective": COLLECTIVES, "dtype": DTYPES, "op": OPS, "algorithm": ALGORITHMS}
+    codes = [int(code) for code in table[:, 0]]
+    shared = [field for field in fields_of(codes[0]) if all(field in fields_of(code) for code in codes)]
     parts = []
-    for column, field in enumerate(SIGNATURE_FIELDS):
-        values = table[:, column]
+    for field in ("collective", *shared):
+        column = column_of(field)
+        values = table[:, SIGNATURE_FIELDS.index(column)]
         if (values == values[0]).all():
             continue
         groups = {}
         for rank, value in enumerate(values):
-            groups.setdefault(signature_label(field, int(value), names, row_shapes, rank), []).append(rank)
-        title = field
-        if field == "row shape":  # Adasum's carries the sizes of the tensors in the buffer, allreduce's a shape
-            titles = {COLLECTIVES.index("adasum"): "tensor sizes", COLLECTIVES.index("allreduce"): "shape"}
-            title = titles.get(int(table[0, 0]), "row shape (shape[1:])") if (table[:, 0] == table[0, 0]).all() \
-                else "row shape (shape[1:])"
-        part = f"{title}: " + "; ".join(f"ranks {ranks} have {label}" for label, ranks in groups.items())
+            groups.setdefault(signature_label(column, int(value), names, row_shapes, rank), []).append(rank)
+        part = f"{field}: " + "; ".join(f"ranks {ranks} have {label}" for label, ranks in groups.items())
         if field == "algorithm":
             part += " (the algorithm each rank would run, from algorithm=, MPIDIST_ALLREDUCE_ALGORITHM or auto's table)"
         parts.append(part)
-    return "ranks called the same collective with different arguments: " + " | ".join(parts)
+    called = "the same collective with different arguments" if len(set(codes)) == 1 else "different collectives"
+    return f"ranks called {called}: " + " | ".join(parts)
 
 
 def signature_label(field: str, value: int, names: dict, row_shapes: list | None, rank: int) -> str:
@@ -232,10 +265,14 @@ def signature(collective: str, info: BufferInfo, op: str = "sum", algorithm: str
               row_shape: tuple | None = None) -> dict:
     """What a rank was asked to do, as numbers. `algorithm` is the one the rank will run (after
     MPIDIST_ALLREDUCE_ALGORITHM and auto's choice); `row_shape` is shape[1:] where it matters (or
-    the shape, or a tuple of shapes, that an all-reduce's caller asks the ranks to agree on)."""
-    return {"collective": COLLECTIVES.index(collective), "count": info.count,
-            "dtype": DTYPES.index(info.dtype), "op": OPS.index(op), "algorithm": ALGORITHMS.index(algorithm),
-            "root": root, "row shape": 0 if row_shape is None else row_shape_code(row_shape)}
+    the shape, or a tuple of shapes, that an all-reduce's caller asks the ranks to agree on). The
+    fields `collective` does not have hold NOT_APPLICABLE (FIELDS_OF)."""
+    values = {"count": info.count, "dtype": DTYPES.index(info.dtype), "op": OPS.index(op),
+              "algorithm": ALGORITHMS.index(algorithm), "root": root,
+              "row shape": 0 if row_shape is None else row_shape_code(row_shape)}
+    columns = {column_of(field) for field in FIELDS_OF[collective]}
+    return {"collective": COLLECTIVES.index(collective)} | {
+        column: values[column] if column in columns else NOT_APPLICABLE for column in SIGNATURE_FIELDS[1:]}
 
 
 def row_shape_code(row_shape: tuple) -> int:
