@@ -29,19 +29,20 @@ final weights bit for bit (data parallel restores its sampler and RNG states); a
 must come within REPLAY_TOLERANCE of a float64 replay of its survivors' batches.
 
 A parameter-server run, whose updates race, differs from run to run even undisturbed, and a dead
-worker's share of the data goes untrained from its death on. So each parameter-server
-configuration (the job's options: async, softsync, sync with backup workers, ...) is first run
-undisturbed --references times, with training seeds 0, 1, ...; each such reference records its
-final test accuracy, the gradients its server applied and its accuracy curve: the test accuracy
-of each of its checkpoints against the gradients applied by then. They are appended to
-<out>.jsonl as reference records and reused by a campaign that restarts. Disturbed run i trains
-with seed i modulo --references, so that the references and the disturbed runs differ in the
-same ways but for the fault. Its lost share of work is 1 - g / G, g the gradients applied to its
-final weights (for a job that ended and resumed: those of the checkpoint it resumed from plus the
-relaunch's), G the references' median. It is judged against the references after as much work:
-at g gradients the references' accuracies (each one's curve, interpolated linearly) range from
-low to high, and the run is wrong when its accuracy is below low - max(high - low, one test
-item): below the worst reference by more than the references' own spread (at least the
+worker's share of the data goes untrained from its death on. So each parameter-server job (the
+job's options: async, softsync, sync with backup workers, ...) is first run undisturbed, the
+references: --references times (training seeds 0, 1, ...) for --epochs, and as many times for
+one epoch less, with as much less work as a worker killed at its first step loses at most with
+3 workers and 3 epochs (or 2 and 2). Each records its final test accuracy and its work, the steps
+its workers did. They are appended to <out>.jsonl as reference records and reused by a campaign
+that restarts. Disturbed run i trains with seed i modulo --references, so that the references and
+the disturbed runs differ in the same ways but for the fault. Its work w: the steps its workers
+did (for a job that ended and resumed: the gradients of the checkpoint it resumed from and the
+relaunch's steps); its lost share of work: 1 - w / W, W the full references' work. It is judged
+against the references trained to their end with as much work: each seed's accuracy at w,
+interpolated linearly between its two lengths (the shorter's for less work), ranges from low to
+high over the seeds, and the run is wrong when its accuracy is below low - max(high - low, one
+test item): below the worst reference by more than the references' own spread (at least the
 accuracy's resolution). tests/test_ps_resume.py and tests/test_ps_faults.py compare the
 parameter server with its float64 replay.
 """
@@ -141,10 +142,11 @@ def mpirun_env(extra: dict) -> dict:
     return env
 
 
-def launch(scenario: dict, directory: str, checkpoints: str, args, spec=None, resume=False, seed=0) -> dict:
-    """One mpirun of `mpidist train --seed seed` through the hook, its phase logs in `directory`;
-    its output lines with the time each came, its exit status (None: killed at DEADLINE) and the
-    times it started and ended."""
+def launch(scenario: dict, directory: str, checkpoints: str, args, spec=None, resume=False, seed=0,
+           epochs=None) -> dict:
+    """One mpirun of `mpidist train --seed seed --epochs epochs` (default: args.epochs) through the
+    hook, its phase logs in `directory`; its output lines with the time each came, its exit status
+    (None: killed at DEADLINE) and the times it started and ended."""
     os.makedirs(directory, exist_ok=True)
     train = [*scenario["train"], "--seed", str(seed)]
     if resume:
@@ -162,7 +164,7 @@ def launch(scenario: dict, directory: str, checkpoints: str, args, spec=None, re
     # Across the emulated nodes: mpirun runs in the first node, with the cluster's environment.
     on_nodes = ["bash", CLUSTER, "exec", "1"] if scenario.get("nodes") else []
     cmd = [*on_nodes, "mpirun", *ft, "--oversubscribe", "--bind-to", "none", "-np", str(args.ranks), sys.executable, HOOK,
-           "train", "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--no-progress",
+           "train", "--epochs", str(epochs or args.epochs), "--batch-size", str(args.batch_size), "--no-progress",
            "--checkpoint-dir", checkpoints, *train]
     started = time.time()
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
@@ -365,11 +367,11 @@ def is_ps(scenario: dict) -> bool:
     return "ps" in scenario["train"]
 
 
-def undisturbed(name: str, scenario: dict, directory: str, args, seed=0) -> dict:
+def undisturbed(name: str, scenario: dict, directory: str, args, seed=0, epochs=None) -> dict:
     """An undisturbed run of `scenario`'s job: its test accuracy, checkpoint directory, step
     times and checkpoint size in datasets."""
     shutil.rmtree(directory, ignore_errors=True)  # one cut short before
-    run = launch(scenario, directory, os.path.join(directory, "checkpoints"), args, seed=seed)
+    run = launch(scenario, directory, os.path.join(directory, "checkpoints"), args, seed=seed, epochs=epochs)
     if run["status"] != 0 or accuracy_of(run) is None:
         raise RuntimeError(f"the undisturbed run of {name} failed:\n" + "\n".join(line for _, line in run["lines"]))
     logs = phase_log(directory)
@@ -383,7 +385,7 @@ def undisturbed(name: str, scenario: dict, directory: str, args, seed=0) -> dict
               "datasets": len(datasets), "seconds": run["ended"] - run["started"],
               "train_s": training_seconds(logs)}
     if is_ps(scenario):
-        result.update(gradients=gradients_applied(run), curve=accuracy_curve(run), load_average=os.getloadavg())
+        result.update(gradients=gradients_applied(run), work=work_done(logs), load_average=os.getloadavg())
     return result
 
 
@@ -405,22 +407,27 @@ def reference(name: str, scenario: dict, args) -> dict:
 
 
 def ps_references(name: str, scenario: dict, args) -> dict:
-    """The --references undisturbed runs of a parameter-server job, with training seeds 0, 1, ...:
-    those <out>.jsonl holds already (same job, ranks, epochs and batch size), the others run now
-    and appended to it as reference records."""
+    """The undisturbed runs of a parameter-server job, with training seeds 0 .. --references - 1,
+    each for --epochs and for one epoch less (the module's docstring): those <out>.jsonl holds
+    already (same job, ranks, epochs and batch size), the others run now and appended to it as
+    reference records."""
     key = reference_key(scenario)
-    recorded = {r["reference_seed"]: r for r in read_records(args.out)
+    lengths = [args.epochs, args.epochs - 1] if args.epochs > 1 else [args.epochs]
+    recorded = {(r["reference_seed"], r["training_epochs"]): r for r in read_records(args.out)
                 if r.get("reference") == key and (r["ranks"], r["epochs"], r["batch_size"]) ==
                 (args.ranks, args.epochs, args.batch_size)}
     for seed in range(args.references):
-        if seed not in recorded:
-            run = undisturbed(name, scenario, os.path.join(args.work, f"reference-{key}-seed{seed}"), args, seed)
-            recorded[seed] = {"reference": key, "reference_seed": seed, "ranks": args.ranks, "epochs": args.epochs,
-                              "batch_size": args.batch_size, "command": args.command, **run}
-            append_record(args.out, recorded[seed])
-            print(f"reference {key} seed {seed}: accuracy {run['accuracy']}, {run['gradients']} gradients",
-                  flush=True)
-    spread = [recorded[seed] for seed in range(args.references)]
+        for epochs in lengths:
+            if (seed, epochs) not in recorded:
+                directory = os.path.join(args.work, f"reference-{key}-seed{seed}-epochs{epochs}")
+                run = undisturbed(name, scenario, directory, args, seed, epochs)
+                recorded[seed, epochs] = {"reference": key, "reference_seed": seed, "training_epochs": epochs,
+                                          "ranks": args.ranks, "epochs": args.epochs, "batch_size": args.batch_size,
+                                          "command": args.command, **run}
+                append_record(args.out, recorded[seed, epochs])
+                print(f"reference {key} seed {seed}, {epochs} epochs: accuracy {run['accuracy']}, work {run['work']}",
+                      flush=True)
+    spread = [recorded[seed, epochs] for seed in range(args.references) for epochs in lengths]
     return {**spread[0], "references": spread}
 
 
@@ -442,27 +449,9 @@ def gradients_resumed(run: dict) -> int:
     return 0
 
 
-def checkpoint_accuracy(path: str) -> float:
-    """The test accuracy of the network in the checkpoint at `path`, as `mpidist train` measures it."""
-    from mpidist.checkpoint import load_checkpoint
-    from mpidist.data import HDF5Dataset, default_digits_path
-    from mpidist.train import build_model, evaluate
-    model = build_model()
-    load_checkpoint(path, model, restore_rng=False)
-    return evaluate(model, HDF5Dataset(default_digits_path(), "test"))
-
-
-def accuracy_curve(run: dict) -> list:
-    """[gradients applied, test accuracy] of each checkpoint of an undisturbed parameter-server
-    run, its final weights last."""
-    import h5py
-    curve = {}
-    for path in sorted(glob.glob(os.path.join(run["checkpoints"], "ps", "*.h5"))):
-        with h5py.File(path, "r") as f:
-            applied = json.loads(f.attrs["extra"])["applied"]
-        curve[sum(applied.values())] = checkpoint_accuracy(path)
-    curve[gradients_applied(run)] = accuracy_of(run)
-    return sorted([gradients, accuracy] for gradients, accuracy in curve.items())
+def work_done(logs: dict) -> int:
+    """The training steps the workers did (the server's log has none)."""
+    return sum(1 for log in logs.values() for _, phase, _ in log if phase == "done")
 
 
 def digits_test_size() -> int:
@@ -470,19 +459,22 @@ def digits_test_size() -> int:
     return len(HDF5Dataset(default_digits_path(), "test"))
 
 
-def accuracy_verdict(accuracy, gradients, references: list, resolution: float) -> dict:
-    """A parameter-server run's accuracy judged against its job's references after as much work
+def accuracy_verdict(accuracy, work, references: list, resolution: float) -> dict:
+    """A parameter-server run's accuracy judged against its job's references with as much work
     (the module's docstring; `resolution`: one test item's share of the accuracy): its lost share
     of work, the references' range there, the bound, and whether it is wrong."""
     import numpy as np
-    if accuracy is None or gradients is None:
-        return {"wrong": True, "gradients": gradients}
-    at_same_work = [float(np.interp(gradients, *zip(*r["curve"]))) for r in references]
+    if accuracy is None or work is None:
+        return {"wrong": True, "work": work}
+    lengths = {}  # seed -> [(work, accuracy)] of its references
+    for r in references:
+        lengths.setdefault(r["reference_seed"], []).append((r["work"], r["accuracy"]))
+    at_same_work = [float(np.interp(work, *zip(*sorted(points)))) for points in lengths.values()]
     low, high = min(at_same_work), max(at_same_work)
     bound = low - max(high - low, resolution)
-    return {"gradients": gradients,
-            "lost_share": 1 - gradients / statistics.median(r["gradients"] for r in references),
-            "references_at_same_work": [low, high], "accuracy_bound": bound, "wrong": accuracy < bound}
+    full = statistics.median(max(points)[0] for points in lengths.values())
+    return {"work": work, "lost_share": 1 - work / full, "references_at_same_work": [low, high],
+            "accuracy_bound": bound, "wrong": accuracy < bound}
 
 
 def draw(name: str, scenario: dict, ref: dict, args, rng: random.Random, directory: str) -> dict:
@@ -589,7 +581,7 @@ def judge(name: str, scenario: dict, ref: dict, run: dict, relaunch, fault: dict
         recovered = min(after) if after else None
         record["accuracy"] = accuracy_of(run)
         if is_ps(scenario):
-            record.update(accuracy_verdict(record["accuracy"], gradients_applied(run), ref["references"],
+            record.update(accuracy_verdict(record["accuracy"], work_done(logs), ref["references"],
                                            1 / digits_test_size()))
         else:
             record["replay_difference"] = elastic_replay(run["directory"])
@@ -611,9 +603,8 @@ def judge(name: str, scenario: dict, ref: dict, run: dict, relaunch, fault: dict
         record["relaunch_status"] = relaunch and relaunch["status"]
         if is_ps(scenario):
             record["accuracy"] = accuracy_of(relaunch) if relaunch else None
-            relaunched = gradients_applied(relaunch) if relaunch else None
-            record.update(accuracy_verdict(record["accuracy"], relaunched and relaunched + gradients_resumed(relaunch),
-                                           ref["references"], 1 / digits_test_size()))
+            work = gradients_resumed(relaunch) + work_done(relaunch_logs) if relaunch else None
+            record.update(accuracy_verdict(record["accuracy"], work, ref["references"], 1 / digits_test_size()))
         else:
             import numpy as np
             record["wrong"] = relaunch is None or relaunch["status"] != 0 or not all(
@@ -717,16 +708,19 @@ def spread(values) -> dict:
 
 def accuracy_summary(scenario: dict, injected: list, records: list) -> dict:
     """A parameter-server scenario's test accuracies: its runs', and its job's references' (those
-    of the runs' ranks and epochs), with the lost shares of work and the bounds the runs met."""
+    of the runs' ranks, epochs and batch size) per length in epochs, with the runs' lost shares of
+    work and the bounds they were judged by."""
     shapes = {(r["ranks"], r.get("epochs"), r.get("batch_size")) for r in injected}
     references = [r for r in records if r.get("reference") == reference_key(scenario) and
                   (r["ranks"], r["epochs"], r["batch_size"]) in shapes]
+    lengths = sorted({r["training_epochs"] for r in references}, reverse=True)
     return {"accuracy": spread(r.get("accuracy") for r in injected),
             "lost_share": spread(r.get("lost_share") for r in injected),
             "accuracy_bound": spread(r.get("accuracy_bound") for r in injected),
-            "references": {"seeds": sorted(r["reference_seed"] for r in references),
-                           "accuracy": spread(r["accuracy"] for r in references),
-                           "gradients": spread(r["gradients"] for r in references)}}
+            "references": [{"epochs": epochs, "seeds": sorted(r["reference_seed"] for r in mine),
+                            "accuracy": spread(r["accuracy"] for r in mine), "work": spread(r["work"] for r in mine)}
+                           for epochs in lengths
+                           for mine in [[r for r in references if r["training_epochs"] == epochs]]]}
 
 
 def machine() -> dict:
@@ -787,15 +781,17 @@ def write_reports(out: str, args, started_load) -> None:
                      f"{row['hangs']} | {row['wrong']} | {row['unloadable_checkpoints']} | {fmt(row['detect_s'])} | "
                      f"{fmt(row['job_end_s'])} | {fmt(row['recover_s'])} | {fmt(row['lost_s'])} | {ratio} | {rates} |")
     lines += ["", "Parameter server: test accuracy, min / median / max (N), of the undisturbed references (training "
-              "seeds 0, 1, ...) and of the disturbed runs; the runs' lost share of work (1 - gradients applied / the "
-              "references' median) and the bound each was judged by (the references' lowest accuracy after as much "
-              "work, less their range there, at least one test item; benchmarks/faults.py).", "",
-              "| scenario | references' accuracy | runs' accuracy | lost share of work | bound | wrong |",
-              "|" + "---|" * 6]
+              "seeds 0, 1, ..., each for all the epochs and for one less) and of the disturbed runs; the runs' lost "
+              "share of work (1 - their workers' steps / the full references') and the bound each was judged by (the "
+              "references' lowest accuracy with as much work, less their range there, at least one test item; "
+              "benchmarks/faults.py).", "",
+              "| scenario | references' accuracy (epochs: min / median / max (N)) | runs' accuracy | lost share of work "
+              "| bound | wrong |", "|" + "---|" * 6]
     for name, row in summary.items():
         if "references" in row:
-            lines.append(f"| {name} | {fmt_spread(row['references']['accuracy'])} | {fmt_spread(row['accuracy'])} | "
-                         f"{fmt_spread(row['lost_share'])} | {fmt_spread(row['accuracy_bound'])} | {row['wrong']} |")
+            references = "; ".join(f"{r['epochs']}: {fmt_spread(r['accuracy'])}" for r in row["references"])
+            lines.append(f"| {name} | {references} | {fmt_spread(row['accuracy'])} | {fmt_spread(row['lost_share'])} "
+                         f"| {fmt_spread(row['accuracy_bound'])} | {row['wrong']} |")
     notes = ""  # what was written about the runs by hand, kept from the file being replaced
     if os.path.exists(out + ".md"):
         with open(out + ".md") as f:
