@@ -436,3 +436,17 @@ def test_progress_is_plain_lines_where_the_output_is_not_a_terminal(tmp_path, di
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("sys.stderr", Terminal())
         assert isinstance(train.progress(options, 6, "epoch 1/1", True), tqdm)
+
+
+def test_the_sparse_parameter_server_job_runs_without_warnings(tmp_path):
+    """The project's own sparse example, `mpidist train --mode ps --model embedding`, warns of
+    nothing: the server's Adagrad gets a coalesced gradient whose invariants are checked, and
+    builds its own sparse tensors with the checks on (torch warns, of segfaults, where no one said
+    whether to check them). Warnings are errors in the ranks, and none may reach their output."""
+    args = ["train", "--mode", "ps", "--model", "embedding", "--embedding-rows", "100", "--epochs", "1",
+            "--batch-size", "256", "--no-progress", "--checkpoint-dir", str(tmp_path / "ck")]
+    code = "import warnings; warnings.simplefilter('error', UserWarning)\n" + TRAIN.format(args=args)
+    result = run_python(code, ranks=2, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Warning" not in result.stderr, result.stderr
+    assert "final test accuracy" in result.stdout, result.stdout

@@ -102,11 +102,12 @@ def apply(role: ServerRole, arrived: dict, update: Update, on_update) -> Update:
         else:
             table.weight.grad = gradient
     try:
-        if owned is not None:
-            owned.set_gradients(total)
-            owned.step(update.lr_scale)
-        else:
-            step_whole(role.model, total, update.lr_scale)
+        with sparse.invariants_checked():
+            if owned is not None:
+                owned.set_gradients(total)
+                owned.step(update.lr_scale)
+            else:
+                step_whole(role.model, total, update.lr_scale)
     except Exception as error:  # the optimizer's, or a check of the user's in it
         server_failed(role, error)
     for table in tables:

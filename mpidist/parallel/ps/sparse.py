@@ -1,7 +1,9 @@
 """A parameter server's sparse tables: the embedding weights that travel by rows. Which tables a
 model has, how each one's rows are split over the servers (one contiguous row range per server),
 the rows of a worker's gradient (unique indices and their summed rows), the servers' mean of the
-workers' rows as a torch sparse gradient, and the check that an optimizer can apply one.
+workers' rows as a torch sparse gradient (coalesced, its invariants checked, as are those of the
+tensors the optimizer builds from it: invariants_checked), and the check that an optimizer can
+apply one.
 """
 from __future__ import annotations
 
@@ -84,8 +86,19 @@ def mean_gradient(table: Table, parts: list, count: int) -> torch.Tensor:
     indices = torch.cat([index for index, _ in parts]) if parts else torch.empty(0, dtype=torch.int64)
     values = torch.cat([value for _, value in parts]) if parts else \
         torch.empty((0, *table.weight.shape[1:]), dtype=table.weight.dtype)
+    # Checked (the indices against the table's rows: one pass over them) and coalesced here, once:
+    # an optimizer that needs unique rows (Adagrad) finds them so.
     return torch.sparse_coo_tensor(indices.unsqueeze(0), values / count, table.weight.shape,
-                                   check_invariants=False).to(table.weight.device)
+                                   check_invariants=True).coalesce().to(table.weight.device)
+
+
+def invariants_checked():
+    """The context of an optimizer step on sparse gradients. torch's optimizers build sparse
+    tensors of their own from one (Adagrad: the squared rows, the step) without saying whether
+    torch should check their invariants, and torch warns at the first such tensor that memory
+    errors may follow. The server's steps opt in: a check is one pass over the indices, small
+    beside the update of their rows."""
+    return torch.sparse.check_sparse_tensor_invariants(enable=True)
 
 
 def refusal(optimizers: list, table: Table):
@@ -99,8 +112,9 @@ def refusal(optimizers: list, table: Table):
                 try:
                     trial = optimizer_like(optimizer, [(group, [probe])])
                     probe.grad = torch.sparse_coo_tensor([[0]], torch.ones((1, 1), dtype=probe.dtype), (2, 1),
-                                                         check_invariants=False)
-                    trial.step()
+                                                         check_invariants=True, is_coalesced=True)
+                    with invariants_checked():
+                        trial.step()
                 except Exception as error:  # whatever the optimizer raises, it cannot apply the gradient
                     return (f"{named} cannot apply a sparse gradient, which the sparse table {table.name} sends "
                             f"({type(error).__name__}: {error}); use SGD, Adagrad or SparseAdam for it")
