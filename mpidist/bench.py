@@ -312,30 +312,31 @@ def refusal(options: Options) -> str | None:
     if options.collective not in WORKLOADS:
         return f"unknown collective {options.collective!r}; choose one of {', '.join(COLLECTIVES)}"
     if options.device == "cuda" and options.collective != "allreduce":
-        return "--device cuda measures allreduce only"
+        return "argument --device: cuda measures allreduce only"
     unknown_dtypes = [name for name in options.dtypes if name not in COLLECTIVE_DTYPES]
     if unknown_dtypes or not options.dtypes:
-        return (f"unknown dtype {', '.join(unknown_dtypes) or '(none given)'}; "
+        return (f"argument --dtype: unknown dtype {', '.join(unknown_dtypes) or '(none given)'}; "
                 f"choose from {', '.join(COLLECTIVE_DTYPES)}")
     if not options.sizes:
-        return "--sizes names no size"
+        return "argument --sizes: names no size"
     not_positive = [size for size in options.sizes if size <= 0]
     if not_positive:
-        return f"--sizes must be positive numbers of bytes, got {', '.join(map(str, not_positive))}"
+        return f"argument --sizes: must be positive numbers of bytes, got {', '.join(map(str, not_positive))}"
     for dtype in options.dtypes:
         uneven = [size for size in options.sizes if size % ITEMSIZE[dtype]]
         if uneven:
-            return (f"--sizes {', '.join(map(str, uneven))} is not a multiple of {ITEMSIZE[dtype]} bytes, "
+            return (f"argument --sizes: {', '.join(map(str, uneven))} is not a multiple of {ITEMSIZE[dtype]} bytes, "
                     f"the size of one {dtype} element")
     if options.iters is not None and options.iters < 1:
-        return f"--iters must be at least 1, got {options.iters}"
+        return f"argument --iters: must be at least 1, got {options.iters}"
     if options.warmup is not None and options.warmup < 0:
-        return f"--warmup must be 0 or more, got {options.warmup}"
+        return f"argument --warmup: must be 0 or more, got {options.warmup}"
     if options.algorithms is not None:
         known = known_algorithms(options.collective, options.device)
         unknown = [name for name in options.algorithms if name not in known]
         if unknown or not options.algorithms:
-            return (f"unknown algorithm {', '.join(map(repr, unknown)) or '(none given)'} for {options.collective}"
+            return (f"argument --algorithms: unknown algorithm {', '.join(map(repr, unknown)) or '(none given)'} "
+                    f"for {options.collective}"
                     f"{' on cuda' if options.device == 'cuda' else ''}; choose from {', '.join(known)}")
     return None
 

@@ -103,21 +103,23 @@ print("tuned", comm.rank)
 # Arguments that make no measurement, and the usage error that names them: refused as nccl-tests
 # and OSU refuse theirs, not measured as a 4-byte row or a time of no iterations.
 REFUSALS = {
-    "zero size": (["bench", "allreduce", "--sizes", "0"], "--sizes must be positive numbers of bytes, got 0"),
-    "negative size": (["bench", "allreduce", "--sizes", "-5"], "--sizes must be positive numbers of bytes, got -5"),
+    "zero size": (["bench", "allreduce", "--sizes", "0"], "argument --sizes: must be positive numbers of bytes, got 0"),
+    "negative size": (["bench", "allreduce", "--sizes", "-5"], "argument --sizes: must be positive numbers of bytes, got -5"),
     "size of no whole element": (["bench", "allreduce", "--sizes", "8,7"],
-                                 "--sizes 7 is not a multiple of 4 bytes, the size of one float32 element"),
+                                 "argument --sizes: 7 is not a multiple of 4 bytes, the size of one float32 element"),
     "size of no whole element of the second dtype": (
         ["bench", "allreduce", "--sizes", "12", "--dtype", "float32,float64"],
-        "--sizes 12 is not a multiple of 8 bytes, the size of one float64 element"),
-    "no iterations": (["bench", "allreduce", "--iters", "0"], "--iters must be at least 1, got 0"),
-    "negative warmup": (["bench", "allreduce", "--warmup", "-1"], "--warmup must be 0 or more, got -1"),
-    "unknown algorithm": (["bench", "allreduce", "--algorithms", "ring,foo"], "unknown algorithm 'foo' for allreduce"),
+        "argument --sizes: 12 is not a multiple of 8 bytes, the size of one float64 element"),
+    "no iterations": (["bench", "allreduce", "--iters", "0"], "argument --iters: must be at least 1, got 0"),
+    "negative warmup": (["bench", "allreduce", "--warmup", "-1"], "argument --warmup: must be 0 or more, got -1"),
+    "unknown algorithm": (["bench", "allreduce", "--algorithms", "ring,foo"],
+                          "argument --algorithms: unknown algorithm 'foo' for allreduce"),
     "algorithm of another collective": (["bench", "broadcast", "--algorithms", "ring"],
-                                        "unknown algorithm 'ring' for broadcast"),
-    "unknown dtype": (["bench", "allreduce", "--dtype", "complex64"], "unknown dtype complex64"),
-    "cuda for another collective": (["bench", "broadcast", "--device", "cuda"], "--device cuda measures allreduce only"),
-    "tune of no size": (["tune", "--sizes", "0"], "--sizes must be positive numbers of bytes, got 0"),
+                                        "argument --algorithms: unknown algorithm 'ring' for broadcast"),
+    "unknown dtype": (["bench", "allreduce", "--dtype", "complex64"], "argument --dtype: unknown dtype complex64"),
+    "cuda for another collective": (["bench", "broadcast", "--device", "cuda"],
+                                    "argument --device: cuda measures allreduce only"),
+    "tune of no size": (["tune", "--sizes", "0"], "argument --sizes: must be positive numbers of bytes, got 0"),
 }
 
 # Each rank runs every refused command line in turn: its exit status, what it printed on standard
@@ -173,4 +175,4 @@ def test_bench_refusal_comes_before_mpi_starts(refusals_under_mpirun, case):
 def test_bench_refusal_under_mpirun_ends_the_job_with_status_2_and_one_message(tmp_path):
     result = cli_under_mpirun(tmp_path, "bench", "allreduce", "--sizes", "0")
     assert result.returncode == 2, result.stdout + result.stderr
-    assert result.stderr.count("mpidist bench: error: --sizes must be positive") == 1, result.stderr
+    assert result.stderr.count("mpidist bench: error: argument --sizes: must be positive") == 1, result.stderr
