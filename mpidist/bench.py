@@ -34,9 +34,9 @@ import numpy as np
 from . import bench_device
 from .runtime.wire import COLLECTIVE_DTYPES, ITEMSIZE
 
-# torch, matplotlib and mpi4py's MPI are imported in the functions that use them: the `mpidist`
-# command builds its parser from this module without torch, and importing mpi4py's MPI
-# initializes MPI.
+# torch and mpi4py's MPI are imported in the functions that use them (matplotlib in bench_plot.py):
+# the `mpidist` command builds its parser from this module without torch, and importing mpi4py's
+# MPI initializes MPI.
 
 OUR_ALLREDUCE = ("ring", "tree", "recursive_halving", "recursive_doubling", "reduce_bcast",
                  "hierarchical", "auto")
@@ -487,31 +487,3 @@ def write_json(rows, path: str) -> None:
     with open(path, "w") as handle:
         json.dump(rows, handle, indent=1)
         handle.write("\n")
-
-
-def plot(rows, path: str, title: str = "") -> None:
-    """busbw against message size, one line per algorithm, one panel per (collective, dtype)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = sorted({(row["collective"], row["dtype"], row["ranks"]) for row in rows})
-    figure, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
-    for axis, (collective, dtype, ranks) in zip(axes[0], panels):
-        chosen = [row for row in rows if (row["collective"], row["dtype"], row["ranks"]) == (collective, dtype, ranks)]
-        for algorithm in dict.fromkeys(row["algorithm"] for row in chosen):
-            points = sorted((row["bytes"], row["busbw_gbs"]) for row in chosen if row["algorithm"] == algorithm)
-            style = "--" if algorithm in PEERS else "-"
-            axis.plot([x for x, _ in points], [y for _, y in points], style, marker="o", markersize=3,
-                      label=algorithm)
-        axis.set_xscale("log", base=2)
-        axis.set_xlabel("message size (bytes)")
-        axis.set_ylabel("busbw (GB/s)")
-        axis.set_title(f"{collective} {dtype}, {ranks} ranks")
-        axis.grid(True, which="both", alpha=0.3)
-        axis.legend(fontsize=8)
-    if title:
-        figure.suptitle(title)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)

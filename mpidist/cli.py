@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from . import __version__, bench
+from . import __version__, bench, bench_plot
 from . import tune as tuning
 from .comm import init, is_initialized
 from .data import add_prepare_data_command, default_digits_path
@@ -90,7 +90,7 @@ def cmd_bench(args) -> int:
         if args.json:
             bench.write_json(rows, args.json)
         if args.plot:
-            bench.plot(rows, args.plot, title=f"mpidist bench {args.collective}, {comm.size} ranks")
+            bench_plot.plot(rows, args.plot, title=f"mpidist bench {args.collective}, {comm.size} ranks")
     return 0 if all(row["wrong"] == 0 for row in rows) else 1
 
 
