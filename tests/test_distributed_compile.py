@@ -210,6 +210,10 @@ def in_place_collectives(x):
     dist.broadcast(broadcast, src=1)
     summed = x + 1
     dist.all_reduce(summed, async_op=True).wait()
+    gathered = x.new_empty(dist.get_world_size() * x.numel())
+    dist.all_gather_into_tensor(gathered, x - 1)
+    scattered = torch.empty_like(x)
+    dist.reduce_scatter_tensor(scattered, x.repeat(dist.get_world_size()))
     dist.barrier()
     received = torch.empty_like(x)
     peer = 1 - rank
@@ -219,7 +223,8 @@ def in_place_collectives(x):
     else:
         dist.recv(received, peer)
         dist.send(x * 3, peer)
-    return {"broadcast": broadcast, "all_reduce": summed, "received": received}
+    return {"broadcast": broadcast, "all_reduce": summed, "all_gather_into_tensor": gathered,
+            "reduce_scatter_tensor": scattered, "received": received}
 
 
 @pytest.fixture(scope="module")
@@ -237,6 +242,19 @@ def test_compiled_broadcast(mpi_world, in_place_results):
 def test_compiled_async_all_reduce(mpi_world, in_place_results):
     _, size = world()
     assert_reduced(in_place_results["all_reduce"], [values(k, (5,)) + 1 for k in range(size)], "sum")
+
+
+@pytest.mark.mpi(ranks=[2])
+def test_compiled_all_gather_into_tensor(mpi_world, in_place_results):
+    _, size = world()
+    assert_exact(in_place_results["all_gather_into_tensor"], torch.cat([values(k, (5,)) - 1 for k in range(size)]))
+
+
+@pytest.mark.mpi(ranks=[2])
+def test_compiled_reduce_scatter_tensor(mpi_world, in_place_results):
+    # Every rank's input is its values repeated: each rank's part of the sum is the values' sum.
+    _, size = world()
+    assert_reduced(in_place_results["reduce_scatter_tensor"], [values(k, (5,)) for k in range(size)], "sum")
 
 
 @pytest.mark.mpi(ranks=[2])
