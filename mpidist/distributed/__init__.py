@@ -6,7 +6,7 @@ sets up torch's store; backend.py is the process group itself, its sends and rec
 point_to_point.py's; outside_compile.py keeps torch.compile out of both. Importing this
 package imports neither torch nor MPI: `import mpidist` calls register_when_torch_loads(), which
 registers the backend at once when torch.distributed is already imported, else as soon as the
-program imports it.
+program imports it (after_import, which outside_compile.py uses too).
 """
 from __future__ import annotations
 
@@ -20,10 +20,7 @@ TORCH_DISTRIBUTED = "torch.distributed"
 def register_when_torch_loads() -> None:
     """Register the backend with torch.distributed now if it is loaded, else right after the
     program imports it (torch costs seconds to import: `import mpidist` does not pay them)."""
-    if sys.modules.get(TORCH_DISTRIBUTED) is not None:
-        _register()
-    elif not any(isinstance(finder, _RegisterAfterImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterAfterImport())
+    after_import(TORCH_DISTRIBUTED, _register)
 
 
 def _register() -> None:
@@ -31,12 +28,24 @@ def _register() -> None:
     register()
 
 
-class _RegisterAfterImport(importlib.abc.MetaPathFinder):
-    """Finds torch.distributed through the other finders and registers the backend once that
-    module has run."""
+def after_import(name: str, action) -> None:
+    """action() now if the module `name` is loaded, else once the program has imported it; an
+    action already waiting for that module is not added twice."""
+    if sys.modules.get(name) is not None:
+        action()
+    elif not any(isinstance(finder, _AfterImport) and (finder.name, finder.action) == (name, action)
+                 for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, action))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds the module `name` through the other finders and runs `action` once it has run."""
+
+    def __init__(self, name: str, action):
+        self.name, self.action = name, action
 
     def find_spec(self, name, path, target=None):
-        if name != TORCH_DISTRIBUTED:
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -46,7 +55,7 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run_module(module)
-            _register()
+            self.action()
 
         spec.loader.exec_module = exec_module
         return spec

@@ -13,10 +13,21 @@ from __future__ import annotations
 
 import torch
 
+from . import after_import
+
+# torch.compile imports Dynamo, and nothing traces a frame before; importing it costs seconds,
+# which a program that never compiles does not pay for us.
+DYNAMO = "torch._dynamo"
+
 
 def run_outside_compile(cls: type) -> type:
-    """`cls` with every method that overrides one of its torch base class's run outside Dynamo."""
+    """`cls`, whose methods that override one of its torch base class's run outside Dynamo from
+    the moment Dynamo is imported."""
+    after_import(DYNAMO, lambda: _disable_overrides(cls))
+    return cls
+
+
+def _disable_overrides(cls: type) -> None:
     for name, member in list(vars(cls).items()):
         if callable(member) and not name.startswith("__") and hasattr(cls.__base__, name):
             setattr(cls, name, torch.compiler.disable(member))
-    return cls
