@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from . import after_import
+from .after_import import after_import
 
 # torch.compile imports Dynamo, and nothing traces a frame before; importing it costs seconds,
 # which a program that never compiles does not pay for us.
