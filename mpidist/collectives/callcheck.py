@@ -3,8 +3,9 @@
 The call check: before a collective moves any data, every rank contributes its signature (which
 collective, count, dtype, op, algorithm, root, row shape or shape; as int64 numbers) to one small
 allgather with a deadline; any difference raises MismatchError on every rank, naming who passed
-what (of ranks that called different collectives, in the fields those share: FIELDS_OF). A rank that refused its own arguments still joins, with a row that says so
-(share_refusal), so the others fail at once instead of waiting out MPIDIST_TIMEOUT. So does a
+what (of ranks that called different collectives, in the fields those share: FIELDS_OF). A rank
+that refused its own arguments still joins, with a row that says so (share_refusal), so the
+others fail at once instead of waiting out MPIDIST_TIMEOUT. So does a
 rank that has run out of data and waits in join (join_call_check): a rank calling another
 collective meanwhile raises, naming it, while the joined rank waits on; in an all-reduce that
 sums or averages it takes part with zeros.
