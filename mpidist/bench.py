@@ -352,13 +352,16 @@ def run(comm, options: Options, out=sys.stdout) -> list[dict]:
         algorithms = list(options.algorithms or bench_device.cuda_algorithms(comm))
     else:
         algorithms = list(options.algorithms or (OURS[options.collective] + PEERS))
-    comm.check_calls = options.check_calls
+    # The caller's communicator gets its call check back afterwards: a program that benchmarks
+    # (or tunes) on its world communicator and then trains on it keeps its checks.
+    check_calls, comm.check_calls = comm.check_calls, options.check_calls
     gloo = Gloo(comm) if "gloo" in algorithms else None
     routes = bench_device.route_communicators(comm, algorithms)
     printer = TablePrinter(out if comm.rank == 0 and not options.quiet else None, options.collective, comm.size)
     try:
         return measure(comm, options, algorithms, gloo, printer, routes)
     finally:
+        comm.check_calls = check_calls
         for route in routes.values():
             route.free()
         if gloo is not None:

@@ -6,6 +6,8 @@ import torch
 
 import mpidist as md
 
+pytestmark = pytest.mark.mpi_shared_launch
+
 
 def sent_by(rank, size, splits_of):
     """Rank `rank`'s rows: row i holds 1000 * rank + i, twice (a row shape of (2,))."""

@@ -16,6 +16,8 @@ from mpidist import checkpoint_files
 from mpidist.checkpoint import CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
 from mpidist.train_pipeline import common_checkpoint
 
+pytestmark = pytest.mark.mpi_shared_launch
+
 
 def trained(seed=0):
     torch.manual_seed(seed)

@@ -238,7 +238,9 @@ def test_tune_fits_the_model_and_auto_uses_it_on_3_ranks(mpi_world):
     path = os.path.join(tempfile.gettempdir(), f"mpidist-tuning-{int(name[0])}.json")
     sizes = [8, 65536]
     before = os.environ["MPIDIST_TUNING_FILE"]
+    assert comm.check_calls
     table, measured = tune.tune(comm, bench.Options(sizes=sizes, iters=2, warmup=1, quiet=True))
+    assert comm.check_calls, "the benchmark under tune left the world communicator without its call check"
     try:
         if comm.rank == 0:
             select.save_tuning_table(table, comm.size, path, measured, ranks_per_node=comm.size // comm.num_nodes)

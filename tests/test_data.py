@@ -16,6 +16,8 @@ import mpidist as md
 from mpidist import data
 from mpidist.data import HDF5Dataset, ShardedSampler, shard_range
 
+pytestmark = pytest.mark.mpi_shared_launch
+
 
 @pytest.fixture
 def shared_tmp(mpi_world, tmp_path):
