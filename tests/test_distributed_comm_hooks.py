@@ -151,14 +151,14 @@ def loss(model, step, rank):
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
-def trained_with_powersgd(settings, hook, bucket_mb):
-    """(the parameters after POWERSGD_STEPS steps of DDP over mpidist with torch's `hook` on a
-    PowerSGDState of `settings`, the parameter indices of each bucket in the order DDP handed
-    the buckets to the hook at each step)."""
+def trained_with_powersgd(settings, hook, bucket_mb, group=None):
+    """(the parameters after POWERSGD_STEPS steps of DDP over mpidist (the default group, else
+    `group`) with torch's `hook` on a PowerSGDState of `settings`, the parameter indices of each
+    bucket in the order DDP handed the buckets to the hook at each step)."""
     model = powersgd_model()
     index_of = {id(p): i for i, p in enumerate(model.parameters())}
-    ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
-    state = powerSGD_hook.PowerSGDState(process_group=None, start_powerSGD_iter=START_POWERSGD, random_seed=0,
+    ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_mb, process_group=group)
+    state = powerSGD_hook.PowerSGDState(process_group=group, start_powerSGD_iter=START_POWERSGD, random_seed=0,
                                         **settings)
     calls = [[] for _ in range(POWERSGD_STEPS)]
     step = 0
@@ -278,6 +278,25 @@ POWERSGD_SETTINGS = pytest.mark.parametrize("settings", [
 def test_powersgd_hook_trains_as_the_float64_replay(mpi_world, settings, bucket_mb):
     world()
     params, calls = trained_with_powersgd(settings, powerSGD_hook.powerSGD_hook, bucket_mb)
+    assert_trained_as_the_float64_replay(params, calls, settings)
+
+
+@pytest.mark.mpi(ranks=[2, 3], timeout=300)
+def test_powersgd_hook_on_the_background_thread_trains_as_the_float64_replay(mpi_world, monkeypatch):
+    # MPIDIST_EAGER_ON_NODE=0 queues async_op collectives on the group's engine thread, as a group
+    # across nodes does; the hook's callbacks then run there, and their all-reduces with them.
+    world()
+    monkeypatch.setenv("MPIDIST_EAGER_ON_NODE", "0")
+    group = dist.new_group(list(range(dist.get_world_size())))
+    try:
+        settings = dict(matrix_approximation_rank=1)
+        params, calls = trained_with_powersgd(settings, powerSGD_hook.powerSGD_hook, 0.0003, group)
+        assert_trained_as_the_float64_replay(params, calls, settings)
+    finally:
+        dist.destroy_process_group(group)
+
+
+def assert_trained_as_the_float64_replay(params, calls, settings):
     assert_same_bits_on_every_rank(params)
     # The reference draws Q's random start per bucket in index order: DDP hands the buckets to
     # the hook in that order once it has settled them (after the first step).

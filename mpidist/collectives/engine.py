@@ -132,13 +132,18 @@ class AsyncEngine(Channel):
         with self._counting:
             idle = self._unfinished == 0 and self._running.acquire(blocking=False)
         if not idle:
-            if threading.get_ident() == self._thread.ident:
+            if self.is_current_thread():
                 return work(self)
             return self.submit("collective", work).wait()
         try:
             return work(self)
         finally:
             self._running.release()
+
+    def is_current_thread(self) -> bool:
+        """Whether the caller runs on the engine's own thread: in a callback of a future that
+        one of its collectives completes."""
+        return threading.get_ident() == self._thread.ident
 
     def _serve(self):
         while True:
@@ -172,6 +177,11 @@ class AsyncEngine(Channel):
             if comm is not None:
                 comm.Free()
         self.mpi.Free()
+
+
+def on_engine_thread(comm) -> bool:
+    """Whether the caller runs on `comm`'s engine thread (AsyncEngine.is_current_thread)."""
+    return comm._engine is not None and comm._engine.is_current_thread()
 
 
 def in_order(comm, work):

@@ -26,7 +26,7 @@ from mpi4py import MPI
 from torch.futures import Future
 
 from .. import collectives
-from ..collectives.engine import in_order
+from ..collectives.engine import in_order, on_engine_thread
 from ..comm import Communicator, init
 from ..errors import InvalidArgumentError, NotOfferedError
 from ..runtime import config
@@ -146,9 +146,16 @@ class ProcessGroupMpidist(dist.ProcessGroup):
         """run(channel) now (behind the queued asynchronous collectives) or, with async_op=True,
         on the engine, unless the group runs its CPU collectives at once; the Work's future
         completes with `outputs`. A blocking call returns no Work: torch's blocking functions
-        take None for a collective the backend has completed (a Work costs a microsecond)."""
+        take None for a collective the backend has completed (a Work costs a microsecond).
+
+        A collective asked for on the engine's own thread, by a callback of a future the engine
+        completes (torch's PowerSGD hook chains its all-reduces so and waits on them inside the
+        callbacks), runs there at once: queued, it would wait behind the very job whose
+        completion runs the callback. Every rank still runs it right after that job and before
+        what its caller submits next: where the job ended before the callback was attached, the
+        callback runs on the caller's thread, which queues the collective at once."""
         asynchronous = getattr(opts, "asyncOp", True)
-        if not asynchronous or self._eager and _on_cpu(outputs):
+        if not asynchronous or self._eager and _on_cpu(outputs) or on_engine_thread(self.comm):
             in_order(self.comm, run)
             return MpidistWork(outputs) if asynchronous else None
         future = Future()
