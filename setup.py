@@ -110,7 +110,7 @@ def make_extension():
         # int8 kernels (csrc/quantize.cpp) round every step as torch does, on every CPU.
         extra_compile_args=["-O3", "-fopenmp", "-fno-trapping-math", "-ffp-contract=off"],
         extra_link_args=["-fopenmp"],
-        cxx_std=17,
+        cxx_std=20,  # std::atomic_ref (csrc/node_host.h)
     )
     nvcc = want_cuda()
     ext.nvcc = nvcc

@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 from conftest import make_array, raw_bytes, to_float64
 from mpi4py import MPI
+from node_steps import stepwise
 from test_collectives import FLOAT_DTYPES, INT_DTYPES, OPS, rank_values, size_classes
 from tolerances import reduction_bound, reduction_reference
 
 import mpidist as md
-from mpidist.collectives import hierarchical
+from mpidist import _C
+from mpidist.collectives import hierarchical, node_window
 
 pytestmark = pytest.mark.mpi_shared_launch
 
@@ -111,21 +113,33 @@ def test_async_beside_blocking(mpi_ranks, comm):
 @pytest.mark.mpi(ranks=[2, 3])
 @ON_NODES
 def test_back_to_back_calls_of_changing_sizes(mpi_ranks, comm, monkeypatch):
-    """The last rank copies its results out late (a pause after every second node barrier, so
-    between a call's last barrier and its copy-out on one node) while the others go on to the
-    next call, of another size: with two ranks on one node (one slot each, the results published
-    into the peer's slot) and with more (alternating halves), no result is overwritten early."""
+    """The last rank reads its results late while the others go on to the next call, of another
+    size: on one node a pause before the last step of the extension's all-reduce (the copy-out,
+    or the one-shot's reduction of every slot), across nodes after every second node barrier.
+    Sliced and one-shot calls in turn (ONE_SHOT_BYTES), in alternating halves of the window: no
+    result and no slot is overwritten before the last rank has read it."""
+    lagging = comm.rank == mpi_ranks - 1
     barriers = itertools.count(1)
     synchronize = hierarchical.NodeWindow.sync
 
     def synchronize_then_lag(window):
         synchronize(window)
-        if comm.rank == mpi_ranks - 1 and next(barriers) % 2 == 0:
+        if lagging and next(barriers) % 2 == 0:
             time.sleep(0.003)
 
-    monkeypatch.setattr(hierarchical.NodeWindow, "sync", synchronize_then_lag)
+    def lag_before_the_last_step(step, last):
+        if lagging and step == last:
+            time.sleep(0.003)
+
+    if comm.num_nodes > 1:
+        monkeypatch.setattr(hierarchical.NodeWindow, "sync", synchronize_then_lag)
+    else:
+        monkeypatch.setattr(_C, "node_allreduce", stepwise(lag_before_the_last_step))
     comm.check_calls = False  # the call check is a collective: it would hold the fast ranks back
-    counts = [[70001, 3, 20000, 65536, 5, 40000][call % 6] for call in range(24)]
+    # A one-shot call followed by one that writes where its slots lie: another one-shot, and a
+    # sliced one whose second slice starts inside the one-shot's message.
+    assert 9000 * 4 <= node_window.ONE_SHOT_BYTES < 16500 * 4
+    counts = [[70001, 3, 5, 9000, 16500, 65536, 20000][call % 7] for call in range(28)]
     inputs = [[rank_values(call, k, count, "float32", "sum") for k in range(mpi_ranks)]
               for call, count in enumerate(counts)]
     # Back to back, for the same reason: each result is checked afterwards.

@@ -1,6 +1,7 @@
 """The node window's protocol (mpidist/collectives/node_window.py) on 2 to 5 ranks of one node,
 in host memory: all-reduce, reduce-scatter, broadcast and allgather on one window, against float64
-NumPy references, the same bits on every rank, and a silent local rank named in a DeadlineError.
+NumPy references, the same bits on every rank, and a silent local rank named in a DeadlineError,
+in a round of the window's own and in the all-reduce whose steps run in the extension.
 
 Each test runs twice: on HostMemory, and on DeferredMemory, which holds every copy and reduction
 back until settle(), as a CUDA stream holds its kernels until it is synchronized. The device
@@ -19,6 +20,7 @@ import mpidist as md
 from mpidist.buffers import describe
 from mpidist.collectives.common import kernel_op, split_counts
 from mpidist.collectives.node_window import (
+    ONE_SHOT_BYTES,
     HostMemory,
     NodeWindow,
     allgather_on_node,
@@ -34,6 +36,8 @@ DTYPES = ["float32", "bfloat16", "float16", "float64"]
 
 class DeferredMemory(HostMemory):
     """Host memory whose copies and reductions run only at the next settle(), in the order given."""
+
+    steps_in_extension = False  # the protocol's Python steps, as the device window runs them
 
     def __init__(self, node_comm):
         super().__init__(node_comm)
@@ -58,12 +62,13 @@ BOTH_MEMORIES = pytest.mark.parametrize("window", [HostMemory, DeferredMemory], 
 @pytest.fixture
 def window(request, monkeypatch):
     """A node window over the whole world (one node) on a communicator of its own, in the memory
-    the test names (HostMemory unless it names one)."""
+    the test names (HostMemory unless it names one): alternating halves as the hierarchical
+    all-reduce's window in host memory has them, as the device window's has them in the other."""
     memory = getattr(request, "param", HostMemory)
     monkeypatch.delenv("MPIDIST_RANKS_PER_NODE", raising=False)
     comm = md.Communicator(MPI.COMM_WORLD)
     node = comm.node_comm
-    window = NodeWindow(node, memory(node), alternates=node.Get_size() > 2)
+    window = NodeWindow(node, memory(node), alternates=memory is HostMemory or node.Get_size() > 2)
     yield window
     window.free()
     comm.free()
@@ -164,3 +169,23 @@ def test_a_silent_rank_is_named_in_a_deadline_error(mpi_ranks, window, monkeypat
     if window.local_rank == silent:
         window.sync()  # the round the others entered; they raised their flags before waiting
     check_allreduce(window, "float32", "sum", 1000, seed=2)
+
+
+@pytest.mark.mpi(ranks=[2, 3, 4, 5])
+@pytest.mark.parametrize("count", [1000, 100000], ids=["one_shot", "sliced"])
+def test_a_rank_silent_in_the_extensions_allreduce_is_named_in_a_deadline_error(mpi_ranks, window, count,
+                                                                                 monkeypatch):
+    """The steps of the host all-reduce run in the extension, which hands a long wait back to the
+    window's own: a local rank that does not come is named in a DeadlineError on the others. The
+    window is not used again (the others left the call in its middle)."""
+    assert (count * 4 <= ONE_SHOT_BYTES) == (count == 1000)
+    silent = mpi_ranks - 1
+    check_allreduce(window, "float32", "sum", count, seed=1)
+    if window.local_rank != silent:
+        monkeypatch.setenv("MPIDIST_TIMEOUT", "1")
+        array = np.ones(count, dtype=np.float32)
+        with pytest.raises(md.DeadlineError, match=rf"round {window.rounds + 1} of the node window did not complete "
+                                                   rf".* no answer from local ranks \[{silent}\] of this node") as error:
+            allreduce_on_node(window, describe(array), "sum")
+        assert list(error.value.peers) == [silent]
+    MPI.COMM_WORLD.Barrier()

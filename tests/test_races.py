@@ -29,10 +29,12 @@ from conftest import make_array, raw_bytes, to_float64
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
+from node_steps import stepwise
 from test_collectives import FLOAT_DTYPES, INT_DTYPES, OPS, rank_values
 from tolerances import reduction_bound, reduction_reference
 
 import mpidist as md
+from mpidist import _C
 from mpidist.collectives import common, hierarchical, reduce_bcast
 
 pytestmark = pytest.mark.mpi_shared_launch
@@ -125,6 +127,7 @@ def jitter(monkeypatch):
     for name in ("send", "recv", "sendrecv", "exchange_and_reduce", "reduce"):
         monkeypatch.setattr(common.Context, name, delayed(getattr(common.Context, name)))
     monkeypatch.setattr(hierarchical.NodeWindow, "sync", delayed(hierarchical.NodeWindow.sync))
+    monkeypatch.setattr(_C, "node_allreduce", stepwise(lambda step, last: jitter()))  # the extension's steps
     return jitter
 
 

@@ -19,6 +19,11 @@ The collectives, on one node (L local ranks, the buffer cut into L slices by spl
 - all-reduce: each rank copies into its slot the L-1 slices the others reduce; sync; it reduces
   its own slice of its own buffer and the others' slots in local-rank order (one k-way pass, so
   every rank gets the same bits), publishing the result; sync; it copies the others' results out.
+  In host memory a message of at most ONE_SHOT_BYTES goes one-shot instead: each rank copies its
+  whole buffer into its slot; sync; each reduces every slot, in local-rank order, into its buffer.
+  In host memory the whole call is one call into the extension (csrc/node_steps.h: the same
+  steps and rounds, written once in C++, with the GIL released); it polls the flags for the
+  window's yield time and hands a longer wait to sync's own (wait_for_round), then goes on.
 - reduce-scatter: the all-reduce's first half (the others' chunks in, sync, the own chunk reduced
   into the output), then a sync, after which nobody reads the slots any more.
 - broadcast: the root copies its buffer into its slot; sync; the others copy it out; sync.
@@ -37,11 +42,18 @@ from ..runtime.mpi import load_mpi
 from .common import reduce_and_publish, result_slot, split_counts
 from .node_buckets import COUNTER_BYTES, NAP_SECONDS, yield_seconds
 
+# Up to this size a host-memory all-reduce on one node goes one-shot: one round instead of two,
+# each rank reducing the whole message (benchmarks/results/node-protocol-cpu.md).
+ONE_SHOT_BYTES = 64 * 1024
+
 
 class HostMemory:
     """Slots in an MPI-3 shared-memory window of host memory."""
 
     device = "cpu"
+    # Whether the all-reduce's steps run in the extension, which copies and reduces with the CPU
+    # itself: a memory whose copies differ from the CPU's (a test's deferred ones) says False.
+    steps_in_extension = True
 
     def __init__(self, node_comm):
         self.node_comm = node_comm
@@ -94,10 +106,11 @@ class NodeWindow:
     """The window of one node: every local rank's slots, of `capacity` bytes each, in `memory`
     (a backend: HostMemory or device_window.DeviceMemory), and the flags that order the rounds.
 
-    With `alternates` (one node of more than two ranks) every rank has two slots, one in each half
-    of its memory, and consecutive calls alternate between them; with `result_region` local rank 0
-    holds a result region of `capacity` bytes after its slot (the hierarchical all-reduce across
-    nodes). Collective over `node_comm`: made at the same call on every local rank."""
+    With `alternates` (host memory on one node; GPU memory on one node of more than two ranks)
+    every rank has two slots, one in each half of its memory, and consecutive calls alternate
+    between them; with `result_region` local rank 0 holds a result region of `capacity` bytes
+    after its slot (the hierarchical all-reduce across nodes). Collective over `node_comm`: made
+    at the same call on every local rank."""
 
     def __init__(self, node_comm, memory, alternates: bool, result_region: bool = False):
         self.node_comm = node_comm
@@ -127,9 +140,11 @@ class NodeWindow:
         so after every rank has finished reading this one. Every rank makes the same calls in
         the same order, so all agree on the half.
 
-        Two ranks need no second half: each reads the results out of its own slot, so a rank's
+        The one-shot all-reduce (host memory) has a single sync, after which each rank reads
+        every other's slot: there, even two ranks need the second half. The sliced protocol
+        of two ranks alone would not: each reads the results out of its own slot, so a rank's
         next copy-in overwrites only what it has read itself, and its peer writes there again
-        only after the next call's first sync. Across nodes the slots are read only before the
+        only after the next call's first sync (GPU memory, two ranks: one slot). Across nodes the slots are read only before the
         second sync, and the result region is rewritten only after the next call's first
         sync, which every rank reaches only once it has copied the result out."""
         self.ensure(nbytes)
@@ -161,21 +176,26 @@ class NodeWindow:
         """Every local rank's writes before its sync() are visible to every other one after it."""
         self.memory.settle()
         self.rounds += 1
+        _C.store_counter(self.flags.counters[self.local_rank], self.rounds)
+        self.wait_for_round(self.rounds)
+
+    def wait_for_round(self, round_: int) -> None:
+        """Wait until every other local rank has reached `round_`; one that does not within
+        MPIDIST_TIMEOUT is named in a DeadlineError."""
         counters = self.flags.counters
-        _C.store_counter(counters[self.local_rank], self.rounds)
         others = [counter for k, counter in enumerate(counters) if k != self.local_rank]
-        if _C.counters_reached(others, self.rounds):
+        if _C.counters_reached(others, round_):
             return
-        what = f"round {self.rounds} of the node window"
+        what = f"round {round_} of the node window"
 
         def timed_out():
             behind = [k for k, counter in enumerate(counters)
-                      if k != self.local_rank and not _C.counters_reached([counter], self.rounds)]
+                      if k != self.local_rank and not _C.counters_reached([counter], round_)]
             raise deadline_error(f"local rank {self.local_rank}", what, f"local ranks {behind} of this node",
                                  peers=behind, advice="They stopped before reaching it (an error, or another "
                                                       "collective); this communicator can no longer be used safely.")
 
-        wait_in_collective(lambda: _C.counters_reached(others, self.rounds), self.node_comm, what, timed_out,
+        wait_in_collective(lambda: _C.counters_reached(others, round_), self.node_comm, what, timed_out,
                            self.yield_seconds, NAP_SECONDS)
 
     def free(self) -> None:
@@ -202,6 +222,9 @@ def copy_in_others(window: NodeWindow, slot: int, info: BufferInfo, slices) -> N
 
 def allreduce_on_node(window: NodeWindow, info: BufferInfo, op: str, scale: float = 1.0) -> None:
     """All-reduce `info` in place among the window's ranks (one node), its result times `scale`."""
+    if getattr(window.memory, "steps_in_extension", False):
+        host_allreduce_on_node(window, info, op, scale)
+        return
     me = window.local_rank
     slots = window.next_slots(info.nbytes)
     slices = slices_of(info.count, window.local_size, info.itemsize)
@@ -219,6 +242,21 @@ def allreduce_on_node(window: NodeWindow, info: BufferInfo, op: str, scale: floa
         if k != me and size:
             window.memory.copy(info.ptr + offset, result_slot(slots, k) + offset, size)
     window.memory.settle()  # the result is in place when this returns
+
+
+def host_allreduce_on_node(window: NodeWindow, info: BufferInfo, op: str, scale: float) -> None:
+    """allreduce_on_node in host memory: the steps run in the extension (csrc/node_steps.h),
+    which returns a step whose round some rank has not reached yet; this waits for it, with the
+    deadline, and the extension goes on from that step. The one-shot needs the window's
+    alternating halves (next_slots)."""
+    one_shot = window.alternates and info.nbytes <= ONE_SHOT_BYTES
+    call = (window.next_slots(info.nbytes), window.flags.counters, window.local_rank, window.rounds, info.ptr,
+            info.count, info.dtype, op, scale, one_shot)
+    step = _C.node_allreduce(*call, 0, window.yield_seconds)
+    while step >= 0:
+        window.wait_for_round(window.rounds + step)
+        step = _C.node_allreduce(*call, step, window.yield_seconds)
+    window.rounds += _C.node_allreduce_rounds(one_shot)
 
 
 def reduce_scatter_on_node(window: NodeWindow, info: BufferInfo, chunks, out: BufferInfo, op: str,
