@@ -134,7 +134,7 @@ def test_bench_reads_device_cuda():
 
 
 def test_bench_refuses_cuda_for_other_collectives(mpi_world):
-    with pytest.raises(ValueError, match="--device cuda measures allreduce only"):
+    with pytest.raises(ValueError, match="argument --device: cuda measures allreduce only"):
         bench.run(mpi_world, bench.Options(collective="broadcast", device="cuda"))
 
 
