@@ -17,7 +17,8 @@
 //   0. copy the whole buffer into this rank's slot; publish round + 1;
 //   1. await it; reduce every rank's slot, in local-rank order, into the buffer.
 // Either way every rank gets the same bits. The one-shot leaves while others may still read its
-// slot: the window's consecutive calls alternate between two halves (NodeWindow.next_slots).
+// slot: its slots are its own, and consecutive one-shot calls alternate between two halves of
+// them (NodeWindow.next_one_shot_slots).
 //
 // allreduce_steps runs from `step` on and returns -1 once the result is in place, or the step that
 // waits when a rank is still behind after `patience` seconds of polling: the caller waits for

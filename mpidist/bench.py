@@ -12,9 +12,9 @@ dtype) and the wrong elements are counted over all iterations and ranks.
 With --device cuda (all-reduce only) the buffers are on each rank's GPU and the rows name the
 route (docs/gpu.md): "hierarchical" through the node window in GPU memory, "staged:<algorithm>"
 through pinned host memory, "cuda-aware:<algorithm>" handed to a CUDA-aware MPI, "nccl" where
-NCCL runs; each route on a Communicator of its own. The row "bound" is no measurement but the
-time the device window's all-reduce needs at least: the bytes it reads and writes in the memory of
-each GPU at the device-to-device copy bandwidth measured on that GPU (bench_device.py).
+NCCL runs; each route on a Communicator of its own. The row "bound" (all-reduce on one node, on
+the CPU and on CUDA) is no measurement but the time the node window's all-reduce needs at least:
+the bytes it reads and writes at the copy rate measured in the same run (bench_bound.py).
 
 Bandwidths follow nccl-tests: algbw = bytes / time, and busbw = algbw * factor, where the factor
 is 2(p-1)/p for all-reduce, (p-1)/p for allgather and reduce-scatter (whose size is the
@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from . import bench_device
+from . import bench_bound, bench_device
 from .runtime.wire import COLLECTIVE_DTYPES, ITEMSIZE
 
 # torch and mpi4py's MPI are imported in the functions that use them (matplotlib in bench_plot.py):
@@ -297,9 +297,10 @@ def element_count(collective: str, nbytes: int, itemsize: int, ranks: int) -> in
 
 def known_algorithms(collective: str, device: str) -> tuple:
     """The names --algorithms takes for `collective` on `device`: on CUDA buffers also NCCL, the
-    bound and every route of an all-reduce algorithm ("staged:ring", bench_device.ROUTES)."""
+    bound and every route of an all-reduce algorithm ("staged:ring", bench_device.ROUTES); on
+    the CPU the all-reduce's bound too."""
     if device != "cuda":
-        return OURS[collective] + PEERS
+        return OURS[collective] + PEERS + (("bound",) if collective == "allreduce" else ())
     names = OUR_ALLREDUCE + ("mpi",)
     return names + ("gloo", "nccl", "bound") + tuple(f"{route}:{name}" for route in bench_device.ROUTES
                                                      for name in names)
@@ -351,13 +352,16 @@ def run(comm, options: Options, out=sys.stdout) -> list[dict]:
         torch.cuda.set_device(comm.local_rank % torch.cuda.device_count())
         algorithms = list(options.algorithms or bench_device.cuda_algorithms(comm))
     else:
-        algorithms = list(options.algorithms or (OURS[options.collective] + PEERS))
+        algorithms = list(options.algorithms or default_cpu_algorithms(comm, options.collective))
     # The caller's communicator gets its call check back afterwards: a program that benchmarks
     # (or tunes) on its world communicator and then trains on it keeps its checks.
     check_calls, comm.check_calls = comm.check_calls, options.check_calls
     gloo = Gloo(comm) if "gloo" in algorithms else None
     routes = bench_device.route_communicators(comm, algorithms)
     printer = TablePrinter(out if comm.rank == 0 and not options.quiet else None, options.collective, comm.size)
+    if "bound" in algorithms and options.device == "cpu" and comm.num_nodes > 1:
+        algorithms.remove("bound")
+        printer.note("bound left out: across nodes the link bounds an all-reduce, not the memory")
     try:
         return measure(comm, options, algorithms, gloo, printer, routes)
     finally:
@@ -366,6 +370,12 @@ def run(comm, options: Options, out=sys.stdout) -> list[dict]:
             route.free()
         if gloo is not None:
             gloo.close(comm)
+
+
+def default_cpu_algorithms(comm, collective: str) -> list:
+    """Every algorithm of ours and the peers; for an all-reduce on one node the bound too."""
+    bound = ["bound"] if collective == "allreduce" and comm.num_nodes == 1 else []
+    return list(OURS[collective] + PEERS) + bound
 
 
 def measure(comm, options, algorithms, gloo, printer, routes=None) -> list[dict]:
@@ -417,7 +427,7 @@ def measure(comm, options, algorithms, gloo, printer, routes=None) -> list[dict]
                 rows.append(with_device(row, options.device))
                 printer.row(row, stats["min"][index], stats["max"][index])
             if "bound" in algorithms:
-                bound = np.array([bench_device.bound_us(comm, count * itemsize)])
+                bound = np.array([bench_bound.bound_us(comm, count * itemsize, options.device)])
                 comm.mpi.Allreduce(MPI.IN_PLACE, bound, op=MPI.MAX)
                 row = make_row(options.collective, "bound", dtype_name, count * itemsize, count, p, bound[0], 0)
                 rows.append(with_device(row, options.device))

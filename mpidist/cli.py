@@ -260,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser.add_argument("collective", choices=bench.COLLECTIVES)
     add_measurement_options(bench_parser, bench.DEFAULT_SIZES)
     bench_parser.add_argument("--algorithms", default=None,
-                       help="comma-separated algorithms (default: all of mpidist's plus the peers mpi and gloo)")
+                       help="comma-separated algorithms (default: all of mpidist's plus the peers mpi and gloo; for an "
+                            "all-reduce on one node also the bound, bench_bound.py)")
     bench_parser.add_argument("--json", metavar="FILE", help="write the rows as JSON to FILE")
     bench_parser.add_argument("--plot", metavar="FILE.png", help="plot busbw against size to FILE.png")
     bench_parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",

@@ -74,8 +74,12 @@ class Communicator(Channel):
         self._freed = False
 
     def _split_node(self, MPI):
-        shared = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         count = config.value("MPIDIST_RANKS_PER_NODE")
+        # The local ranks in the order the launcher numbers them, so that md.local_rank() is the
+        # LOCAL_RANK import set and the GPU the rank picks (launch.local_order); emulated nodes
+        # are made of consecutive ranks.
+        key = launch.local_order(self.rank) if count is None else self.rank
+        shared = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=key)
         if count is None:
             return shared
         # Emulate several nodes on one host: consecutive ranks of the host form "nodes".

@@ -141,6 +141,14 @@ def detect(environ: Mapping[str, str] = os.environ) -> LaunchInfo:
     return SINGLE
 
 
+def local_order(rank: int, environ: Mapping[str, str] = os.environ) -> int:
+    """The key that orders the ranks of a node as the launcher numbers them: this process's local
+    rank where a launcher names one (Open MPI numbers them in the order it binds them to cores,
+    not always the ranks' order), else `rank`; MPI breaks ties by rank."""
+    launch = detect(environ)
+    return launch.local_rank if launch.launcher != "single" else rank
+
+
 def check_agrees_with_mpi(mpi_size: int, mpi_library: str, environ: Mapping[str, str] = os.environ) -> None:
     """Refuse a launch whose launcher started a number of processes other than the `mpi_size`
     ranks of MPI's world (MPI.COMM_WORLD), with what to launch with instead.

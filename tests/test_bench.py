@@ -41,15 +41,19 @@ def test_bench_allreduce_rows_are_right_and_complete(tmp_path):
     assert png.stat().st_size > 1000
     algorithms = {row["algorithm"] for row in rows}
     assert {"mpi", "gloo", "auto", "hierarchical", "ring"} <= algorithms
-    # 3 sizes x 2 dtypes x (7 of ours + mpi + gloo), unless gloo lacks bfloat16 here.
-    assert len(rows) >= 3 * 2 * 8
+    # 3 sizes x 2 dtypes x (7 of ours + mpi + gloo + the bound), unless gloo lacks bfloat16 here.
+    assert len(rows) >= 3 * 2 * 9
     for row in rows:
         assert tuple(row) == ROW_KEYS
         assert row["wrong"] == 0, row
         assert row["ranks"] == 2 and row["collective"] == "allreduce"
         assert row["bytes"] == row["count"] * (4 if row["dtype"] == "float32" else 2)
-        assert row["time_us"] > 0
+        # the bound of 8 bytes is nanoseconds: rounded to microseconds' thousandths it may be 0
+        assert row["time_us"] >= 0 if row["algorithm"] == "bound" else row["time_us"] > 0
         assert row["busbw_gbs"] == pytest.approx(row["algbw_gbs"] * 2 * (2 - 1) / 2, rel=1e-3, abs=1e-4)
+    bounds = {(row["dtype"], row["bytes"]): row["time_us"] for row in rows if row["algorithm"] == "bound"}
+    assert sorted(bounds) == sorted((dtype, size) for dtype in ("bfloat16", "float32") for size in (8, 4096, 40000))
+    assert bounds["float32", 8] <= bounds["float32", 4096] <= bounds["float32", 40000] > 0
 
 
 @pytest.mark.parametrize("collective,factor", [("broadcast", 1.0), ("allgather", 0.5), ("reduce_scatter", 0.5)])
@@ -176,3 +180,12 @@ def test_bench_refusal_under_mpirun_ends_the_job_with_status_2_and_one_message(t
     result = cli_under_mpirun(tmp_path, "bench", "allreduce", "--sizes", "0")
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.count("mpidist bench: error: argument --sizes: must be positive") == 1, result.stderr
+
+
+def test_the_cpu_bound_counts_the_host_protocols_traffic():
+    """One-shot (up to ONE_SHOT_BYTES): n in, L n read and n written by the reduction; sliced
+    above: bench_bound.window_traffic, 4.5 n on four ranks."""
+    from mpidist import bench_bound
+    from mpidist.collectives.node_window import ONE_SHOT_BYTES
+    assert bench_bound.host_traffic(ONE_SHOT_BYTES, 4) == 7 * ONE_SHOT_BYTES
+    assert bench_bound.host_traffic(2 * ONE_SHOT_BYTES, 4) == 4.5 * 2 * ONE_SHOT_BYTES

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mpidist as md
-from mpidist import bench, bench_device, cli
+from mpidist import bench, bench_bound, bench_device, cli
 from mpidist.buffers import BufferInfo
 from mpidist.collectives import device_window, nccl
 from mpidist.collectives.callcheck import resolve_algorithm
@@ -122,8 +122,8 @@ def test_one_rank_unable_sends_the_whole_node_the_staged_way(mpi_ranks, own_comm
 def test_window_traffic():
     """Two ranks: each moves half the message in and out (n read and written) and reduces its half
     (n read, n/2 written) and publishes it (n/2 written): 4n; four ranks: 4.5n."""
-    assert bench_device.window_traffic(1 << 20, 2) == 4 * (1 << 20)
-    assert bench_device.window_traffic(1 << 20, 4) == 4.5 * (1 << 20)
+    assert bench_bound.window_traffic(1 << 20, 2) == 4 * (1 << 20)
+    assert bench_bound.window_traffic(1 << 20, 4) == 4.5 * (1 << 20)
 
 
 def test_bench_reads_device_cuda():

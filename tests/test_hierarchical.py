@@ -116,8 +116,8 @@ def test_back_to_back_calls_of_changing_sizes(mpi_ranks, comm, monkeypatch):
     """The last rank reads its results late while the others go on to the next call, of another
     size: on one node a pause before the last step of the extension's all-reduce (the copy-out,
     or the one-shot's reduction of every slot), across nodes after every second node barrier.
-    Sliced and one-shot calls in turn (ONE_SHOT_BYTES), in alternating halves of the window: no
-    result and no slot is overwritten before the last rank has read it."""
+    Sliced and one-shot calls in turn (ONE_SHOT_BYTES; the one-shot in slots of its own, in
+    alternating halves): no result and no slot is overwritten before the last rank has read it."""
     lagging = comm.rank == mpi_ranks - 1
     barriers = itertools.count(1)
     synchronize = hierarchical.NodeWindow.sync

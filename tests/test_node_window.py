@@ -62,13 +62,12 @@ BOTH_MEMORIES = pytest.mark.parametrize("window", [HostMemory, DeferredMemory], 
 @pytest.fixture
 def window(request, monkeypatch):
     """A node window over the whole world (one node) on a communicator of its own, in the memory
-    the test names (HostMemory unless it names one): alternating halves as the hierarchical
-    all-reduce's window in host memory has them, as the device window's has them in the other."""
+    the test names (HostMemory unless it names one)."""
     memory = getattr(request, "param", HostMemory)
     monkeypatch.delenv("MPIDIST_RANKS_PER_NODE", raising=False)
     comm = md.Communicator(MPI.COMM_WORLD)
     node = comm.node_comm
-    window = NodeWindow(node, memory(node), alternates=memory is HostMemory or node.Get_size() > 2)
+    window = NodeWindow(node, memory(node), alternates=node.Get_size() > 2)
     yield window
     window.free()
     comm.free()

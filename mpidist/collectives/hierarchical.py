@@ -40,10 +40,11 @@ single leader would, but over `lanes` connections driven by as many processes: o
 alone, polling TCP between its reductions, drove a 500 Mbit/s link at about half its rate on a
 busy host (docs/multinode.md).
 
-The window is kept per communicator and grown when a larger message comes. On one node it holds
-two slots per rank, and consecutive calls alternate between them (NodeWindow.next_slots says
-why). On one node the steps above run in the extension, in one call (node_window.py), and
-messages of at most ONE_SHOT_BYTES go one-shot: one sync, each rank reducing every slot.
+The window is kept per communicator and grown when a larger message comes. On one node of more
+than two ranks it holds two slots per rank, and consecutive calls alternate between them
+(NodeWindow.next_slots says why). On one node the steps above run in the extension, in one call
+(node_window.py), and messages of at most ONE_SHOT_BYTES go one-shot: one sync, each rank
+reducing every rank's copy, in slots of their own (NodeWindow.next_one_shot_slots).
 """
 from __future__ import annotations
 
@@ -66,13 +67,14 @@ RING_ACROSS_NODES_BYTES = 1024 * 1024
 
 
 class HierarchicalWindow(NodeWindow):
-    """The node window (node_window.py) in host memory: on one node every local rank has two
-    slots, with several nodes one, and local rank 0 also holds a result region. With several nodes it also owns the lane
+    """The node window (node_window.py) in host memory: on one node of more than two ranks every
+    local rank has two slots, with two ranks, or with several nodes, one, and with several nodes
+    local rank 0 also holds a result region. With several nodes it also owns the lane
     communicator of this rank (None for a rank beyond the lanes)."""
 
     def __init__(self, node_comm, comm, spans_nodes: bool):
         local_size = node_comm.Get_size()
-        super().__init__(node_comm, HostMemory(node_comm), alternates=not spans_nodes,
+        super().__init__(node_comm, HostMemory(node_comm), alternates=not spans_nodes and local_size > 2,
                          result_region=spans_nodes)
         self.spans_nodes = spans_nodes
         self.lanes, self.lane_comm = lane_communicator(comm, self.local_rank, local_size) if spans_nodes \

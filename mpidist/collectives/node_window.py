@@ -20,7 +20,8 @@ The collectives, on one node (L local ranks, the buffer cut into L slices by spl
   its own slice of its own buffer and the others' slots in local-rank order (one k-way pass, so
   every rank gets the same bits), publishing the result; sync; it copies the others' results out.
   In host memory a message of at most ONE_SHOT_BYTES goes one-shot instead: each rank copies its
-  whole buffer into its slot; sync; each reduces every slot, in local-rank order, into its buffer.
+  whole buffer into a slot of the one-shot's own (next_one_shot_slots); sync; each reduces every
+  such slot, in local-rank order, into its buffer.
   In host memory the whole call is one call into the extension (csrc/node_steps.h: the same
   steps and rounds, written once in C++, with the GIL released); it polls the flags for the
   window's yield time and hands a longer wait to sync's own (wait_for_round), then goes on.
@@ -106,10 +107,10 @@ class NodeWindow:
     """The window of one node: every local rank's slots, of `capacity` bytes each, in `memory`
     (a backend: HostMemory or device_window.DeviceMemory), and the flags that order the rounds.
 
-    With `alternates` (host memory on one node; GPU memory on one node of more than two ranks)
-    every rank has two slots, one in each half of its memory, and consecutive calls alternate
-    between them; with `result_region` local rank 0 holds a result region of `capacity` bytes
-    after its slot (the hierarchical all-reduce across nodes). Collective over `node_comm`: made
+    With `alternates` (one node of more than two ranks) every rank has two slots, one in each half
+    of its memory, and consecutive calls alternate between them; with `result_region` local rank 0
+    holds a result region of `capacity` bytes after its slot (the hierarchical all-reduce across
+    nodes). The one-shot all-reduce in host memory has slots of its own (next_one_shot_slots). Collective over `node_comm`: made
     at the same call on every local rank."""
 
     def __init__(self, node_comm, memory, alternates: bool, result_region: bool = False):
@@ -125,6 +126,9 @@ class NodeWindow:
         self.result = None
         self.flags = Flags(node_comm)
         self.rounds = 0
+        self.one_shot_memory = None
+        self.one_shot_bases: list = []
+        self.one_shot_calls = 0
         self.yield_seconds = yield_seconds(node_comm.allgather(os.sched_getaffinity(0)), self.local_size)
 
     def next_slots(self, nbytes: int) -> list:
@@ -140,11 +144,9 @@ class NodeWindow:
         so after every rank has finished reading this one. Every rank makes the same calls in
         the same order, so all agree on the half.
 
-        The one-shot all-reduce (host memory) has a single sync, after which each rank reads
-        every other's slot: there, even two ranks need the second half. The sliced protocol
-        of two ranks alone would not: each reads the results out of its own slot, so a rank's
+        Two ranks need no second half: each reads the results out of its own slot, so a rank's
         next copy-in overwrites only what it has read itself, and its peer writes there again
-        only after the next call's first sync (GPU memory, two ranks: one slot). Across nodes the slots are read only before the
+        only after the next call's first sync. Across nodes the slots are read only before the
         second sync, and the result region is rewritten only after the next call's first
         sync, which every rank reaches only once it has copied the result out."""
         self.ensure(nbytes)
@@ -153,6 +155,23 @@ class NodeWindow:
         half = self.calls % 2 * self.capacity
         self.calls += 1
         return [base + half for base in self.bases]
+
+    def next_one_shot_slots(self) -> list:
+        """The slots (in local-rank order, ONE_SHOT_BYTES each) of this one-shot all-reduce, in
+        host memory of their own, made at the first one-shot call (collective over the node).
+
+        A one-shot call has a single sync, after which every rank reads every other's slot, so
+        a fast rank's next one-shot call could overwrite a slot a slow rank is still reading:
+        consecutive one-shot calls alternate between two halves, and the one after the next
+        comes back to this half only after every rank has passed the next one's sync, so after
+        every rank has read this one. The other calls never touch these slots; theirs the
+        one-shot never touches."""
+        if self.one_shot_memory is None:
+            self.one_shot_memory = HostMemory(self.node_comm)
+            self.one_shot_bases = self.one_shot_memory.allocate(2 * ONE_SHOT_BYTES)
+        half = self.one_shot_calls % 2 * ONE_SHOT_BYTES
+        self.one_shot_calls += 1
+        return [base + half for base in self.one_shot_bases]
 
     def ensure(self, nbytes: int) -> None:
         """Grow the slots to hold `nbytes` each (collective over the node; every local rank has
@@ -203,6 +222,9 @@ class NodeWindow:
         self.memory.free()
         self.bases = []
         self.capacity = 0
+        if self.one_shot_memory is not None:
+            self.one_shot_memory.free()
+            self.one_shot_memory = None
         if self.flags is not None:
             self.flags.free()
             self.flags = None
@@ -247,11 +269,11 @@ def allreduce_on_node(window: NodeWindow, info: BufferInfo, op: str, scale: floa
 def host_allreduce_on_node(window: NodeWindow, info: BufferInfo, op: str, scale: float) -> None:
     """allreduce_on_node in host memory: the steps run in the extension (csrc/node_steps.h),
     which returns a step whose round some rank has not reached yet; this waits for it, with the
-    deadline, and the extension goes on from that step. The one-shot needs the window's
-    alternating halves (next_slots)."""
-    one_shot = window.alternates and info.nbytes <= ONE_SHOT_BYTES
-    call = (window.next_slots(info.nbytes), window.flags.counters, window.local_rank, window.rounds, info.ptr,
-            info.count, info.dtype, op, scale, one_shot)
+    deadline, and the extension goes on from that step."""
+    one_shot = info.nbytes <= ONE_SHOT_BYTES
+    slots = window.next_one_shot_slots() if one_shot else window.next_slots(info.nbytes)
+    call = (slots, window.flags.counters, window.local_rank, window.rounds, info.ptr, info.count, info.dtype, op,
+            scale, one_shot)
     step = _C.node_allreduce(*call, 0, window.yield_seconds)
     while step >= 0:
         window.wait_for_round(window.rounds + step)
