@@ -110,8 +110,8 @@ class NodeWindow:
     With `alternates` (one node of more than two ranks) every rank has two slots, one in each half
     of its memory, and consecutive calls alternate between them; with `result_region` local rank 0
     holds a result region of `capacity` bytes after its slot (the hierarchical all-reduce across
-    nodes). The one-shot all-reduce in host memory has slots of its own (next_one_shot_slots). Collective over `node_comm`: made
-    at the same call on every local rank."""
+    nodes). The one-shot all-reduce in host memory has slots of its own (next_one_shot_slots).
+    Collective over `node_comm`: made at the same call on every local rank."""
 
     def __init__(self, node_comm, memory, alternates: bool, result_region: bool = False):
         self.node_comm = node_comm
