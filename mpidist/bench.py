@@ -13,8 +13,9 @@ With --device cuda (all-reduce only) the buffers are on each rank's GPU and the 
 route (docs/gpu.md): "hierarchical" through the node window in GPU memory, "staged:<algorithm>"
 through pinned host memory, "cuda-aware:<algorithm>" handed to a CUDA-aware MPI, "nccl" where
 NCCL runs; each route on a Communicator of its own. The row "bound" (all-reduce on one node, on
-the CPU and on CUDA) is no measurement but the time the node window's all-reduce needs at least:
-the bytes it reads and writes at the copy rate measured in the same run (bench_bound.py).
+the CPU and on CUDA) is no measurement but a model of the least time the node window's
+all-reduce needs: the bytes it reads and writes at the copy rate measured in the same run
+(bench_bound.py); where its reads hit cache, the all-reduce can beat it.
 
 Bandwidths follow nccl-tests: algbw = bytes / time, and busbw = algbw * factor, where the factor
 is 2(p-1)/p for all-reduce, (p-1)/p for allgather and reduce-scatter (whose size is the

@@ -1,7 +1,9 @@
-"""The "bound" row of `mpidist bench allreduce`: no measurement of a collective but the least time
-the node window's all-reduce (collectives/node_window.py) can take on this node: the bytes one
-rank reads and writes for it, at the copy rate each rank gets, measured in the same run. Every
-other row can then be read as a fraction of what the memory allows.
+"""The "bound" row of `mpidist bench allreduce`: no measurement of a collective but a model of the
+least time the node window's all-reduce (collectives/node_window.py) can take on this node: the
+bytes one rank reads and writes for it, at the copy rate each rank gets, measured in the same run.
+Every other row can then be read as a fraction of what the memory allows. It prices every byte at
+the rate of a copy of the message's size, so where the protocol's reads hit cache (the slices it
+has just written) the all-reduce can beat it (benchmarks/results/node-protocol-cpu.md).
 
 On CUDA: the device window's traffic of every rank on the busiest GPU at the rate a
 device-to-device copy reads and writes that GPU's memory. On the CPU: the host protocol's traffic
