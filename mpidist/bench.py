@@ -353,7 +353,9 @@ def run(comm, options: Options, out=sys.stdout) -> list[dict]:
         torch.cuda.set_device(comm.local_rank % torch.cuda.device_count())
         algorithms = list(options.algorithms or bench_device.cuda_algorithms(comm))
     else:
-        algorithms = list(options.algorithms or default_cpu_algorithms(comm, options.collective))
+        # every algorithm of ours and the peers; for an all-reduce on one node the bound too
+        bound = ("bound",) if options.collective == "allreduce" and comm.num_nodes == 1 else ()
+        algorithms = list(options.algorithms or (OURS[options.collective] + PEERS + bound))
     # The caller's communicator gets its call check back afterwards: a program that benchmarks
     # (or tunes) on its world communicator and then trains on it keeps its checks.
     check_calls, comm.check_calls = comm.check_calls, options.check_calls
@@ -371,12 +373,6 @@ def run(comm, options: Options, out=sys.stdout) -> list[dict]:
             route.free()
         if gloo is not None:
             gloo.close(comm)
-
-
-def default_cpu_algorithms(comm, collective: str) -> list:
-    """Every algorithm of ours and the peers; for an all-reduce on one node the bound too."""
-    bound = ["bound"] if collective == "allreduce" and comm.num_nodes == 1 else []
-    return list(OURS[collective] + PEERS) + bound
 
 
 def measure(comm, options, algorithms, gloo, printer, routes=None) -> list[dict]:
