@@ -22,8 +22,9 @@ class Channel(abc.ABC):
     mpi, rank, size: the mpi4py communicator the messages travel on, and this rank's place in it.
     num_nodes: how many nodes the channel's ranks are on.
     check_calls: whether the cross-rank call check runs (MPIDIST_CHECK).
-    tuning_table, forced_algorithm, fast_path_bounds: what algorithm="auto" decides with
-    (collectives/select.py: auto_choice).
+    tuning_table, forced_algorithm, fast_path_bounds: what algorithm="auto" decides with, and
+    one_shot_bytes: the largest all-reduce the node window's one-shot takes (collectives/select.py:
+    auto_choice).
 
     Kept here for the collectives, each channel its own (an engine's thread must not share its
     communicator's):
@@ -45,6 +46,7 @@ class Channel(abc.ABC):
     tuning_table: typing.Optional[tuple]
     forced_algorithm: typing.Optional[str]
     fast_path_bounds: tuple
+    one_shot_bytes: int
 
     def __init__(self):
         self.scratch = buffers.ScratchPool()

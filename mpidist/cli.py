@@ -100,12 +100,15 @@ def cmd_tune(args) -> int:
     comm = init()
     if report_missing_packages(comm, "tune", ["torch"]):
         return 2
-    table, measurements = tuning.tune(comm, bench_options(args, "allreduce"))
+    tuned = tuning.tune(comm, bench_options(args, "allreduce"))
     if comm.rank == 0:
         # The cost model is fitted to these times with the layout they were taken on.
-        path = select.save_tuning_table(table, comm.size, args.output, measurements,
-                                        ranks_per_node=-(-comm.size // comm.num_nodes))
-        print(f"# wrote the {comm.size}-rank table to {path}: {json.dumps(table)}", flush=True)
+        path = select.save_tuning_table(tuned.table, comm.size, args.output, tuned.measurements,
+                                        ranks_per_node=-(-comm.size // comm.num_nodes),
+                                        one_shot_bytes=tuned.one_shot_bytes)
+        print(f"# wrote the {comm.size}-rank table to {path}: {json.dumps(tuned.table)}", flush=True)
+        if tuned.one_shot_bytes is not None:
+            print(f"# the node window's one-shot all-reduce up to {tuned.one_shot_bytes} bytes", flush=True)
         parameters = select.read_tuning_file(path)["model"]["parameters"]
         print(f"# cost model parameters (seconds per call, message, byte): {json.dumps(parameters)}", flush=True)
     return 0

@@ -65,10 +65,10 @@ class Communicator(Channel):
         self.cuda_aware = None  # asked lazily: only GPU buffers need to know
         self.check_calls = config.value("MPIDIST_CHECK")
         # algorithm="auto"'s decision table from `mpidist tune` (None: the built-in one), the
-        # algorithm MPIDIST_ALLREDUCE_ALGORITHM forces, and the sizes below which `auto` hands
-        # all-reduces to MPI (the small-message fast path's limit).
-        self.tuning_table, self.forced_algorithm, self.fast_path_bounds = collectives.auto_choice(
-            self.mpi, self.num_nodes)
+        # algorithm MPIDIST_ALLREDUCE_ALGORITHM forces, the sizes the small-message fast path takes,
+        # and the largest all-reduce the node window's one-shot takes.
+        self.tuning_table, self.forced_algorithm, self.fast_path_bounds, self.one_shot_bytes = \
+            collectives.auto_choice(self.mpi, self.num_nodes)
         self._lock = threading.Lock()
         self._engine = None
         self._freed = False

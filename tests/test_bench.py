@@ -5,7 +5,7 @@ import pytest
 from conftest import run_python
 
 from mpidist.bench import ROW_KEYS, parse_size, parse_sizes
-from mpidist.tune import decision_table
+from mpidist.tune import decision_table, one_shot_bound
 
 CLI = "import sys; from mpidist.cli import main; sys.exit(main(sys.argv[1:]))"
 
@@ -14,6 +14,15 @@ def test_sizes_read_like_nccl_tests():
     assert parse_sizes("8, 1K,4KiB,1M,2G") == [8, 1024, 4096, 1024 ** 2, 2 * 1024 ** 3]
     with pytest.raises(ValueError, match="cannot read size"):
         parse_size("12Q")
+
+
+def test_one_shot_bound_ends_where_the_one_shot_first_loses():
+    """Up to the geometric mean of its last win and its first loss; 0 if it loses at once, the
+    largest size if never; only sizes measured both ways count."""
+    sliced = {8: 10.0, 4096: 12.0, 65536: 30.0, 1 << 20: 200.0}
+    assert one_shot_bound({8: 5.0, 4096: 6.0, 65536: 40.0, 1 << 20: 100.0}, sliced) == 16384
+    assert one_shot_bound({8: 11.0, 4096: 6.0}, sliced) == 0
+    assert one_shot_bound({8: 5.0, 4096: 6.0, 65536: 20.0, 1 << 20: 150.0, 1 << 22: 1.0}, sliced) == 1 << 20
 
 
 def test_decision_table_takes_the_fastest_per_size_and_merges_neighbours():

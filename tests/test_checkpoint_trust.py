@@ -22,6 +22,7 @@ from torch import nn
 
 from mpidist.checkpoint import CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
 from mpidist.checkpoint_files import SEAL_BYTES, seal
+from mpidist.collectives.node_window import ONE_SHOT_BYTES
 from mpidist.collectives.select import load_tuning_table, read_tuning_file
 from mpidist.data import HDF5Dataset
 from mpidist.errors import MpidistError
@@ -356,6 +357,9 @@ NONSENSE_TUNING = {
     "unbounded_row_first": (json.dumps({"2": [GOOD_TABLE[1], GOOD_TABLE[0]]}), "row 0: max_bytes None: the last row"),
     "another_rank_counts_table_malformed": (json.dumps({"2": GOOD_TABLE, "8": [{"algorithm": "ring"}]}),
                                             "the table for 8 ranks: row 0 is not an object with max_bytes"),
+    "one_shot_bound_not_a_count": (json.dumps({"2": GOOD_TABLE, "one_shot_bytes": {"2": "64K"}}),
+                                   "its one_shot_bytes is not an object of byte counts by rank count"),
+    "one_shot_bound_negative": (json.dumps({"one_shot_bytes": {"2": -1}}), "its one_shot_bytes is not an object"),
 }
 
 
@@ -369,9 +373,10 @@ def test_a_tuning_file_with_nonsense_is_ignored_with_a_warning_naming_it(tmp_pat
     with pytest.raises(ValueError, match=problem):
         read_tuning_file()
     with pytest.warns(UserWarning, match=f"ignoring the tuning file {path}: .*{problem}"):
-        assert load_tuning_table(MPI.COMM_SELF, 1) is None  # the built-in table
-    path.write_text(json.dumps({"1": GOOD_TABLE}))
-    assert load_tuning_table(MPI.COMM_SELF, 1) == ((4096, "mpi"), (float("inf"), "ring"))
+        assert load_tuning_table(MPI.COMM_SELF, 1) == (None, ONE_SHOT_BYTES)  # the built-in table
+    path.write_text(json.dumps({"1": GOOD_TABLE, "one_shot_bytes": {"1": 1000, "2": 2000}}))
+    assert load_tuning_table(MPI.COMM_SELF, 1) == (((4096, "mpi"), (float("inf"), "ring")), 1000)
+    assert load_tuning_table(MPI.COMM_SELF, 2)[1] == ONE_SHOT_BYTES, "across nodes the one-shot does not run"
 
 
 # ---- data files ----------------------------------------------------------------------------------

@@ -199,6 +199,33 @@ def test_fast_path_of_an_explicit_algorithm(own_comm, fast_path_calls, algorithm
 
 
 @pytest.mark.mpi(ranks=ALL_RANKS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + INT_DTYPES)
+def test_fast_path_into_the_node_protocol(mpi_ranks, own_comm, fast_path_calls, dtype):
+    """Messages of at most the one-shot's size that the hierarchical all-reduce takes on one node
+    go straight into the node protocol once its window exists (the general path makes it at the
+    first call), under "auto" too where its bounds give them to it; the results are the general
+    path's, the same bits on every rank."""
+    from mpidist.collectives.node_window import ONE_SHOT_BYTES
+    one_node = mpi_ranks > 1 and own_comm.num_nodes == 1
+    if one_node:  # "auto" gives every size to the node protocol (the fast path's bounds, select.py)
+        own_comm.fast_path_bounds = ((0, float("inf")), (0, float("inf")))
+    largest = ONE_SHOT_BYTES // np.dtype(np.float32 if dtype == "bfloat16" else dtype).itemsize
+    if dtype == "bfloat16":
+        largest *= 2
+    for algorithm in ("hierarchical", "auto"):
+        for op in OPS:
+            if op == "avg" and dtype in INT_DTYPES:
+                continue
+            for index, count in enumerate((1, 7, 1009, largest, largest + 1)):
+                kind = "torch" if dtype == "bfloat16" or index % 2 else "numpy"
+                expect_fast = one_node and own_comm.node_window is not None and count <= largest
+                fast_path_calls.clear()
+                check_allreduce(own_comm, algorithm, dtype, op, count, kind, in_place=True)
+                assert fast_path_calls == [expect_fast], (algorithm, op, count, fast_path_calls)
+    assert own_comm.node_window is not None or not one_node
+
+
+@pytest.mark.mpi(ranks=ALL_RANKS)
 def test_large_messages_leave_the_fast_path(own_comm, fast_path_calls):
     """Large messages under "auto" go to the tables' algorithms."""
     check_allreduce(own_comm, "auto", "float64", "sum", 300001, "numpy", in_place=True)

@@ -10,6 +10,7 @@ import pytest
 
 from mpidist.collectives import cost_model
 from mpidist.collectives.cost_model import Layout, fit, predict, terms
+from mpidist.collectives.node_window import ONE_SHOT_BYTES
 from mpidist.collectives.select import auto_rows, choose_allreduce, layout_table, table_from_rows
 
 pytestmark = pytest.mark.mpi_shared_launch
@@ -239,11 +240,12 @@ def test_tune_fits_the_model_and_auto_uses_it_on_3_ranks(mpi_world):
     sizes = [8, 65536]
     before = os.environ["MPIDIST_TUNING_FILE"]
     assert comm.check_calls
-    table, measured = tune.tune(comm, bench.Options(sizes=sizes, iters=2, warmup=1, quiet=True))
+    table, measured, one_shot_bytes = tune.tune(comm, bench.Options(sizes=sizes, iters=2, warmup=1, quiet=True))
     assert comm.check_calls, "the benchmark under tune left the world communicator without its call check"
     try:
         if comm.rank == 0:
-            select.save_tuning_table(table, comm.size, path, measured, ranks_per_node=comm.size // comm.num_nodes)
+            select.save_tuning_table(table, comm.size, path, measured, ranks_per_node=comm.size // comm.num_nodes,
+                                     one_shot_bytes=one_shot_bytes)
         comm.barrier()
         with open(path) as handle:
             model = json.load(handle)["model"]
@@ -253,6 +255,12 @@ def test_tune_fits_the_model_and_auto_uses_it_on_3_ranks(mpi_world):
         assert model["parameters"] == pytest.approx(fit(model["measurements"], model["segment_bytes"]))
         os.environ["MPIDIST_TUNING_FILE"] = path
         tuned = md.Communicator()
+        # On one node the one-shot's bound was measured (8 or 65536 bytes, or their geometric
+        # mean, or 0) and the new communicator takes it.
+        if comm.num_nodes == 1:
+            assert one_shot_bytes in (0, 8, 724, 65536) and tuned.one_shot_bytes == one_shot_bytes
+        else:
+            assert one_shot_bytes is None and tuned.one_shot_bytes == ONE_SHOT_BYTES
         # Measured sizes: the tuning table's choice; far beyond them: the fitted model's.
         for nbytes in sizes:
             assert choose_allreduce(nbytes, 3, tuned.tuning_table) == choose_allreduce(nbytes, 3, table_from_rows(table))

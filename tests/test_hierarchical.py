@@ -111,6 +111,22 @@ def test_async_beside_blocking(mpi_ranks, comm):
 
 
 @pytest.mark.mpi(ranks=[2, 3])
+@pytest.mark.parametrize("ranks_per_node", [None], ids=["one_node"])
+@pytest.mark.parametrize("one_shot_bytes, rounds", [(0, 2), (1 << 20, 1)], ids=["never", "up_to_1MiB"])
+def test_the_window_takes_its_channels_one_shot_bound(comm, one_shot_bytes, rounds):
+    """A channel's one_shot_bytes (the tuning file's, measured by `mpidist tune`) decides in its
+    window which all-reduces go one-shot (one round) and which sliced (two), the default's 64 KiB
+    aside; the results are right either way."""
+    comm.one_shot_bytes = one_shot_bytes
+    for count in (3, 100000):  # 400 KB: sliced by default
+        check(comm, "float32", "sum", count, "numpy")  # the first call of a size makes or grows the slots
+        before = comm.node_window.rounds
+        check(comm, "float32", "sum", count, "numpy", seed=1)
+        assert comm.node_window.rounds - before == (rounds if comm.size > 1 else 0), count
+    assert comm.node_window.one_shot_bytes == one_shot_bytes
+
+
+@pytest.mark.mpi(ranks=[2, 3])
 @ON_NODES
 def test_back_to_back_calls_of_changing_sizes(mpi_ranks, comm, monkeypatch):
     """The last rank reads its results late while the others go on to the next call, of another

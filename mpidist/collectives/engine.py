@@ -103,6 +103,10 @@ class AsyncEngine(Channel):
     def fast_path_bounds(self):
         return self.comm.fast_path_bounds
 
+    @property
+    def one_shot_bytes(self):
+        return self.comm.one_shot_bytes
+
     def is_cuda_aware(self) -> bool:
         return self.comm.is_cuda_aware()
 

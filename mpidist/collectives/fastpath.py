@@ -1,11 +1,14 @@
 """The small-message fast path of all-reduce (Communicator.allreduce and the torch.distributed
 backend try it first).
 
-A small MPI_Allreduce takes about a microsecond, so every microsecond of Python in front of it
-shows. Small CPU messages that the general path would hand to the MPI library anyway skip it
-(buffer description, context, dispatch) and go straight to MPI_Allreduce; float16/bfloat16 take
-the MPI route's float32 round trip through a scratch buffer kept for this. With the cross-rank
-call check on, the general path runs: the check is a collective of its own.
+A small all-reduce takes microseconds, so every microsecond of Python in front of it shows.
+Contiguous CPU messages whose route the general path would choose from the size alone skip it
+(buffer description, context, dispatch): those it hands to the MPI library go straight to
+MPI_Allreduce (float16/bfloat16 through the MPI route's float32 round trip, in a scratch buffer
+kept for this), and those up to ONE_SHOT_BYTES that it gives to the hierarchical all-reduce on
+one node go straight into the node protocol's one-shot (node_window.host_allreduce_on_node: one
+call into the extension) once the window exists. With the cross-rank call check on, the general path runs: the check is a
+collective of its own.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from mpi4py import MPI
 from .. import _C
 from ..runtime.wire import FLOAT_DTYPES, HALF_DTYPES, ITEMSIZE
 from . import native
+from .node_window import ONE_SHOT_BYTES, host_allreduce_on_node
 
 FAST_OPS = dict(native.MPI_OPS, avg=MPI.SUM)
 # The dtypes MPI reduces itself, and the half types it reduces through float32.
@@ -40,11 +44,12 @@ def fill_fast_torch_types(torch) -> None:
 
 
 def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
-    """All-reduce a small contiguous CPU array with one MPI_Allreduce when that is where the
-    general path would end up too. Returns False, having done nothing, otherwise (the general
-    path then also gives the error messages). `comm` is the channel the call runs on: a
-    Communicator without an asynchronous engine, or an engine (in order, engine.in_order)."""
-    if comm.check_calls or comm._engine is not None or (algorithm != "auto" and algorithm != "mpi"):
+    """All-reduce a small contiguous CPU array with one MPI_Allreduce, or one call into the node
+    protocol, when that is where the general path would end up too. Returns False, having done
+    nothing, otherwise (the general path then also gives the error messages). `comm` is the
+    channel the call runs on: a Communicator without an asynchronous engine, or an engine (in
+    order, engine.in_order)."""
+    if comm.check_calls or comm._engine is not None:
         return False
     mpi_op = FAST_OPS.get(op)
     if mpi_op is None:
@@ -69,17 +74,33 @@ def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
     mpi_type, itemsize, name = spec
     half = name in HALF_DTYPES
     average = op == "avg"
-    if nbytes == 0 or algorithm == "auto" and nbytes >= comm.fast_path_bounds[half] \
-            or average and name not in FLOAT_DTYPES:  # the general path refuses an integer average
+    if nbytes == 0 or average and name not in FLOAT_DTYPES:  # the general path refuses an integer average
+        return False
+    if algorithm == "auto":
+        mpi_below, node_below = comm.fast_path_bounds[half]
+        on_node = mpi_below <= nbytes < node_below and nbytes <= ONE_SHOT_BYTES
+        if not on_node and nbytes >= mpi_below:
+            return False
+    elif algorithm == "hierarchical":
+        on_node = comm.num_nodes == 1 and nbytes <= ONE_SHOT_BYTES
+        if not on_node:
+            return False
+    elif algorithm == "mpi":
+        on_node = False
+    else:
         return False
     count = nbytes // itemsize
+    # mpi4py's buffer gives the address several times faster than NumPy's .ctypes.data, and
+    # the scaling goes straight to the CPU kernel: the arguments are known good here.
+    message = MPI.buffer.frombuffer(array) if kind is np.ndarray else MPI.buffer.fromaddress(array.data_ptr(), nbytes)
+    if on_node:
+        window = comm.node_window
+        if window is None:  # the general path makes it, at the same call on every rank
+            return False
+        host_allreduce_on_node(window, message.address, nbytes, count, name, "sum" if average else op,
+                               1.0 / comm.size if average else 1.0)
+        return True
     if not half:
-        # mpi4py's buffer gives the address several times faster than NumPy's .ctypes.data, and
-        # the scaling goes straight to the CPU kernel: the arguments are known good here.
-        if kind is np.ndarray:
-            message = MPI.buffer.frombuffer(array)
-        else:
-            message = MPI.buffer.fromaddress(array.data_ptr(), nbytes)
         comm.mpi.Allreduce(MPI.IN_PLACE, [message, mpi_type], mpi_op)
         if average:  # as finish_average does
             _C.scale(message.address, count, name, 1.0 / comm.size)
@@ -87,6 +108,6 @@ def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
     wide = comm.fast_path_scratch
     if wide is None or wide.size < count:
         wide = comm.fast_path_scratch = np.empty(max(count, 1024), dtype=np.float32)
-    native.allreduce_through_float32(comm.mpi, array.ctypes.data if kind is np.ndarray else array.data_ptr(),
-                                     name, count, wide.ctypes.data, mpi_op, 1.0 / comm.size if average else 1.0)
+    native.allreduce_through_float32(comm.mpi, message.address, name, count, wide.ctypes.data, mpi_op,
+                                     1.0 / comm.size if average else 1.0)
     return True

@@ -43,8 +43,8 @@ busy host (docs/multinode.md).
 The window is kept per communicator and grown when a larger message comes. On one node of more
 than two ranks it holds two slots per rank, and consecutive calls alternate between them
 (NodeWindow.next_slots says why). On one node the steps above run in the extension, in one call
-(node_window.py), and messages of at most ONE_SHOT_BYTES go one-shot: one sync, each rank
-reducing every rank's copy, in slots of their own (NodeWindow.next_one_shot_slots).
+(node_window.py), and messages of at most the channel's one_shot_bytes go one-shot: one sync,
+each rank reducing every rank's copy, in slots of their own (NodeWindow.next_one_shot_slots).
 """
 from __future__ import annotations
 
@@ -72,10 +72,10 @@ class HierarchicalWindow(NodeWindow):
     local rank 0 also holds a result region. With several nodes it also owns the lane
     communicator of this rank (None for a rank beyond the lanes)."""
 
-    def __init__(self, node_comm, comm, spans_nodes: bool):
+    def __init__(self, node_comm, comm, spans_nodes: bool, one_shot_bytes: int):
         local_size = node_comm.Get_size()
         super().__init__(node_comm, HostMemory(node_comm), alternates=not spans_nodes and local_size > 2,
-                         result_region=spans_nodes)
+                         result_region=spans_nodes, one_shot_bytes=one_shot_bytes)
         self.spans_nodes = spans_nodes
         self.lanes, self.lane_comm = lane_communicator(comm, self.local_rank, local_size) if spans_nodes \
             else (1, None)
@@ -104,7 +104,8 @@ def node_window(ctx: Context) -> HierarchicalWindow:
     channel = ctx.comm
     if channel.node_window is None:
         node, _ = channel.node_communicators()
-        channel.node_window = HierarchicalWindow(node, ctx.mpi, spans_nodes=node.Get_size() < ctx.size)
+        channel.node_window = HierarchicalWindow(node, ctx.mpi, spans_nodes=node.Get_size() < ctx.size,
+                                                 one_shot_bytes=channel.one_shot_bytes)
     return channel.node_window
 
 

@@ -19,9 +19,10 @@ The collectives, on one node (L local ranks, the buffer cut into L slices by spl
 - all-reduce: each rank copies into its slot the L-1 slices the others reduce; sync; it reduces
   its own slice of its own buffer and the others' slots in local-rank order (one k-way pass, so
   every rank gets the same bits), publishing the result; sync; it copies the others' results out.
-  In host memory a message of at most ONE_SHOT_BYTES goes one-shot instead: each rank copies its
-  whole buffer into a slot of the one-shot's own (next_one_shot_slots); sync; each reduces every
-  such slot, in local-rank order, into its buffer.
+  In host memory a message of at most the window's one_shot_bytes (`mpidist tune` measures it,
+  else ONE_SHOT_BYTES) goes one-shot instead: each rank copies its whole buffer into a slot of
+  the one-shot's own (next_one_shot_slots); sync; each reduces every such slot, in local-rank
+  order, into its buffer.
   In host memory the whole call is one call into the extension (csrc/node_steps.h: the same
   steps and rounds, written once in C++, with the GIL released); it polls the flags for the
   window's yield time and hands a longer wait to sync's own (wait_for_round), then goes on.
@@ -44,7 +45,8 @@ from .common import reduce_and_publish, result_slot, split_counts
 from .node_buckets import COUNTER_BYTES, NAP_SECONDS, yield_seconds
 
 # Up to this size a host-memory all-reduce on one node goes one-shot: one round instead of two,
-# each rank reducing the whole message (benchmarks/results/node-protocol-cpu.md).
+# each rank reducing the whole message (benchmarks/results/node-protocol-cpu.md), unless the
+# tuning file has a bound measured for the rank count (select.py).
 ONE_SHOT_BYTES = 64 * 1024
 
 
@@ -110,10 +112,12 @@ class NodeWindow:
     With `alternates` (one node of more than two ranks) every rank has two slots, one in each half
     of its memory, and consecutive calls alternate between them; with `result_region` local rank 0
     holds a result region of `capacity` bytes after its slot (the hierarchical all-reduce across
-    nodes). The one-shot all-reduce in host memory has slots of its own (next_one_shot_slots).
-    Collective over `node_comm`: made at the same call on every local rank."""
+    nodes). The one-shot all-reduce in host memory, of messages up to `one_shot_bytes`, has slots
+    of its own (next_one_shot_slots). Collective over `node_comm`: made at the same call on every
+    local rank."""
 
-    def __init__(self, node_comm, memory, alternates: bool, result_region: bool = False):
+    def __init__(self, node_comm, memory, alternates: bool, result_region: bool = False,
+                 one_shot_bytes: int = ONE_SHOT_BYTES):
         self.node_comm = node_comm
         self.memory = memory
         self.local_rank = node_comm.Get_rank()
@@ -126,8 +130,10 @@ class NodeWindow:
         self.result = None
         self.flags = Flags(node_comm)
         self.rounds = 0
+        self.one_shot_bytes = one_shot_bytes
         self.one_shot_memory = None
         self.one_shot_bases: list = []
+        self.one_shot_capacity = 0
         self.one_shot_calls = 0
         self.yield_seconds = yield_seconds(node_comm.allgather(os.sched_getaffinity(0)), self.local_size)
 
@@ -156,9 +162,10 @@ class NodeWindow:
         self.calls += 1
         return [base + half for base in self.bases]
 
-    def next_one_shot_slots(self) -> list:
-        """The slots (in local-rank order, ONE_SHOT_BYTES each) of this one-shot all-reduce, in
-        host memory of their own, made at the first one-shot call (collective over the node).
+    def next_one_shot_slots(self, nbytes: int) -> list:
+        """The slots (in local-rank order, `nbytes` at least) of this one-shot all-reduce, in
+        host memory of their own, made at the first one-shot call and grown as ensure() grows the
+        others (collective over the node).
 
         A one-shot call has a single sync, after which every rank reads every other's slot, so
         a fast rank's next one-shot call could overwrite a slot a slow rank is still reading:
@@ -166,10 +173,15 @@ class NodeWindow:
         comes back to this half only after every rank has passed the next one's sync, so after
         every rank has read this one. The other calls never touch these slots; theirs the
         one-shot never touches."""
-        if self.one_shot_memory is None:
+        if nbytes > self.one_shot_capacity:
+            capacity = (max(nbytes, 2 * self.one_shot_capacity, 4096) + 63) // 64 * 64
+            if self.one_shot_memory is not None:
+                self.sync()  # nobody may still be reading the old slots
+                self.one_shot_memory.free()
             self.one_shot_memory = HostMemory(self.node_comm)
-            self.one_shot_bases = self.one_shot_memory.allocate(2 * ONE_SHOT_BYTES)
-        half = self.one_shot_calls % 2 * ONE_SHOT_BYTES
+            self.one_shot_bases = self.one_shot_memory.allocate(2 * capacity)
+            self.one_shot_capacity = capacity
+        half = self.one_shot_calls % 2 * self.one_shot_capacity
         self.one_shot_calls += 1
         return [base + half for base in self.one_shot_bases]
 
@@ -225,6 +237,7 @@ class NodeWindow:
         if self.one_shot_memory is not None:
             self.one_shot_memory.free()
             self.one_shot_memory = None
+            self.one_shot_capacity = 0
         if self.flags is not None:
             self.flags.free()
             self.flags = None
@@ -245,7 +258,7 @@ def copy_in_others(window: NodeWindow, slot: int, info: BufferInfo, slices) -> N
 def allreduce_on_node(window: NodeWindow, info: BufferInfo, op: str, scale: float = 1.0) -> None:
     """All-reduce `info` in place among the window's ranks (one node), its result times `scale`."""
     if getattr(window.memory, "steps_in_extension", False):
-        host_allreduce_on_node(window, info, op, scale)
+        host_allreduce_on_node(window, info.ptr, info.nbytes, info.count, info.dtype, op, scale)
         return
     me = window.local_rank
     slots = window.next_slots(info.nbytes)
@@ -266,14 +279,16 @@ def allreduce_on_node(window: NodeWindow, info: BufferInfo, op: str, scale: floa
     window.memory.settle()  # the result is in place when this returns
 
 
-def host_allreduce_on_node(window: NodeWindow, info: BufferInfo, op: str, scale: float) -> None:
-    """allreduce_on_node in host memory: the steps run in the extension (csrc/node_steps.h),
-    which returns a step whose round some rank has not reached yet; this waits for it, with the
-    deadline, and the extension goes on from that step."""
-    one_shot = info.nbytes <= ONE_SHOT_BYTES
-    slots = window.next_one_shot_slots() if one_shot else window.next_slots(info.nbytes)
-    call = (slots, window.flags.counters, window.local_rank, window.rounds, info.ptr, info.count, info.dtype, op,
-            scale, one_shot)
+def host_allreduce_on_node(window: NodeWindow, address: int, nbytes: int, count: int, dtype: str, op: str,
+                           scale: float) -> None:
+    """allreduce_on_node in host memory, of `count` elements of `dtype` (`nbytes` in all) at
+    `address` (the small-message fast path calls it so): the steps run in the extension
+    (csrc/node_steps.h), which returns a step whose round some rank has not reached yet; this
+    waits for it, with the deadline, and the extension goes on from that step."""
+    one_shot = nbytes <= window.one_shot_bytes
+    slots = window.next_one_shot_slots(nbytes) if one_shot else window.next_slots(nbytes)
+    call = (slots, window.flags.counters, window.local_rank, window.rounds, address, count, dtype, op, scale,
+            one_shot)
     step = _C.node_allreduce(*call, 0, window.yield_seconds)
     while step >= 0:
         window.wait_for_round(window.rounds + step)

@@ -47,6 +47,7 @@ from ..runtime.mpi import fault_tolerant
 from ..runtime.wire import HALF_DTYPES
 from . import cost_model
 from .common import SEGMENT_BYTES
+from .node_window import ONE_SHOT_BYTES
 from .registry import ALLREDUCE
 
 # (upper bound in bytes, algorithm); the first row whose bound exceeds the message size wins.
@@ -101,15 +102,16 @@ def forced_algorithm() -> str | None:
 
 
 def auto_choice(mpi, nodes: int) -> tuple:
-    """(tuning table or None, forced algorithm or None, mpi_bounds) of a new communicator over
-    `nodes` nodes: what algorithm="auto" decides with (collective over `mpi`: rank 0 reads the
-    table)."""
-    table = load_tuning_table(mpi, nodes) or layout_table(mpi.Get_size(), nodes)
+    """(tuning table or None, forced algorithm or None, fast_path_bounds, one-shot bound) of a new
+    communicator over `nodes` nodes: what algorithm="auto" decides with, and the largest
+    all-reduce the node window's one-shot takes (collective over `mpi`: rank 0 reads the file)."""
+    tuned, one_shot_bytes = load_tuning_table(mpi, nodes)
+    table = tuned or layout_table(mpi.Get_size(), nodes)
     forced = forced_algorithm()
     if fault_tolerant():  # no shared-memory windows (runtime/mpi.py): point-to-point rings instead
         table = tuple((bound, "ring" if algorithm == "hierarchical" else algorithm)
                       for bound, algorithm in table_for(mpi.Get_size(), table))
-    return table, forced, mpi_bounds(mpi.Get_size(), table, forced)
+    return table, forced, fast_path_bounds(mpi.Get_size(), nodes, table, forced), one_shot_bytes
 
 
 def choose_allreduce(nbytes: int, ranks: int, table=None, dtype: str = "float32", forced: str | None = None) -> str:
@@ -129,18 +131,24 @@ def choose_allreduce(nbytes: int, ranks: int, table=None, dtype: str = "float32"
     return chosen
 
 
-def mpi_bounds(ranks: int, table=None, forced: str | None = None) -> tuple:
-    """(bound for other dtypes, bound for float16/bfloat16): messages below it are the ones
-    choose_allreduce gives to "mpi" from its first table row (0: none are)."""
-    if forced:
-        bound = float("inf") if forced == "mpi" else 0
-        return bound, bound
-    if ranks == 1:
-        return 0, 0
-    first_bound, first = table_for(ranks, table)[0]
-    bound = first_bound if first == "mpi" else 0
-    half_bound = min(bound, HALF_TABLE[0][0]) if HALF_TABLE[0][1] == "mpi" else 0
-    return bound, half_bound
+def fast_path_bounds(ranks: int, nodes: int, table=None, forced: str | None = None) -> tuple:
+    """((mpi, node) for other dtypes, (mpi, node) for float16/bfloat16): the small-message fast
+    path (fastpath.py) gives messages below `mpi` to MPI, as choose_allreduce does from its first
+    table rows, and those from `mpi` up to below `node` to the node protocol, which
+    choose_allreduce gives them on one node (0, or `mpi`: none are)."""
+    return tuple(_bounds(ranks, nodes, table, forced, dtype) for dtype in ("float32", "float16"))
+
+
+def _bounds(ranks: int, nodes: int, table, forced, dtype: str) -> tuple:
+    edges = sorted({bound for bound, _ in table_for(ranks, table) + HALF_TABLE} | {float("inf")})
+    start = 0
+    bounds = []
+    for route in ("mpi", "hierarchical" if nodes == 1 else None):
+        # choose_allreduce is constant between two edges: go on while it gives the route.
+        while start < float("inf") and choose_allreduce(start, ranks, table, dtype, forced) == route:
+            start = next(edge for edge in edges if edge > start)
+        bounds.append(start)
+    return tuple(bounds)
 
 
 def layout_table(ranks: int, nodes: int):
@@ -217,6 +225,11 @@ def read_tuning_file(path: str | None = None) -> dict:
             if not isinstance(rows, dict):
                 raise ValueError("its model is not a JSON object")
             continue
+        if key == "one_shot_bytes":
+            if not isinstance(rows, dict) or not all(
+                    ranks.isdigit() and type(bound) is int and bound >= 0 for ranks, bound in rows.items()):
+                raise ValueError(f"its one_shot_bytes is not an object of byte counts by rank count: {rows!r}")
+            continue
         if not key.isdigit() or int(key) < 1:
             raise ValueError(f"{key!r} is not a rank count")
         try:
@@ -279,39 +292,53 @@ def auto_rows(tables: dict, ranks: int, nodes: int):
     return merged
 
 
-def load_tuning_table(mpi, nodes: int):
-    """The table for this communicator's rank count and node count, identical on every rank
-    (rank 0 reads the file, makes the rows and broadcasts them as bytes), or None for the
-    built-in table. A malformed file is reported once and ignored."""
+def load_tuning_table(mpi, nodes: int) -> tuple:
+    """(table or None, one-shot bound) for this communicator's rank count and node count,
+    identical on every rank (rank 0 reads the file, makes the rows and broadcasts them as bytes):
+    None for the built-in table, and the bound measured on one node at this rank count
+    (one_shot_bound), else ONE_SHOT_BYTES. A malformed file is reported once and ignored."""
     payload = b""
     if mpi.Get_rank() == 0:
         try:
-            rows = auto_rows(read_tuning_file(), mpi.Get_size(), nodes)
+            tables = read_tuning_file()
+            choice = {"rows": auto_rows(tables, mpi.Get_size(), nodes),
+                      "one_shot_bytes": one_shot_bound(tables, mpi.Get_size(), nodes)}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             warnings.warn(f"mpidist: ignoring the tuning file {tuning_path()}: {exc}", stacklevel=2)
-            rows = None
-        payload = json.dumps(rows).encode() if rows is not None else b""
+            choice = {"rows": None, "one_shot_bytes": ONE_SHOT_BYTES}
+        payload = json.dumps(choice).encode()
     length = np.array([len(payload)], dtype=np.int64)
     mpi.Bcast(length, root=0)
     message = np.frombuffer(payload, dtype=np.uint8).copy() if mpi.Get_rank() == 0 \
         else np.empty(int(length[0]), dtype=np.uint8)
-    if length[0]:
-        mpi.Bcast(message, root=0)
-        return table_from_rows(json.loads(message.tobytes().decode()))
-    return None
+    mpi.Bcast(message, root=0)
+    choice = json.loads(message.tobytes().decode())
+    rows = choice["rows"]
+    return (None if rows is None else table_from_rows(rows)), choice["one_shot_bytes"]
+
+
+def one_shot_bound(tables: dict, ranks: int, nodes: int) -> int:
+    """The one-shot bound of the tuning file's contents for `ranks` ranks on one node (its
+    "one_shot_bytes", which `mpidist tune` measures there), else ONE_SHOT_BYTES: across nodes the
+    one-shot does not run."""
+    measured = tables.get("one_shot_bytes", {}).get(str(ranks))
+    return measured if nodes == 1 and measured is not None else ONE_SHOT_BYTES
 
 
 def save_tuning_table(rows, ranks: int, path: str | None = None, measurements=None,
-                      ranks_per_node: int | None = None) -> str:
+                      ranks_per_node: int | None = None, one_shot_bytes: int | None = None) -> str:
     """Write `rows` as the table for `ranks`, keeping the other rank counts already in the file.
     With `measurements` (mpidist bench's rows, taken at `ranks_per_node`), also keep them in
-    place of earlier ones of the same layout and fit the cost model to every layout's."""
+    place of earlier ones of the same layout and fit the cost model to every layout's; with
+    `one_shot_bytes` (measured on one node), keep it as the one-shot bound for `ranks`."""
     path = tuning_path(path)
     try:
         tables = read_tuning_file(path)
     except (OSError, ValueError):
         tables = {}
     tables[str(ranks)] = rows
+    if one_shot_bytes is not None:
+        tables.setdefault("one_shot_bytes", {})[str(ranks)] = int(one_shot_bytes)
     if measurements is not None:
         tables["model"] = refit(tables.get("model") or {}, measurements, ranks, ranks_per_node)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
