@@ -10,7 +10,10 @@ rounds of the time per call, in microseconds, on rank 0. Candidates, float32:
 - `mpi4py sum`: `comm.Allreduce(array, out)` (the peer: mpi4py's own buffer call);
 - `mpi4py sum + divide`: the same, then `out /= size` in NumPy (what an average costs by hand);
 - `mpidist sum` / `mpidist avg`: `mpidist.allreduce(array, op=...)` on a NumPy array;
-- `mpidist torch sum` / `mpidist torch avg`: the same on a torch tensor.
+- `mpidist torch sum` / `mpidist torch avg`: the same on a torch tensor;
+- `mpidist node sum` / `mpidist node torch sum`: `algorithm="hierarchical"` on one node, which the
+  fast path hands straight to the node protocol (one call into the extension; `auto` takes it
+  where the table gives small messages to the hierarchical all-reduce).
 
 The timed calls reduce zeros (an in-place sum of zeros stays zero); after them, each mpidist
 candidate reduces ones once and is checked against what that must give (the rank count for a
@@ -50,6 +53,8 @@ def candidates(world, array, out, tensor):
         "mpidist avg": (lambda: md.allreduce(array, op="avg"), 1),
         "mpidist torch sum": (lambda: md.allreduce(tensor, op="sum"), size),
         "mpidist torch avg": (lambda: md.allreduce(tensor, op="avg"), 1),
+        "mpidist node sum": (lambda: md.allreduce(array, op="sum", algorithm="hierarchical"), size),
+        "mpidist node torch sum": (lambda: md.allreduce(tensor, op="sum", algorithm="hierarchical"), size),
     }
 
 

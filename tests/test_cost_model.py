@@ -224,7 +224,8 @@ def test_auto_without_a_tune_with_one_rank_per_node_takes_mpi_or_whole_exchanges
         ["mpi", "mpi", "mpi", "hierarchical"]
     assert auto({}, 1 << 15, 4, 1) == "hierarchical" and auto({}, 1 << 15, 6, 3) == "mpi"
     assert auto({}, 1 << 16, 4, 2, "float16") == "hierarchical"
-    assert auto({}, 1 << 20, 2, 1) == "hierarchical" and auto({}, 1 << 16, 2, 1) == "mpi"
+    assert auto({}, 1 << 16, 2, 1) == "hierarchical" and auto({}, 2048, 2, 1) == "mpi"
+    assert auto({}, 2048, 3, 1) == "hierarchical" and auto({}, 512, 3, 1) == "mpi"
 
 
 @pytest.mark.mpi(ranks=[3], timeout=120)

@@ -1,13 +1,12 @@
 """How algorithm="auto" picks an all-reduce algorithm.
 
-The built-in tables come from `mpidist bench allreduce` on one host with 2 and 4 ranks
-(benchmarks/results/collectives-cpu.md):
-- Small messages go to the MPI library's own MPI_Allreduce: each of our algorithm steps is driven
-  from Python and costs a few microseconds, which dominates below tens of KiB.
-- From there the hierarchical algorithm reduces through node-shared memory (no MPI messages
-  inside a node) and runs recursive halving between node leaders.
-- With 2 ranks the MPI library stays ahead up to 128 KiB; from there the hierarchical algorithm's
-  reduce-scatter in place through shared memory moves fewer bytes than MPI's exchange.
+The built-in tables of one node come from the small-message fast path's times and `mpidist bench
+allreduce` on one host with 2 to 5 ranks (benchmarks/results/node-protocol-cpu.md):
+- The smallest messages go to the MPI library's own MPI_Allreduce: one flag round through shared
+  memory costs about what MPI's own exchange does there, and MPI's has less Python in front.
+- From there (1 KiB, 4 KiB with 2 ranks) the hierarchical algorithm reduces through node-shared
+  memory, no MPI messages inside a node: one call into the extension, one-shot for small
+  messages, and across nodes recursive halving between node leaders.
 - MPI cannot reduce float16/bfloat16. Below 8 KiB they take the MPI route anyway (upcast to
   float32 with our cast kernel, MPI_Allreduce, round back once): one MPI call beats several
   Python-driven steps. Larger ones go to our algorithms, which move half the bytes.
@@ -52,7 +51,7 @@ from .registry import ALLREDUCE
 
 # (upper bound in bytes, algorithm); the first row whose bound exceeds the message size wins.
 BUILTIN_TABLE = (
-    (32 * 1024, "mpi"),
+    (1024, "mpi"),
     (float("inf"), "hierarchical"),
 )
 HALF_TABLE = (
@@ -60,7 +59,7 @@ HALF_TABLE = (
     (float("inf"), "hierarchical"),
 )
 TWO_RANK_TABLE = (
-    (128 * 1024, "mpi"),
+    (4 * 1024, "mpi"),
     (float("inf"), "hierarchical"),
 )
 # One rank per node, across nodes: nothing to share in a node, so the hierarchical algorithm is
