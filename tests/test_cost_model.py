@@ -171,7 +171,7 @@ def auto(tables, nbytes, ranks, nodes, dtype="float32"):
     """algorithm="auto"'s choice as select.auto_choice makes it, from the file's contents."""
     rows = auto_rows(tables, ranks, nodes)
     table = table_from_rows(rows) if rows is not None else layout_table(ranks, nodes)
-    return choose_allreduce(nbytes, ranks, table, dtype)
+    return choose_allreduce(nbytes, ranks, table, dtype, nodes=nodes)
 
 
 def test_auto_takes_the_measured_table_inside_its_range_and_the_model_outside(many_cores):
@@ -226,6 +226,8 @@ def test_auto_without_a_tune_with_one_rank_per_node_takes_mpi_or_whole_exchanges
     assert auto({}, 1 << 16, 4, 2, "float16") == "hierarchical"
     assert auto({}, 1 << 16, 2, 1) == "hierarchical" and auto({}, 2048, 2, 1) == "mpi"
     assert auto({}, 2048, 3, 1) == "hierarchical" and auto({}, 512, 3, 1) == "mpi"
+    # float16/bfloat16 on one node: the node protocol at every size, never MPI's upcast route.
+    assert auto({}, 8, 2, 1, "bfloat16") == auto({}, 8, 3, 1, "float16") == "hierarchical"
 
 
 @pytest.mark.mpi(ranks=[3], timeout=120)

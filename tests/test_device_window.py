@@ -24,7 +24,8 @@ def channel(num_nodes=1, size=4, forced=None):
 
 
 def table_choice(info, comm):
-    return choose_allreduce(info.nbytes, comm.size, comm.tuning_table, info.dtype, comm.forced_algorithm)
+    return choose_allreduce(info.nbytes, comm.size, comm.tuning_table, info.dtype, comm.forced_algorithm,
+                            comm.num_nodes)
 
 
 @pytest.fixture

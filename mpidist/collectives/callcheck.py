@@ -97,7 +97,8 @@ def resolve_algorithm(algorithm: str, info: BufferInfo, comm) -> str:
         return algorithm
     if comm.forced_algorithm is None and device_window.wanted(comm, info):
         return "hierarchical"  # in GPU memory (device_window.py)
-    chosen = choose_allreduce(info.nbytes, comm.size, comm.tuning_table, info.dtype, comm.forced_algorithm)
+    chosen = choose_allreduce(info.nbytes, comm.size, comm.tuning_table, info.dtype, comm.forced_algorithm,
+                              comm.num_nodes)
     if chosen not in ALLREDUCE:
         raise InvalidArgumentError(
             f"MPIDIST_ALLREDUCE_ALGORITHM={chosen!r} is not an all-reduce algorithm; "

@@ -7,9 +7,10 @@ allreduce` on one host with 2 to 5 ranks (benchmarks/results/node-protocol-cpu.m
 - From there (1 KiB, 4 KiB with 2 ranks) the hierarchical algorithm reduces through node-shared
   memory, no MPI messages inside a node: one call into the extension, one-shot for small
   messages, and across nodes recursive halving between node leaders.
-- MPI cannot reduce float16/bfloat16. Below 8 KiB they take the MPI route anyway (upcast to
+- MPI cannot reduce float16/bfloat16. On one node they go to the node protocol at every size,
+  which reduces them as they are. Across nodes, below 8 KiB, they take the MPI route (upcast to
   float32 with our cast kernel, MPI_Allreduce, round back once): one MPI call beats several
-  Python-driven steps. Larger ones go to our algorithms, which move half the bytes.
+  Python-driven steps; larger ones go to our algorithms, which move half the bytes.
 MPIDIST_ALLREDUCE_ALGORITHM forces one algorithm, like Open MPI's coll_tuned forced algorithms; a
 Communicator reads it when it is created.
 
@@ -113,7 +114,8 @@ def auto_choice(mpi, nodes: int) -> tuple:
     return table, forced, fast_path_bounds(mpi.Get_size(), nodes, table, forced), one_shot_bytes
 
 
-def choose_allreduce(nbytes: int, ranks: int, table=None, dtype: str = "float32", forced: str | None = None) -> str:
+def choose_allreduce(nbytes: int, ranks: int, table=None, dtype: str = "float32", forced: str | None = None,
+                     nodes: int = 1) -> str:
     if forced:
         return forced
     if ranks == 1:
@@ -121,12 +123,13 @@ def choose_allreduce(nbytes: int, ranks: int, table=None, dtype: str = "float32"
     chosen = _lookup(table_for(ranks, table), nbytes)
     if chosen == "mpi" and dtype in HALF_DTYPES:
         # MPI cannot reduce float16/bfloat16: its route upcasts to float32 and back, which our
-        # algorithms beat once messages are a few KiB (benchmarks/results/collectives-cpu.md):
-        # the one the table takes for the next larger messages, where it has one.
-        chosen = _lookup(HALF_TABLE, nbytes)
-        if chosen != "mpi":
-            larger = [algorithm for bound, algorithm in table_for(ranks, table) if bound > nbytes and algorithm != "mpi"]
-            chosen = larger[0] if larger else chosen
+        # algorithms beat once messages are a few KiB (benchmarks/results/collectives-cpu.md),
+        # and on one node the node protocol, which reduces them as they are, at every size
+        # (node-protocol-cpu.md): the one the table takes for the next larger messages.
+        larger = [algorithm for bound, algorithm in table_for(ranks, table) if bound > nbytes and algorithm != "mpi"]
+        on_node = nodes == 1 and larger[:1] == ["hierarchical"]
+        if on_node or _lookup(HALF_TABLE, nbytes) != "mpi":
+            chosen = larger[0] if larger else _lookup(HALF_TABLE, nbytes)
     return chosen
 
 
@@ -144,7 +147,7 @@ def _bounds(ranks: int, nodes: int, table, forced, dtype: str) -> tuple:
     bounds = []
     for route in ("mpi", "hierarchical" if nodes == 1 else None):
         # choose_allreduce is constant between two edges: go on while it gives the route.
-        while start < float("inf") and choose_allreduce(start, ranks, table, dtype, forced) == route:
+        while start < float("inf") and choose_allreduce(start, ranks, table, dtype, forced, nodes) == route:
             start = next(edge for edge in edges if edge > start)
         bounds.append(start)
     return tuple(bounds)
