@@ -5,9 +5,10 @@ A small all-reduce takes microseconds, so every microsecond of Python in front o
 Contiguous CPU messages whose route the general path would choose from the size alone skip it
 (buffer description, context, dispatch): those it hands to the MPI library go straight to
 MPI_Allreduce (float16/bfloat16 through the MPI route's float32 round trip, in a scratch buffer
-kept for this), and those up to ONE_SHOT_BYTES that it gives to the hierarchical all-reduce on
-one node go straight into the node protocol's one-shot (node_window.host_allreduce_on_node: one
-call into the extension) once the window exists. With the cross-rank call check on, the general path runs: the check is a
+kept for this), and those up to ONE_SHOT_BYTES (the default one-shot bound, which a tuned bound
+may move: the window chooses one-shot or sliced) that it gives to the hierarchical all-reduce on
+one node go straight into the node protocol (node_window.host_allreduce_on_node: one call into
+the extension) once the window exists. With the cross-rank call check on, the general path runs: the check is a
 collective of its own.
 """
 from __future__ import annotations
