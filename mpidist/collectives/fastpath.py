@@ -44,6 +44,18 @@ def fill_fast_torch_types(torch) -> None:
         FAST_TORCH_TYPES[getattr(torch, name)] = fast_spec(name)
 
 
+def fast_route(comm, nbytes: int, half: bool, algorithm: str):
+    """"mpi", "node" (the node protocol) or None (the general path) for this message."""
+    if algorithm == "auto":
+        mpi_below, node_below = comm.fast_path_bounds[half]
+        if nbytes < mpi_below:
+            return "mpi"
+        return "node" if nbytes < node_below and nbytes <= ONE_SHOT_BYTES else None
+    if algorithm == "hierarchical":
+        return "node" if comm.num_nodes == 1 and nbytes <= ONE_SHOT_BYTES else None
+    return "mpi" if algorithm == "mpi" else None
+
+
 def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
     """All-reduce a small contiguous CPU array with one MPI_Allreduce, or one call into the node
     protocol, when that is where the general path would end up too. Returns False, having done
@@ -77,19 +89,10 @@ def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
     average = op == "avg"
     if nbytes == 0 or average and name not in FLOAT_DTYPES:  # the general path refuses an integer average
         return False
-    if algorithm == "auto":
-        mpi_below, node_below = comm.fast_path_bounds[half]
-        on_node = mpi_below <= nbytes < node_below and nbytes <= ONE_SHOT_BYTES
-        if not on_node and nbytes >= mpi_below:
-            return False
-    elif algorithm == "hierarchical":
-        on_node = comm.num_nodes == 1 and nbytes <= ONE_SHOT_BYTES
-        if not on_node:
-            return False
-    elif algorithm == "mpi":
-        on_node = False
-    else:
+    route = fast_route(comm, nbytes, half, algorithm)
+    if route is None:
         return False
+    on_node = route == "node"
     count = nbytes // itemsize
     # mpi4py's buffer gives the address several times faster than NumPy's .ctypes.data, and
     # the scaling goes straight to the CPU kernel: the arguments are known good here.
