@@ -8,8 +8,8 @@ MPI_Allreduce (float16/bfloat16 through the MPI route's float32 round trip, in a
 kept for this), and those up to ONE_SHOT_BYTES (the default one-shot bound, which a tuned bound
 may move: the window chooses one-shot or sliced) that it gives to the hierarchical all-reduce on
 one node go straight into the node protocol (node_window.host_allreduce_on_node: one call into
-the extension) once the window exists. With the cross-rank call check on, the general path runs: the check is a
-collective of its own.
+the extension) once the window exists. With the cross-rank call check on, the general path runs:
+the check is a collective of its own.
 """
 from __future__ import annotations
 

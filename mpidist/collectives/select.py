@@ -1,7 +1,7 @@
 """How algorithm="auto" picks an all-reduce algorithm.
 
 The built-in tables of one node come from the small-message fast path's times and `mpidist bench
-allreduce` on one host with 2 to 5 ranks (benchmarks/results/node-protocol-cpu.md):
+allreduce` on one host with 2 to 5 ranks (benchmarks/results/node-protocol-cpu-fastpath.md):
 - The smallest messages go to the MPI library's own MPI_Allreduce: one flag round through shared
   memory costs about what MPI's own exchange does there, and MPI's has less Python in front.
 - From there (1 KiB, 4 KiB with 2 ranks) the hierarchical algorithm reduces through node-shared
@@ -125,7 +125,7 @@ def choose_allreduce(nbytes: int, ranks: int, table=None, dtype: str = "float32"
         # MPI cannot reduce float16/bfloat16: its route upcasts to float32 and back, which our
         # algorithms beat once messages are a few KiB (benchmarks/results/collectives-cpu.md),
         # and on one node the node protocol, which reduces them as they are, at every size
-        # (node-protocol-cpu.md): the one the table takes for the next larger messages.
+        # (node-protocol-cpu-fastpath.md): the one the table takes for the next larger messages.
         larger = [algorithm for bound, algorithm in table_for(ranks, table) if bound > nbytes and algorithm != "mpi"]
         on_node = nodes == 1 and larger[:1] == ["hierarchical"]
         if on_node or _lookup(HALF_TABLE, nbytes) != "mpi":
