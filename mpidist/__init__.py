@@ -36,6 +36,8 @@ from .errors import (  # noqa: E402,F401
 
 # dist.init_process_group("mpidist"): the backend's name reaches torch.distributed once that loads.
 _distributed.register_when_torch_loads()
+# md.allreduce and the others inside a compiled function: run at a graph break, never traced.
+_distributed.keep_compile_out_of_mpidist()
 
 
 def rank() -> int:

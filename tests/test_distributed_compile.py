@@ -1,7 +1,8 @@
 """torch.compile over the backend "mpidist" (mpidist/distributed/outside_compile.py): compiled
 DDP and compiled FSDP2 train as over gloo and as one process, the functional collectives (those
 of DTensor, tensor parallelism and compiled FSDP2) and the in-place ones inside a compiled
-function give the float64 NumPy reference.
+function give the float64 NumPy reference, and so do mpidist's own collectives called inside one
+(run at a graph break).
 
 Compiling costs seconds: each model and function is compiled once per launch (module fixtures)
 and every test checks one thing of the results. Everything compiles with "aot_eager": Dynamo and
@@ -262,3 +263,28 @@ def test_compiled_send_and_recv(mpi_world, in_place_results):
     rank, _ = world()
     assert_exact(in_place_results["received"], values(1 - rank, (5,)) * 3)
 
+
+
+def mpidist_collectives(x):
+    import mpidist as md
+    doubled = x * 2
+    md.allreduce(doubled)  # the default communicator's
+    halved = md.world().allreduce(x / 2, op="avg")
+    return doubled + 1, halved, md.broadcast(x.clone(), root=1)
+
+
+@pytest.fixture(scope="module")
+def mpidist_results():
+    rank, _ = world()
+    compiled = torch.compile(mpidist_collectives, backend=COMPILER)
+    return compiled(values(rank, (5,), seed=3))
+
+
+@pytest.mark.mpi(ranks=[2])
+def test_mpidists_own_collectives_in_a_compiled_function(mpi_world, mpidist_results):
+    _, size = world()
+    doubled, halved, broadcast = mpidist_results
+    inputs = [values(k, (5,), seed=3) for k in range(size)]
+    assert_reduced(doubled - 1, [x * 2 for x in inputs], "sum")
+    assert_reduced(halved, [x / 2 for x in inputs], "avg")
+    assert_exact(broadcast, inputs[1])
