@@ -276,3 +276,37 @@ def test_joined_ranks_fill_fused_allreduces_with_zeros(mpi_world, monkeypatch):
         largest.append(max(run_sizes))
     assert max(largest) > max(int(np.prod(shape)) for shape in FUSED_SHAPES), \
         f"no all-reduce was fused while a rank waited in join(): the largest of each round {largest}"
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_the_fusion_threshold_is_read_by_the_caller_and_rank_0s_decides(mpi_world, monkeypatch):
+    """HOROVOD_FUSION_THRESHOLD is read where an operation is submitted, not in the negotiation's
+    thread: a malformed value set while the thread cycles is the next call's InvalidArgumentError
+    on every rank, and once it is unset the negotiation goes on. Where the ranks' thresholds differ
+    (rank 0 fuses everything, the others nothing), rank 0's decides: every rank runs the same
+    all-reduces and the results are the ordered calls'."""
+    world = hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "64MB")
+    time.sleep(0.2)  # HOROVOD_CYCLE_TIME is 1 ms: the thread cycles meanwhile
+    with pytest.raises(md.InvalidArgumentError, match="HOROVOD_FUSION_THRESHOLD='64MB' must be an integer"):
+        hvd.allreduce(torch.ones(3), name="malformed threshold", op=hvd.Sum)
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "67108864" if rank == 0 else "0")
+    private = negotiation.negotiator_of(world).private
+    run_sizes = []
+    allreduce = private.allreduce
+
+    def recorded(array, op="sum"):
+        run_sizes.append(int(array.numel()))
+        return allreduce(array, op=op)
+
+    monkeypatch.setattr(private, "allreduce", recorded)
+    world.mpi.Barrier()  # every rank's threshold is set before any submits
+    handles = {k: hvd.allreduce_async(torch.from_numpy(values(rank, (5,), seed=k)), name=f"t{k}", op=hvd.Sum)
+               for k in range(6)}
+    for k, handle in handles.items():
+        expected = sum(values(r, (5,), seed=k) for r in range(size))
+        np.testing.assert_allclose(hvd.synchronize(handle).numpy(), expected, rtol=1e-12, atol=1e-12)
+    sizes_by_rank = hvd.allgather_object(list(run_sizes))
+    assert sizes_by_rank == [sizes_by_rank[0]] * size, sizes_by_rank
+    assert sum(run_sizes) == 6 * 5, run_sizes

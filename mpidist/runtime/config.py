@@ -146,7 +146,7 @@ VARIABLES = (
              "all-reduce needs only the shared-memory component. On a cluster whose own RMA code needs UCX "
              "windows, set it yourself", reader="Open MPI"),
     _package("HOROVOD_FUSION_THRESHOLD", "count", 25 * 2 ** 20, "`26214400` (25 MiB)",
-             "when `hvd.DistributedOptimizer` is made; at each negotiation cycle",
+             "when `hvd.DistributedOptimizer` is made; at each hvd operation (rank 0's decides the fusion)",
              "`hvd.DistributedOptimizer`'s bucket size in bytes (`0`: a bucket per gradient, Horovod's \"no "
              "fusion\"); on the shared-memory path on one node buckets hold at most 4 MB. Also the most bytes "
              "of hvd all-reduces ready in one negotiation cycle that are fused into one buffer (`0`: none)",

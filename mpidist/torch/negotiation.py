@@ -149,6 +149,11 @@ class Negotiator:
         self._all_joined = threading.Event()
         self._leaving = False
         self._failure = None  # the error that ended the thread
+        # Read in the caller's thread (a malformed value is the caller's error, not the thread's)
+        # at every submit: rank 0's, sent in each cycle's message, is every rank's (as Horovod's
+        # coordinator decides the fusion), so the ranks fuse alike.
+        self._cycle_seconds = config.value("HOROVOD_CYCLE_TIME") / 1000
+        self._fusion_threshold = config.value("HOROVOD_FUSION_THRESHOLD")
         self._thread = threading.Thread(target=self._serve, name="mpidist-negotiation", daemon=True)
         self._thread.start()
 
@@ -166,9 +171,11 @@ class Negotiator:
         """Submit an operation; returns its handle (collectives.engine.Handle), completed by the
         thread with run's result or the error that refused it."""
         handle = _handle_class()(f"the hvd operation {name!r}")
+        threshold = config.value("HOROVOD_FUSION_THRESHOLD")
         with self._lock:
             if self._failure is not None:
                 raise self._failure
+            self._fusion_threshold = threshold
             self._local[name] = _Request(name, signature, handle, run, buffer)
             self._outbox.append([name, signature])
         return handle
@@ -213,10 +220,9 @@ class Negotiator:
     # ---- the thread -----------------------------------------------------------------------
 
     def _serve(self):
-        cycle_seconds = config.value("HOROVOD_CYCLE_TIME") / 1000
         try:
             while self._cycle():
-                time.sleep(cycle_seconds)
+                time.sleep(self._cycle_seconds)
         except BaseException as error:  # handed to every operation waiting here
             with self._lock:
                 self._failure = error
@@ -230,6 +236,7 @@ class Negotiator:
         now = time.monotonic()
         with self._lock:
             message = {"submitted": self._outbox, "joined": self._joining, "leaving": self._leaving,
+                       "fusion_threshold": self._fusion_threshold,
                        "expired": [name for name, request in self._local.items()
                                    if name in self._pending and now - request.submitted > timeout()]}
             self._outbox = []
@@ -245,7 +252,7 @@ class Negotiator:
         ready = [name for name, who in self._pending.items() if training and all(r in who for r in training)]
         for name in [name for name in expired if name in self._pending and name not in ready]:
             self._fail_stalled(name, self._pending.pop(name))
-        self._run([(name, self._pending.pop(name)) for name in ready])
+        self._run([(name, self._pending.pop(name)) for name in ready], messages[0]["fusion_threshold"])
         if not training:
             self._end_join()
         self._report_stalls(now)
@@ -284,13 +291,12 @@ class Negotiator:
         wait_until(request.Test, f"rank {self.rank}", "the negotiation of hvd's operations", f"ranks {list(others)}",
                    peers=others, advice="A rank's program hangs outside Python or its process died.")
 
-    def _run(self, ready: list) -> None:
+    def _run(self, ready: list, threshold: int) -> None:
         """Run the operations every rank has submitted, in the table's order; fuse what can be.
         What is fused is decided from the signatures alone, the same on every rank, so a rank
         waiting in join() fuses its zeros as the others fuse their tensors (as Horovod's joined
-        ranks fill a fused response with zeros)."""
+        ranks fill a fused response with zeros). `threshold` is rank 0's HOROVOD_FUSION_THRESHOLD."""
         fusion, fused_bytes = [], 0  # [(signature, this rank's request or None)]
-        threshold = config.value("HOROVOD_FUSION_THRESHOLD")
         for name, who in ready:
             # Where this rank refused `name`, a request of its own under the name is its next use's.
             request = None if who.get(self.rank, [None])[0] == _REFUSED[0] else self._take(name)
