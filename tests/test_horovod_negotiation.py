@@ -310,3 +310,31 @@ def test_the_fusion_threshold_is_read_by_the_caller_and_rank_0s_decides(mpi_worl
     sizes_by_rank = hvd.allgather_object(list(run_sizes))
     assert sizes_by_rank == [sizes_by_rank[0]] * size, sizes_by_rank
     assert sum(run_sizes) == 6 * 5, run_sizes
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_an_idle_negotiation_pauses_and_a_submit_ends_the_pause(mpi_world, monkeypatch):
+    """While no rank submits anything, the thread's pause grows to IDLE_PAUSE_LIMIT_S instead of
+    cycling every HOROVOD_CYCLE_TIME (1 ms), so a training loop whose gradients go through the
+    buckets keeps its cores: over an idle second the thread cycles at most a few dozen times, not
+    hundreds. The operations submitted after that pause, on every rank, run as ever."""
+    world = hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    negotiator = negotiation.negotiator_of(world)
+    cycles = []
+    exchange = negotiator._exchange
+
+    def counted(message):
+        cycles.append(time.monotonic())
+        return exchange(message)
+
+    monkeypatch.setattr(negotiator, "_exchange", counted)
+    hvd.allreduce(torch.zeros(1), name="before the pause", op=hvd.Sum)
+    cycles.clear()
+    time.sleep(1.0)
+    idle_cycles = len(cycles)
+    assert idle_cycles <= 2 / negotiation.IDLE_PAUSE_LIMIT_S, f"{idle_cycles} cycles in an idle second"
+    for k in range(3):
+        result = hvd.allreduce(torch.from_numpy(values(rank, (4,), seed=k)), name=f"after the pause {k}", op=hvd.Sum)
+        np.testing.assert_allclose(result.numpy(), sum(values(r, (4,), seed=k) for r in range(size)),
+                                   rtol=1e-12, atol=1e-12)

@@ -5,9 +5,10 @@ together (HOROVOD_FUSION_THRESHOLD, HOROVOD_CYCLE_TIME).
 Each communicator hvd runs on has a Negotiator: a private duplicate of the communicator and a
 background thread. A call submits its operation under its name= (an unnamed one under the next
 number of the communicator's sequence, so unnamed operations keep matching in call order) with
-its signature (what it is, dtype, shape, op, root, ...). Every HOROVOD_CYCLE_TIME the threads of
-all ranks exchange what was submitted since the last cycle (one allgather of a JSON text: names
-and numbers, never pickled), so every rank holds the same table of who submitted what, and
+its signature (what it is, dtype, shape, op, root, ...). Every HOROVOD_CYCLE_TIME (longer while
+no rank has anything to negotiate, IDLE_PAUSE_LIMIT_S at most) the threads of all ranks exchange
+what was submitted since the last cycle (one allgather of a JSON text: names and numbers, never
+pickled), so every rank holds the same table of who submitted what, and
 every rank takes the same decisions from it: the operations every rank has submitted run in the
 order they became complete (within a cycle, in the order of first submission), consecutive
 all-reduces of the same dtype, op and device fused into one buffer up to the threshold (Adasum's
@@ -47,6 +48,10 @@ _REFUSED = ["refused"]  # the signature of an operation a rank refused its own a
 _REFUSED_GROUP = ["refused", "whole group"]  # ... of an all-reduce group's member 0: see refuse()
 _JOINABLE_OPS = ("sum", "avg")  # zeros change no sum, and an average still divides by every rank
 _FUSABLE_OPS = ("sum", "avg", "min", "max", "prod")  # elementwise: one all-reduce of a concatenation is each's
+# While no rank has anything to negotiate, the pause between cycles doubles up to this: an idle
+# thread (a training loop whose gradients go through DataParallel's buckets) leaves the cores
+# to the program; a submit, join() or stop() on this rank ends a pause at once.
+IDLE_PAUSE_LIMIT_S = 0.05
 _negotiators = {}  # Communicator -> Negotiator
 _creation = threading.Lock()
 _stopped_at_exit = False  # whether _stop_all is registered with atexit
@@ -149,6 +154,8 @@ class Negotiator:
         self._all_joined = threading.Event()
         self._leaving = False
         self._failure = None  # the error that ended the thread
+        self._wake = threading.Event()  # set by submit, join and stop: the thread's pause ends
+        self._idle = False  # the last cycle had nothing to negotiate on any rank
         # Read in the caller's thread (a malformed value is the caller's error, not the thread's)
         # at every submit: rank 0's, sent in each cycle's message, is every rank's (as Horovod's
         # coordinator decides the fusion), so the ranks fuse alike.
@@ -178,6 +185,7 @@ class Negotiator:
             self._fusion_threshold = threshold
             self._local[name] = _Request(name, signature, handle, run, buffer)
             self._outbox.append([name, signature])
+        self._wake.set()
         return handle
 
     def refuse(self, name: str) -> None:
@@ -185,6 +193,7 @@ class Negotiator:
         raise too instead of waiting for this one."""
         with self._lock:
             self._outbox.append([name, _REFUSED])
+        self._wake.set()
 
     def refuse_group(self, group: str) -> None:
         """This rank refused its own arguments to the all-reduce group `group`, whose members the
@@ -194,6 +203,7 @@ class Negotiator:
         (_refuse_rest_of_group)."""
         with self._lock:
             self._outbox.append([member_name(group, 0), _REFUSED_GROUP])
+        self._wake.set()
 
     def join(self) -> None:
         """This rank waits in hvd.join() from now: it takes part with zeros in the all-reduces the
@@ -201,6 +211,7 @@ class Negotiator:
         with self._lock:
             self._joining, self._zeros_while_joined = True, 0
             self._all_joined.clear()
+        self._wake.set()
 
     def wait_for_every_rank_to_join(self) -> int:
         """Wait until every rank has called join(); returns how many of the others' all-reduces
@@ -213,6 +224,7 @@ class Negotiator:
     def stop(self) -> None:
         with self._lock:
             self._leaving = True
+        self._wake.set()
         self._thread.join()
         if self._failure is None:
             self.private.free()
@@ -220,9 +232,12 @@ class Negotiator:
     # ---- the thread -----------------------------------------------------------------------
 
     def _serve(self):
+        pause = self._cycle_seconds
         try:
             while self._cycle():
-                time.sleep(self._cycle_seconds)
+                pause = min(2 * pause, IDLE_PAUSE_LIMIT_S) if self._idle else self._cycle_seconds
+                self._wake.wait(pause)
+                self._wake.clear()  # before the next cycle reads the outbox: no submit is missed
         except BaseException as error:  # handed to every operation waiting here
             with self._lock:
                 self._failure = error
@@ -256,6 +271,7 @@ class Negotiator:
         if not training:
             self._end_join()
         self._report_stalls(now)
+        self._idle = not (self._pending or self._deferred or self._joined or arrived)
         return not all(sent["leaving"] for sent in messages)
 
     def _enter(self, rank: int, name: str, signature: list) -> None:
