@@ -8,11 +8,11 @@ number of the communicator's sequence, so unnamed operations keep matching in ca
 its signature (what it is, dtype, shape, op, root, ...). Every HOROVOD_CYCLE_TIME (longer while
 no rank has anything to negotiate, IDLE_PAUSE_LIMIT_S at most) the threads of all ranks exchange
 what was submitted since the last cycle (one allgather of a JSON text: names and numbers, never
-pickled), so every rank holds the same table of who submitted what, and
-every rank takes the same decisions from it: the operations every rank has submitted run in the
-order they became complete (within a cycle, in the order of first submission), consecutive
-all-reduces of the same dtype, op and device fused into one buffer up to the threshold (Adasum's
-never: each combines its own tensor).
+pickled), so every rank holds the same table of who submitted what, and every rank takes the
+same decisions from it: the operations every rank has submitted run in the order they became
+complete (within a cycle, in the order of first submission), consecutive all-reduces of the
+same dtype, op and device fused into one buffer up to the threshold (Adasum's never: each
+combines its own tensor).
 
 What the call check guarantees holds here too: a name submitted with different signatures is
 refused on every rank that submitted it (MismatchError naming the ranks), as is a name some rank
@@ -48,9 +48,8 @@ _REFUSED = ["refused"]  # the signature of an operation a rank refused its own a
 _REFUSED_GROUP = ["refused", "whole group"]  # ... of an all-reduce group's member 0: see refuse()
 _JOINABLE_OPS = ("sum", "avg")  # zeros change no sum, and an average still divides by every rank
 _FUSABLE_OPS = ("sum", "avg", "min", "max", "prod")  # elementwise: one all-reduce of a concatenation is each's
-# While no rank has anything to negotiate, the pause between cycles doubles up to this: an idle
-# thread (a training loop whose gradients go through DataParallel's buckets) leaves the cores
-# to the program; a submit, join() or stop() on this rank ends a pause at once.
+# While no rank has anything to negotiate, the pause between cycles doubles up to this, leaving
+# the cores to the program (whose gradients go through the buckets); a submit ends it at once.
 IDLE_PAUSE_LIMIT_S = 0.05
 _negotiators = {}  # Communicator -> Negotiator
 _creation = threading.Lock()
@@ -156,9 +155,8 @@ class Negotiator:
         self._failure = None  # the error that ended the thread
         self._wake = threading.Event()  # set by submit, join and stop: the thread's pause ends
         self._idle = False  # the last cycle had nothing to negotiate on any rank
-        # Read in the caller's thread (a malformed value is the caller's error, not the thread's)
-        # at every submit: rank 0's, sent in each cycle's message, is every rank's (as Horovod's
-        # coordinator decides the fusion), so the ranks fuse alike.
+        # Read in the caller's thread at every submit (a malformed value is the caller's error): rank
+        # 0's, sent in each cycle's message, is every rank's (as Horovod's coordinator decides).
         self._cycle_seconds = config.value("HOROVOD_CYCLE_TIME") / 1000
         self._fusion_threshold = config.value("HOROVOD_FUSION_THRESHOLD")
         self._thread = threading.Thread(target=self._serve, name="mpidist-negotiation", daemon=True)
