@@ -295,8 +295,9 @@ PYBIND11_MODULE(_C, m) {
           "Whether every progress counter at these addresses has reached value.");
     m.def("node_allreduce",
           [](const std::vector<std::uintptr_t>& slots, const std::vector<std::uintptr_t>& counters, int local_rank,
-             std::uint64_t round, std::uintptr_t buffer, std::size_t count, const std::string& dtype,
-             const std::string& op, double scale, bool one_shot, int step, double patience, int until) {
+             std::uint64_t round, const std::vector<std::pair<std::uintptr_t, std::size_t>>& segments,
+             const std::string& dtype, const std::string& op, double scale, bool results_in_slots, bool one_shot,
+             int step, double patience, int until) {
               if (slots.size() != counters.size() || slots.empty())
                   throw std::invalid_argument("node_allreduce: one slot and one counter per local rank, got " +
                                               std::to_string(slots.size()) + " slots and " +
@@ -309,23 +310,35 @@ PYBIND11_MODULE(_C, m) {
               if (until != -1 && (until <= step || until > mpidist::node::allreduce_round_count(one_shot)))
                   throw std::invalid_argument("node_allreduce: cannot stop before step " + std::to_string(until) +
                                               " when starting at step " + std::to_string(step));
+              if (one_shot && results_in_slots)
+                  throw std::invalid_argument("node_allreduce: the one-shot leaves its result in the buffer, "
+                                              "not in the slots");
               const DType t = mpidist::parse_dtype(dtype);
               mpidist::check_scalable(t, scale);
-              const std::size_t bytes = count * mpidist::itemsize(t);
+              const std::size_t item = mpidist::itemsize(t);
+              std::vector<mpidist::node::Segment> buffer;
+              std::size_t bytes = 0;
+              for (const auto& [pointer, nbytes] : segments) {
+                  if (nbytes % item)
+                      throw std::invalid_argument("node_allreduce: a segment of " + std::to_string(nbytes) +
+                                                  " bytes is not whole elements of " + dtype);
+                  address(pointer, nbytes, "an all-reduce segment");
+                  buffer.push_back({pointer, nbytes});
+                  bytes += nbytes;
+              }
               for (auto p : slots) address(p, bytes, "a node window slot");
-              address(buffer, bytes, "the all-reduce buffer");
-              const mpidist::node::Allreduce call{slots, counters, local_rank, round, buffer, count,
-                                                  t, mpidist::parse_op(op), scale, one_shot};
+              const mpidist::node::Allreduce call{slots, counters, local_rank, round, buffer, bytes / item,
+                                                  t, mpidist::parse_op(op), scale, results_in_slots, one_shot};
               py::gil_scoped_release unlocked;
               return mpidist::node::host_allreduce(call, step, patience, until);
           },
-          py::arg("slots"), py::arg("counters"), py::arg("local_rank"), py::arg("round"), py::arg("buffer"),
-          py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("scale"), py::arg("one_shot"),
+          py::arg("slots"), py::arg("counters"), py::arg("local_rank"), py::arg("round"), py::arg("segments"),
+          py::arg("dtype"), py::arg("op"), py::arg("scale"), py::arg("results_in_slots"), py::arg("one_shot"),
           py::arg("step"), py::arg("patience"), py::arg("until") = -1,
-          "The all-reduce on one node through the node window in host memory (csrc/node_steps.h), from "
-          "`step` on: -1 once the result is in place, else the step whose round a local rank has not "
-          "reached within `patience` seconds (wait for round + step, then call again from it), or "
-          "`until` when given (>= 0), before which it stops.");
+          "The all-reduce on one node through the node window in host memory (csrc/node_steps.h) of the "
+          "(address, bytes) segments laid end to end, from `step` on: -1 once the result is in place, else "
+          "the step whose round a local rank has not reached within `patience` seconds (wait for round + "
+          "step, then call again from it), or `until` when given (>= 0), before which it stops.");
     m.def("node_allreduce_rounds", &mpidist::node::allreduce_round_count, py::arg("one_shot"),
           "The node window rounds one node_allreduce call takes.");
     m.def("cpu_isa", &mpidist::cpu::isa, "Instruction set the CPU loops run: the widest this CPU has, or set_cpu_isa's.");

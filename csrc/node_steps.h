@@ -8,11 +8,18 @@
 //                          std::size_t count, DType dtype, Op op, double scale);
 //   };
 //
+// The buffer is one or more segments laid end to end (a gradient bucket's gradients where they
+// lie); a byte range of it is read and written piece by piece (for_pieces).
+//
 // Sliced (L local ranks, the buffer cut in L slices as split_counts cuts it; two rounds):
 //   0. copy into this rank's slot the slices the others reduce; publish round + 1;
 //   1. await it; reduce this rank's slice of its own buffer and the others' slots, in local-rank
 //      order, into its buffer and the slot it is published in (result_slot); publish round + 2;
 //   2. await it; copy the others' results out.
+// With results_in_slots every rank writes its reduced slice into its own slot and every other
+// rank's instead (over the contributions it has just read there), so every slot ends with the
+// whole result and step 2 copies nothing; a segment that already lies in this rank's slot (a
+// gradient that is a view of it) is not copied in.
 // One-shot (small messages; one round):
 //   0. copy the whole buffer into this rank's slot; publish round + 1;
 //   1. await it; reduce every rank's slot, in local-rank order, into the buffer.
@@ -22,11 +29,13 @@
 //
 // allreduce_steps runs from `step` on and returns -1 once the result is in place, or the step that
 // waits when a rank is still behind after `patience` seconds of polling: the caller waits for
-// round + step (with its deadline) and calls again from that step. With `until` >= 0 it stops
-// before that step, and returns it (a test's pause between two steps).
+// round + step (with its deadline) and calls again from that step (patience 0: a polled
+// all-reduce that never blocks). With `until` >= 0 it stops before that step, and returns it (the
+// copy-in alone, or a test's pause between two steps).
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "node_rounds.h"
@@ -34,16 +43,22 @@
 
 namespace mpidist::node {
 
+struct Segment {
+    std::uintptr_t address;
+    std::size_t nbytes;
+};
+
 struct Allreduce {
     std::vector<std::uintptr_t> slots;     // this call's slot of every local rank
     std::vector<std::uintptr_t> counters;  // every local rank's flag
     int local_rank;
     std::uint64_t round;                   // the round every local rank has passed before the call
-    std::uintptr_t buffer;
-    std::size_t count;
+    std::vector<Segment> buffer;           // laid end to end
+    std::size_t count;                     // elements in all the segments
     DType dtype;
     Op op;
     double scale;
+    bool results_in_slots;
     bool one_shot;
 };
 
@@ -55,23 +70,47 @@ inline std::pair<std::size_t, std::size_t> slice_of(std::size_t count, std::size
     return {k * base + (k < extra ? k : extra), base + (k < extra ? 1 : 0)};
 }
 
+// fn(address, offset, nbytes) for each part of bytes [start, start + length) of `segments` laid
+// end to end; offset counts from the start of the first segment.
+template <class Fn>
+void for_pieces(const std::vector<Segment>& segments, std::size_t start, std::size_t length, Fn fn) {
+    std::size_t position = 0;
+    const std::size_t end = start + length;
+    for (const auto& segment : segments) {
+        const std::size_t low = start > position ? start : position;
+        const std::size_t high = end < position + segment.nbytes ? end : position + segment.nbytes;
+        if (low < high) fn(segment.address + (low - position), low, high - low);
+        position += segment.nbytes;
+        if (position >= end) break;
+    }
+}
+
 template <class Flags, class Memory>
 int allreduce_steps(const Allreduce& call, int step, double patience, int until) {
     const Rounds<Flags> rounds{call.counters, call.local_rank};
     const std::size_t size = call.slots.size(), me = static_cast<std::size_t>(call.local_rank);
     const std::size_t item = itemsize(call.dtype);
-    auto at = [&](std::uintptr_t base, std::size_t element) { return base + element * item; };
+    auto reduce_pieces = [&](std::size_t first, std::size_t n, auto destinations) {
+        for_pieces(call.buffer, first * item, n * item, [&](std::uintptr_t address, std::size_t offset, std::size_t bytes) {
+            std::vector<const void*> sources;
+            for (std::size_t k = 0; k < size; ++k)
+                sources.push_back(reinterpret_cast<const void*>(k == me && !call.one_shot ? address : call.slots[k] + offset));
+            Memory::reduce(destinations(address, offset), sources, bytes / item, call.dtype, call.op, call.scale);
+        });
+    };
     if (call.one_shot) {
         if (step == 0) {
-            Memory::copy(call.slots[me], call.buffer, call.count * item);
+            for_pieces(call.buffer, 0, call.count * item, [&](std::uintptr_t address, std::size_t offset, std::size_t bytes) {
+                Memory::copy(call.slots[me] + offset, address, bytes);
+            });
             rounds.publish(call.round + 1);
             step = 1;
         }
         if (until == 1) return 1;
         if (!rounds.await(call.round + 1, patience)) return 1;
-        std::vector<const void*> sources;
-        for (auto slot : call.slots) sources.push_back(reinterpret_cast<const void*>(slot));
-        Memory::reduce({reinterpret_cast<void*>(call.buffer)}, sources, call.count, call.dtype, call.op, call.scale);
+        reduce_pieces(0, call.count, [](std::uintptr_t address, std::size_t) {
+            return std::vector<void*>{reinterpret_cast<void*>(address)};
+        });
         return -1;
     }
     // With two ranks each publishes into the other's slot, over the copy of its slice it has just
@@ -80,7 +119,10 @@ int allreduce_steps(const Allreduce& call, int step, double patience, int until)
     if (step == 0) {
         for (std::size_t k = 0; k < size; ++k) {
             const auto [first, n] = slice_of(call.count, size, k);
-            if (k != me && n) Memory::copy(at(call.slots[me], first), at(call.buffer, first), n * item);
+            if (k == me || !n) continue;
+            for_pieces(call.buffer, first * item, n * item, [&](std::uintptr_t address, std::size_t offset, std::size_t bytes) {
+                if (address != call.slots[me] + offset) Memory::copy(call.slots[me] + offset, address, bytes);
+            });
         }
         rounds.publish(call.round + 1);
         step = 1;
@@ -89,21 +131,30 @@ int allreduce_steps(const Allreduce& call, int step, double patience, int until)
     if (step == 1) {
         if (!rounds.await(call.round + 1, patience)) return 1;
         const auto [first, n] = slice_of(call.count, size, me);
-        if (n) {
-            std::vector<const void*> sources;
-            for (std::size_t k = 0; k < size; ++k)
-                sources.push_back(reinterpret_cast<const void*>(at(k == me ? call.buffer : call.slots[k], first)));
-            Memory::reduce({reinterpret_cast<void*>(at(call.buffer, first)), reinterpret_cast<void*>(at(result_slot(me), first))},
-                           sources, n, call.dtype, call.op, call.scale);
-        }
+        // reduce loads every operand of an element before storing it, so a destination may be one
+        // of its sources: this rank's own buffer, or a slot holding a contribution just read.
+        reduce_pieces(first, n, [&](std::uintptr_t address, std::size_t offset) {
+            std::vector<void*> destinations;
+            if (call.results_in_slots) {
+                for (std::size_t k = 0; k < size; ++k)
+                    destinations.push_back(reinterpret_cast<void*>(call.slots[(me + k) % size] + offset));
+            } else {
+                destinations = {reinterpret_cast<void*>(address), reinterpret_cast<void*>(result_slot(me) + offset)};
+            }
+            return destinations;
+        });
         rounds.publish(call.round + 2);
         step = 2;
     }
     if (until == 2) return 2;
     if (!rounds.await(call.round + 2, patience)) return 2;
+    if (call.results_in_slots) return -1;
     for (std::size_t k = 0; k < size; ++k) {
         const auto [first, n] = slice_of(call.count, size, k);
-        if (k != me && n) Memory::copy(at(call.buffer, first), at(result_slot(k), first), n * item);
+        if (k == me || !n) continue;
+        for_pieces(call.buffer, first * item, n * item, [&](std::uintptr_t address, std::size_t offset, std::size_t bytes) {
+            Memory::copy(address, result_slot(k) + offset, bytes);
+        });
     }
     return -1;
 }

@@ -11,7 +11,32 @@ from __future__ import annotations
 import abc
 import typing
 
+import numpy as np
+
 from . import buffers
+from .runtime.mpi import load_mpi
+
+
+class NodeGroups(typing.NamedTuple):
+    """The communicators node-aware collectives run on (mpi4py communicators)."""
+
+    node: typing.Any  # the ranks of this rank's node
+    lane: typing.Any  # across nodes, this rank's lane: its local rank on every node; else None
+    lanes: int  # how many lanes every node has: the smallest node's rank count
+
+
+def split_node_groups(mpi, node, num_nodes: int) -> NodeGroups:
+    """The NodeGroups of `mpi` whose node communicator is `node` (collective over `mpi`): local
+    ranks beyond the smallest node's rank count have no lane, nor has a channel on one node."""
+    local_rank, local_size = node.Get_rank(), node.Get_size()
+    if num_nodes == 1:
+        return NodeGroups(node, None, local_size)
+    MPI = load_mpi()
+    smallest = np.array([local_size], dtype=np.int64)
+    mpi.Allreduce(MPI.IN_PLACE, smallest, op=MPI.MIN)
+    lanes = int(smallest[0])
+    lane = mpi.Split(local_rank if local_rank < lanes else MPI.UNDEFINED, mpi.Get_rank())
+    return NodeGroups(node, None if lane == MPI.COMM_NULL else lane, lanes)
 
 
 class Channel(abc.ABC):
@@ -30,7 +55,7 @@ class Channel(abc.ABC):
     communicator's):
     scratch, staging: scratch memory and pinned host buffers (buffers.ScratchPool, HostStaging).
     node_window: the hierarchical all-reduce's shared window (collectives/hierarchical.py), None
-    until that algorithm makes it from node_communicators().
+    until that algorithm makes it over node_communicators().
     device_window: the node windows in GPU memory of CUDA buffers (collectives/device_window.py),
     None until a collective of one makes them.
     fast_path_scratch: float32 room for small float16/bfloat16 all-reduces (collectives/fastpath.py).
@@ -61,9 +86,9 @@ class Channel(abc.ABC):
         """Whether the MPI library reads GPU memory directly (else GPU buffers are staged)."""
 
     @abc.abstractmethod
-    def node_communicators(self) -> tuple:
-        """(node communicator, leader communicator or None) for node-aware algorithms; the
-        ranks of one node, and one rank per node."""
+    def node_communicators(self) -> NodeGroups:
+        """The node and lane communicators of node-aware collectives, made at the first call
+        (collective over the channel: every rank asks at the same call) and freed with it."""
 
     def free_windows(self) -> None:
         """Free the shared windows the collectives made on this channel (collective over it)."""

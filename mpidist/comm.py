@@ -18,7 +18,7 @@ import warnings
 import numpy as np
 
 from . import buffers, launch
-from .channel import Channel
+from .channel import Channel, NodeGroups, split_node_groups
 from .errors import InvalidArgumentError, NotInitializedError
 from .runtime import config, leave, stall, tracing
 from .runtime.abort import install_abort_on_exception
@@ -69,6 +69,7 @@ class Communicator(Channel):
         # and the largest all-reduce the node window's one-shot takes.
         self.tuning_table, self.forced_algorithm, self.fast_path_bounds, self.one_shot_bytes = \
             collectives.auto_choice(self.mpi, self.num_nodes)
+        self._node_groups = None  # node_communicators(), made at its first call
         self._lock = threading.Lock()
         self._engine = None
         self._freed = False
@@ -95,8 +96,10 @@ class Communicator(Channel):
             self.cuda_aware = mpi_library_cuda_aware(probe_device=launch.gpu_for_local_rank() or 0)
         return self.cuda_aware
 
-    def node_communicators(self) -> tuple:
-        return self.node_comm, self.leader_comm
+    def node_communicators(self) -> NodeGroups:
+        if self._node_groups is None:
+            self._node_groups = split_node_groups(self.mpi, self.node_comm, self.num_nodes)
+        return self._node_groups
 
     def _send_view(self, array, slot: int) -> buffers.BufferInfo:
         """The memory MPI should send from: the array itself, or a pinned host copy of it."""
@@ -237,21 +240,22 @@ class Communicator(Channel):
             self._engine = None
         collectives.free_released_windows(self.node_comm)
         self.free_windows()
-        for comm in (self.leader_comm, self.node_comm, self.mpi):
+        lane = self._node_groups.lane if self._node_groups is not None else None
+        for comm in (lane, self.leader_comm, self.node_comm, self.mpi):
             if comm is not None:
                 comm.Free()
-        self.leader_comm = None
+        self.leader_comm = self._node_groups = None
 
     def communicators(self) -> list:
-        """Every MPI communicator this one uses: its own, its node and leader communicators, its
-        asynchronous engine's, and their node windows' lane communicators."""
+        """Every MPI communicator this one uses: its own, its node, leader and lane communicators,
+        and its asynchronous engine's."""
         communicators = [self.mpi, self.node_comm, self.leader_comm]
-        windows = [self.node_window]
+        if self._node_groups is not None:
+            communicators.append(self._node_groups.lane)
         if self._engine is not None:
-            communicators += [self._engine.mpi, *(self._engine._node_comms or ())]
-            windows.append(self._engine.node_window)
-        # the hierarchical all-reduce's lanes across nodes
-        communicators += [window.lane_comm for window in windows if window is not None]
+            communicators.append(self._engine.mpi)
+            if self._engine.node_groups is not None:
+                communicators += [self._engine.node_groups.node, self._engine.node_groups.lane]
         return [comm for comm in communicators if comm is not None]
 
     def abandon(self) -> None:

@@ -14,7 +14,8 @@ from test_collectives import FLOAT_DTYPES, INT_DTYPES, OPS, rank_values
 from tolerances import reduction_bound, reduction_reference
 
 import mpidist as md
-from mpidist.collectives.node_buckets import OWN_CORE_YIELD_SECONDS, YIELD_SECONDS, NodeSlots, yield_seconds
+from mpidist.collectives.node_buckets import NodeSlots
+from mpidist.collectives.node_window import OWN_CORE_YIELD_SECONDS, YIELD_SECONDS, yield_seconds
 from mpidist.parallel.flat import tensor_at
 
 pytestmark = pytest.mark.mpi_shared_launch

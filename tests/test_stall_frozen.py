@@ -14,18 +14,18 @@ FROZEN_IN_THE_WAIT = textwrap.dedent("""
     import os, signal, sys, time
     import torch
     import mpidist as md
-    import mpidist.collectives.node_buckets as node_buckets
+    import mpidist.collectives.node_window as node_window
     md.init()
     rank = md.rank()
     if rank == 2:
-        wait_in_collective = node_buckets.wait_in_collective
+        wait_in_collective = node_window.wait_in_collective
 
         def freezing_wait(test, *args, **kwargs):
             def test_then_freeze():
                 os.kill(os.getpid(), signal.SIGSTOP)
                 return test()
             return wait_in_collective(test_then_freeze, *args, **kwargs)
-        node_buckets.wait_in_collective = freezing_wait
+        node_window.wait_in_collective = freezing_wait
     model = md.DataParallel(torch.nn.Linear(3, 1, bias=False))
     md.barrier()
     if rank != 2:

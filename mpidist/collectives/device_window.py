@@ -67,7 +67,9 @@ def wanted(channel, info: BufferInfo) -> bool:
 
 
 class DeviceMemory:
-    """Slots in GPU memory shared between the node's ranks through CUDA IPC."""
+    """Slots in GPU memory shared between the node's ranks through CUDA IPC (a NodeMemory)."""
+
+    steps_in_extension = False  # the extension's steps are host code: the protocol's Python steps run
 
     def __init__(self, node_comm, device_index: int):
         self.node_comm = node_comm
@@ -156,7 +158,7 @@ class DeviceWindows:
         if self.refusal is not None:
             return None
         if self.window is None:
-            node, _ = channel.node_communicators()
+            node = channel.node_communicators().node
             if channel.size == 1 or node.Get_size() < channel.size:
                 self.refusal = "the communicator spans nodes" if channel.size > 1 else "one rank"
                 return None

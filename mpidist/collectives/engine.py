@@ -18,9 +18,7 @@ import queue
 import threading
 import time
 
-from mpi4py import MPI
-
-from ..channel import Channel
+from ..channel import Channel, split_node_groups
 from ..errors import DeadlineError
 from ..runtime import deadlines, tracing
 
@@ -71,7 +69,7 @@ class AsyncEngine(Channel):
         deadlines.wait_for_collective(request, comm.mpi, what="duplication of the communicator for "
                                                               "asynchronous collectives (at the first asynchronous call)")
         self.rank, self.size = comm.rank, comm.size
-        self._node_comms = None  # (node, leaders), split from self.mpi on first use
+        self.node_groups = None  # node_communicators(), split from self.mpi on first use
         self._queue = queue.Queue()
         # Held while a collective runs on this engine, on whichever thread: the engine's memory
         # and communicators serve one collective at a time.
@@ -113,12 +111,11 @@ class AsyncEngine(Channel):
     def node_communicators(self):
         """Split from the private duplicate (collective on it; every rank's engine thread asks at
         the same call), so the engine never shares a communicator with the caller's thread."""
-        if self._node_comms is None:
+        if self.node_groups is None:
             owner = self.comm
             node = self.mpi.Split(owner.node_rank, owner.rank)
-            leaders = self.mpi.Split(0 if owner.local_rank == 0 else MPI.UNDEFINED, owner.rank)
-            self._node_comms = (node, None if leaders == MPI.COMM_NULL else leaders)
-        return self._node_comms
+            self.node_groups = split_node_groups(self.mpi, node, owner.num_nodes)
+        return self.node_groups
 
     # ---- the thread ------------------------------------------------------------------------
 
@@ -177,9 +174,10 @@ class AsyncEngine(Channel):
         if not free:
             return
         self.free_windows()
-        for comm in self._node_comms or ():
-            if comm is not None:
-                comm.Free()
+        if self.node_groups is not None:
+            for comm in (self.node_groups.lane, self.node_groups.node):
+                if comm is not None:
+                    comm.Free()
         self.mpi.Free()
 
 

@@ -101,7 +101,7 @@ def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
         window = comm.node_window
         if window is None:  # the general path makes it, at the same call on every rank
             return False
-        host_allreduce_on_node(window, message.address, nbytes, count, name, "sum" if average else op,
+        host_allreduce_on_node(window, message.address, nbytes, name, "sum" if average else op,
                                1.0 / comm.size if average else 1.0)
         return True
     if not half:

@@ -1,62 +1,35 @@
-"""Hierarchical (node-aware) all-reduce through the node window (node_window.py) in host memory:
-an MPI-3 shared-memory window, its steps ordered by the window's flags (sync). CUDA buffers on
-one node run the same one-node protocol in GPU memory (device_window.py).
+"""Hierarchical (node-aware) all-reduce: the ranks of a node reduce through the node window in
+host memory (node_window.py owns those steps: its flags, slots and slices, its one-shot and
+sliced all-reduce in one call into the extension); across nodes, this module's lanes.
 
-The L ranks of a node share a window in which each has a slot as large as the message. The
-buffer is cut into L slices (split_counts); local rank i reduces slice i, its operands always in
-local-rank order, in one k-way pass (reduce_many), so every rank ends with the same bits.
-
-When the whole communicator is one node:
-1. Every rank copies into its slot the L-1 slices that the other ranks reduce; its own slice
-   stays in its own buffer.
-2. Sync.
-3. Each rank reduces its slice of its own buffer and of the other ranks' slots into its own
-   buffer (for op="avg" it divides the slice right away, while it is in cache), and publishes
-   the result in its slot's own-slice region, which step 1 left free.
-4. Sync.
-5. Each rank copies the other ranks' result slices out of their slots.
-Per rank (n = message bytes): (L-1)/L·n read and written (copy in), n read and n/L written (its
-reduction), n/L read and written (publishing), (L-1)/L·n read and written (copy out): 4.5n bytes
-for L = 2, two syncs, no MPI messages. With two ranks each publishes its result into the
-other's slot instead, over the other's copy of its slice, which its reduction has just read (block
-by block, each block read before it is overwritten), and copies the other's result out of its own
-slot: each slot then only ever holds the other rank's half, and the lines written are the ones
-just read, still in cache (node_buckets.py's buckets do the same; it roughly halved the time of a
-large message, benchmarks/results/hierarchical-two-ranks-cpu.md).
+On one node (n = message bytes, L local ranks) the sliced all-reduce moves per rank (L-1)/L·n
+bytes read and written (copy in), n read and n/L written (its reduction), n/L read and written
+(publishing), (L-1)/L·n read and written (copy out): 4.5n bytes for L = 2, two syncs, no MPI
+messages. With two ranks each publishes its result into the other's slot, over the copy of its
+slice the reduction has just read, so the lines written are still in cache (it roughly halved
+the time of a large message, benchmarks/results/hierarchical-two-ranks-cpu.md).
 
 With more than one node, every node has `lanes` ranks that talk across nodes (its first local
-ranks; as many as the smallest node has), and lane k carries slice k of split_counts(count, lanes):
-1. every rank copies its whole buffer into its slot; sync;
-2. each rank reduces its slice of all L slots into the result region (with lanes = L, the slice
-   that its lane carries; otherwise a sync follows, as its lane's slice is someone else's);
-3. the ranks of lane k, one per node, all-reduce slice k of the result region across nodes
-   (between 2 nodes recursive doubling, one exchange; on more, recursive halving, or the ring for
-   large messages on a node count that is not a power of two); sync;
-4. every rank copies the whole result out.
-Per rank that is 2n (copy in) + n + n/L (reduction) + 2n (copy out) inside the node and two
-syncs (three with fewer lanes than ranks); between nodes each lane rank sends
-2(N-1)/N · n/lanes bytes for N nodes. The lanes share the node's link, so a node sends what a
-single leader would, but over `lanes` connections driven by as many processes: one process
-alone, polling TCP between its reductions, drove a 500 Mbit/s link at about half its rate on a
-busy host (docs/multinode.md).
+ranks; as many as the smallest node has: the channel's NodeGroups), and lane k carries slice k
+of split_counts(count, lanes): the node's ranks reduce the whole message into local rank 0's
+result region (node_window.reduce_into_result_region); the ranks of lane k, one per node,
+all-reduce slice k of it across nodes (between 2 nodes recursive doubling, one exchange; on
+more, recursive halving, or the ring for large messages on a node count that is not a power of
+two); every rank copies the whole result out (node_window.copy_result_out). Per rank that is 2n
+(copy in) + n + n/L (reduction) + 2n (copy out) inside the node and two syncs (three with fewer
+lanes than ranks); between nodes each lane rank sends 2(N-1)/N · n/lanes bytes for N nodes. The
+lanes share the node's link, so a node sends what a single leader would, but over `lanes`
+connections driven by as many processes: one process alone, polling TCP between its reductions,
+drove a 500 Mbit/s link at about half its rate on a busy host (docs/multinode.md).
 
-The window is kept per communicator and grown when a larger message comes. On one node of more
-than two ranks it holds two slots per rank, and consecutive calls alternate between them
-(NodeWindow.next_slots says why). On one node the steps above run in the extension, in one call
-(node_window.py), and messages of at most the channel's one_shot_bytes go one-shot: one sync,
-each rank reducing every rank's copy, in slots of their own (NodeWindow.next_one_shot_slots).
+The window is kept per channel and grown when a larger message comes.
 """
 from __future__ import annotations
 
-import ctypes
-
-import numpy as np
-from mpi4py import MPI
-
-from .. import kernels
 from ..buffers import BufferInfo
+from ..channel import NodeGroups
 from .common import Context, segments, split_counts
-from .node_window import HostMemory, NodeWindow, allreduce_on_node
+from .node_window import HostMemory, NodeWindow, allreduce_on_node, copy_result_out, reduce_into_result_region
 from .recursive_doubling import recursive_doubling_allreduce
 from .recursive_halving import recursive_halving_allreduce
 from .ring import ring_allreduce
@@ -69,33 +42,15 @@ RING_ACROSS_NODES_BYTES = 1024 * 1024
 class HierarchicalWindow(NodeWindow):
     """The node window (node_window.py) in host memory: on one node of more than two ranks every
     local rank has two slots, with two ranks, or with several nodes, one, and with several nodes
-    local rank 0 also holds a result region. With several nodes it also owns the lane
-    communicator of this rank (None for a rank beyond the lanes)."""
+    local rank 0 also holds a result region. With several nodes it also names this rank's lane
+    across them (lane_comm: None for a rank beyond the lanes), which the channel owns."""
 
-    def __init__(self, node_comm, comm, spans_nodes: bool, one_shot_bytes: int):
-        local_size = node_comm.Get_size()
-        super().__init__(node_comm, HostMemory(node_comm), alternates=not spans_nodes and local_size > 2,
+    def __init__(self, groups: NodeGroups, spans_nodes: bool, one_shot_bytes: int):
+        node_comm = groups.node
+        super().__init__(node_comm, HostMemory(node_comm), alternates=not spans_nodes and node_comm.Get_size() > 2,
                          result_region=spans_nodes, one_shot_bytes=one_shot_bytes)
         self.spans_nodes = spans_nodes
-        self.lanes, self.lane_comm = lane_communicator(comm, self.local_rank, local_size) if spans_nodes \
-            else (1, None)
-
-    def free(self) -> None:
-        """Free the window and the lane communicator (collective over the channel's ranks)."""
-        super().free()
-        if self.lane_comm is not None:
-            self.lane_comm.Free()
-            self.lane_comm = None
-
-
-def lane_communicator(comm, local_rank: int, local_size: int) -> tuple:
-    """(lanes, this rank's lane communicator or None): the smallest node's rank count, and the
-    ranks of local rank `local_rank` on every node, in the order of `comm` (collective over comm)."""
-    smallest = np.array([local_size], dtype=np.int64)
-    comm.Allreduce(MPI.IN_PLACE, smallest, op=MPI.MIN)
-    lanes = int(smallest[0])
-    lane = comm.Split(local_rank if local_rank < lanes else MPI.UNDEFINED, comm.Get_rank())
-    return lanes, (None if lane == MPI.COMM_NULL else lane)
+        self.lanes, self.lane_comm = groups.lanes, groups.lane
 
 
 def node_window(ctx: Context) -> HierarchicalWindow:
@@ -103,8 +58,8 @@ def node_window(ctx: Context) -> HierarchicalWindow:
     communicators; the channel frees it."""
     channel = ctx.comm
     if channel.node_window is None:
-        node, _ = channel.node_communicators()
-        channel.node_window = HierarchicalWindow(node, ctx.mpi, spans_nodes=node.Get_size() < ctx.size,
+        groups = channel.node_communicators()
+        channel.node_window = HierarchicalWindow(groups, spans_nodes=groups.node.Get_size() < ctx.size,
                                                  one_shot_bytes=channel.one_shot_bytes)
     return channel.node_window
 
@@ -152,29 +107,20 @@ def hierarchical_allreduce(ctx: Context) -> None:
         across_nodes(ctx, window.lane_comm, info)  # one rank per node: nothing to share
         return
     if window.spans_nodes:
-        reduce_across_nodes(ctx, window, window.next_slots(info.nbytes))
+        reduce_across_nodes(ctx, window)
         return
     # Divide each slice as it is reduced, while it is in cache, not the whole buffer later.
     allreduce_on_node(window, info, ctx.op, 1.0 / ctx.size if ctx.average else 1.0)
     ctx.average = False
 
 
-def reduce_across_nodes(ctx: Context, window: HierarchicalWindow, slots: list) -> None:
+def reduce_across_nodes(ctx: Context, window: HierarchicalWindow) -> None:
+    """The node window's steps across nodes (node_window.py), the lanes' exchange between them."""
     info = ctx.info
-    itemsize = info.itemsize
-    ctypes.memmove(slots[window.local_rank], info.ptr, info.nbytes)
-    window.sync()
-    offset, count = split_counts(info.count, window.local_size)[window.local_rank]
-    if count:
-        start = offset * itemsize
-        kernels.reduce_many_ptr(window.result + start, [slot + start for slot in slots], count,
-                                info.dtype, ctx.op)
-    if window.lanes < window.local_size:
-        window.sync()  # a lane's slice spans the reductions of several ranks
+    reduce_into_result_region(window, info, ctx.op, window.lanes)
     if window.lane_comm is not None:
         offset, count = split_counts(info.count, window.lanes)[window.local_rank]
         if count:
-            lane_slice = BufferInfo(window.result + offset * itemsize, count, info.dtype, "cpu", "numpy")
+            lane_slice = BufferInfo(window.result + offset * info.itemsize, count, info.dtype, "cpu", "numpy")
             across_nodes(ctx, window.lane_comm, lane_slice)
-    window.sync()
-    ctypes.memmove(info.ptr, window.result, info.nbytes)
+    copy_result_out(window, info)

@@ -1,50 +1,39 @@
 """Shared-memory all-reduce of fixed buffers on one node, advanced by polling from the caller's
 thread: the gradient buckets' all-reduce when every rank shares one node.
 
-The algorithm is the one-node path of the hierarchical all-reduce (hierarchical.py): each rank
-copies into its slot the slices the other ranks reduce, reduces its own slice of all operands
-in local-rank order (so every rank ends with the same bits), publishes it, and copies the
-others' results out. What differs is how the ranks wait for each other. Instead of node
-barriers on a communication thread, each rank publishes a progress counter in shared memory
-after each step, and the caller advances the all-reduce with progress(), which does whatever
-the other ranks' counters allow and never blocks. GradientBuckets calls it from its gradient
-hooks, so with one core per rank the exchange happens between the layers of backward, with no
-thread to schedule and no core spent spinning while a peer computes.
+The steps are the node window's sliced all-reduce (node_window.py, csrc/node_steps.h), run in
+the extension. What differs is how the ranks wait for each other: instead of waiting in each
+round, the caller advances the all-reduce with progress(), which runs the steps with patience 0
+(whatever the other ranks' counters allow) and never blocks. GradientBuckets calls it from its
+gradient hooks, so with one core per rank the exchange happens between the layers of backward,
+with no thread to schedule and no core spent spinning while a peer computes.
 
 A bucket's buffer may be several arrays (its gradients, laid end to end): the copies and the
 reduction then work on the gradients where they lie, with no packing into a flat buffer.
 
-Each bucket has its own slot per rank and its own counter per rank, kept for the life
-of the buckets, so all buckets can be in flight at once. Counters only grow: call c of a bucket
-moves its rank's counter to 2c+1 once the copy-in is done and to 2c+2 once the reduced slice is
-published. One slot per bucket is enough because the calls of a bucket never overlap: a rank
-starts call c+1 only after finishing call c, and it writes into its slot in call c+1 (1) the
-other ranks' slices, which those ranks read in call c before publishing it, and this rank has
-seen them publish; (2) its own slice, only once every rank's counter says it has started call
-c+1, so has finished copying call c's result out.
-
-With two ranks the reduced slice is published into the other rank's slot instead, over that
-rank's contribution to it, which the reduction has just read (block by block in the kernel,
-each block read before it is overwritten); each rank then copies the other's result out of its
-own slot. Each slot then only ever holds the other rank's half: half the shared memory in use, which the caches
-feel (two ranks, 12.6 MB of gradients: 0.2 ms per step less on average, training-cpu.md). It is
-safe because a rank writes that half in call c+1 only after its own copy-out of call c, and the
-other rank publishes into it only after seeing this rank's copy-in of call c+1. With more ranks a
-result is read by several, and one of them could still be reading call c's result when another
-copies call c+1 in; there each result stays in its owner's slot.
+Each bucket has its own slot per rank and its own counter per rank, kept for the life of the
+buckets, so all buckets can be in flight at once. Call c of a bucket is the window's rounds 2c-1
+(copied in) and 2c (reduced slice published) on the bucket's counters. One slot per bucket is
+enough because the calls of a bucket never overlap: a rank starts call c+1 only after finishing
+call c, and it writes into its slot in call c+1 (1) the other ranks' slices, which those ranks
+read in call c before publishing it, and this rank has seen them publish; (2) its own slice,
+only once every rank's counter says it has started call c+1, so has finished copying call c's
+result out. With two ranks each publishes into the other's slot (node_window.py's result_slot),
+so each slot only ever holds the other rank's half: half the shared memory in use, which the
+caches feel (training-cpu.md). It is safe because a rank writes that half in call c+1 only after
+its own copy-out of call c, and the other rank publishes into it only after seeing this rank's
+copy-in of call c+1.
 
 With results_in_slots (DataParallel's gradient_as_bucket_view) every rank writes its reduced slice
 into its own slot and into every other rank's, over the contribution to that slice it has just
-read there (block by block, as above; only the slice's owner ever reads it), so each slot ends
-with the whole result and the caller's gradients become views of its slot: no copy-out. The
-arrays given to start() are then only read, and may be those views; the copy-in skips them. Safe
-for the same reason as above: nobody writes a rank's slot from the end of its call c until its
-copy-in of call c+1, so between the two its gradients (the views) are its own, and backward
-may accumulate into them.
+read there, so each slot ends with the whole result and the caller's gradients become views of
+its slot: no copy-out. The arrays given to start() are then only read, and may be those views;
+the copy-in skips them. Safe for the same reason as above: nobody writes a rank's slot from the
+end of its call c until its copy-in of call c+1, so between the two its gradients (the views) are
+its own, and backward may accumulate into them.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import time
 import weakref
@@ -52,26 +41,11 @@ import weakref
 import numpy as np
 
 from .. import _C
-from ..buffers import ITEMSIZE, describe
+from ..buffers import describe
 from ..errors import InvalidArgumentError
-from ..runtime.deadlines import deadline_error, wait_in_collective
 from ..runtime.mpi import load_mpi
-from .common import kernel_op, reduce_and_publish, result_slot, split_counts
-
-COUNTER_BYTES = 64  # one cache line per counter: ranks never write the same line
-YIELD_SECONDS = 100e-6  # how long wait() polls without sleeping, with more ranks than cores
-OWN_CORE_YIELD_SECONDS = 1e-3  # the same where every rank can have a core of its own
-NAP_SECONDS = 50e-6  # then the sleep between polls
-
-
-def yield_seconds(affinities, local_size: int) -> float:
-    """How long a waiting rank polls before napping, from the CPUs each local rank may run on.
-
-    A short nap sleeps more than twice as long as asked on Linux (timer slack), so a rank that
-    naps reacts late to its peer; polling costs nothing where the peer has a core of its own, and takes the core
-    the peer needs where it has not (training-cpu.md, 3 ranks on 2 cores)."""
-    cpus = set().union(*affinities)
-    return OWN_CORE_YIELD_SECONDS if len(cpus) >= local_size else YIELD_SECONDS
+from .common import kernel_op
+from .node_window import COUNTER_BYTES, wait_for_counters, yield_seconds, zero_counters
 
 
 class ReleasedWindows:
@@ -162,10 +136,7 @@ class NodeSlots:
         self._release = weakref.finalize(self, registry.release, self.number, self.win)
         self.win.Lock_all(MPI.MODE_NOCHECK)
         bases = [self.win.Shared_query(k)[0].address for k in range(self.local_size)]
-        ctypes.memset(bases[self.local_rank], 0, header)
-        self.win.Sync()
-        node_comm.Barrier()  # every counter is zero before anyone publishes
-        self.win.Sync()
+        zero_counters(self.win, bases[self.local_rank], header, node_comm)
         # counters[b][k] / slots[b][k]: bucket b's counter and slot in local rank k's segment.
         self.counters = [[base + b * COUNTER_BYTES for base in bases] for b in range(len(sizes))]
         self.slots = [[base + offset for base in bases] for offset in offsets]
@@ -226,105 +197,48 @@ def check_same_layout(node_comm, sizes, results_in_slots: bool) -> None:
             f"from this one): bytes per bucket {table[:, 1:].tolist()} (is the model the same on every rank?)")
 
 
-def pieces(segments, start: int, length: int):
-    """(address, offset, length) of the parts of bytes [start, start + length) of `segments`
-    ((address, length) pairs) laid end to end; offset counts from the start of the first."""
-    position, end = 0, start + length
-    for address, size in segments:
-        low, high = max(start, position), min(end, position + size)
-        if low < high:
-            yield address + low - position, low, high - low
-        position += size
-
-
 class PolledAllreduce:
-    """One all-reduce of one bucket (in place, or into the slots with results_in_slots);
-    progress() advances it without blocking, wait() finishes it. The copy-in happens at once, in
-    the constructor."""
+    """One all-reduce of one bucket (in place, or into the slots with results_in_slots), the
+    node window's sliced steps run with patience 0: progress() advances it without blocking,
+    wait() finishes it. The copy-in happens at once, in the constructor."""
 
     def __init__(self, slots: NodeSlots, index: int, call: int, segments, dtype: str, op: str, average: bool):
         self.slots = slots
         self.index = index
-        self.segments = segments
-        self.dtype = dtype
-        self.op = op
-        self.average = average
-        self.copied_in = 2 * call - 1
-        self.published = 2 * call
         self.started = time.perf_counter()
         self.finished = None
-        me, itemsize = slots.local_rank, ITEMSIZE[dtype]
-        count = sum(size for _, size in segments) // itemsize
-        self.slices = [(offset * itemsize, part * itemsize) for offset, part in split_counts(count, slots.local_size)]
-        self.mine = slots.slots[index][me]
-        self.counter = slots.counters[index][me]
-        self.others = [c for k, c in enumerate(slots.counters[index]) if k != me]
-        for k, (start, length) in enumerate(self.slices):
-            if k != me:
-                for address, offset, size in pieces(segments, start, length):
-                    if address != self.mine + offset:  # not already there (a view of the slot)
-                        ctypes.memmove(self.mine + offset, address, size)
-        _C.store_counter(self.counter, self.copied_in)
-        self.stage = self.copied_in
+        scale = 1.0 / slots.local_size if average else 1.0
+        # Call c takes the window's rounds 2c-1 and 2c on the bucket's counters.
+        self.round = 2 * (call - 1)
+        self.call = (slots.slots[index], slots.counters[index], slots.local_rank, self.round, segments, dtype, op,
+                     scale, slots.results_in_slots, False)
+        self.step = _C.node_allreduce(*self.call, 0, 0.0, 1)  # the copy-in, then round 2c-1 published
 
     def done(self) -> bool:
         return self.finished is not None
 
     def progress(self) -> bool:
         """Do every step the other ranks' counters allow; True once the result is in place."""
-        if self.finished is not None:  # copied out already: the hooks keep asking
+        if self.finished is not None:  # done already: the hooks keep asking
             return True
-        if self.stage == self.copied_in and _C.counters_reached(self.others, self.copied_in):
-            self._reduce_own_slice()
-        if self.stage == self.published and _C.counters_reached(self.others, self.published):
-            if not self.slots.results_in_slots:
-                self._copy_out()
+        self.step = _C.node_allreduce(*self.call, self.step, 0.0)
+        if self.step < 0:
             self.finished = time.perf_counter()
         return self.finished is not None
 
     def wait(self) -> None:
         # Yield, then nap: with more ranks than cores a spinning rank takes the core its peer
-        # needs to catch up: with more ranks than cores, naps made benchmarks/training.py's steps
-        # shorter than yielding alone (benchmarks/results/training-cpu.md). With a core per rank
-        # the yielding lasts longer (yield_seconds).
+        # needs to catch up (naps made benchmarks/training.py's steps shorter than yielding
+        # alone, benchmarks/results/training-cpu.md). With a core per rank the yielding lasts
+        # longer (yield_seconds).
         if self.progress():  # finished already, in the gradient hooks: no wait to publish
             return
-        what = f"the all-reduce of gradient bucket {self.index}"
+        slots = self.slots
+        wait_for_counters(slots.counters[self.index], slots.local_rank, self.waited_round(), slots.node_comm,
+                          f"the all-reduce of gradient bucket {self.index}",
+                          "They stopped before reaching it (different numbers of backward passes?)",
+                          slots.yield_seconds, polled=self)
 
-        def timed_out():
-            me = self.slots.local_rank
-            behind = [k for k, counter in enumerate(self.slots.counters[self.index])
-                      if k != me and not _C.counters_reached([counter], self.stage)]
-            raise deadline_error(f"local rank {me}", what, f"local ranks {behind} of this node", peers=behind,
-                                 advice="They stopped before reaching it (different numbers of backward passes?)")
-
-        wait_in_collective(self.progress, self.slots.node_comm, what, timed_out, self.slots.yield_seconds, NAP_SECONDS)
-
-    def result_slot(self, owner: int) -> int:
-        """Without results_in_slots, the slot that receives the reduced slice of local rank `owner`
-        (see the module notes)."""
-        return result_slot(self.slots.slots[self.index], owner)
-
-    def _reduce_own_slice(self):
-        me = self.slots.local_rank
-        slots = self.slots.slots[self.index]
-        scale = 1.0 / self.slots.local_size if self.average else 1.0
-        for address, offset, size in pieces(self.segments, *self.slices[me]):
-            # reduce_many loads every operand of an element before storing it, so its
-            # destination may be one of its sources: this rank's own array.
-            sources = [address if k == me else slot + offset for k, slot in enumerate(slots)]
-            if self.slots.results_in_slots:
-                destination = self.mine + offset
-                publish = [slot + offset for k, slot in enumerate(slots) if k != me]
-            else:
-                destination, publish = address, [self.result_slot(me) + offset]
-            reduce_and_publish(destination, sources, size, self.dtype, self.op, scale, publish)
-        _C.store_counter(self.counter, self.published)
-        self.stage = self.published
-
-    def _copy_out(self):
-        me = self.slots.local_rank
-        for k, (start, length) in enumerate(self.slices):
-            if k != me:
-                for address, offset, size in pieces(self.segments, start, length):
-                    ctypes.memmove(address, self.result_slot(k) + offset, size)
+    def waited_round(self) -> int:
+        """The round of the bucket's counters the unfinished step waits for."""
+        return self.round + self.step

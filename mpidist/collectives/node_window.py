@@ -1,5 +1,8 @@
 """The node window: the protocol by which the ranks of one node run a collective through memory
-they all map, whatever that memory is.
+they all map, whatever that memory is. The one place that says how: its flags, its waits and
+their deadline, its constants and its steps; the hierarchical all-reduce (hierarchical.py), the
+node window in GPU memory (device_window.py), the gradient buckets' polled all-reduce
+(node_buckets.py) and the small-message fast path (fastpath.py) run these steps.
 
 Every local rank has a slot (two on one node of more than two ranks: NodeWindow.next_slots says
 why) in a window that every other local rank can read and write. The ranks order their steps by
@@ -9,7 +12,7 @@ next round, and waits until every other local rank's counter has reached it; a r
 not arrive within MPIDIST_TIMEOUT is named in a DeadlineError, so nobody spins forever on a flag.
 Every local rank calls sync() as many times in the same order, so the rounds agree.
 
-The memory is a backend with five operations (allocate, copy, reduce_and_publish, settle, free);
+The memory is a backend (NodeMemory: allocate, copy, reduce_and_publish, settle, free);
 copies and reductions may run asynchronously (on a CUDA stream) until settle() returns:
 HostMemory here (an MPI-3 shared-memory window: the CPU path, and the stand-in that CI runs) and
 DeviceMemory in device_window.py (GPU memory shared through CUDA IPC). The rounds, slices and
@@ -26,23 +29,34 @@ The collectives, on one node (L local ranks, the buffer cut into L slices by spl
   In host memory the whole call is one call into the extension (csrc/node_steps.h: the same
   steps and rounds, written once in C++, with the GIL released); it polls the flags for the
   window's yield time and hands a longer wait to sync's own (wait_for_round), then goes on.
+  The gradient buckets (node_buckets.py) run the same C++ steps with patience 0, so that a
+  bucket's all-reduce advances between the layers of backward and never blocks there.
 - reduce-scatter: the all-reduce's first half (the others' chunks in, sync, the own chunk reduced
   into the output), then a sync, after which nobody reads the slots any more.
 - broadcast: the root copies its buffer into its slot; sync; the others copy it out; sync.
 - allgather: each rank copies its chunk into its slot; sync; each copies every other chunk out;
   sync.
+- across nodes (hierarchical.py): each rank copies its whole buffer into its slot; sync; it
+  reduces its slice of every slot into local rank 0's result region (reduce_into_result_region;
+  another sync where a lane's slice spans several ranks' slices); the lanes exchange across nodes;
+  sync; each copies the whole result out (copy_result_out).
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import typing
 
-from .. import _C
+from .. import _C, kernels
 from ..buffers import BufferInfo
 from ..runtime.deadlines import deadline_error, wait_in_collective
 from ..runtime.mpi import load_mpi
 from .common import reduce_and_publish, result_slot, split_counts
-from .node_buckets import COUNTER_BYTES, NAP_SECONDS, yield_seconds
+
+COUNTER_BYTES = 64  # one cache line per counter: ranks never write the same line
+YIELD_SECONDS = 100e-6  # how long a wait polls without sleeping, with more ranks than cores
+OWN_CORE_YIELD_SECONDS = 1e-3  # the same where every rank can have a core of its own
+NAP_SECONDS = 50e-6  # then the sleep between polls
 
 # Up to this size a host-memory all-reduce on one node goes one-shot: one round instead of two,
 # each rank reducing the whole message (benchmarks/results/node-protocol-cpu.md), unless the
@@ -50,10 +64,70 @@ from .node_buckets import COUNTER_BYTES, NAP_SECONDS, yield_seconds
 ONE_SHOT_BYTES = 64 * 1024
 
 
-class HostMemory:
-    """Slots in an MPI-3 shared-memory window of host memory."""
+def yield_seconds(affinities, local_size: int) -> float:
+    """How long a waiting rank polls before napping, from the CPUs each local rank may run on.
 
-    device = "cpu"
+    A short nap sleeps more than twice as long as asked on Linux (timer slack), so a rank that
+    naps reacts late to its peer; polling costs nothing where the peer has a core of its own, and
+    takes the core the peer needs where it has not (training-cpu.md, 3 ranks on 2 cores)."""
+    cpus = set().union(*affinities)
+    return OWN_CORE_YIELD_SECONDS if len(cpus) >= local_size else YIELD_SECONDS
+
+
+def zero_counters(win, address: int, nbytes: int, node_comm) -> None:
+    """Zero this rank's `nbytes` of counters at `address` in `win` (a locked shared window), and
+    return once every local rank has zeroed its own (collective over the node): nobody raises a
+    counter before every counter is zero."""
+    ctypes.memset(address, 0, nbytes)
+    win.Sync()
+    node_comm.Barrier()
+    win.Sync()
+
+
+def wait_for_counters(counters: list, local_rank: int, round_: int, node_comm, what: str, advice: str,
+                      yield_s: float, polled=None) -> None:
+    """Wait until every other local rank's counter (`counters`, in local-rank order) has reached
+    `round_`: the stall report names who is behind, and one that does not arrive within
+    MPIDIST_TIMEOUT is named in a DeadlineError, with `advice`. With `polled` (an all-reduce that
+    goes on through its rounds as it is polled: node_buckets.PolledAllreduce) the wait lasts until
+    polled.progress() is true, and polled.waited_round() names the round it waits for now."""
+    if polled is None:
+        others = [counter for k, counter in enumerate(counters) if k != local_rank]
+
+        def test():
+            return _C.counters_reached(others, round_)
+    else:
+        test = polled.progress
+    if test():
+        return
+
+    def timed_out():
+        waited = round_ if polled is None else polled.waited_round()
+        behind = [k for k, counter in enumerate(counters)
+                  if k != local_rank and not _C.counters_reached([counter], waited)]
+        raise deadline_error(f"local rank {local_rank}", what, f"local ranks {behind} of this node", peers=behind,
+                             advice=advice)
+
+    wait_in_collective(test, node_comm, what, timed_out, yield_s, NAP_SECONDS)
+
+
+class NodeMemory(typing.Protocol):
+    """What the node window's memory does (HostMemory, device_window.DeviceMemory): copies and
+    reductions may be asynchronous until settle() returns."""
+
+    steps_in_extension: bool  # whether the all-reduce runs in the extension's C++ steps
+
+    def allocate(self, nbytes: int) -> list: ...
+    def copy(self, dst: int, src: int, nbytes: int) -> None: ...
+    def reduce_and_publish(self, dst: int, sources, nbytes: int, dtype: str, op: str, scale: float,
+                           publish) -> None: ...
+    def settle(self) -> None: ...
+    def free(self) -> None: ...
+
+
+class HostMemory:
+    """Slots in an MPI-3 shared-memory window of host memory (a NodeMemory)."""
+
     # Whether the all-reduce's steps run in the extension, which copies and reduces with the CPU
     # itself: a memory whose copies differ from the CPU's (a test's deferred ones) says False.
     steps_in_extension = True
@@ -95,11 +169,7 @@ class Flags:
     def __init__(self, node_comm):
         self.memory = HostMemory(node_comm)
         self.counters = self.memory.allocate(COUNTER_BYTES)
-        me = node_comm.Get_rank()
-        ctypes.memset(self.counters[me], 0, COUNTER_BYTES)
-        self.memory.win.Sync()
-        node_comm.Barrier()  # every counter is zero before anyone raises one
-        self.memory.win.Sync()
+        zero_counters(self.memory.win, self.counters[node_comm.Get_rank()], COUNTER_BYTES, node_comm)
 
     def free(self) -> None:
         self.memory.free()
@@ -116,7 +186,7 @@ class NodeWindow:
     of its own (next_one_shot_slots). Collective over `node_comm`: made at the same call on every
     local rank."""
 
-    def __init__(self, node_comm, memory, alternates: bool, result_region: bool = False,
+    def __init__(self, node_comm, memory: NodeMemory, alternates: bool, result_region: bool = False,
                  one_shot_bytes: int = ONE_SHOT_BYTES):
         self.node_comm = node_comm
         self.memory = memory
@@ -213,21 +283,9 @@ class NodeWindow:
     def wait_for_round(self, round_: int) -> None:
         """Wait until every other local rank has reached `round_`; one that does not within
         MPIDIST_TIMEOUT is named in a DeadlineError."""
-        counters = self.flags.counters
-        others = [counter for k, counter in enumerate(counters) if k != self.local_rank]
-        if _C.counters_reached(others, round_):
-            return
-        what = f"round {round_} of the node window"
-
-        def timed_out():
-            behind = [k for k, counter in enumerate(counters)
-                      if k != self.local_rank and not _C.counters_reached([counter], round_)]
-            raise deadline_error(f"local rank {self.local_rank}", what, f"local ranks {behind} of this node",
-                                 peers=behind, advice="They stopped before reaching it (an error, or another "
-                                                      "collective); this communicator can no longer be used safely.")
-
-        wait_in_collective(lambda: _C.counters_reached(others, round_), self.node_comm, what, timed_out,
-                           self.yield_seconds, NAP_SECONDS)
+        wait_for_counters(self.flags.counters, self.local_rank, round_, self.node_comm,
+                          f"round {round_} of the node window", "They stopped before reaching it (an error, or "
+                          "another collective); this communicator can no longer be used safely.", self.yield_seconds)
 
     def free(self) -> None:
         """Give the memory and the flags back (collective over the node)."""
@@ -257,8 +315,8 @@ def copy_in_others(window: NodeWindow, slot: int, info: BufferInfo, slices) -> N
 
 def allreduce_on_node(window: NodeWindow, info: BufferInfo, op: str, scale: float = 1.0) -> None:
     """All-reduce `info` in place among the window's ranks (one node), its result times `scale`."""
-    if getattr(window.memory, "steps_in_extension", False):
-        host_allreduce_on_node(window, info.ptr, info.nbytes, info.count, info.dtype, op, scale)
+    if window.memory.steps_in_extension:
+        host_allreduce_on_node(window, info.ptr, info.nbytes, info.dtype, op, scale)
         return
     me = window.local_rank
     slots = window.next_slots(info.nbytes)
@@ -279,16 +337,16 @@ def allreduce_on_node(window: NodeWindow, info: BufferInfo, op: str, scale: floa
     window.memory.settle()  # the result is in place when this returns
 
 
-def host_allreduce_on_node(window: NodeWindow, address: int, nbytes: int, count: int, dtype: str, op: str,
+def host_allreduce_on_node(window: NodeWindow, address: int, nbytes: int, dtype: str, op: str,
                            scale: float) -> None:
-    """allreduce_on_node in host memory, of `count` elements of `dtype` (`nbytes` in all) at
-    `address` (the small-message fast path calls it so): the steps run in the extension
+    """allreduce_on_node in host memory, of the `nbytes` of `dtype` at `address` (the
+    small-message fast path calls it so): the steps run in the extension
     (csrc/node_steps.h), which returns a step whose round some rank has not reached yet; this
     waits for it, with the deadline, and the extension goes on from that step."""
     one_shot = nbytes <= window.one_shot_bytes
     slots = window.next_one_shot_slots(nbytes) if one_shot else window.next_slots(nbytes)
-    call = (slots, window.flags.counters, window.local_rank, window.rounds, address, count, dtype, op, scale,
-            one_shot)
+    call = (slots, window.flags.counters, window.local_rank, window.rounds, [(address, nbytes)], dtype, op, scale,
+            False, one_shot)
     step = _C.node_allreduce(*call, 0, window.yield_seconds)
     while step >= 0:
         window.wait_for_round(window.rounds + step)
@@ -338,3 +396,26 @@ def allgather_on_node(window: NodeWindow, out: BufferInfo, chunks) -> None:
         if k != me and count:
             window.memory.copy(out.ptr + offset * itemsize, slots[k], count * itemsize)
     window.sync()  # every slot has been read
+
+
+def reduce_into_result_region(window: NodeWindow, info: BufferInfo, op: str, lanes: int) -> None:
+    """The node's half of an all-reduce across nodes: every local rank's whole `info` into its
+    slot; sync; this rank's slice of every slot, reduced in local-rank order, into local rank 0's
+    result region; where a lane's slice spans several ranks' slices (`lanes` below the local size),
+    another sync, so the region is whole before a lane sends it."""
+    slots = window.next_slots(info.nbytes)
+    window.memory.copy(slots[window.local_rank], info.ptr, info.nbytes)
+    window.sync()
+    offset, count = split_counts(info.count, window.local_size)[window.local_rank]
+    if count:
+        start = offset * info.itemsize
+        kernels.reduce_many_ptr(window.result + start, [slot + start for slot in slots], count, info.dtype, op)
+    if lanes < window.local_size:
+        window.sync()
+
+
+def copy_result_out(window: NodeWindow, info: BufferInfo) -> None:
+    """Once every lane has its slice of the result region back from the other nodes (sync): the
+    whole result into `info`."""
+    window.sync()
+    window.memory.copy(info.ptr, window.result, info.nbytes)

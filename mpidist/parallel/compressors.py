@@ -422,8 +422,8 @@ _NODE_GROUPS = weakref.WeakKeyDictionary()
 
 
 def node_groups(comm):
-    """(the ranks of this rank's node, the ranks of the same local rank on every node) as
-    Communicators, where `comm` spans several nodes with the same number (more than one) of its
+    """(the ranks of this rank's node, the ranks of the same local rank on every node: its lane)
+    as Communicators, where `comm` spans several nodes with the same number (more than one) of its
     ranks on each; (None, None) otherwise. Made once per communicator (collective on it, at its
     first int8 bucket: every rank makes its buckets in the same order), kept while it lives."""
     if comm not in _NODE_GROUPS:
@@ -431,9 +431,7 @@ def node_groups(comm):
         if local_sizes == {1} or len(local_sizes) > 1:
             _NODE_GROUPS[comm] = (None, None)
         else:
-            across = comm.mpi.Split(comm.local_rank, comm.rank)
-            _NODE_GROUPS[comm] = (Communicator(comm.node_comm), Communicator(across))
-            across.Free()
+            _NODE_GROUPS[comm] = (Communicator(comm.node_comm), Communicator(comm.node_communicators().lane))
     return _NODE_GROUPS[comm]
 
 
