@@ -143,7 +143,25 @@ def test_a_missing_rank_is_an_error_not_a_hang(monkeypatch, own_comm):
         # Rank 1 never joins this all-reduce: rank 0 gets an error instead of hanging.
         monkeypatch.setenv("MPIDIST_TIMEOUT", "1")
         handle = slots.start(0, [torch.zeros(16)], "sum")
-        with pytest.raises(md.MpidistError, match="did not complete within 1 s"):
+        with pytest.raises(md.DeadlineError, match="did not complete within 1 s") as raised:
             handle.wait()
+        assert "local ranks [1] of this node" in str(raised.value), raised.value
+    comm.mpi.Barrier()
+    slots.free()
+
+
+# A launch of its own, as above. The round the others wait for moves on while they wait: the rank
+# named is the one behind the round they wait for when the deadline comes.
+@pytest.mark.mpi_own_launch
+@pytest.mark.mpi(ranks=[3])
+def test_a_rank_that_stops_after_its_copy_in_is_the_one_named(monkeypatch, own_comm):
+    comm = own_comm
+    slots = NodeSlots(comm.node_comm, [16 * 4])
+    monkeypatch.setenv("MPIDIST_TIMEOUT", "2")
+    handle = slots.start(0, [torch.ones(16)], "sum")  # every rank's copy-in
+    if comm.rank != 2:  # rank 2 never reduces its slice: the others pass the first round, not the second
+        with pytest.raises(md.DeadlineError, match="did not complete within 2 s") as raised:
+            handle.wait()
+        assert "local ranks [2] of this node" in str(raised.value), raised.value
     comm.mpi.Barrier()
     slots.free()
