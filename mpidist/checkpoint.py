@@ -45,8 +45,8 @@ from . import checkpoint_rng
 from .checkpoint_files import atomic_hdf5, read_seal, verified, verify
 from .checkpoint_tree import ITEMS, TENSOR, TUPLE, decode, read_tree, write_tree
 from .comm import is_initialized, world
-from .errors import CheckpointError, MpidistError
-from .runtime.together import agreed_error
+from .errors import CheckpointError
+from .runtime.together import mpi_of, on_every_rank, on_root, share_failure
 
 # torch and h5py are imported in the functions that use them: `mpidist prepare-data` writes
 # its HDF5 file without torch, and each takes a noticeable part of a second to import.
@@ -56,71 +56,12 @@ FORMAT_VERSION = 2  # 2: sealed with a checksum, the optimizer's class stored
 CHECKPOINT_NAME = re.compile(r"^ckpt-(\d+)-(\d+)\.h5$")
 
 
-# ---- rank 0 work ------------------------------------------------------------------------------
-
-def _mpi_comm(comm):
-    """The mpi4py communicator behind an mpidist Communicator, an mpi4py communicator, or None."""
-    return getattr(comm, "mpi", comm)
-
-
 def _rank_of(comm) -> int:
-    mpi = _mpi_comm(comm)
+    """This rank in `comm`; without one, in the world (0 before md.init())."""
+    mpi = mpi_of(comm)
     if mpi is not None:
         return mpi.Get_rank()
     return world().rank if is_initialized() else 0
-
-
-def on_root(comm, work, what: str, error=MpidistError):
-    """Run ``work()`` on rank 0 while the other ranks wait; return its result on rank 0.
-
-    Collective when ``comm`` is given. If ``work`` raises, rank 0 re-raises it and every other
-    rank raises ``error`` naming ``what``, so a failure never leaves ranks waiting forever.
-    Without a communicator ``work()`` simply runs here.
-    """
-    mpi = _mpi_comm(comm)
-    if mpi is None:
-        return work()
-    result = raised = None
-    if mpi.Get_rank() == 0:
-        try:
-            result = work()
-        except BaseException as exc:  # reported to the other ranks, then re-raised here
-            raised = exc
-    agreed = agreed_error(mpi, raised, what, error, message=lambda failures: f"rank 0 failed {what}; see rank 0's error")
-    if raised is not None:
-        raise raised
-    if agreed is not None:
-        raise agreed
-    return result
-
-
-def on_every_rank(error: BaseException) -> BaseException:
-    """Mark ``error`` as one that every rank raises alike (the ranks agreed on it), so that a
-    command reports it once, from rank 0 (cli.main), not once per rank."""
-    error.on_every_rank = True
-    return error
-
-
-def share_failure(comm, failure: Exception | None, what: str, error=MpidistError) -> None:
-    """Collective: every rank passes the exception its part of ``what`` raised, or None. Where
-    any rank failed, every rank raises the same ``error`` (marked ``on_every_rank``): the first
-    failure's message, naming the ranks that failed unless all failed alike. So no rank goes on
-    while others stopped. Without a communicator ``failure`` is raised as it is."""
-    mpi = _mpi_comm(comm)
-    if mpi is None:
-        if failure is not None:
-            raise failure
-        return
-    def first_failure(failures):
-        failed = [rank for rank, entry in enumerate(failures) if entry is not None]
-        first = failures[failed[0]][1]
-        if len(failed) < len(failures) or len({message for _, message in failures}) > 1:
-            return f"{what} failed on rank(s) {failed}: {first}"
-        return first
-
-    agreed = agreed_error(mpi, failure, what, error, message=first_failure)
-    if agreed is not None:
-        raise on_every_rank(agreed) from failure
 
 
 # ---- public API ---------------------------------------------------------------------------------
@@ -149,7 +90,7 @@ def latest_checkpoint(directory, comm=None):
     its error, so all ranks resume from the same file. Only rank 0 checked it: the other ranks'
     paths are plain, and ``load_checkpoint`` checks the file on each of them.
     """
-    if _mpi_comm(comm) is None:
+    if mpi_of(comm) is None:
         return _find_latest(os.fspath(directory))
 
     def look():
@@ -159,7 +100,7 @@ def latest_checkpoint(directory, comm=None):
             return None, str(exc)
 
     mine = on_root(comm, look, f"looking for checkpoints in {directory}", CheckpointError)
-    found, problem = _mpi_comm(comm).bcast(mine, root=0)
+    found, problem = mpi_of(comm).bcast(mine, root=0)
     if problem is not None:
         raise on_every_rank(CheckpointError(problem))
     # bcast answers rank 0 with a copy too, in which the record of the check became the plain path
@@ -208,7 +149,7 @@ def save_checkpoint(path, model, optimizer=None, step: int = 0, epoch: int = 0, 
     rank raises. ``sampler`` is a sampler or its state dict: with DataLoader workers pass
     ``sampler.state_dict(consumed=batches_done * batch_size)``.
     """
-    mpi = _mpi_comm(comm)
+    mpi = mpi_of(comm)
     rng = checkpoint_rng.gather(mpi)
 
     def write():

@@ -15,9 +15,10 @@ import os
 
 import numpy as np
 
-from .checkpoint import atomic_hdf5, on_root
+from .checkpoint import atomic_hdf5
 from .errors import InvalidArgumentError, MpidistError
 from .runtime import config
+from .runtime.together import on_root
 
 # torch, h5py and scikit-learn are imported in the functions that use them: `mpidist prepare-data`
 # runs without torch, scikit-learn is needed only to make the file once, and each takes a

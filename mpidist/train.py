@@ -56,13 +56,12 @@ from .checkpoint import (
     checkpoint_path,
     latest_checkpoint,
     load_checkpoint,
-    on_every_rank,
     save_checkpoint,
-    share_failure,
 )
 from .data import DataFileError, HDF5Dataset, ShardedSampler, ensure_digits
 from .errors import InvalidArgumentError, MpidistError
 from .parallel.compressors import parse_compression
+from .runtime.together import on_every_rank, share_failure
 from .stopping import GracefulStop
 from .train_pipeline import PipelineMode, common_checkpoint
 from .train_ps import WorkerMode, say_what_survives, serve_and_checkpoint

@@ -14,8 +14,8 @@ from .checkpoint import (
     checkpoint_path,
     latest_checkpoint,
     save_checkpoint,
-    share_failure,
 )
+from .runtime.together import share_failure
 from .training import Mode, stopped_line
 
 

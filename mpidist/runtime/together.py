@@ -1,7 +1,8 @@
 """Failing together: where some ranks met an error, every rank raises the same one, naming the
 ranks that failed and why, instead of the others going on or waiting for them. raise_together
 (or agreed_error, for a caller that raises the agreed error its own way) is the package's one way
-to do this.
+to do this; on_root (work that rank 0 does while the others wait) and share_failure (every rank's
+part of one task) are built on it, for mpidist's Communicators as well as mpi4py's.
 
 It is collective over an mpi4py communicator given by the caller (this module never loads MPI).
 Each rank passes the exception it met, or None. The ranks exchange one length each (the whole
@@ -72,3 +73,61 @@ def raise_together(mpi, problem: BaseException | None, what: str, error: type | 
     agreed = agreed_error(mpi, problem, what, error, message)
     if agreed is not None:
         raise agreed from problem
+
+
+def mpi_of(comm):
+    """The mpi4py communicator behind an mpidist Communicator, an mpi4py communicator, or None."""
+    return getattr(comm, "mpi", comm)
+
+
+def on_root(comm, work, what: str, error=errors.MpidistError):
+    """Run ``work()`` on rank 0 while the other ranks wait; return its result on rank 0.
+
+    Collective when ``comm`` is given. If ``work`` raises, rank 0 re-raises it and every other
+    rank raises ``error`` naming ``what``, so a failure never leaves ranks waiting forever.
+    Without a communicator ``work()`` simply runs here.
+    """
+    mpi = mpi_of(comm)
+    if mpi is None:
+        return work()
+    result = raised = None
+    if mpi.Get_rank() == 0:
+        try:
+            result = work()
+        except BaseException as exc:  # reported to the other ranks, then re-raised here
+            raised = exc
+    agreed = agreed_error(mpi, raised, what, error, message=lambda failures: f"rank 0 failed {what}; see rank 0's error")
+    if raised is not None:
+        raise raised
+    if agreed is not None:
+        raise agreed
+    return result
+
+
+def on_every_rank(error: BaseException) -> BaseException:
+    """Mark ``error`` as one that every rank raises alike (the ranks agreed on it), so that a
+    command reports it once, from rank 0 (cli.main), not once per rank."""
+    error.on_every_rank = True
+    return error
+
+
+def share_failure(comm, failure: Exception | None, what: str, error=errors.MpidistError) -> None:
+    """Collective: every rank passes the exception its part of ``what`` raised, or None. Where
+    any rank failed, every rank raises the same ``error`` (marked ``on_every_rank``): the first
+    failure's message, naming the ranks that failed unless all failed alike. So no rank goes on
+    while others stopped. Without a communicator ``failure`` is raised as it is."""
+    mpi = mpi_of(comm)
+    if mpi is None:
+        if failure is not None:
+            raise failure
+        return
+    def first_failure(failures):
+        failed = [rank for rank, entry in enumerate(failures) if entry is not None]
+        first = failures[failed[0]][1]
+        if len(failed) < len(failures) or len({message for _, message in failures}) > 1:
+            return f"{what} failed on rank(s) {failed}: {first}"
+        return first
+
+    agreed = agreed_error(mpi, failure, what, error, message=first_failure)
+    if agreed is not None:
+        raise on_every_rank(agreed) from failure
