@@ -212,6 +212,7 @@ class PolledAllreduce:
         self.round = 2 * (call - 1)
         self.call = (slots.slots[index], slots.counters[index], slots.local_rank, self.round, segments, dtype, op,
                      scale, slots.results_in_slots, False)
+        self.others = [counter for k, counter in enumerate(slots.counters[index]) if k != slots.local_rank]
         self.step = _C.node_allreduce(*self.call, 0, 0.0, 1)  # the copy-in, then round 2c-1 published
 
     def done(self) -> bool:
@@ -221,6 +222,10 @@ class PolledAllreduce:
         """Do every step the other ranks' counters allow; True once the result is in place."""
         if self.finished is not None:  # done already: the hooks keep asking
             return True
+        # Every gradient hook asks: the counters first, so that a step no rank allows yet costs
+        # no handing over of the bucket's segments.
+        if not _C.counters_reached(self.others, self.waited_round()):
+            return False
         self.step = _C.node_allreduce(*self.call, self.step, 0.0)
         if self.step < 0:
             self.finished = time.perf_counter()
