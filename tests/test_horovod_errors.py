@@ -7,6 +7,7 @@ them can pass by waiting it out (except the one that checks the deadline itself)
 import gc
 import itertools
 import re
+import time
 import warnings
 
 import numpy as np
@@ -16,6 +17,7 @@ from mpi4py import MPI
 
 import mpidist as md
 import mpidist.torch as hvd
+from mpidist.torch import arguments
 
 # The multi-rank tests of one world size run in one launch (mpi_shared_launch.py), in file order.
 pytestmark = pytest.mark.mpi_shared_launch
@@ -398,13 +400,24 @@ def test_a_grouped_allreduce_one_rank_refuses_is_refused_on_every_rank(mpi_world
 
 
 @pytest.mark.mpi(ranks=[2, 3])
-def test_a_grouped_allgather_or_reducescatter_one_rank_refuses_is_refused_on_every_rank(mpi_world, monkeypatch):
+@pytest.mark.parametrize("refusals_apart", [False, True], ids=["refusals_together", "refusals_apart"])
+def test_a_grouped_allgather_or_reducescatter_one_rank_refuses_is_refused_on_every_rank(mpi_world, monkeypatch,
+                                                                                         refusals_apart):
     """Their asynchronous forms negotiate a member per tensor: rank 1's non-tensor is refused
     under each member's name, so no rank waits for it (the low MPIDIST_TIMEOUT's DeadlineError
-    would fail prompt()). Then the same group and an unnamed all-reduce still meet."""
+    would fail prompt()). Then the same group and an unnamed all-reduce still meet. With
+    `refusals_apart` rank 1's refusals reach the others in cycles apart: a group's error comes once
+    every member has ended, so the same name used again meets only the new call's members."""
     monkeypatch.setenv("MPIDIST_TIMEOUT", "30")
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
+    if refusals_apart and rank == 1:
+        share_refusal = arguments.share_refusal
+
+        def one_cycle_apart(*args, **kwargs):
+            share_refusal(*args, **kwargs)
+            time.sleep(0.1)  # a hundred cycles
+        monkeypatch.setattr(arguments, "share_refusal", one_cycle_apart)
     group = [torch.ones(size, 2), torch.ones(size, dtype=torch.float64)]
     calls = {"grouped_allgather_async": lambda tensors, name: hvd.grouped_allgather_async(tensors, name=name),
              "grouped_reducescatter_async": lambda tensors, name: hvd.grouped_reducescatter_async(

@@ -41,7 +41,17 @@ class GroupHandle:
         return all(handle.done() for handle in self.handles)
 
     def wait(self):
-        return [handle.wait() for handle in self.handles]
+        """Every member's result; or, once every member has ended, the first member's error: no
+        member is left in flight under the group's name when the caller may use it again."""
+        results, error = [], None
+        for handle in self.handles:
+            try:
+                results.append(handle.wait())
+            except Exception as member_error:  # each member must end before the group raises
+                error = error or member_error
+        if error is not None:
+            raise error
+        return results
 
     @property
     def finished(self):

@@ -49,7 +49,7 @@ _REFUSED_GROUP = ["refused", "whole group"]  # ... of an all-reduce group's memb
 _JOINABLE_OPS = ("sum", "avg")  # zeros change no sum, and an average still divides by every rank
 _FUSABLE_OPS = ("sum", "avg", "min", "max", "prod")  # elementwise: one all-reduce of a concatenation is each's
 # While no rank has anything to negotiate, the pause between cycles doubles up to this, leaving
-# the cores to the program (whose gradients go through the buckets); a submit ends it at once.
+# the cores to the program (whose gradients go through the buckets); a submit here ends it.
 IDLE_PAUSE_LIMIT_S = 0.05
 _negotiators = {}  # Communicator -> Negotiator
 _creation = threading.Lock()
@@ -153,8 +153,7 @@ class Negotiator:
         self._all_joined = threading.Event()
         self._leaving = False
         self._failure = None  # the error that ended the thread
-        self._wake = threading.Event()  # set by submit, join and stop: the thread's pause ends
-        self._idle = False  # the last cycle had nothing to negotiate on any rank
+        self._wake, self._idle = threading.Event(), False  # an idle pause's end; nothing on any rank
         # Read in the caller's thread at every submit (a malformed value is the caller's error): rank
         # 0's, sent in each cycle's message, is every rank's (as Horovod's coordinator decides).
         self._cycle_seconds = config.value("HOROVOD_CYCLE_TIME") / 1000
@@ -230,11 +229,12 @@ class Negotiator:
     # ---- the thread -----------------------------------------------------------------------
 
     def _serve(self):
-        pause = self._cycle_seconds
+        pause = 0.0
         try:
             while self._cycle():
-                pause = min(2 * pause, IDLE_PAUSE_LIMIT_S) if self._idle else self._cycle_seconds
-                self._wake.wait(pause)
+                pause = min(max(2 * pause, self._cycle_seconds), IDLE_PAUSE_LIMIT_S) if self._idle else 0.0
+                self._wake.wait(pause)  # a submit here ends it
+                time.sleep(self._cycle_seconds)  # then, as between busy cycles: one call's submits, one cycle
                 self._wake.clear()  # before the next cycle reads the outbox: no submit is missed
         except BaseException as error:  # handed to every operation waiting here
             with self._lock:
