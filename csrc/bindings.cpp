@@ -26,6 +26,38 @@ void* address(std::uintptr_t ptr, std::size_t bytes, const char* what) {
     return reinterpret_cast<void*>(ptr);
 }
 
+// The checked arguments of one node all-reduce (node_steps.h's Allreduce).
+mpidist::node::Allreduce node_call(const std::vector<std::uintptr_t>& slots, const std::vector<std::uintptr_t>& counters,
+                                   int local_rank, std::uint64_t round, const std::vector<mpidist::node::Segment>& segments,
+                                   DType dtype, const std::string& op, double scale, bool results_in_slots,
+                                   bool one_shot, int step, int until) {
+    if (slots.size() != counters.size() || slots.empty())
+        throw std::invalid_argument("node_allreduce: one slot and one counter per local rank, got " +
+                                    std::to_string(slots.size()) + " slots and " + std::to_string(counters.size()) +
+                                    " counters");
+    if (local_rank < 0 || static_cast<std::size_t>(local_rank) >= slots.size())
+        throw std::invalid_argument("node_allreduce: local rank " + std::to_string(local_rank) + " of " +
+                                    std::to_string(slots.size()));
+    if (step < 0 || step > mpidist::node::allreduce_round_count(one_shot))
+        throw std::invalid_argument("node_allreduce: no step " + std::to_string(step));
+    if (until != -1 && (until <= step || until > mpidist::node::allreduce_round_count(one_shot)))
+        throw std::invalid_argument("node_allreduce: cannot stop before step " + std::to_string(until) +
+                                    " when starting at step " + std::to_string(step));
+    mpidist::check_scalable(dtype, scale);
+    const std::size_t item = mpidist::itemsize(dtype);
+    std::size_t bytes = 0;
+    for (const auto& segment : segments) {
+        if (segment.nbytes % item)
+            throw std::invalid_argument("node_allreduce: a segment of " + std::to_string(segment.nbytes) +
+                                        " bytes is not whole elements");
+        address(segment.address, segment.nbytes, "an all-reduce segment");
+        bytes += segment.nbytes;
+    }
+    for (auto p : slots) address(p, bytes, "a node window slot");
+    return {slots, counters, local_rank, round, segments, bytes / item, dtype, mpidist::parse_op(op), scale,
+            results_in_slots, one_shot};
+}
+
 std::vector<const void*> const_addresses(const std::vector<std::uintptr_t>& ptrs, std::size_t bytes, const char* what) {
     std::vector<const void*> out;
     out.reserve(ptrs.size());
@@ -293,52 +325,44 @@ PYBIND11_MODULE(_C, m) {
           "Publish a progress counter in shared memory (after a full fence).");
     m.def("counters_reached", &mpidist::counters_reached, py::arg("addresses"), py::arg("value"),
           "Whether every progress counter at these addresses has reached value.");
+    // Two faces of the one node all-reduce (csrc/node_steps.h): a buffer (the node window's
+    // calls, small messages among them, which a list of segments would slow down) and the
+    // gradient buckets' segments laid end to end.
     m.def("node_allreduce",
           [](const std::vector<std::uintptr_t>& slots, const std::vector<std::uintptr_t>& counters, int local_rank,
-             std::uint64_t round, const std::vector<std::pair<std::uintptr_t, std::size_t>>& segments,
-             const std::string& dtype, const std::string& op, double scale, bool results_in_slots, bool one_shot,
-             int step, double patience, int until) {
-              if (slots.size() != counters.size() || slots.empty())
-                  throw std::invalid_argument("node_allreduce: one slot and one counter per local rank, got " +
-                                              std::to_string(slots.size()) + " slots and " +
-                                              std::to_string(counters.size()) + " counters");
-              if (local_rank < 0 || static_cast<std::size_t>(local_rank) >= slots.size())
-                  throw std::invalid_argument("node_allreduce: local rank " + std::to_string(local_rank) +
-                                              " of " + std::to_string(slots.size()));
-              if (step < 0 || step > mpidist::node::allreduce_round_count(one_shot))
-                  throw std::invalid_argument("node_allreduce: no step " + std::to_string(step));
-              if (until != -1 && (until <= step || until > mpidist::node::allreduce_round_count(one_shot)))
-                  throw std::invalid_argument("node_allreduce: cannot stop before step " + std::to_string(until) +
-                                              " when starting at step " + std::to_string(step));
-              if (one_shot && results_in_slots)
-                  throw std::invalid_argument("node_allreduce: the one-shot leaves its result in the buffer, "
-                                              "not in the slots");
+             std::uint64_t round, std::uintptr_t buffer, std::size_t count, const std::string& dtype,
+             const std::string& op, double scale, bool one_shot, int step, double patience, int until) {
               const DType t = mpidist::parse_dtype(dtype);
-              mpidist::check_scalable(t, scale);
-              const std::size_t item = mpidist::itemsize(t);
+              const std::vector<mpidist::node::Segment> segments{{buffer, count * mpidist::itemsize(t)}};
+              const auto call = node_call(slots, counters, local_rank, round, segments, t, op, scale, false, one_shot,
+                                          step, until);
+              py::gil_scoped_release unlocked;
+              return mpidist::node::host_allreduce(call, step, patience, until);
+          },
+          py::arg("slots"), py::arg("counters"), py::arg("local_rank"), py::arg("round"), py::arg("buffer"),
+          py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("scale"), py::arg("one_shot"),
+          py::arg("step"), py::arg("patience"), py::arg("until") = -1,
+          "The all-reduce on one node through the node window in host memory (csrc/node_steps.h), from "
+          "`step` on: -1 once the result is in place, else the step whose round a local rank has not "
+          "reached within `patience` seconds (wait for round + step, then call again from it), or "
+          "`until` when given (>= 0), before which it stops.");
+    m.def("node_bucket_allreduce",
+          [](const std::vector<std::uintptr_t>& slots, const std::vector<std::uintptr_t>& counters, int local_rank,
+             std::uint64_t round, const std::vector<std::pair<std::uintptr_t, std::size_t>>& segments,
+             const std::string& dtype, const std::string& op, double scale, bool results_in_slots, int step,
+             double patience, int until) {
               std::vector<mpidist::node::Segment> buffer;
-              std::size_t bytes = 0;
-              for (const auto& [pointer, nbytes] : segments) {
-                  if (nbytes % item)
-                      throw std::invalid_argument("node_allreduce: a segment of " + std::to_string(nbytes) +
-                                                  " bytes is not whole elements of " + dtype);
-                  address(pointer, nbytes, "an all-reduce segment");
-                  buffer.push_back({pointer, nbytes});
-                  bytes += nbytes;
-              }
-              for (auto p : slots) address(p, bytes, "a node window slot");
-              const mpidist::node::Allreduce call{slots, counters, local_rank, round, buffer, bytes / item,
-                                                  t, mpidist::parse_op(op), scale, results_in_slots, one_shot};
+              for (const auto& [pointer, nbytes] : segments) buffer.push_back({pointer, nbytes});
+              const auto call = node_call(slots, counters, local_rank, round, buffer, mpidist::parse_dtype(dtype), op,
+                                          scale, results_in_slots, false, step, until);
               py::gil_scoped_release unlocked;
               return mpidist::node::host_allreduce(call, step, patience, until);
           },
           py::arg("slots"), py::arg("counters"), py::arg("local_rank"), py::arg("round"), py::arg("segments"),
-          py::arg("dtype"), py::arg("op"), py::arg("scale"), py::arg("results_in_slots"), py::arg("one_shot"),
-          py::arg("step"), py::arg("patience"), py::arg("until") = -1,
-          "The all-reduce on one node through the node window in host memory (csrc/node_steps.h) of the "
-          "(address, bytes) segments laid end to end, from `step` on: -1 once the result is in place, else "
-          "the step whose round a local rank has not reached within `patience` seconds (wait for round + "
-          "step, then call again from it), or `until` when given (>= 0), before which it stops.");
+          py::arg("dtype"), py::arg("op"), py::arg("scale"), py::arg("results_in_slots"), py::arg("step"),
+          py::arg("patience"), py::arg("until") = -1,
+          "node_allreduce's sliced steps over the (address, bytes) segments laid end to end (a gradient "
+          "bucket); with results_in_slots every slot ends with the whole result and the segments are only read.");
     m.def("node_allreduce_rounds", &mpidist::node::allreduce_round_count, py::arg("one_shot"),
           "The node window rounds one node_allreduce call takes.");
     m.def("cpu_isa", &mpidist::cpu::isa, "Instruction set the CPU loops run: the widest this CPU has, or set_cpu_isa's.");

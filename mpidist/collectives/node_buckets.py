@@ -211,9 +211,9 @@ class PolledAllreduce:
         # Call c takes the window's rounds 2c-1 and 2c on the bucket's counters.
         self.round = 2 * (call - 1)
         self.call = (slots.slots[index], slots.counters[index], slots.local_rank, self.round, segments, dtype, op,
-                     scale, slots.results_in_slots, False)
+                     scale, slots.results_in_slots)
         self.others = [counter for k, counter in enumerate(slots.counters[index]) if k != slots.local_rank]
-        self.step = _C.node_allreduce(*self.call, 0, 0.0, 1)  # the copy-in, then round 2c-1 published
+        self.step = _C.node_bucket_allreduce(*self.call, 0, 0.0, 1)  # the copy-in, then round 2c-1 published
 
     def done(self) -> bool:
         return self.finished is not None
@@ -226,7 +226,7 @@ class PolledAllreduce:
         # no handing over of the bucket's segments.
         if not _C.counters_reached(self.others, self.waited_round()):
             return False
-        self.step = _C.node_allreduce(*self.call, self.step, 0.0)
+        self.step = _C.node_bucket_allreduce(*self.call, self.step, 0.0)
         if self.step < 0:
             self.finished = time.perf_counter()
         return self.finished is not None

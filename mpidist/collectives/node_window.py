@@ -48,7 +48,7 @@ import os
 import typing
 
 from .. import _C, kernels
-from ..buffers import BufferInfo
+from ..buffers import ITEMSIZE, BufferInfo
 from ..runtime.deadlines import deadline_error, wait_in_collective
 from ..runtime.mpi import load_mpi
 from .common import reduce_and_publish, result_slot, split_counts
@@ -345,8 +345,8 @@ def host_allreduce_on_node(window: NodeWindow, address: int, nbytes: int, dtype:
     waits for it, with the deadline, and the extension goes on from that step."""
     one_shot = nbytes <= window.one_shot_bytes
     slots = window.next_one_shot_slots(nbytes) if one_shot else window.next_slots(nbytes)
-    call = (slots, window.flags.counters, window.local_rank, window.rounds, [(address, nbytes)], dtype, op, scale,
-            False, one_shot)
+    call = (slots, window.flags.counters, window.local_rank, window.rounds, address, nbytes // ITEMSIZE[dtype], dtype,
+            op, scale, one_shot)
     step = _C.node_allreduce(*call, 0, window.yield_seconds)
     while step >= 0:
         window.wait_for_round(window.rounds + step)
