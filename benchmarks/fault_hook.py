@@ -111,7 +111,7 @@ class PhaseLog:
         """SIGKILL at the drawn point of this write: before one of its datasets, or at the rename."""
         import h5py
 
-        import mpidist.checkpoint_files as files
+        import mpidist.checkpoint.files as files
         point = SPEC["write_point"]
         created = [0]
         create_dataset = h5py.Group.create_dataset
@@ -150,7 +150,7 @@ def loss_rules(percent: int) -> str:
 
 
 class _OsWithReplace:
-    """The os module as checkpoint_files sees it, with os.replace taken over."""
+    """The os module as mpidist.checkpoint.files sees it, with os.replace taken over."""
 
     def __init__(self, replace):
         self.replace = replace

@@ -16,8 +16,8 @@ from test_data import digits_path, shared_tmp  # noqa: F401  (fixtures)
 from torch import nn
 from torch.utils.data import DataLoader
 
-from mpidist import checkpoint_tree
 from mpidist.checkpoint import CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
+from mpidist.checkpoint import tree as checkpoint_tree
 from mpidist.data import HDF5Dataset, ShardedSampler
 
 pytestmark = pytest.mark.mpi_shared_launch
@@ -211,7 +211,8 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 def test_a_crash_mid_write_leaves_the_previous_checkpoint(tmp_path):
     code = f"""
 import os, torch
-from mpidist import checkpoint, checkpoint_tree
+from mpidist import checkpoint
+from mpidist.checkpoint import tree as checkpoint_tree
 model = torch.nn.Linear(256, 256)
 checkpoint.save_checkpoint({str(tmp_path)!r} + "/ckpt-0000-00000001.h5", model, step=1)
 original = checkpoint_tree.write_tensor

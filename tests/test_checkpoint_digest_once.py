@@ -1,5 +1,5 @@
 """Resuming reads a checkpoint's bytes for its SHA-256 once: latest_checkpoint checks the newest
-file and returns its path as a record of that check (checkpoint_files.Verified), and
+file and returns its path as a record of that check (mpidist.checkpoint.files.Verified), and
 load_checkpoint of that record loads it without hashing it again, while a file changed since the
 check (written in place, replaced) is hashed again and refused when damaged. A plain path, or a
 record that crossed to another process, is always hashed."""
@@ -12,8 +12,8 @@ import torch
 from test_data import shared_tmp  # noqa: F401  (fixture)
 from torch import nn
 
-from mpidist import checkpoint_files
 from mpidist.checkpoint import CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
+from mpidist.checkpoint import files as checkpoint_files
 from mpidist.train_pipeline import common_checkpoint
 
 pytestmark = pytest.mark.mpi_shared_launch

@@ -21,7 +21,7 @@ from test_data import digits_path, shared_tmp  # noqa: F401  (fixtures)
 from torch import nn
 
 from mpidist.checkpoint import CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
-from mpidist.checkpoint_files import SEAL_BYTES, seal
+from mpidist.checkpoint.files import SEAL_BYTES, seal
 from mpidist.collectives.node_window import ONE_SHOT_BYTES
 from mpidist.collectives.select import load_tuning_table, read_tuning_file
 from mpidist.data import HDF5Dataset

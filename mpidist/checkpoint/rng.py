@@ -9,7 +9,7 @@ import random
 
 import numpy as np
 
-from .runtime.deadlines import wait_for_collective
+from ..runtime.deadlines import wait_for_collective
 
 
 def snapshot_of_this_rank() -> dict:

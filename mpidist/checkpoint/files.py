@@ -25,7 +25,7 @@ import re
 import socket
 import time
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 TEMPORARY = re.compile(r"^(?P<target>.+)\.tmp-(?P<host>.+)-(?P<pid>\d+)$")
 SEAL_BYTES = 512  # HDF5's smallest user block

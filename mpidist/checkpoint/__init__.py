@@ -10,7 +10,7 @@ A checkpoint file holds (``h5ls -r`` shows it all)::
                       group torch_cuda/<device> (when CUDA was in use),
                       attrs numpy (JSON of NumPy's global MT19937 state), python (JSON of random)
 
-The file is sealed (checkpoint_files.py): its first 512 bytes, which HDF5 skips, hold the size
+The file is sealed (files.py): its first 512 bytes, which HDF5 skips, hold the size
 and SHA-256 of the rest, and loading checks them before HDF5 reads the file. A truncated or
 altered file, a file that is not a checkpoint, the state of another model or optimizer (the
 optimizer's class is stored too), tensors of absurd shapes or non-numeric types, step or epoch
@@ -18,15 +18,19 @@ counters that are not integers of at least 0 and RNG states of the wrong size ar
 before anything is loaded, with a CheckpointError naming the file and the problem.
 
 Tensors are datasets, bit for bit, and everything that is not a tensor (optimizer
-hyperparameters, the sampler position, ``extra``) is JSON (checkpoint_tree.py): loading a
+hyperparameters, the sampler position, ``extra``) is JSON (tree.py): loading a
 checkpoint never runs pickle, so a checkpoint from elsewhere cannot execute code.
 
 With a communicator, ``save_checkpoint`` is collective: rank 0 writes the model, optimizer and
 sampler (identical on every data-parallel rank) and every rank's RNG state, which it gathers,
 so each rank resumes its own dropout stream. Modes where ranks hold different models
 (pipeline stages, parameter servers) save one file per rank with ``comm=None``.
-BackgroundCheckpoints writes them from a thread of its own, from copies taken when asked. Files
-appear atomically (checkpoint_files.py); the ranks' RNG states are checkpoint_rng.py's.
+BackgroundCheckpoints writes them from a thread of its own, from copies taken when asked.
+
+The package: this module holds what users call (save_checkpoint, load_checkpoint,
+latest_checkpoint, checkpoint_path, BackgroundCheckpoints); files.py makes files appear
+atomically and sealed, tree.py turns a state into datasets and JSON, rng.py gathers and restores
+the ranks' random number generators.
 """
 from __future__ import annotations
 
@@ -41,12 +45,12 @@ from collections import OrderedDict
 
 import numpy as np
 
-from . import checkpoint_rng
-from .checkpoint_files import atomic_hdf5, read_seal, verified, verify
-from .checkpoint_tree import ITEMS, TENSOR, TUPLE, decode, read_tree, write_tree
-from .comm import is_initialized, world
-from .errors import CheckpointError
-from .runtime.together import mpi_of, on_every_rank, on_root, share_failure
+from ..comm import is_initialized, world
+from ..errors import CheckpointError
+from ..runtime.together import mpi_of, on_every_rank, on_root, share_failure
+from . import rng
+from .files import atomic_hdf5, read_seal, verified, verify
+from .tree import ITEMS, TENSOR, TUPLE, decode, read_tree, write_tree
 
 # torch and h5py are imported in the functions that use them: `mpidist prepare-data` writes
 # its HDF5 file without torch, and each takes a noticeable part of a second to import.
@@ -83,7 +87,7 @@ def latest_checkpoint(directory, comm=None):
     and none is intact, a CheckpointError says so, naming the newest and its problem: a caller
     that took None for "start from scratch" would write its fresh run's checkpoints over them.
 
-    The path is a str that also records the check (checkpoint_files.Verified): ``load_checkpoint``
+    The path is a str that also records the check (files.Verified): ``load_checkpoint``
     of it in this process does not read the file's bytes again while the file is unchanged.
 
     With ``comm`` (every rank must call) rank 0 looks and every rank gets its answer, or raises
@@ -150,7 +154,7 @@ def save_checkpoint(path, model, optimizer=None, step: int = 0, epoch: int = 0, 
     ``sampler.state_dict(consumed=batches_done * batch_size)``.
     """
     mpi = mpi_of(comm)
-    rng = checkpoint_rng.gather(mpi)
+    rng_states = rng.gather(mpi)
 
     def write():
         import torch
@@ -163,7 +167,7 @@ def save_checkpoint(path, model, optimizer=None, step: int = 0, epoch: int = 0, 
             f.attrs["format_version"] = FORMAT_VERSION
             f.attrs["step"] = int(step)
             f.attrs["epoch"] = int(epoch)
-            f.attrs["ranks"] = len(rng)
+            f.attrs["ranks"] = len(rng_states)
             f.attrs["torch_version"] = str(torch.__version__)
             f.attrs["created_unix"] = time.time()
             for key, text in header.items():
@@ -179,8 +183,8 @@ def save_checkpoint(path, model, optimizer=None, step: int = 0, epoch: int = 0, 
                 group = f.create_group("optimizer")
                 write_tree(group, optimizer.state_dict())
                 group.attrs["class"] = _optimizer_class(optimizer).__name__
-            for rank, snapshot in enumerate(rng):
-                checkpoint_rng.write(f.create_group(f"rng/{rank}"), snapshot)
+            for rank, snapshot in enumerate(rng_states):
+                rng.write(f.create_group(f"rng/{rank}"), snapshot)
         return path
 
     on_root(comm, write, f"writing checkpoint {path}", CheckpointError)
@@ -272,19 +276,19 @@ def _load(path, model, optimizer, sampler, restore_rng, comm) -> dict:
             if "sampler" not in f.attrs:
                 raise CheckpointError(f"{path} holds no sampler state")
             parts.append(("sampler", sampler, json.loads(f.attrs["sampler"])))
-        rng = None
+        saved_rng = None
         if restore_rng and "rng" in f:
             rank = str(_rank_of(comm))
             rank = rank if rank in f["rng"] else "0"
             try:
-                rng = checkpoint_rng.read(f["rng"][rank])
+                saved_rng = rng.read(f["rng"][rank])
             except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as exc:
                 raise CheckpointError(f"{path}: the RNG states saved for rank {rank} do not fit the generators "
                                       f"({type(exc).__name__}: {exc})") from exc
     for part, target, state in parts:
         _load_part(path, part, target, state)
-    if rng is not None:
-        checkpoint_rng.restore(rng)
+    if saved_rng is not None:
+        rng.restore(saved_rng)
     return result
 
 

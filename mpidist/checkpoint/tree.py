@@ -15,7 +15,7 @@ import json
 
 import numpy as np
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 TENSOR, TUPLE, ITEMS = "__tensor__", "__tuple__", "__items__"
 
