@@ -5,9 +5,7 @@ Every Communicator duplicates the communicator it wraps, so mpidist's messages n
 user's own sends and receives on the same communicator.
 
 This module sits above the collectives (mpidist/collectives/): a Communicator is the Channel
-(channel.py) they run on, and its collective methods call them by name. It imports them with
-the first Communicator rather than at the top, since importing them starts MPI and
-`import mpidist` must not.
+(channel.py) they run on, and its collective methods call them by name.
 """
 from __future__ import annotations
 
@@ -17,7 +15,7 @@ import warnings
 
 import numpy as np
 
-from . import buffers, launch
+from . import buffers, collectives, launch
 from .channel import Channel, NodeGroups, split_node_groups
 from .errors import InvalidArgumentError, NotInitializedError
 from .runtime import config, leave, stall, tracing
@@ -25,10 +23,6 @@ from .runtime.abort import install_abort_on_exception
 from .runtime.cuda_aware import mpi_library_cuda_aware
 from .runtime.mpi import fault_tolerant, load_mpi
 from .runtime.together import raise_together
-
-# mpidist.collectives, imported by the first Communicator (Communicator.__init__): importing the
-# collectives starts MPI, as making a Communicator does anyway.
-collectives = None
 
 
 class Communicator(Channel):
@@ -39,9 +33,7 @@ class Communicator(Channel):
     """
 
     def __init__(self, mpi_comm=None):
-        global collectives
         MPI = load_mpi()
-        from . import collectives
         super().__init__()
         base = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         if base == MPI.COMM_NULL:

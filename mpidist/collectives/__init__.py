@@ -5,18 +5,13 @@ engine.py the asynchronous engine and its handles; fastpath.py small all-reduces
 staging.py GPU buffers through host memory; registry.py the algorithms by name; select.py
 algorithm="auto"'s choice; cost_model.py the algorithms' predicted times, which it uses where
 nothing was measured. Every call takes the channel it runs on (channel.py) first. This
-package's namespace is what a Communicator's collective methods call (comm.py, above it);
-importing it initializes MPI.
+package's namespace is what a Communicator's collective methods call (comm.py, above it).
+Importing it does not start MPI: its modules read MPI's names through runtime/mpi.py's MPI,
+which starts MPI (or says clearly that mpi4py or the MPI library is missing) at the first use.
 """
-from ..runtime.mpi import load_mpi
-
-# A clear error when mpi4py or the MPI library is missing, before the modules below import
-# mpi4py's MPI module.
-load_mpi()
-
-from .adasum import adasum_allreduce  # noqa: E402,F401
-from .alltoall import alltoall  # noqa: E402,F401
-from .api import (  # noqa: E402,F401
+from .adasum import adasum_allreduce  # noqa: F401
+from .alltoall import alltoall  # noqa: F401
+from .api import (  # noqa: F401
     allgather,
     allgather_async,
     allreduce,
@@ -27,9 +22,9 @@ from .api import (  # noqa: E402,F401
     reduce_scatter,
     reduce_scatter_async,
 )
-from .callcheck import OPS  # noqa: E402,F401
-from .engine import AsyncEngine, Handle, in_order  # noqa: E402,F401
-from .fastpath import small_cpu_allreduce  # noqa: E402,F401
-from .node_buckets import forget_released_windows, free_released_windows  # noqa: E402,F401
-from .registry import ALGORITHMS, ALLREDUCE  # noqa: E402,F401
-from .select import auto_choice  # noqa: E402,F401
+from .callcheck import OPS  # noqa: F401
+from .engine import AsyncEngine, Handle, in_order  # noqa: F401
+from .fastpath import small_cpu_allreduce  # noqa: F401
+from .node_buckets import forget_released_windows, free_released_windows  # noqa: F401
+from .registry import ALGORITHMS, ALLREDUCE  # noqa: F401
+from .select import auto_choice  # noqa: F401

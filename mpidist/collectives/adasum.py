@@ -31,11 +31,11 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-from mpi4py import MPI
 
 from .. import buffers
 from ..errors import InvalidArgumentError, UnsupportedDtypeError
 from ..runtime.deadlines import wait_for_request
+from ..runtime.mpi import MPI
 from .callcheck import check_same_call, checked_in_order, signature
 from .common import TAGS, started
 from .staging import staged

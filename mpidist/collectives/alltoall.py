@@ -12,11 +12,11 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
-from mpi4py import MPI
 
 from .. import buffers
 from ..buffers import BufferInfo
 from ..errors import InvalidArgumentError, MismatchError
+from ..runtime.mpi import MPI
 from ..runtime.wire import DTYPES, code_of
 from .callcheck import check_same_call, checked_in_order, signature
 from .staging import staged

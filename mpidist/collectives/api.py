@@ -11,12 +11,12 @@ span in torch.profiler's trace and on the timeline while either records (runtime
 from __future__ import annotations
 
 import numpy as np
-from mpi4py import MPI
 
 from .. import buffers
 from ..buffers import DTYPES, BufferInfo
 from ..errors import InvalidArgumentError, MpidistError
 from ..runtime.deadlines import wait_for_collective
+from ..runtime.mpi import MPI
 from ..runtime.tracing import traced
 from . import device_window
 from .broadcast import broadcast as broadcast_algorithm

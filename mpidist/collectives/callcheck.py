@@ -15,11 +15,11 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
-from mpi4py import MPI
 
 from ..buffers import DTYPES, BufferInfo
 from ..errors import InvalidArgumentError, MismatchError, MpidistError, UnsupportedDtypeError
 from ..runtime.deadlines import wait_for_collective
+from ..runtime.mpi import MPI
 from ..runtime.wire import FLOAT_DTYPES
 from . import device_window
 from .common import COLLECTIVES

@@ -8,11 +8,10 @@ from __future__ import annotations
 import ctypes
 import threading
 
-from mpi4py import MPI
-
 from .. import kernels
 from ..buffers import ITEMSIZE, BufferInfo, mpi_spec
 from ..runtime import config, deadlines
+from ..runtime.mpi import MPI
 
 # Large messages are cut into segments so the reduction of one segment overlaps the arrival of
 # the next. 256 KiB keeps a segment in L2 while it is reduced.

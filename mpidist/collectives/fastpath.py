@@ -16,27 +16,33 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-from mpi4py import MPI
 
 from .. import _C
+from ..runtime.mpi import MPI
 from ..runtime.wire import FLOAT_DTYPES, HALF_DTYPES, ITEMSIZE
 from . import native
 from .node_window import ONE_SHOT_BYTES, host_allreduce_on_node
 
-FAST_OPS = dict(native.MPI_OPS, avg=MPI.SUM)
 # The dtypes MPI reduces itself, and the half types it reduces through float32.
-FAST_DTYPES = tuple(native.MPI_TYPES) + HALF_DTYPES
+FAST_DTYPES = tuple(native.MPI_TYPE_NAMES) + HALF_DTYPES
 
 
 def fast_spec(name: str) -> tuple:
     """(MPI datatype, item size, our name): half types travel as float32."""
-    return (MPI.FLOAT if name in HALF_DTYPES else native.MPI_TYPES[name], ITEMSIZE[name], name)
+    return (MPI.FLOAT if name in HALF_DTYPES else native.mpi_types()[name], ITEMSIZE[name], name)
 
 
-# The dtype objects of the array libraries -> fast_spec, so a call costs one dictionary lookup
-# (NumPy has no bfloat16; the torch entries are made when torch is first seen).
-FAST_NUMPY_TYPES = {np.dtype(name): fast_spec(name) for name in FAST_DTYPES if name != "bfloat16"}
+# op -> MPI operation, and the dtype objects of the array libraries -> fast_spec, so a call costs
+# one dictionary lookup each. They are filled at the first call, since reading MPI's names starts
+# MPI (NumPy has no bfloat16; the torch entries are made when torch is first seen).
+FAST_OPS = {}
+FAST_NUMPY_TYPES = {}
 FAST_TORCH_TYPES = {}
+
+
+def fill_fast_tables() -> None:
+    FAST_NUMPY_TYPES.update({np.dtype(name): fast_spec(name) for name in FAST_DTYPES if name != "bfloat16"})
+    FAST_OPS.update(native.mpi_ops(), avg=MPI.SUM)
 
 
 def fill_fast_torch_types(torch) -> None:
@@ -64,6 +70,8 @@ def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
     order, engine.in_order)."""
     if comm.check_calls or comm._engine is not None:
         return False
+    if not FAST_OPS:
+        fill_fast_tables()
     mpi_op = FAST_OPS.get(op)
     if mpi_op is None:
         return False

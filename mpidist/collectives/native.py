@@ -5,18 +5,29 @@ upcast to float32, MPI_Allreduce, round back (the rounding happens once, at the 
 """
 from __future__ import annotations
 
-from mpi4py import MPI
+import functools
 
 from .. import kernels
 from ..buffers import BufferInfo
+from ..runtime.mpi import MPI
 from ..runtime.wire import HALF_DTYPES
 from .common import Context
 
-MPI_TYPES = {
-    "float32": MPI.FLOAT, "float64": MPI.DOUBLE, "int32": MPI.INT32_T, "int64": MPI.INT64_T,
-    "uint8": MPI.UINT8_T, "int8": MPI.INT8_T,
-}
-MPI_OPS = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
+# MPI's datatypes and operations by mpidist's names, read from mpi4py at their first use
+# (mpi_types(), mpi_ops()): importing the collectives must not start MPI.
+MPI_TYPE_NAMES = {"float32": "FLOAT", "float64": "DOUBLE", "int32": "INT32_T", "int64": "INT64_T",
+                  "uint8": "UINT8_T", "int8": "INT8_T"}
+MPI_OP_NAMES = {"sum": "SUM", "min": "MIN", "max": "MAX", "prod": "PROD"}
+
+
+@functools.cache
+def mpi_types() -> dict:
+    return {dtype: getattr(MPI, name) for dtype, name in MPI_TYPE_NAMES.items()}
+
+
+@functools.cache
+def mpi_ops() -> dict:
+    return {op: getattr(MPI, name) for op, name in MPI_OP_NAMES.items()}
 
 
 def native_allreduce(ctx: Context) -> None:
@@ -28,7 +39,7 @@ def native_allreduce(ctx: Context) -> None:
                                     info.count * 4, slot=7)
         # op="avg": the cast back divides too, so the result is rounded once.
         scale = 1.0 / ctx.size if ctx.average else 1.0
-        allreduce_through_float32(ctx.mpi, info.ptr, info.dtype, info.count, wide.ptr, MPI_OPS[ctx.op],
+        allreduce_through_float32(ctx.mpi, info.ptr, info.dtype, info.count, wide.ptr, mpi_ops()[ctx.op],
                                   scale, info.device)
         ctx.average = False
     else:
@@ -49,4 +60,4 @@ def allreduce_through_float32(mpi, ptr: int, dtype: str, count: int, wide_ptr: i
 
 def _mpi_allreduce(ctx: Context, info: BufferInfo) -> None:
     memory = MPI.buffer.fromaddress(info.ptr, info.nbytes)
-    ctx.mpi.Allreduce(MPI.IN_PLACE, [memory, info.count, MPI_TYPES[info.dtype]], MPI_OPS[ctx.op])
+    ctx.mpi.Allreduce(MPI.IN_PLACE, [memory, info.count, mpi_types()[info.dtype]], mpi_ops()[ctx.op])

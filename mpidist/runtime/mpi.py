@@ -1,5 +1,6 @@
 """Loading MPI: the settings that must be in place before MPI starts, and the one place that
-imports mpi4py's MPI module (which initializes MPI).
+imports mpi4py's MPI module (which initializes MPI): at once (load_mpi), or at the first use of one
+of its names (MPI, for modules that must be importable without starting MPI).
 
 `import mpidist` applies the start settings (apply_start_settings) before anything can import
 mpi4py.MPI, so a script that imports mpi4py itself between `import mpidist` and `mpidist.init()`
@@ -43,6 +44,21 @@ def load_mpi():
     except RuntimeError as exc:  # mpi4py raises RuntimeError when libmpi cannot be loaded
         raise MPIUnavailableError(f"mpi4py could not load the MPI library: {exc}") from exc
     return MPI
+
+
+class LazyMPI:
+    """mpi4py's MPI module, imported (which starts MPI) at the first read of one of its names.
+    Modules that name MPI at their top, as the collectives do, can so be imported without
+    starting MPI. Each name read is kept on the instance, so later reads are plain attribute
+    lookups: the small-message paths read MPI's names on every call."""
+
+    def __getattr__(self, name: str):
+        value = getattr(load_mpi(), name)
+        setattr(self, name, value)
+        return value
+
+
+MPI = LazyMPI()
 
 
 def loaded_mpi_libraries() -> list:
