@@ -62,6 +62,7 @@ class Communicator(Channel):
         self.tuning_table, self.forced_algorithm, self.fast_path_bounds, self.one_shot_bytes = \
             collectives.auto_choice(self.mpi, self.num_nodes)
         self._node_groups = None  # node_communicators(), made at its first call
+        self._node_and_lane = None  # node_and_lane(), made at its first call
         self._lock = threading.Lock()
         self._engine = None
         self._freed = False
@@ -92,6 +93,21 @@ class Communicator(Channel):
         if self._node_groups is None:
             self._node_groups = split_node_groups(self.mpi, self.node_comm, self.num_nodes)
         return self._node_groups
+
+    def node_and_lane(self) -> tuple:
+        """(the ranks of this rank's node, the ranks of the same local rank on every node: its
+        lane) as Communicators, where this communicator spans several nodes with the same number
+        (more than one) of its ranks on each; (None, None) otherwise. Collective at the first call
+        (int8 compression's buckets, made in the same order on every rank); freed with this one."""
+        if self._node_and_lane is None:
+            local_sizes = {1}
+            if self.num_nodes > 1:
+                local_sizes = set(self.allgather(np.array([self.local_size], dtype=np.int64)).tolist())
+            if local_sizes == {1} or len(local_sizes) > 1:
+                self._node_and_lane = (None, None)
+            else:
+                self._node_and_lane = (Communicator(self.node_comm), Communicator(self.node_communicators().lane))
+        return self._node_and_lane
 
     def _send_view(self, array, slot: int) -> buffers.BufferInfo:
         """The memory MPI should send from: the array itself, or a pinned host copy of it."""
@@ -232,6 +248,9 @@ class Communicator(Channel):
             self._engine = None
         collectives.free_released_windows(self.node_comm)
         self.free_windows()
+        for group in self._node_and_lane or ():
+            if group is not None:
+                group.free()
         lane = self._node_groups.lane if self._node_groups is not None else None
         for comm in (lane, self.leader_comm, self.node_comm, self.mpi):
             if comm is not None:

@@ -3,7 +3,7 @@ each rank adds its residual to its gradient, sends its k = ceil(fraction * n) el
 magnitude, keeps the rest as its residual; the result is the sum of what the ranks sent (over the
 rank count for "avg"). Compared: the (index, value) pairs each rank sends, its residual and the
 result, at every step, for buckets below and above the size where the candidates come from a
-sample (compressors.DIRECT_TOPK_NUMEL); in one process over simulated ranks, over MPI, and
+sample (topk_codec.DIRECT_TOPK_NUMEL); in one process over simulated ranks, over MPI, and
 through md.DataParallel's buckets."""
 import math
 
@@ -12,13 +12,13 @@ import pytest
 import torch
 
 import mpidist as md
-from mpidist.parallel import compressors
+from mpidist.parallel import topk_codec
 from mpidist.parallel.compressors import TopK
 
 pytestmark = pytest.mark.mpi_shared_launch
 
 STEPS = 6
-LARGE = 3 * compressors.DIRECT_TOPK_NUMEL + 11  # the candidates come from a strided sample
+LARGE = 3 * topk_codec.DIRECT_TOPK_NUMEL + 11  # the candidates come from a strided sample
 
 
 def gradient(rank, step, numel):
@@ -88,7 +88,7 @@ def simulate(size, numel, fraction, op, steps=STEPS):
     """mpidist's TopKBucket of each simulated rank over `steps`: per step, what each rank sent,
     each rank's residual and each rank's result."""
     world = SimulatedWorld(size)
-    buckets = [TopK(fraction).for_bucket([torch.zeros(numel, dtype=torch.float64)], world.comm(rank), "auto")
+    buckets = [TopK(fraction).bucket_exchange([torch.zeros(numel, dtype=torch.float64)], world.comm(rank), "auto")
                for rank in range(size)]
     out = []
     for step in range(steps):
@@ -129,7 +129,7 @@ def test_residual_is_kept_and_sent_later():
     residual is carried over from step to step, not reset."""
     size, numel, fraction = 2, 1000, 0.01
     world = SimulatedWorld(size)
-    buckets = [TopK(fraction).for_bucket([torch.zeros(numel, dtype=torch.float64)], world.comm(rank), "auto")
+    buckets = [TopK(fraction).bucket_exchange([torch.zeros(numel, dtype=torch.float64)], world.comm(rank), "auto")
                for rank in range(size)]
     # Ten large elements (k = 10) on every step, and element 500 a little every step.
     first_sent = None
@@ -161,7 +161,7 @@ def test_topk_over_mpi_matches_the_float64_reference(mpi_world, numel):
     """The exchange over MPI: every rank's result and its own residual at every step."""
     comm = mpi_world
     expected = reference(comm.size, numel, 0.01, "avg")
-    bucket = TopK(0.01).for_bucket([torch.zeros(numel, dtype=torch.float64)], comm, "auto")
+    bucket = TopK(0.01).bucket_exchange([torch.zeros(numel, dtype=torch.float64)], comm, "auto")
     for step, (_, want_residual, want_result) in enumerate(expected):
         flat = gradient(comm.rank, step, numel)
         bucket.start(flat, "avg").wait()
@@ -197,7 +197,7 @@ def test_data_parallel_buckets_match_the_float64_reference(mpi_world):
     layout = [[position[id(p)] for p in bucket.params] for bucket in ddp.buckets.buckets]
     params = list(model.parameters())
     sizes = [sum(params[i].numel() for i in bucket) for bucket in layout]
-    assert len(layout) >= 3 and max(sizes) > compressors.DIRECT_TOPK_NUMEL, sizes
+    assert len(layout) >= 3 and max(sizes) > topk_codec.DIRECT_TOPK_NUMEL, sizes
     residuals = [np.zeros((comm.size, n)) for n in sizes]
     for step in range(5):
         plain.load_state_dict(model.state_dict())

@@ -16,7 +16,7 @@ from tolerances import assert_within
 
 import mpidist as md
 from mpidist import kernels
-from mpidist.parallel import compressors
+from mpidist.parallel import bucket_exchanges, compressors, topk_codec
 from mpidist.parallel.compressors import Int8, PowerSGD, TopK, parse_compression
 from mpidist.parallel.int8_parts import Int8Parts
 
@@ -40,7 +40,7 @@ def gradient(rank, step, numel=None):
 
 def exchange(compressor, comm, steps=STEPS, op="sum"):
     """The results of `steps` exchanges of this rank's gradients, and the bucket compressor."""
-    bucket = compressor.for_bucket([torch.zeros(s) for s in SHAPES], comm, "auto")
+    bucket = compressor.bucket_exchange([torch.zeros(s) for s in SHAPES], comm, "auto")
     results = []
     for step in range(steps):
         flat = gradient(comm.rank, step)
@@ -89,7 +89,7 @@ def test_integer_tensors_are_refused():
 def test_orthogonalize_gives_orthonormal_columns_spanning_the_same_space():
     matrix = torch.randn(20, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     original = matrix.numpy().copy()
-    compressors.orthogonalize(matrix)
+    bucket_exchanges.orthogonalize(matrix)
     q = np.linalg.qr(original)[0]
     np.testing.assert_allclose(matrix.T @ matrix, np.eye(4), atol=1e-13)
     # Gram-Schmidt is QR's Q up to the columns' signs.
@@ -100,15 +100,15 @@ def test_orthogonalize_gives_orthonormal_columns_spanning_the_same_space():
 def test_largest_magnitudes_picks_the_top_k_of_a_large_bucket(case):
     """Above DIRECT_TOPK_NUMEL, top-k looks through candidates read off a strided sample: still the
     k elements largest in magnitude (NumPy's argsort), also where the sample misleads it."""
-    numel, k = 3 * compressors.DIRECT_TOPK_NUMEL + 5, 700
+    numel, k = 3 * topk_codec.DIRECT_TOPK_NUMEL + 5, 700
     x = torch.randn(numel, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     if case == "sample larger":  # the sampled elements are the largest: fewer than k pass its threshold
-        x[::compressors.SAMPLE_STRIDE] *= 1000
+        x[::topk_codec.SAMPLE_STRIDE] *= 1000
     elif case == "sample smaller":  # far more than 2k pass
-        x[::compressors.SAMPLE_STRIDE] /= 1000
+        x[::topk_codec.SAMPLE_STRIDE] /= 1000
     elif case == "k near the limit":
         k = numel // 4
-    indices = compressors.largest_magnitudes(x, k)
+    indices = topk_codec.largest_magnitudes(x, k)
     assert indices.dtype == torch.int64 and indices.numel() == k
     expected = np.argsort(-np.abs(x.numpy()), kind="stable")[:k]
     np.testing.assert_array_equal(np.sort(indices.numpy()), np.sort(expected))

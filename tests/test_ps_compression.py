@@ -14,7 +14,6 @@ from test_ps import LR, MOMENTUM, flat, loss_of, make_model, steps_of
 
 import mpidist as md
 from mpidist.parallel.compressors import Int8, PowerSGD, TopK, parse_compression
-from mpidist.parallel.push_compression import check_push, push_codec
 
 pytestmark = pytest.mark.mpi_shared_launch
 
@@ -64,8 +63,8 @@ def test_each_codec_delivers_its_numpy_description_and_loses_nothing(spelling, d
     decoded payload is the NumPy codec's result bit for bit (float64 ranges, and fp16 in either
     dtype), and the decoded pushes plus the residual are the gradients' sum (every dtype)."""
     compressor = parse_compression(spelling) if isinstance(spelling, str) else spelling
-    check_push(compressor)
-    codec, reference = push_codec(compressor, 1000, dtype), Reference(compressor, 1000)
+    compressor.check_push()
+    codec, reference = compressor.push_codec(1000, dtype), Reference(compressor, 1000)
     generator = torch.Generator().manual_seed(3)
     total_sent, total = torch.zeros(1000, dtype=torch.float64), torch.zeros(1000, dtype=torch.float64)
     for _ in range(6):
@@ -87,14 +86,14 @@ def test_each_codec_delivers_its_numpy_description_and_loses_nothing(spelling, d
 def test_a_topk_push_of_a_float32_range_looks_like_its_float64_push():
     """Top-k picks the same elements whatever the dtype of equal values: the same indices."""
     values = torch.randn(300, generator=torch.Generator().manual_seed(1))
-    pushes = [push_codec(TopK(0.05), 300, dtype).encode(values.to(dtype)) for dtype in (torch.float32, torch.float64)]
+    pushes = [TopK(0.05).push_codec(300, dtype).encode(values.to(dtype)) for dtype in (torch.float32, torch.float64)]
     assert torch.equal(pushes[0][:4 * 15], pushes[1][:4 * 15])
 
 
 def test_powersgd_is_refused_for_a_push_naming_what_to_use():
     with pytest.raises(md.InvalidArgumentError, match=r"compression='powersgd:2' cannot compress a parameter "
                                                       r"server's push.*use int8, topk:<fraction> or fp16"):
-        check_push(PowerSGD(rank=2))
+        PowerSGD(rank=2).check_push()
 
 
 # ---- every rank ------------------------------------------------------------------------------

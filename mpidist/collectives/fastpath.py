@@ -40,9 +40,11 @@ FAST_NUMPY_TYPES = {}
 FAST_TORCH_TYPES = {}
 
 
-def fill_fast_tables() -> None:
+def fill_fast_tables() -> dict:
+    """Fill FAST_NUMPY_TYPES and FAST_OPS; returns FAST_OPS."""
     FAST_NUMPY_TYPES.update({np.dtype(name): fast_spec(name) for name in FAST_DTYPES if name != "bfloat16"})
     FAST_OPS.update(native.mpi_ops(), avg=MPI.SUM)
+    return FAST_OPS
 
 
 def fill_fast_torch_types(torch) -> None:
@@ -70,9 +72,7 @@ def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
     order, engine.in_order)."""
     if comm.check_calls or comm._engine is not None:
         return False
-    if not FAST_OPS:
-        fill_fast_tables()
-    mpi_op = FAST_OPS.get(op)
+    mpi_op = (FAST_OPS or fill_fast_tables()).get(op)
     if mpi_op is None:
         return False
     kind = type(array)

@@ -1,5 +1,5 @@
 """Int8 with one float32 scale per chunk: the arithmetic of the int8 compressor's exchange
-(compressors.Int8Bucket) and of its push to a parameter server (push_compression.py), on values
+(bucket_exchanges.Int8Bucket) and of its push to a parameter server (push_compression.py), on values
 cut into one part per rank, each part into chunks. Each step runs in one kernel of mpidist._C
 (csrc/quantize.h) for float32 and float64 values on the CPU, and as torch operations otherwise;
 both give the same bits.

@@ -1,13 +1,14 @@
 """Compressed pushes of a parameter server's dense gradient: the compressors of compressors.py in
-their point-to-point form. A worker encodes each server's range of its gradient on its own
-(there is no sum between workers to fold into), keeping the residual of that range; the server
-decodes the payload back into a gradient range before it averages the workers' gradients.
+their point-to-point form (each compressor's push_codec() gives its codec of a range). A worker
+encodes each server's range of its gradient on its own (there is no sum between workers to fold
+into), keeping the residual of that range; the server decodes the payload back into a gradient
+range before it averages the workers' gradients.
 
 - fp16 / bf16: the range in half precision, without error feedback (as the reducer's casts).
 - int8: the range as one part of int8 values with a float32 scale per `chunk` (Int8Parts with
   one rank: the same arithmetic, kernels and bits as the all-reduce's), with error feedback.
 - top-k: the range's ceil(fraction * n) elements largest in magnitude, as (int32 index, value)
-  pairs, with error feedback.
+  pairs (topk_codec.py, as the all-reduce's), with error feedback.
 - PowerSGD is refused: its factors come from an all-reduce over the ranks (P = sum of M_r Q,
   orthogonalized), which a push has not got, and a server's range cuts weight matrices apart.
 
@@ -20,27 +21,8 @@ import math
 
 import torch
 
-from ..errors import InvalidArgumentError
-from .compressors import Cast, Int8, NoCompression, PowerSGD, TopK, largest_magnitudes
-from .int8_parts import Int8Parts, bytes_as
-
-
-def check_push(compressor) -> None:
-    """Refuse a compressor that cannot compress a push (on every rank: the ranks' settings agree)."""
-    if isinstance(compressor, PowerSGD):
-        raise InvalidArgumentError(
-            f"compression={str(compressor)!r} cannot compress a parameter server's push: PowerSGD's factors "
-            "come from an all-reduce over the ranks, and a push goes from one worker to one server; use "
-            "int8, topk:<fraction> or fp16 / bf16 (or md.DataParallel for PowerSGD)")
-    if not isinstance(compressor, (NoCompression, Cast, Int8, TopK)):
-        raise InvalidArgumentError(f"compression={compressor!r} has no push form; give none, fp16, bf16, int8 "
-                                   "or topk:<fraction>")
-
-
-def push_codec(compressor, numel: int, dtype, device="cpu") -> PushCodec:
-    """The codec of one range of `numel` elements of `dtype` under `compressor` (check_push first)."""
-    kinds = {NoCompression: PlainPush, Cast: CastPush, Int8: Int8Push, TopK: TopKPush}
-    return kinds[type(compressor)](compressor, numel, dtype, device)
+from . import topk_codec
+from .int8_parts import Int8Parts
 
 
 class PushCodec:
@@ -102,15 +84,9 @@ class TopKPush(PushCodec):
         self.k = min(numel, max(1, math.ceil(settings.fraction * numel)))
 
     def encode(self, values):
-        had = values + self.residual
-        indices = largest_magnitudes(had, self.k)
-        sent = had[indices]
-        self.residual.copy_(had)
-        self.residual[indices] = 0
-        return torch.cat([indices.to(torch.int32).view(torch.uint8), sent.view(torch.uint8)])
+        return topk_codec.encode(values + self.residual, self.residual, self.k)
 
     def decode(self, payload):
         values = torch.zeros(self.numel, dtype=self.dtype, device=payload.device)
-        indices = bytes_as(payload[:4 * self.k], torch.int32).long()
-        values[indices] = bytes_as(payload[4 * self.k:], self.dtype)
+        topk_codec.add_decoded(values, payload, self.k)
         return values

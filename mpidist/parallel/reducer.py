@@ -12,11 +12,13 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import kernels
+from ..collectives.callcheck import check_algorithm
+from ..collectives.node_buckets import NodeSlots
 from ..errors import InvalidArgumentError, MpidistError
 from ..memory import keep_freed_memory
 from ..runtime import tracing
 from ..runtime.mpi import fault_tolerant
-from .compressors import CAST_DTYPES, NoCompression, resolve_compression
+from .compressors import CAST_DTYPES, resolve_compression
 from .flat import pack_tensors, shaped_like, tensor_at, tensors_by_kind, unpack_tensors
 
 FIRST_BUCKET_BYTES = 1024 * 1024
@@ -47,7 +49,7 @@ class _Bucket:
         self.handle = None
         self.sources = None  # the arrays an all-reduce through the shared slots reads or writes
         self.views = None  # with gradient_as_bucket_view: each parameter's gradient inside the bucket
-        self.compressor = None  # the BucketCompressor of a compression that is not a cast
+        self.compressor = None  # the BucketExchange of a compression that exchanges its buckets itself
 
     @property
     def flat(self):
@@ -197,7 +199,6 @@ class GradientBuckets:
             raise InvalidArgumentError(f"bucket_mb must be positive, got {bucket_mb}")
         if passes_per_step < 1:
             raise InvalidArgumentError(f"backward passes per step must be >= 1, got {passes_per_step}")
-        from ..collectives.callcheck import check_algorithm  # imported here: the collectives initialize MPI
         check_algorithm(algorithm)
         self.comm = comm
         self.algorithm = algorithm
@@ -218,9 +219,8 @@ class GradientBuckets:
         if polled:
             limit = min(limit, SHARED_SLOTS_BUCKET_BYTES)
         self.buckets = self._make_buckets(params, limit, compressor.wire_dtype, groups)
-        if compressor.wire_dtype is None and not isinstance(compressor, NoCompression):
-            for bucket in self.buckets:
-                bucket.compressor = compressor.for_bucket(bucket.params, comm, algorithm)
+        for bucket in self.buckets:
+            bucket.compressor = compressor.bucket_exchange(bucket.params, comm, algorithm)
         self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self._passes = {id(p): 0 for bucket in self.buckets for p in bucket.params}
         self._next_to_launch = 0
@@ -242,9 +242,6 @@ class GradientBuckets:
     def _node_slots(self):
         """The buckets' and the count's slots in a shared window (with the results kept there when
         the gradients are views of them)."""
-        # Imported here: the collectives package initializes MPI when imported, and
-        # `import mpidist.torch` must not (mpidist sets MPI's options first, see comm.load_mpi).
-        from ..collectives.node_buckets import NodeSlots
         # A compressed or predivided bucket goes through its flat buffer instead (its views are there).
         in_slots = self.gradient_as_bucket_view and self.predivide == 1.0 and all(b.wire is None for b in self.buckets)
         sizes = [b.nbytes for b in self.buckets] + [self._count.element_size()]
@@ -264,8 +261,8 @@ class GradientBuckets:
         return (comm.size > 1 and comm.local_size == comm.size and self.algorithm in ("auto", "hierarchical")
                 and not fault_tolerant()  # no shared-memory windows then (runtime/mpi.py)
                 and comm.forced_algorithm in (None, "hierarchical")
-                # a compressor exchanges its bucket with collectives of its own
-                and (self.compressor.wire_dtype is not None or isinstance(self.compressor, NoCompression))
+                # a compressor that exchanges its buckets itself does so with collectives of its own
+                and self.compressor.bucket_exchange_class is None
                 and all(p.device.type == "cpu" for p in params))
 
     @staticmethod

@@ -63,9 +63,9 @@ from ...comm import init
 from ...errors import InvalidArgumentError
 from ...runtime import losses
 from ...runtime.mpi import fault_tolerant, is_process_failure, return_errors
-from ..compressors import check_state, resolve_compression
+from ..bucket_exchanges import check_state
+from ..compressors import resolve_compression
 from ..model_state import broadcast_module_state
-from ..push_compression import check_push, push_codec
 from . import coordinator, follower, settings, shards, state, survival, worker
 from .model import take_model
 from .policy import MODES, Update, gradients_per_update
@@ -160,7 +160,7 @@ class ParameterServer:
             endpoint = Endpoint(self.mpi, rank, f"rank {rank} (the parameter server)")
             start, end = agreed.ranges[agreed.servers.index(rank)]
             self.role = ServerRole(agreed, model, endpoint, version=rules["version"],
-                                   codec=push_codec(agreed.compression, end - start, model.dtype))
+                                   codec=agreed.compression.push_codec(end - start, model.dtype))
             # A server of several steps its own rows alone; one server steps the user's
             # optimizer, whose state is then the whole model's (what checkpoints save).
             if len(agreed.servers) > 1:
@@ -170,7 +170,7 @@ class ParameterServer:
         else:
             self.role = WorkerRole(agreed, model, Endpoint(self.mpi, rank, f"rank {rank} (a worker)"),
                                    version=rules["version"],
-                                   codecs=[push_codec(agreed.compression, end - start, model.dtype)
+                                   codecs=[agreed.compression.push_codec(end - start, model.dtype)
                                            for start, end in agreed.ranges])
 
     def _take_settings(self, module, optimizer, rules: dict, sparse_embeddings: bool) -> tuple:
@@ -185,7 +185,7 @@ class ParameterServer:
                              rules["version"], rules["backup_workers"])
         model = take_model(module, optimizer, len(servers), sparse_embeddings)
         compressor = resolve_compression(rules["compression"])
-        check_push(compressor)
+        compressor.check_push()
         compressor.check(model.params)
         try:  # each server's part of the flat vector
             ranges, unsplittable = settings.partition(model, len(servers)), None
