@@ -67,6 +67,13 @@ def test_an_operation_runs_once_every_rank_has_submitted_it():
     assert table.pending == {}
 
 
+def test_an_operation_waits_for_every_training_rank_whoever_else_submitted_it():
+    table = Table(3)
+    # Rank 1 submitted "a" before it began waiting in join(); rank 2 has not submitted it yet.
+    assert table.cycle([message(allreduce("a")), message(allreduce("a"), joined=True), message()]).steps == []
+    assert names(table.cycle([message(), message(), message(allreduce("a"))]).steps) == [["a"]]
+
+
 def test_complete_operations_run_in_the_order_of_first_submission():
     table = Table(2)
     # "b" reached the table first (rank 0's message comes first), though rank 1 submitted "a" first.
@@ -159,10 +166,13 @@ def test_rank_0s_threshold_decides():
     assert names(steps) == [["a", "b"]]
 
 
-def test_a_change_of_dtype_op_or_kind_of_operation_ends_a_fusion():
+def test_a_change_of_dtype_op_device_or_collective_ends_a_fusion():
     assert fused(1 << 20, allreduce("a"), allreduce("b"), allreduce("c", dtype=torch.float64),
                  allreduce("d", dtype=torch.float64)) == [["a", "b"], ["c", "d"]]
     assert fused(1 << 20, allreduce("a"), allreduce("b", op="max"), allreduce("c", op="max")) == [["a"], ["b", "c"]]
+    on_meta = submission_of("m", signature_of("allreduce", torch.zeros(4, device="meta"), "sum",
+                                              scale_factors=(1.0, 1.0)))
+    assert fused(1 << 20, allreduce("a"), on_meta, allreduce("b")) == [["a"], ["m"], ["b"]]
     broadcast = submission_of("x", signature_of("broadcast", torch.zeros(4)))
     assert fused(1 << 20, allreduce("a"), broadcast, allreduce("b")) == [["a"], ["x"], ["b"]]
 
