@@ -17,7 +17,8 @@ import torch
 
 from ..errors import InvalidArgumentError, MpidistError, UnsupportedBufferError
 from .handles import Handle
-from .negotiation import NEGOTIATED, member_name, negotiator_of
+from .negotiation import NEGOTIATED, negotiator_of
+from .negotiation_rules import group_member
 from .process_sets import comm_of
 
 _names_in_flight = {}  # name= -> the Handle of the asynchronous operation that holds it
@@ -25,7 +26,7 @@ _names_in_flight = {}  # name= -> the Handle of the asynchronous operation that 
 # tensors can count: a refusal goes as the whole group's (Negotiator.refuse_group).
 _ALLREDUCE_GROUPS = frozenset({"grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
                                "grouped_allreduce_async_"})
-# Negotiated with a member per tensor (member_name(name, k), or each the next unnamed operation's):
+# Negotiated with a member per tensor (group_member(name, k), or each the next unnamed operation's):
 # a refusal goes under each.
 _PER_TENSOR_GROUPS = frozenset({"grouped_allgather_async", "grouped_reducescatter_async"})
 
@@ -46,7 +47,7 @@ def check_call(operation: str, arguments: dict) -> None:
         if comm is not None:  # outside the process set, no rank waits for this one
             if operation in _PER_TENSOR_GROUPS:
                 for index in range(len(arguments["tensors"])):
-                    share_refusal(comm, True, None if name is None else member_name(name, index))
+                    share_refusal(comm, True, None if name is None else group_member(name, index))
             else:
                 share_refusal(comm, operation in NEGOTIATED, name, group=operation in _ALLREDUCE_GROUPS)
         raise

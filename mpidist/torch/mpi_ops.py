@@ -18,13 +18,13 @@ from .basics import Average, Sum, resolve_op
 from .compression import Compression
 from .handles import DoneHandle, GroupHandle, Handle
 from .join import collective_comm
-from .negotiation import member_name, submit
+from .negotiation import submit
+from .negotiation_rules import group_member, signature_of
 from .process_sets import root_in
 from .reductions import (
     allreduce_into,
     check_group,
     contiguous_copy,
-    dtype_name,
     no_gradient,
     reducible_dtype,
     reduction,
@@ -39,8 +39,7 @@ _COLLECTIVE_DTYPES = frozenset(getattr(torch, name) for name in buffers.DTYPES)
 @traced("BARRIER")
 def barrier(process_set=None):
     """Wait until every rank has called barrier()."""
-    submit(collective_comm(process_set), None, ["barrier", "", 0, "", "", [], 0, []],
-           lambda private: private.barrier()).wait()
+    submit(collective_comm(process_set), None, signature_of("barrier"), lambda private: private.barrier()).wait()
 
 
 # ---- collectives -----------------------------------------------------------------------------
@@ -135,7 +134,7 @@ def _start_broadcast(tensor, root_rank, name, process_set):
         share_refusal(comm, negotiated=True, name=name)
         raise
     moved = _movable(tensor)
-    signature = ["broadcast", dtype_name(tensor), tensor.numel(), "", tensor.device.type, list(tensor.shape), root, []]
+    signature = signature_of("broadcast", tensor, root=root)
     return submit(comm, name, signature, lambda private: private.broadcast(moved, root=root))
 
 
@@ -167,14 +166,14 @@ def _start_allgather(tensor, name, comm):
     source = contiguous_copy(tensor)
     moved = _movable(source)
     # The first dimension may differ by rank: the ranks agree on the rest of the shape.
-    signature = ["allgather", dtype_name(source), 0, "", source.device.type, list(source.shape[1:]), 0, []]
+    signature = signature_of("allgather", source, shape=source.shape[1:], count=0)
     handle = submit(comm, name, signature, lambda private: private.allgather(moved))
     return handle, None, lambda result: _restored(result, source)
 
 
 def _member_name(name, index):
     """The name of member `index` of a grouped operation called `name` (None: unnamed)."""
-    return None if name is None else member_name(name, index)
+    return None if name is None else group_member(name, index)
 
 
 @traced("ALLREDUCE")
@@ -292,8 +291,7 @@ def _start_reducescatter(tensor, name, op, prescale_factor, postscale_factor, co
     op, postscale_factor = reduction(source, op, postscale_factor, comm)
     scaled(source, prescale_factor)
     wire = source.to(reduced_in) if reduced_in is not None else source
-    signature = ["reducescatter", dtype_name(wire), wire.numel(), op, wire.device.type, list(wire.shape), 0,
-                 [prescale_factor, postscale_factor]]
+    signature = signature_of("reducescatter", wire, op, scale_factors=(prescale_factor, postscale_factor))
     handle = submit(comm, name, signature, lambda private: private.reduce_scatter(wire, op=op))
 
     def finish(result):

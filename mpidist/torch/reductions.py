@@ -20,13 +20,10 @@ from .basics import Adasum, Average, Sum, resolve_op
 from .compression import Compression, dtype_on_wire
 from .handles import GroupHandle, Handle
 from .join import check_joinable_allreduce
-from .negotiation import member_name, negotiator_of, submit
+from .negotiation import negotiator_of, submit
+from .negotiation_rules import dtype_name, group_member, signature_of
 from .process_sets import comm_of
 from .timeline import traced
-
-
-def dtype_name(tensor) -> str:
-    return str(tensor.dtype).removeprefix("torch.")
 
 
 def contiguous_copy(tensor):
@@ -115,8 +112,8 @@ def _start_allreduce(tensor, name, op, compression, prescale_factor, postscale_f
         scaled(result, postscale_factor)
         return result
 
-    signature = ["allreduce", dtype_name(wire), wire.numel(), op, wire.device.type,
-                 list(tensor.shape) if shape is None else shape, 0, [prescale_factor, postscale_factor]]
+    signature = signature_of("allreduce", wire, op, shape=tensor.shape if shape is None else shape,
+                             scale_factors=(prescale_factor, postscale_factor))
     if op == Adasum:
         return submit(comm, name, signature, lambda private: private.adasum_allreduce(wire, sizes=sizes)), finish
     return submit(comm, name, signature, lambda private: private.allreduce(wire, op=op), buffer=wire), finish
@@ -194,7 +191,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 # appear, the same on every rank). Results, differentiability and handles are Horovod's.
 #
 # A group has one name on every rank (its name=, or the next unnamed operation's), and its kind
-# k is negotiated as member_name(group, k). How many kinds there are, only a rank with the
+# k is negotiated as group_member(group, k). How many kinds there are, only a rank with the
 # tensors can tell; a rank that refuses the group (its tensors, its op) refuses it as a whole
 # (arguments.share_refusal), and the negotiation refuses every member the others submitted with it.
 #
@@ -261,7 +258,7 @@ def _grouped_allreduce_into(tensors, op, compression, prescale_factor, postscale
     for kind, members in enumerate(tensors_by_kind(tensors)):
         flat = pack_group(members)
         allreduce_into(flat, op, compression, prescale_factor, postscale_factor, comm, _group_shape(members),
-                       member_name(group, kind), _sizes(members))
+                       group_member(group, kind), _sizes(members))
         unpack_group(flat, members)
     return list(tensors)
 
@@ -312,7 +309,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     # rank's members, which a refusal of the whole group relies on (Negotiator.refuse_group).
     for kind, members in reversed(list(enumerate(tensors_by_kind(tensors)))):
         flat = pack_group(members)
-        handle, finish_flat = _start_allreduce(flat, member_name(group, kind), op, Compression.none, prescale_factor,
+        handle, finish_flat = _start_allreduce(flat, group_member(group, kind), op, Compression.none, prescale_factor,
                                                postscale_factor, comm, _group_shape(members), _sizes(members))
         handles.insert(0, handle)
         packed.insert(0, (flat, finish_flat, members))
