@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ..collectives.callcheck import share_refusal as share_in_call_check
+from ..collectives.engine import in_order
 from ..errors import InvalidArgumentError, MpidistError, UnsupportedBufferError
 from .handles import Handle
 from .negotiation import NEGOTIATED, negotiator_of
@@ -90,9 +92,6 @@ def share_refusal(comm, negotiated: bool, name=None, group=False) -> None:
         else:
             negotiator.refuse(negotiator.name_of(name))
         return
-    # Imported here: the collectives initialize MPI.
-    from ..collectives.callcheck import share_refusal as share_in_call_check
-    from ..collectives.engine import in_order
     in_order(comm, share_in_call_check)
 
 

@@ -12,6 +12,8 @@ import weakref
 import numpy as np
 
 from .. import comm as _comm
+from ..collectives.api import join_round
+from ..collectives.engine import in_order
 from ..errors import MismatchError, MpidistError, NotOfferedError
 from ..parallel.uneven_inputs import last_joiner
 from ..runtime import wire
@@ -94,8 +96,6 @@ def _wait_for_every_rank_to_join(world) -> int:
     zeros in their all-reduces that sum or average: a rank that calls another collective
     meanwhile (an allgather, a broadcast, a barrier, ... as in Horovod) raises there at once,
     naming it, and this rank waits on. Returns how many of the others' calls it waited through."""
-    from ..collectives.api import join_round  # imported here: the collectives initialize MPI
-    from ..collectives.engine import in_order
     rounds = 0
     while not in_order(world, join_round):
         rounds += 1

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from .. import buffers
+from ..collectives.callcheck import check_root
 from ..errors import InvalidArgumentError, MismatchError, MpidistError
 from .arguments import release, share_refusal
 from .basics import Average, Sum, resolve_op
@@ -126,7 +127,6 @@ def broadcast(tensor, root_rank, name=None, process_set=None):
 
 def _start_broadcast(tensor, root_rank, name, process_set):
     """The negotiated handle of the broadcast of `tensor` in place from `root_rank`."""
-    from ..collectives.callcheck import check_root  # imported here: the collectives initialize MPI
     comm = collective_comm(process_set)
     try:
         root = check_root(root_in(process_set, root_rank), comm.size)

@@ -28,7 +28,6 @@ negotiation_rules.py.
 from __future__ import annotations
 
 import atexit
-import functools
 import threading
 import time
 
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 
 from .. import comm as _comm
+from ..collectives.engine import Handle
 from ..errors import DeadlineError
 from ..runtime import config, stall, tracing
 from ..runtime.deadlines import other_ranks, timeout, wait_until
@@ -114,22 +114,16 @@ def _stop_all() -> None:
         stop_negotiator(comm)
 
 
-@functools.cache
-def _handle_class():
+class NegotiatedHandle(Handle):
     """The handle of a negotiated operation: the engine's Handle, whose wait says on the stall
-    board that this rank waits for the operation (made on first use: the collectives initialize
-    MPI)."""
-    from ..collectives.engine import Handle
+    board that this rank waits for the operation."""
 
-    class NegotiatedHandle(Handle):
-        def wait(self, timeout=None):
-            stall.publish(self.description)
-            try:
-                return super().wait(timeout)
-            finally:
-                stall.returned()
-
-    return NegotiatedHandle
+    def wait(self, timeout=None):
+        stall.publish(self.description)
+        try:
+            return super().wait(timeout)
+        finally:
+            stall.returned()
 
 
 class _Request:
@@ -186,7 +180,7 @@ class Negotiator:
         (collectives.engine.Handle), completed by the thread with run's result or the error
         that refused it."""
         submission = submission_of(name, signature)
-        handle = _handle_class()(f"the hvd operation {submission.name!r}")
+        handle = NegotiatedHandle(f"the hvd operation {submission.name!r}")
         threshold = config.value("HOROVOD_FUSION_THRESHOLD")
         with self._lock:
             if self._failure is not None:

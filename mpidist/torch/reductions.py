@@ -13,6 +13,8 @@ import torch
 
 from .. import buffers
 from .. import comm as _comm
+from ..collectives.adasum import ADASUM_DTYPES
+from ..collectives.callcheck import check_op
 from ..errors import InvalidArgumentError, MpidistError, NotOfferedError, UnsupportedDtypeError
 from ..parallel.flat import tensors_by_kind
 from .arguments import share_refusal
@@ -81,7 +83,6 @@ def resolved_op(op, average, comm, name, adasum_in=None, group=False):
 def _check_reducible(tensor, op, comm, name):
     """Refuse an all-reduce of `tensor` the reductions cannot run (its dtype, or `op`, the op to
     run, on it), under `name` (None: the next unnamed operation's) on every rank."""
-    from ..collectives.callcheck import check_op  # imported here: the collectives initialize MPI
     try:
         check_op(op, reducible_dtype(tensor))
     except MpidistError:
@@ -230,9 +231,6 @@ def _allreduce_group(tensors, op, average, comm, name):
     """(the op, the name) of the all-reduce group of `tensors` (see above). What the all-reduce
     of one kind would refuse is checked for all of them before the first is sent (an in-place
     group is then left as it was); a refusal is the whole group's, on every rank."""
-    # Imported here: the collectives initialize MPI.
-    from ..collectives.adasum import ADASUM_DTYPES
-    from ..collectives.callcheck import check_op
     op = resolved_op(op, average, comm, name, group=True)
     try:
         if op == Adasum:
