@@ -1,5 +1,5 @@
-"""The `mpidist` command: info, bench (collective micro-benchmarks), tune (auto's table), train and
-prepare-data; only `train` imports torch."""
+"""The `mpidist` command's argument parser and dispatch: info, bench (collective micro-benchmarks),
+tune (auto's table), train and prepare-data; only `train` imports torch."""
 from __future__ import annotations
 
 import argparse
@@ -11,15 +11,16 @@ import sys
 
 import numpy as np
 
-from . import __version__, bench, bench_plot
+from .. import __version__
+from ..comm import init, is_initialized
+from ..data import add_prepare_data_command, default_digits_path
+from ..errors import DeadlineError, MpidistError
+from ..launch import detect, launcher_place
+from ..runtime.abort import abort_job
+from ..runtime.leave import note_exit_status
+from . import bench, bench_plot
 from . import tune as tuning
-from .comm import init, is_initialized
-from .data import add_prepare_data_command, default_digits_path
-from .errors import DeadlineError, MpidistError
 from .info import collect, format_report
-from .launch import detect, launcher_place
-from .runtime.abort import abort_job
-from .runtime.leave import note_exit_status
 
 # The collectives (tune) and train are imported when their command runs: importing the
 # collectives initializes MPI, and train needs torch, whose import takes seconds.
@@ -95,7 +96,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_tune(args) -> int:
-    from .collectives import select
+    from ..collectives import select
 
     comm = init()
     if report_missing_packages(comm, "tune", ["torch"]):
@@ -304,6 +305,3 @@ def run_command(args) -> int:
             abort_job(2)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())
