@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import __version__
 from ..comm import init, is_initialized
-from ..data import add_prepare_data_command, default_digits_path
+from ..data import default_digits_path, prepare_digits
 from ..errors import DeadlineError, MpidistError
 from ..launch import detect, launcher_place
 from ..runtime.abort import abort_job
@@ -31,6 +31,26 @@ def cmd_info(args) -> int:
     facts = collect(comm)
     if comm.rank == 0:
         print(json.dumps(facts, indent=2) if args.json else format_report(facts), flush=True)
+    return 0
+
+
+def add_prepare_data_command(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "prepare-data", help="write the embedded handwritten-digits data set to HDF5",
+        description="Convert scikit-learn's digits (shipped with scikit-learn, no download) to HDF5.")
+    parser.add_argument("--path", default=None,
+                        help="output file (default: $MPIDIST_DATA_DIR/digits.h5, else data/digits.h5)")
+    parser.add_argument("--force", action="store_true", help="rewrite the file if it exists")
+    parser.set_defaults(run=cmd_prepare_data)
+
+
+def cmd_prepare_data(args) -> int:
+    path = args.path or default_digits_path()
+    if args.force or not os.path.exists(path):
+        prepare_digits(path)
+        print(f"wrote {path}", flush=True)
+    else:
+        print(f"{path} exists (--force rewrites it)", flush=True)
     return 0
 
 
