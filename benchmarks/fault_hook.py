@@ -208,8 +208,8 @@ def install(log: PhaseLog) -> None:
     with the phase log; records the elastic batches, restored state and final weights."""
     import torch
 
-    import mpidist.train as train
-    import mpidist.train_ps as train_ps
+    import mpidist.cli.train as train
+    import mpidist.cli.train_ps as train_ps
 
     def train_batch(model, optimizer, apply, x, y):
         log.step += 1

@@ -288,7 +288,7 @@ def loads(path: str, args) -> str | None:
     import torch
 
     from mpidist.checkpoint import load_checkpoint
-    from mpidist.train import build_model
+    from mpidist.cli.train import build_model
     model = build_model()
     try:
         load_checkpoint(path, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), restore_rng=False)
@@ -317,8 +317,8 @@ def elastic_replay(directory: str):
     import torch
 
     from mpidist.cli import build_parser
+    from mpidist.cli.train import build_model
     from mpidist.data import HDF5Dataset, default_digits_path
-    from mpidist.train import build_model
     restored_file, final_file = os.path.join(directory, "restored-1.pt"), os.path.join(directory, "final.pt")
     if not (os.path.exists(restored_file) and os.path.exists(final_file)):
         return None

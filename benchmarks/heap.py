@@ -67,7 +67,7 @@ def worker(args) -> None:
         if args.worker == "dataparallel":
             model = md.DataParallel(model, comm=comm)
         else:
-            from mpidist.bench import Gloo
+            from mpidist.cli.bench import Gloo
             gloo = Gloo(comm)
             model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)

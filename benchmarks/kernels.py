@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from mpidist import _C, kernels
-from mpidist.bench import parse_size
+from mpidist.cli.bench import parse_size
 
 DTYPES = ("float32", "bfloat16", "float16", "float64", "int32", "int64", "uint8", "int8")
 FLOATS = ("float32", "bfloat16", "float16", "float64")

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 
-from mpidist.bench import parse_size
+from mpidist.cli.bench import parse_size
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)

@@ -21,7 +21,7 @@ the same batches), so samples/s compare; ranks 0 and 1 serve or sleep:
 Models (scenarios):
 - `mlp`: benchmarks/training.py's MLP (`--params`, `--depth`; 3M: 1024-1024-1024-1024-10),
   random inputs and labels, plain SGD (lr 0.01).
-- `embedding`: mpidist.sparse_workload.ClickModel, a `--rows` x `--dim` table summed over bags of `--bag`
+- `embedding`: mpidist.cli.sparse_workload.ClickModel, a `--rows` x `--dim` table summed over bags of `--bag`
   ids drawn with Zipf probabilities (exponent 1.05, popular ids spread over the table), then
   Linear(dim, 64), ReLU, Linear(64, 2); random labels; Adagrad (lr 0.01), whose sparse form
   updates only the touched rows.
@@ -105,7 +105,7 @@ class Scenario:
                           torch.from_numpy(generator.integers(0, self.sizes[-1], self.batch)))
                          for _ in range(args.batches)]
         else:
-            from mpidist.sparse_workload import ZipfSampler
+            from mpidist.cli.sparse_workload import ZipfSampler
             ids = ZipfSampler(self.rows, seed=args.seed)
             self.pool = [(torch.from_numpy(ids.draw((self.batch, args.bag), generator)),
                           torch.from_numpy(generator.integers(0, 2, self.batch))) for _ in range(args.batches)]
@@ -117,7 +117,7 @@ class Scenario:
         torch.manual_seed(self.args.seed)
         if self.name in ("mlp", "server-bound-mlp"):
             return build_model(self.sizes)
-        from mpidist.sparse_workload import ClickModel
+        from mpidist.cli.sparse_workload import ClickModel
         return ClickModel(self.rows, self.args.dim, hidden=64, sparse=sparse)
 
     def optimizer(self, params):

@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 import mpidist as md
-from mpidist.bench import parse_sizes
+from mpidist.cli.bench import parse_sizes
 
 PIECE_BYTES = 256 * 1024
 

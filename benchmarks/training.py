@@ -286,7 +286,7 @@ def ranks_agree(comm, candidate) -> bool:
 def measure(comm, args) -> list[dict]:
     from mpi4py import MPI
 
-    from mpidist.bench import Gloo
+    from mpidist.cli.bench import Gloo
 
     sizes = layer_sizes(parse_count(args.params), args.depth)
     gloo = Gloo(comm)

@@ -471,25 +471,3 @@ def ensure_digits(path=None, comm=None) -> str:
     on_root(comm, prepare_if_missing, f"preparing {path}", DataPreparationError)
     return path
 
-
-# ---- command line -------------------------------------------------------------------------------
-
-def add_prepare_data_command(subparsers) -> None:
-    """Add ``prepare-data`` to the ``mpidist`` command's subparsers."""
-    parser = subparsers.add_parser(
-        "prepare-data", help="write the embedded handwritten-digits data set to HDF5",
-        description="Convert scikit-learn's digits (shipped with scikit-learn, no download) to HDF5.")
-    parser.add_argument("--path", default=None,
-                        help="output file (default: $MPIDIST_DATA_DIR/digits.h5, else data/digits.h5)")
-    parser.add_argument("--force", action="store_true", help="rewrite the file if it exists")
-    parser.set_defaults(run=cmd_prepare_data)
-
-
-def cmd_prepare_data(args) -> int:
-    path = args.path or default_digits_path()
-    if args.force or not os.path.exists(path):
-        prepare_digits(path)
-        print(f"wrote {path}", flush=True)
-    else:
-        print(f"{path} exists (--force rewrites it)", flush=True)
-    return 0

@@ -4,8 +4,8 @@ import json
 import pytest
 from conftest import run_python
 
-from mpidist.bench import ROW_KEYS, parse_size, parse_sizes
-from mpidist.tune import decision_table, one_shot_bound
+from mpidist.cli.bench import ROW_KEYS, parse_size, parse_sizes
+from mpidist.cli.tune import decision_table, one_shot_bound
 
 CLI = "import sys; from mpidist.cli import main; sys.exit(main(sys.argv[1:]))"
 
@@ -194,7 +194,7 @@ def test_bench_refusal_under_mpirun_ends_the_job_with_status_2_and_one_message(t
 def test_the_cpu_bound_counts_the_host_protocols_traffic():
     """One-shot (up to ONE_SHOT_BYTES): n in, L n read and n written by the reduction; sliced
     above: bench_bound.window_traffic, 4.5 n on four ranks."""
-    from mpidist import bench_bound
+    from mpidist.cli import bench_bound
     from mpidist.collectives.node_window import ONE_SHOT_BYTES
     assert bench_bound.host_traffic(ONE_SHOT_BYTES, 4) == 7 * ONE_SHOT_BYTES
     assert bench_bound.host_traffic(2 * ONE_SHOT_BYTES, 4) == 4.5 * 2 * ONE_SHOT_BYTES

@@ -14,7 +14,7 @@ from torch import nn
 
 from mpidist.checkpoint import CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
 from mpidist.checkpoint import files as checkpoint_files
-from mpidist.train_pipeline import common_checkpoint
+from mpidist.cli.train_pipeline import common_checkpoint
 
 pytestmark = pytest.mark.mpi_shared_launch
 

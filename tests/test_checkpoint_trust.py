@@ -22,11 +22,11 @@ from torch import nn
 
 from mpidist.checkpoint import CheckpointError, checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
 from mpidist.checkpoint.files import SEAL_BYTES, seal
+from mpidist.cli.train_pipeline import common_checkpoint
 from mpidist.collectives.node_window import ONE_SHOT_BYTES
 from mpidist.collectives.select import load_tuning_table, read_tuning_file
 from mpidist.data import HDF5Dataset
 from mpidist.errors import MpidistError
-from mpidist.train_pipeline import common_checkpoint
 
 pytestmark = pytest.mark.mpi_shared_launch
 

@@ -480,8 +480,8 @@ def test_data_parallel_trains_the_digits_with_every_compression(mpi_world):
     """4 epochs of `mpidist train`'s network on each rank's share of the digits: every
     compression ends within ACCURACY_MARGIN of the uncompressed run's test accuracy, with the
     same weights on every rank."""
+    from mpidist.cli.train import build_model
     from mpidist.data import HDF5Dataset, ensure_digits
-    from mpidist.train import build_model
     comm = mpi_world
     path = ensure_digits(comm=comm)
     train, test = HDF5Dataset(path, "train"), HDF5Dataset(path, "test")

@@ -233,7 +233,7 @@ def test_auto_without_a_tune_with_one_rank_per_node_takes_mpi_or_whole_exchanges
 @pytest.mark.mpi(ranks=[3], timeout=120)
 def test_tune_fits_the_model_and_auto_uses_it_on_3_ranks(mpi_world):
     import mpidist as md
-    from mpidist import bench, tune
+    from mpidist.cli import bench, tune
     from mpidist.collectives import select
 
     comm = mpi_world

@@ -1,5 +1,4 @@
 """ShardedSampler, the HDF5 digits file and HDF5Dataset shards; cross-rank parts under mpirun."""
-import argparse
 import collections
 import os
 import pathlib
@@ -314,10 +313,9 @@ def test_default_path_and_ensure(tmp_path, monkeypatch):
 
 
 def test_prepare_data_command(tmp_path, capsys):
-    parser = argparse.ArgumentParser()
-    data.add_prepare_data_command(parser.add_subparsers())
+    from mpidist.cli import build_parser
     target = tmp_path / "x" / "digits.h5"
-    args = parser.parse_args(["prepare-data", "--path", str(target)])
+    args = build_parser().parse_args(["prepare-data", "--path", str(target)])
     assert args.run(args) == 0 and target.exists()
     assert args.run(args) == 0 and "exists" in capsys.readouterr().out
 

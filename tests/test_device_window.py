@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import mpidist as md
-from mpidist import bench, bench_bound, bench_device, cli
 from mpidist.buffers import BufferInfo
+from mpidist.cli import bench, bench_bound, bench_device, command
 from mpidist.collectives import device_window, nccl
 from mpidist.collectives.callcheck import resolve_algorithm
 from mpidist.collectives.select import choose_allreduce
@@ -128,9 +128,9 @@ def test_window_traffic():
 
 
 def test_bench_reads_device_cuda():
-    args = cli.build_parser().parse_args(["bench", "allreduce", "--device", "cuda", "--algorithms",
+    args = command.build_parser().parse_args(["bench", "allreduce", "--device", "cuda", "--algorithms",
                                           "hierarchical,staged:ring,nccl,bound"])
-    options = cli.bench_options(args, args.collective)
+    options = command.bench_options(args, args.collective)
     assert options.device == "cuda" and options.algorithms == ["hierarchical", "staged:ring", "nccl", "bound"]
 
 

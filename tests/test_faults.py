@@ -259,7 +259,7 @@ def test_mpidist_train_ends_the_job_when_a_frozen_rank_makes_the_others_miss_the
     # then end, not wait in MPI_Finalize for the frozen rank forever.
     code = textwrap.dedent("""
         import os, signal, sys
-        import mpidist.train as train
+        import mpidist.cli.train as train
         from mpidist.cli import main
         real_batch, steps = train.train_batch, []
         def freezing_batch(*args):

@@ -1,6 +1,7 @@
 """The package's floors: no import circle (counting imports inside functions), lower floors never
-import upper ones, not even at run time (no module holds an object of a floor above it), and the
-runtime floor never loads MPI but through runtime/mpi.py."""
+import upper ones, not even at run time (no module holds an object of a floor above it), the
+runtime floor never loads MPI but through runtime/mpi.py, and the `mpidist` command (cli/) is
+the top floor, which nothing outside it imports."""
 import ast
 import json
 import os
@@ -10,7 +11,8 @@ from conftest import REPO, run_python
 
 PACKAGE = os.path.join(REPO, "mpidist")
 # Floors, lowest first: a module imports only from its own floor or below. The package root
-# (mpidist/__init__.py, the public face) may import from any floor.
+# (mpidist/__init__.py, the public face) may import from any floor of the library: it stands on
+# the library's tools floor, below the command (and never imports it: see below).
 FLOORS = (
     ("errors",),
     ("runtime",),
@@ -20,8 +22,11 @@ FLOORS = (
     ("comm",),
     ("parallel",),
     ("torch", "distributed"),
+    ("data", "checkpoint"),  # the library's tools; a module named on no floor is one of them
+    ("cli",),  # the `mpidist` command, on the library
 )
-TOP = len(FLOORS)  # the tools: data, checkpoint, train, bench, cli, info, ...
+TOOLS = len(FLOORS) - 2
+TOP = len(FLOORS) - 1
 
 
 def module_names():
@@ -76,13 +81,24 @@ def graph():
 
 
 def floor_of(module: str) -> int:
-    if module == "mpidist":  # the package root: the public face, above every floor
-        return TOP
+    if module == "mpidist":  # the package root: the public face, above every floor of the library
+        return TOOLS
     part = module.split(".")[1]
     for level, names in enumerate(FLOORS):
         if part in names:
             return level
-    return TOP
+    return TOOLS
+
+
+def in_the_command(module: str) -> bool:
+    return module == "mpidist.cli" or module.startswith("mpidist.cli.")
+
+
+def imports_of_the_command(edges: dict) -> list:
+    """"module -> target (line N)" for each import of the command (mpidist.cli or a module of it)
+    by a module outside it, the package root included."""
+    return [f"{module} -> {target} (line {line})" for module, targets in sorted(edges.items())
+            if not in_the_command(module) for target, line in targets.items() if in_the_command(target)]
 
 
 def find_cycle(edges: dict):
@@ -121,6 +137,35 @@ def test_lower_floors_never_import_upper_ones():
     upward = [f"{module} -> {target} (line {line})" for module, targets in sorted(edges.items()) if module != "mpidist"
               for target, line in targets.items() if target != "mpidist" and floor_of(target) > floor_of(module)]
     assert upward == []
+
+
+def test_nothing_outside_the_command_imports_it():
+    # The library is usable without its command: the package root, the library's modules and
+    # anything they import leave cli/ alone, so the command's modules may change freely.
+    _, edges = graph()
+    assert any(in_the_command(module) for module in edges), "no module of mpidist/cli/ was found"
+    assert imports_of_the_command(edges) == []
+
+
+def test_the_command_check_finds_an_import_of_it():
+    edges = {"mpidist": {"mpidist.comm": 3}, "mpidist.data": {"mpidist.cli": 7},
+             "mpidist.parallel.zero": {"mpidist.cli.bench": 9}, "mpidist.cli.train": {"mpidist.cli.training": 2},
+             "mpidist.client": {"mpidist.comm": 1}}
+    assert imports_of_the_command(edges) == ["mpidist.data -> mpidist.cli (line 7)",
+                                             "mpidist.parallel.zero -> mpidist.cli.bench (line 9)"]
+
+
+def test_import_mpidist_loads_no_module_of_the_command():
+    # What the import graph cannot see (an import by a computed name): a job that imports the
+    # library's faces and runs a collective has not loaded the command.
+    code = ("import json, sys, numpy as np, mpidist as md, mpidist.torch, mpidist.distributed, mpidist.data, "
+            "mpidist.checkpoint\nmd.init(); md.allreduce(np.ones(4))\n"
+            "print(json.dumps(sorted(name for name in sys.modules if name.startswith('mpidist.'))))")
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "mpidist.comm" in loaded and "mpidist.torch" in loaded, loaded
+    assert [name for name in loaded if in_the_command(name)] == []
 
 
 def test_only_runtime_mpi_loads_mpi_up_to_the_communicator():
@@ -216,6 +261,8 @@ def test_the_checker_finds_a_circle():
 
 @pytest.mark.parametrize("module, expected", [("mpidist.runtime.wire", 1), ("mpidist.channel", 3),
                                               ("mpidist.collectives.api", 4), ("mpidist.comm", 5),
-                                              ("mpidist.parallel.ps", 6), ("mpidist.train", TOP)])
+                                              ("mpidist.parallel.ps", 6), ("mpidist.distributed", 7),
+                                              ("mpidist.data", 8), ("mpidist", 8), ("mpidist.cli", 9),
+                                              ("mpidist.cli.train", 9)])
 def test_floors_are_read_from_the_module_path(module, expected):
     assert floor_of(module) == expected

@@ -141,7 +141,7 @@ def test_a_stop_request_stops_every_worker_after_the_same_sync_update(mpi_world,
 TRAIN = "from mpidist.cli import main; raise SystemExit(main({args!r}))"
 SIGNALLED = """
 import os, signal, time
-import mpidist, mpidist.train, mpidist.parallel.pipeline
+import mpidist, mpidist.cli.train, mpidist.parallel.pipeline
 steps = 0
 original = {owner}.{name}
 def signalling(*args, **kwargs):
@@ -190,7 +190,7 @@ def test_a_stop_signal_stops_the_parameter_server_and_resume_finishes_the_run(tm
     rest of the epoch's updates. (That a resumed run of two servers ends as the uninterrupted
     one: test_two_servers_checkpoint_and_resume_exactly.)"""
     options = ("--mode", "ps", "--servers", "2", "--ps-mode", "sync", "--batch-size", "50")
-    stopped = train_cli(tmp_path / "run", *options, ranks=4, code=SIGNALLED, owner="mpidist.train",
+    stopped = train_cli(tmp_path / "run", *options, ranks=4, code=SIGNALLED, owner="mpidist.cli.train",
                         name="train_batch", signaller=2)
     found = re.search(r"mpidist train: stopped early: a stop signal \(SIGUSR1\) came; the workers stopped after "
                       r"update (\d+) \(gradients per worker \[(\d+), (\d+)\]\); checkpoint (\S+);", stopped)

@@ -84,16 +84,16 @@ def test_zero_trains_as_plain_sgd_does_and_resumes(plain_run, zero_run):
 # As TRAIN, but rank 1 sends itself SIGUSR1 (SLURM's warning before the time limit) in its 3rd step.
 TRAIN_SIGNALLED = """
 import os, signal
-import mpidist, mpidist.train
+import mpidist, mpidist.cli.train
 steps = 0
-train_batch = mpidist.train.train_batch
+train_batch = mpidist.cli.train.train_batch
 def signalling_train_batch(*args):
     global steps
     steps += 1
     if steps == 3 and mpidist.rank() == 1:
         os.kill(os.getpid(), signal.SIGUSR1)
     return train_batch(*args)
-mpidist.train.train_batch = signalling_train_batch
+mpidist.cli.train.train_batch = signalling_train_batch
 from mpidist.cli import main; raise SystemExit(main({args!r}))
 """
 
@@ -123,7 +123,7 @@ def test_a_stop_signal_checkpoints_where_every_rank_stops_and_resume_finishes_th
     import torch
 
     from mpidist.checkpoint import load_checkpoint
-    from mpidist.train import build_model
+    from mpidist.cli.train import build_model
     # Rank 1's signal came in step 3; the ranks learn of it at the next step boundary, together.
     assert "mpidist train: stopped early: a stop signal (on another rank) came; every rank stopped after step 4 " \
            "(epoch 1/2)" in stopped_run.stopped, stopped_run.stopped
@@ -161,7 +161,7 @@ def test_parameter_server_mode_trains_to_90_percent_and_resumes(tmp_path, digits
     import torch
 
     from mpidist.checkpoint import load_checkpoint
-    from mpidist.train import build_model
+    from mpidist.cli.train import build_model
     model = build_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     state = load_checkpoint(str(tmp_path / "ck" / "ps-final.h5"), model, optimizer)
@@ -194,7 +194,8 @@ def test_parameter_server_mode_with_two_servers(tmp_path, digits):
     accuracy = float(re.search(r"final test accuracy: ([0-9.]+)", output).group(1))
     assert accuracy >= 0.85, output
     from mpidist.checkpoint import load_checkpoint
-    from mpidist.train import HDF5Dataset, build_model, evaluate
+    from mpidist.cli.train import build_model, evaluate
+    from mpidist.data import HDF5Dataset
     model = build_model()
     load_checkpoint(str(tmp_path / "ck" / "ps-final.h5"), model)
     assert abs(evaluate(model, HDF5Dataset(digits, "test")) - accuracy) < 1e-4
@@ -251,8 +252,8 @@ def test_pipelines_with_replicas_train_as_data_parallelism_does(tmp_path, plain_
 
 def test_bad_options_are_refused_on_every_rank(tmp_path):
     from mpidist.cli import build_parser
+    from mpidist.cli.train import check_mode_options
     from mpidist.errors import InvalidArgumentError
-    from mpidist.train import check_mode_options
     for bad in (["--epochs", "0"], ["--batch-size", "-4"], ["--lr", "nan"], ["--lr", "-1"], ["--mode", "model"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["train", *bad])
@@ -390,8 +391,8 @@ def test_every_damaged_byte_of_a_data_file_is_refused_naming_the_file(tmp_path, 
     """A bit flipped in any byte of the digits file's first 2 KiB (its superblock, groups and
     names): the training split opens, or is refused with an mpidist error naming the file; never
     h5py's own error, nor "no dataset 'x'" when x is there but cannot be read."""
+    from mpidist.data import HDF5Dataset
     from mpidist.errors import MpidistError
-    from mpidist.train import HDF5Dataset
     damaged = shutil.copy(digits, tmp_path / "damaged.h5")
     refusals = 0
     with open(damaged, "r+b") as file:
@@ -426,7 +427,7 @@ def test_progress_is_plain_lines_where_the_output_is_not_a_terminal(tmp_path, di
 
     from tqdm import tqdm
 
-    from mpidist import train
+    from mpidist.cli import train
 
     class Terminal(io.StringIO):
         def isatty(self):

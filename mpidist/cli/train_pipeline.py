@@ -8,14 +8,14 @@ import os
 
 import numpy as np
 
-from .checkpoint import (
+from ..checkpoint import (
     CHECKPOINT_NAME,
     CheckpointError,
     checkpoint_path,
     latest_checkpoint,
     save_checkpoint,
 )
-from .runtime.together import share_failure
+from ..runtime.together import share_failure
 from .training import Mode, stopped_line
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 import typing
 
+from ..comm import Communicator
+from ..runtime.mpi import fault_tolerant
 from . import bench
-from .comm import Communicator
-from .runtime.mpi import fault_tolerant
 
 TUNE_SIZES = "8,64,512,4K,16K,64K,256K,1M,4M,16M"
 # auto may pick the MPI library's own all-reduce where it is the fastest.

@@ -14,7 +14,7 @@ def cuda_algorithms(comm) -> list:
     """--device cuda's default rows: the device window, the staged route of the same algorithm, the
     ring through a CUDA-aware MPI where the library is one, NCCL where CuPy has it, and the bound
     (other routes by name: --algorithms staged:ring,...)."""
-    from .collectives import nccl
+    from ..collectives import nccl
     algorithms = ["hierarchical", "staged:hierarchical"]
     if comm.is_cuda_aware():
         algorithms.append("cuda-aware:ring")
@@ -26,8 +26,8 @@ def cuda_algorithms(comm) -> list:
 def route_communicators(comm, algorithms) -> dict:
     """A Communicator for each route named in `algorithms` ("staged:ring" ...), kept from the node
     window in GPU memory and told whether MPI reads GPU memory (collective)."""
-    from .collectives import device_window
-    from .comm import Communicator
+    from ..collectives import device_window
+    from ..comm import Communicator
     unknown = [a for a in algorithms if ":" in a and a.split(":", 1)[0] not in ROUTES]
     if unknown:
         raise ValueError(f"unknown routes {unknown}; a route is one of {', '.join(ROUTES)}")

@@ -1,5 +1,5 @@
-"""The `mpidist` command: info, bench (collective micro-benchmarks), tune (auto's table), train and
-prepare-data; only `train` imports torch."""
+"""The `mpidist` command's argument parser and dispatch: info, bench (collective micro-benchmarks),
+tune (auto's table), train and prepare-data; only `train` imports torch."""
 from __future__ import annotations
 
 import argparse
@@ -11,18 +11,19 @@ import sys
 
 import numpy as np
 
-from . import __version__, bench, bench_plot
+from .. import __version__
+from ..collectives import select
+from ..comm import init, is_initialized
+from ..data import default_digits_path, prepare_digits
+from ..errors import DeadlineError, MpidistError
+from ..launch import detect, launcher_place
+from ..runtime.abort import abort_job
+from ..runtime.leave import note_exit_status
+from . import bench, bench_plot
 from . import tune as tuning
-from .comm import init, is_initialized
-from .data import add_prepare_data_command, default_digits_path
-from .errors import DeadlineError, MpidistError
 from .info import collect, format_report
-from .launch import detect, launcher_place
-from .runtime.abort import abort_job
-from .runtime.leave import note_exit_status
 
-# The collectives (tune) and train are imported when their command runs: importing the
-# collectives initializes MPI, and train needs torch, whose import takes seconds.
+# train is imported when its command runs: it needs torch, whose import takes seconds.
 
 
 def cmd_info(args) -> int:
@@ -30,6 +31,26 @@ def cmd_info(args) -> int:
     facts = collect(comm)
     if comm.rank == 0:
         print(json.dumps(facts, indent=2) if args.json else format_report(facts), flush=True)
+    return 0
+
+
+def add_prepare_data_command(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "prepare-data", help="write the embedded handwritten-digits data set to HDF5",
+        description="Convert scikit-learn's digits (shipped with scikit-learn, no download) to HDF5.")
+    parser.add_argument("--path", default=None,
+                        help="output file (default: $MPIDIST_DATA_DIR/digits.h5, else data/digits.h5)")
+    parser.add_argument("--force", action="store_true", help="rewrite the file if it exists")
+    parser.set_defaults(run=cmd_prepare_data)
+
+
+def cmd_prepare_data(args) -> int:
+    path = args.path or default_digits_path()
+    if args.force or not os.path.exists(path):
+        prepare_digits(path)
+        print(f"wrote {path}", flush=True)
+    else:
+        print(f"{path} exists (--force rewrites it)", flush=True)
     return 0
 
 
@@ -95,7 +116,6 @@ def cmd_bench(args) -> int:
 
 
 def cmd_tune(args) -> int:
-    from .collectives import select
 
     comm = init()
     if report_missing_packages(comm, "tune", ["torch"]):
@@ -304,6 +324,3 @@ def run_command(args) -> int:
             abort_job(2)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 import platform
 
-from . import __version__
+from .. import __version__
 
 
 def _version_of(module_name: str) -> str:
@@ -28,9 +28,9 @@ def collect(comm) -> dict:
 
     import mpidist._C as ext
 
-    from .collectives import ALGORITHMS
-    from .launch import detect, gpu_for_local_rank
-    from .runtime.cuda_aware import library_support
+    from ..collectives import ALGORITHMS
+    from ..launch import detect, gpu_for_local_rank
+    from ..runtime.cuda_aware import library_support
 
     names = ("numpy", "mpi4py", "torch", "h5py", "cupy", "tqdm")
     launch = detect()

@@ -32,8 +32,8 @@ import time
 
 import numpy as np
 
+from ..runtime.wire import COLLECTIVE_DTYPES, ITEMSIZE
 from . import bench_bound, bench_device
-from .runtime.wire import COLLECTIVE_DTYPES, ITEMSIZE
 
 # torch and mpi4py's MPI are imported in the functions that use them (matplotlib in bench_plot.py):
 # the `mpidist` command builds its parser from this module without torch, and importing mpi4py's

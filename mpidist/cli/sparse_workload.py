@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
 BAG = 8
 EXPONENT = 1.05

@@ -15,8 +15,8 @@ import signal
 
 import numpy as np
 
-from .runtime.deadlines import wait_for_collective
-from .runtime.mpi import load_mpi
+from ..runtime.deadlines import wait_for_collective
+from ..runtime.mpi import load_mpi
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 

@@ -49,8 +49,7 @@ import torch
 
 import mpidist as md
 
-from . import sparse_workload
-from .checkpoint import (
+from ..checkpoint import (
     CHECKPOINT_NAME,
     CheckpointError,
     checkpoint_path,
@@ -58,10 +57,11 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from .data import DataFileError, HDF5Dataset, ShardedSampler, ensure_digits
-from .errors import InvalidArgumentError, MpidistError
-from .parallel.compressors import parse_compression
-from .runtime.together import on_every_rank, share_failure
+from ..data import DataFileError, HDF5Dataset, ShardedSampler, ensure_digits
+from ..errors import InvalidArgumentError, MpidistError
+from ..parallel.compressors import parse_compression
+from ..runtime.together import on_every_rank, share_failure
+from . import sparse_workload
 from .stopping import GracefulStop
 from .train_pipeline import PipelineMode, common_checkpoint
 from .train_ps import WorkerMode, say_what_survives, serve_and_checkpoint
