@@ -80,9 +80,9 @@ def communicator_over(mpi, device_index: int, what: str):
             problem = error
     raise_together(mpi, problem, f"making NCCL's unique id for {what}")
     mpi.Bcast([encoded, MPI.INT64_T], root=0)
-    import cupy
     made = None
     try:
+        import cupy  # here: a rank without CuPy is named with the others
         with cupy.cuda.Device(device_index):
             made = nccl.NcclCommunicator(mpi.Get_size(), decode_unique_id(encoded), mpi.Get_rank())
     except Exception as error:  # NCCL's refusal comes to every rank; this names them all
