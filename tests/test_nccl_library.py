@@ -105,7 +105,7 @@ def test_a_library_that_is_not_nccl_is_refused(tmp_path, use):
 def test_a_library_lacking_the_calls_is_refused(tmp_path, use):
     path = fake_nccl(tmp_path, 23007, whole=False)
     use(path)
-    with pytest.raises(md.InvalidArgumentError, match=rf"\(NCCL 2\.30\.7\) lacks ncclGetUniqueId, ncclCommInitRank, "
+    with pytest.raises(md.InvalidArgumentError, match=r"\(NCCL 2\.30\.7\) lacks ncclGetUniqueId, ncclCommInitRank, "
                                                       "ncclAllReduce, ncclCommDestroy, ncclGetErrorString"):
         nccl_library.load()
 

@@ -46,8 +46,9 @@ def check_usable(info: BufferInfo) -> None:
     """Refuse, with the reason, a buffer NCCL cannot reduce here."""
     if not info.is_cuda:
         raise InvalidArgumentError(f"algorithm='nccl' reduces GPU buffers only; this buffer is on {info.device}")
-    if bindings() is None:
-        raise InvalidArgumentError(f"algorithm='nccl' needs NCCL: {nccl_library.problem()}")
+    problem = nccl_library.problem()
+    if problem is not None:
+        raise InvalidArgumentError(f"algorithm='nccl' needs NCCL: {problem}")
     if info.dtype not in NCCL_DTYPES:
         raise InvalidArgumentError(f"algorithm='nccl': NCCL has no {info.dtype}")
 
