@@ -4,9 +4,11 @@ MPIDIST_RANKS_PER_NODE), the refusals of a forced lane, and the lane route's ste
 memory standing in for the device window's (the GPU runs them in `make gpu-check`), against the
 float64 NumPy reference."""
 import itertools
+import json
 
 import numpy as np
 import pytest
+from conftest import run_python
 from mpi4py import MPI
 from test_nccl_library import fake_nccl
 
@@ -148,3 +150,15 @@ def test_the_lane_route_reduces(mpi_ranks, lane, op, monkeypatch):
     finally:
         comm.free()
     assert lanes_run[-1:] == (["destroyed"] if lane == "nccl" and has_lane else [])
+
+
+def test_info_names_the_nccl_and_the_lane(tmp_path):
+    """`mpidist info` on 2 emulated nodes of one rank: the NCCL found (the fake's version and path)
+    and the lane it would take: NCCL, every rank having it (one rank a node needs no device window)."""
+    path = fake_nccl(tmp_path, 23007)
+    result = run_python("from mpidist.cli import main; raise SystemExit(main(['info', '--json']))", ranks=2,
+                        env={"MPIDIST_RANKS_PER_NODE": "1", "MPIDIST_NCCL_LIBRARY": path})
+    assert result.returncode == 0, result.stderr
+    facts = json.loads(result.stdout)
+    assert facts["nccl"] == f"2.30.7 ({path})"
+    assert facts["gpu_lane_between_nodes"] == "nccl (auto)"
