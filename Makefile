@@ -188,6 +188,37 @@ test-cuda-mpi: install
 		print(facts['mpi_library'], '|', facts['cuda_aware_mpi'], '|', facts['cuda_aware_mpi_how'])"
 	$(CUDA_MPI_ENV) $(PY) -m pytest tests/test_point_to_point.py tests/test_collectives.py -k 'not never_joins' $(PYTEST_ARGS)
 
+# A small NCCL that travels with the working tree to a GPU machine (docs/gpu.md), for the NCCL
+# route and lane (MPIDIST_NCCL_LIBRARY=$(NCCL)/lib/libnccl.so.2): built from an NCCL source
+# checkout (NCCL_SRC, 2.30 or newer: two ranks on one GPU need NCCL_MULTI_RANK_GPU_ENABLE) for one
+# GPU architecture and only the kernels mpidist's NCCL paths and their comparison call, which
+# keeps the library a small fraction of a full build's size and its build within reach of 2 cores.
+# The shared library only (no static archive, no tools), as one real file under its soname, stripped.
+.PHONY: nccl
+NCCL ?= .nccl
+NCCL_SRC ?=
+NCCL_CUDA ?= /usr/local/cuda
+NCCL_GENCODE ?= -gencode=arch=compute_90,code=sm_90
+NCCL_ONLY_FUNCS ?= AllReduce Sum f32 * *|AllReduce Sum bf16 * *|AllGather * *|ReduceScatter Sum f32 * *
+NCCL_BUILD := $(abspath build/nccl-build)
+nccl: $(NCCL)/lib/libnccl.so.2
+
+$(NCCL)/lib/libnccl.so.2:
+	test -n "$(NCCL_SRC)" -a -f "$(NCCL_SRC)/makefiles/version.mk" || { echo "nccl: NCCL_SRC='$(NCCL_SRC)' is not an NCCL source checkout (make nccl NCCL_SRC=/path/to/nccl)" >&2; exit 1; }
+	minor=$$(sed -n 's/^NCCL_MINOR *:= *//p' $(NCCL_SRC)/makefiles/version.mk); \
+	major=$$(sed -n 's/^NCCL_MAJOR *:= *//p' $(NCCL_SRC)/makefiles/version.mk); \
+	test "$$major" -gt 2 -o \( "$$major" -eq 2 -a "$$minor" -ge 30 \) || { echo "nccl: $(NCCL_SRC) is NCCL $$major.$$minor; 2.30 or newer is needed" >&2; exit 1; }
+	test -f $(NCCL_CUDA)/include/cuda.h || { echo "nccl: no CUDA headers in $(NCCL_CUDA)" >&2; exit 1; }
+	rm -rf $(NCCL_BUILD) $(NCCL)
+	$(MAKE) -C $(NCCL_SRC) src.lib BUILDDIR=$(NCCL_BUILD) CUDA_HOME=$(NCCL_CUDA) \
+		NVCC_GENCODE="$(NCCL_GENCODE)" ONLY_FUNCS="$(NCCL_ONLY_FUNCS)" > $(abspath build)/nccl-make.log 2>&1 \
+		|| { tail -30 $(abspath build)/nccl-make.log >&2; exit 1; }
+	mkdir -p $(NCCL)/lib $(NCCL)/include
+	cp $$(readlink -f $(NCCL_BUILD)/lib/libnccl.so.2) $(NCCL)/lib/libnccl.so.2
+	cp $(NCCL_BUILD)/include/nccl.h $(NCCL)/include/
+	strip --strip-unneeded $(NCCL)/lib/libnccl.so.2
+	ls -l $(NCCL)/lib/libnccl.so.2 && du -h $(NCCL)/lib/libnccl.so.2
+
 # The documentation site (mkdocs.yml, docs/) built into site/, in a venv of its own (the build
 # needs neither torch nor MPI). --strict turns every warning (a broken link or anchor, a page
 # left out of the nav) into a failure.

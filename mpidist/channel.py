@@ -58,6 +58,8 @@ class Channel(abc.ABC):
     until that algorithm makes it over node_communicators().
     device_window: the node windows in GPU memory of CUDA buffers (collectives/device_window.py),
     None until a collective of one makes them.
+    lane_window, gpu_lane: CUDA buffers' hierarchical all-reduce across nodes in GPU memory and the
+    (lane, why) between nodes it was agreed to take (collectives/gpu_lane.py), None until then.
     fast_path_scratch: float32 room for small float16/bfloat16 all-reduces (collectives/fastpath.py).
     nccl_comm: NCCL's communicator of algorithm="nccl" (collectives/nccl.py), made at its first call.
     The channel frees the windows with itself (free_windows).
@@ -78,6 +80,7 @@ class Channel(abc.ABC):
         self.staging = buffers.HostStaging()
         self.node_window = None
         self.device_window = None
+        self.lane_window = self.gpu_lane = None
         self.fast_path_scratch = None
         self.nccl_comm = None
 
@@ -92,12 +95,12 @@ class Channel(abc.ABC):
 
     def free_windows(self) -> None:
         """Free the shared windows the collectives made on this channel (collective over it)."""
-        for window in (self.node_window, self.device_window):
+        for window in (self.node_window, self.device_window, self.lane_window):
             if window is not None:
                 window.free()
-        self.node_window = self.device_window = None
+        self.node_window = self.device_window = self.lane_window = None
 
     def forget_windows(self) -> None:
         """Drop the windows without freeing them: the channel lost a rank, so no collective can
         run on it; the memory goes at MPI_Finalize."""
-        self.node_window = self.device_window = None
+        self.node_window = self.device_window = self.lane_window = None

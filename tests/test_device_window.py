@@ -63,9 +63,10 @@ def test_nccl_refuses_a_cpu_buffer():
         resolve_algorithm("nccl", CPU_BUFFER, channel())
 
 
-def test_nccl_refuses_where_cupy_has_no_nccl(monkeypatch):
-    monkeypatch.setattr(nccl, "bindings", lambda: None)
-    with pytest.raises(md.InvalidArgumentError, match=r"needs NCCL through CuPy \(cupy.cuda.nccl\)"):
+def test_nccl_refuses_where_there_is_no_nccl(monkeypatch):
+    monkeypatch.setenv("MPIDIST_NCCL_LIBRARY", "/nonexistent/libnccl.so.2")
+    with pytest.raises(md.InvalidArgumentError, match="algorithm='nccl' needs NCCL: the NCCL library "
+                                                      "/nonexistent/libnccl.so.2 does not exist"):
         resolve_algorithm("nccl", CUDA_BUFFER, channel())
 
 

@@ -12,8 +12,8 @@ ROUTES = ("staged", "cuda-aware")  # "route:<algorithm>" names of --device cuda
 
 def cuda_algorithms(comm) -> list:
     """--device cuda's default rows: the device window, the staged route of the same algorithm, the
-    ring through a CUDA-aware MPI where the library is one, NCCL where CuPy has it, and the bound
-    (other routes by name: --algorithms staged:ring,...)."""
+    ring through a CUDA-aware MPI where the library is one, NCCL where it loads
+    (runtime/nccl_library.py), and the bound (other routes by name: --algorithms staged:ring,...)."""
     from ..collectives import nccl
     algorithms = ["hierarchical", "staged:hierarchical"]
     if comm.is_cuda_aware():

@@ -29,8 +29,10 @@ def collect(comm) -> dict:
     import mpidist._C as ext
 
     from ..collectives import ALGORITHMS
+    from ..collectives.gpu_lane import describe_lane
     from ..launch import detect, gpu_for_local_rank
     from ..runtime.cuda_aware import library_support
+    from ..runtime.nccl_library import describe as describe_nccl
 
     names = ("numpy", "mpi4py", "torch", "h5py", "cupy", "tqdm")
     launch = detect()
@@ -51,6 +53,8 @@ def collect(comm) -> dict:
         "cuda_aware_mpi_how": f"{cuda.how}; to change it, {cuda.turned_off}" if cuda.turned_off else cuda.how,
         "extension_built_with_cuda": bool(ext.built_with_cuda),
         "cuda_devices_visible": _cuda_devices(ext),
+        "nccl": describe_nccl(),  # its version and path, or why none (MPIDIST_NCCL_LIBRARY)
+        "gpu_lane_between_nodes": describe_lane(comm, gpu_for_local_rank(launch) or 0),
         "launcher": launch.launcher,
         "gpu_per_rank": comm.mpi.allgather(gpu_for_local_rank(launch)),
         "ranks": comm.size,

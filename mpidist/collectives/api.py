@@ -18,7 +18,7 @@ from ..errors import InvalidArgumentError, MpidistError
 from ..runtime.deadlines import wait_for_collective
 from ..runtime.mpi import MPI
 from ..runtime.tracing import traced
-from . import device_window
+from . import device_window, gpu_lane
 from .broadcast import broadcast as broadcast_algorithm
 from .callcheck import (
     BARRIER_SIGNATURE,
@@ -92,7 +92,8 @@ def _run_allreduce(comm, array, info, op, algorithm, source_info=None, shape=Non
 def _reduce_in_place(comm, array, info, op, name):
     """All-reduce `array` with the algorithm `name`, once the ranks have agreed on the call."""
     if info.is_cuda:
-        if name == "hierarchical" and device_window.allreduce(comm, array, info, op):
+        if name == "hierarchical" and (device_window.allreduce(comm, array, info, op)
+                                       or gpu_lane.allreduce(comm, array, info, op)):
             return
         if name in DEVICE_MEMORY_ALGORITHMS:
             buffers.synchronize(array, info)

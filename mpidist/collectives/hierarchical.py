@@ -22,7 +22,9 @@ lanes share the node's link, so a node sends what a single leader would, but ove
 connections driven by as many processes: one process alone, polling TCP between its reductions,
 drove a 500 Mbit/s link at about half its rate on a busy host (docs/multinode.md).
 
-The window is kept per channel and grown when a larger message comes.
+The window is kept per channel and grown when a larger message comes. CUDA buffers across nodes
+take the same steps in a window of GPU memory where gpu_lane.py chooses the NCCL or CUDA-aware
+MPI lane (its `lane` runs slice k between the nodes), else this one in host memory on a staged copy.
 """
 from __future__ import annotations
 
@@ -45,12 +47,19 @@ class HierarchicalWindow(NodeWindow):
     local rank 0 also holds a result region. With several nodes it also names this rank's lane
     across them (lane_comm: None for a rank beyond the lanes), which the channel owns."""
 
-    def __init__(self, groups: NodeGroups, spans_nodes: bool, one_shot_bytes: int):
+    def __init__(self, groups: NodeGroups, spans_nodes: bool, one_shot_bytes: int, memory=None):
         node_comm = groups.node
-        super().__init__(node_comm, HostMemory(node_comm), alternates=not spans_nodes and node_comm.Get_size() > 2,
+        memory = HostMemory(node_comm) if memory is None else memory
+        super().__init__(node_comm, memory, alternates=not spans_nodes and node_comm.Get_size() > 2,
                          result_region=spans_nodes, one_shot_bytes=one_shot_bytes)
         self.spans_nodes = spans_nodes
         self.lanes, self.lane_comm = groups.lanes, groups.lane
+        self.device = getattr(memory, "device", "cpu")  # where the result region's slices are
+
+    def across(self, ctx: Context, info: BufferInfo) -> None:
+        """All-reduce this lane's slice `info` with the other nodes (a window of GPU memory runs
+        its own lane: gpu_lane.py)."""
+        across_nodes(ctx, self.lane_comm, info)
 
 
 def node_window(ctx: Context) -> HierarchicalWindow:
@@ -104,7 +113,7 @@ def hierarchical_allreduce(ctx: Context) -> None:
         return
     window = node_window(ctx)
     if window.local_size == 1:
-        across_nodes(ctx, window.lane_comm, info)  # one rank per node: nothing to share
+        window.across(ctx, info)  # one rank per node: nothing to share
         return
     if window.spans_nodes:
         reduce_across_nodes(ctx, window)
@@ -121,6 +130,7 @@ def reduce_across_nodes(ctx: Context, window: HierarchicalWindow) -> None:
     if window.lane_comm is not None:
         offset, count = split_counts(info.count, window.lanes)[window.local_rank]
         if count:
-            lane_slice = BufferInfo(window.result + offset * info.itemsize, count, info.dtype, "cpu", "numpy")
-            across_nodes(ctx, window.lane_comm, lane_slice)
+            lane_slice = BufferInfo(window.result + offset * info.itemsize, count, info.dtype, window.device,
+                                    info.kind)
+            window.across(ctx, lane_slice)
     copy_result_out(window, info)

@@ -47,7 +47,7 @@ import ctypes
 import os
 import typing
 
-from .. import _C, kernels
+from .. import _C
 from ..buffers import ITEMSIZE, BufferInfo
 from ..runtime.deadlines import deadline_error, wait_in_collective
 from ..runtime.mpi import load_mpi
@@ -409,7 +409,8 @@ def reduce_into_result_region(window: NodeWindow, info: BufferInfo, op: str, lan
     offset, count = split_counts(info.count, window.local_size)[window.local_rank]
     if count:
         start = offset * info.itemsize
-        kernels.reduce_many_ptr(window.result + start, [slot + start for slot in slots], count, info.dtype, op)
+        window.memory.reduce_and_publish(window.result + start, [slot + start for slot in slots],
+                                         count * info.itemsize, info.dtype, op, 1.0, [])
     if lanes < window.local_size:
         window.sync()
 
