@@ -12,8 +12,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpidist.parallel.ps.policy import Policy, gradients_per_update
-from mpidist.parallel.ps.protocol import Command
+from mpidist.parallel.ps.policy import Kind, Policy, gradients_per_update
 
 LR, FEATURES = 0.05, 3
 
@@ -92,8 +91,7 @@ class Simulation:
         self.take(self.policy.died(worker))
 
     def take(self, decisions):
-        carry_out = {Command.APPLY: self.apply, Command.ANSWER: self.answer, Command.DROP: self.drop,
-                     Command.LOST: self.check_lost}
+        carry_out = {Kind.APPLY: self.apply, Kind.ANSWER: self.answer, Kind.DROP: self.drop, Kind.LOST: self.check_lost}
         for decision in decisions:
             carry_out[decision.kind](decision)
 

@@ -12,76 +12,75 @@ from mpi4py import MPI
 from ...runtime import wire
 from ...runtime.deadlines import wait_until
 from . import survival
-from .policy import Policy
-from .protocol import Command, Push, Tag
+from .policy import Kind, Policy
+from .protocol import Command, DiedHeader, DoneHeader, FailedHeader, Order, PullHeader, Tag, decode_push, order_of
 from .roles import ServerRole
-from .server import answer_pull, apply, command, drop, receive_gradient_rows, send_weights, stop
+from .server import answer_pull, apply, command, drop, receive_gradient, send_weights, stop
 
 
 def coordinate(role: ServerRole, history: list, on_update) -> list:
     """Serve until every worker has closed; returns the sends still going."""
-    rules, mpi, who = role.settings, role.endpoint.mpi, role.endpoint.who
+    rules, mpi = role.settings, role.endpoint.mpi
     policy = Policy(rules.workers, rules.per_update, rules.max_staleness, rules.staleness_lr, rules.backup_workers,
                     role.version)
     receives = {w: wire.Incoming(mpi, w, Tag.PUSH) for w in rules.workers}
     # The other servers send the coordinator nothing but the failure of their update.
     role.failures = {s: wire.Incoming(mpi, s, Tag.PUSH) for s in rules.servers[1:]}
-    gradients = {}  # worker -> (its gradient, its step, its version), waiting for an update
+    gradients = {}  # worker -> its server.Gradient, waiting for an update
     sends = []
     started = time.time()
     while not policy.finished:
         worker = next_message(role, receives)
         incoming = receives.get(worker) or role.failures[worker]
-        kind, step, version = incoming.fields[:3]
+        header = decode_push(incoming.fields)
         decisions = []
-        if kind in (Push.DONE, Push.DIED):
+        if isinstance(header, (DoneHeader, DiedHeader)):
             del receives[worker]
-            decisions = policy.done(worker) if kind == Push.DONE else policy.died(worker)
+            decisions = policy.done(worker) if isinstance(header, DoneHeader) else policy.died(worker)
             gradients.pop(worker, None)
-        elif kind == Push.FAILED:
+        elif isinstance(header, FailedHeader):
             stop(role, worker, incoming, sends)
-        elif kind == Push.PULL:
-            sends += take_pull(role, worker, incoming, receives)
+        elif isinstance(header, PullHeader):
+            sends += take_pull(role, worker, incoming, header, receives)
         else:
-            gradient = rest_of_message(role, worker, receives, lambda: (role.codec.decode(incoming.receive_payload(
-                who, f"the gradient of worker {worker}", f"worker {worker}")), receive_gradient_rows(role, worker)))
+            gradient = rest_of_message(role, worker, receives, lambda: receive_gradient(role, worker, incoming))
             if gradient is None:
                 continue
-            role.stopping |= bool(incoming.fields[3])  # the worker asks every worker to stop
+            role.stopping |= bool(header.stop)  # the worker asks every worker to stop
             receives[worker] = wire.Incoming(mpi, worker, Tag.PUSH)
-            gradients[worker] = (gradient, step, version)
-            decisions = policy.gradient(worker, step, version)
+            gradients[worker] = gradient
+            decisions = policy.gradient(*gradient.stamp)
         for decision in decisions:
             sends += carry_out(role, decision, gradients, history, on_update, started)
         sends = survival.pending(role, sends)
-    return sends + command(role, Command.FINISH, [])
+    return sends + command(role, Order(Command.FINISH))
 
 
 def carry_out(role: ServerRole, decision, gradients: dict, history: list, on_update, started: float) -> list:
     """Do one decision of the policy here and command it to the other servers."""
     worker = decision.workers[0]
-    sends = command(role, decision.kind, list(decision.workers) if decision.kind != Command.LOST
-                    else [worker, decision.steps])
-    if decision.kind == Command.APPLY:
-        history.append(apply(role, {w: gradients.pop(w) for w in decision.workers}, decision.update, on_update))
-    elif decision.kind == Command.DROP:
+    sends = command(role, order_of(decision))
+    if decision.kind == Kind.APPLY:
+        arrived = [gradients.pop(stamp.worker) for stamp in decision.update.gradients]
+        history.append(apply(role, arrived, decision.update, on_update))
+    elif decision.kind == Kind.DROP:
         gradients.pop(worker)
-        drop(role, *decision.dropped)
-    elif decision.kind == Command.ANSWER:
+        drop(role, decision.dropped)
+    elif decision.kind == Kind.ANSWER:
         sends.append(send_weights(role, worker))
     else:
         survival.report(role, worker, decision.steps, started)
     return sends
 
 
-def take_pull(role: ServerRole, worker: int, incoming: wire.Incoming, receives: dict) -> list:
+def take_pull(role: ServerRole, worker: int, incoming: wire.Incoming, header: PullHeader, receives: dict) -> list:
     """Answer a worker's pull of rows, and command the other servers to answer it too."""
     pull = rest_of_message(role, worker, receives, lambda: incoming.receive_payload(
         role.endpoint.who, f"the rows worker {worker} pulls", f"worker {worker}"))
     if pull is None:
         return []
     receives[worker] = wire.Incoming(role.endpoint.mpi, worker, Tag.PUSH)
-    return command(role, Command.ANSWER_PULL, [worker]) + answer_pull(role, worker, pull, incoming.fields)
+    return command(role, Order(Command.ANSWER_PULL, (worker,))) + answer_pull(role, worker, pull, header)
 
 
 def next_message(role: ServerRole, receives: dict) -> int:
@@ -109,7 +108,7 @@ def next_message(role: ServerRole, receives: dict) -> int:
     except Exception as error:
         died = survival.dead_workers(role, error, receives)
         for worker in died:
-            receives[worker] = survival.Death(Push.DIED)
+            receives[worker] = survival.Death()
         return died[0]
     return found[0]
 
@@ -123,5 +122,5 @@ def rest_of_message(role: ServerRole, worker: int, receives: dict, receive):
         return receive()
     except Exception as error:
         for dead in survival.dead_workers(role, error, [worker]):
-            receives[dead] = survival.Death(Push.DIED)
+            receives[dead] = survival.Death()
         return None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ...runtime import wire
 from . import survival
-from .protocol import Command, Tag
+from .protocol import Command, Tag, decode_order, decode_push
 from .roles import ServerRole
 from .server import answer_pull, apply_received, drop, receive_gradient, send_weights, stop
 
@@ -16,26 +16,25 @@ def follow(role: ServerRole, history: list, on_update) -> list:
     mpi, who, sends, late = role.endpoint.mpi, role.endpoint.who, [], []
     coordinator = f"the coordinating server (rank {role.settings.coordinator})"
     while True:
-        workers, (kind,) = wire.receive(mpi, role.settings.coordinator, Tag.COMMAND, who,
-                                        "the coordinator's next command", coordinator)
-        workers = workers.tolist()
-        if kind == Command.FINISH:
+        order = decode_order(*wire.receive(mpi, role.settings.coordinator, Tag.COMMAND, who,
+                                           "the coordinator's next command", coordinator))
+        worker = order.workers[0] if order.workers else None
+        if order.command == Command.FINISH:
             return sends
-        if kind == Command.ANSWER:
-            sends.append(send_weights(role, workers[0]))
-        elif kind == Command.ANSWER_PULL:
-            pull, fields = wire.receive(mpi, workers[0], Tag.PUSH, who, f"the rows worker {workers[0]} pulls",
-                                        f"worker {workers[0]}")
-            sends += answer_pull(role, workers[0], pull, fields)
-        elif kind == Command.FAIL:
-            stop(role, workers[0], wire.Incoming(mpi, workers[0], Tag.PUSH), sends)
-        elif kind == Command.LOST:
-            survival.report(role, *workers, started=0.0)
-        elif kind == Command.DROP:
-            _, step, version = receive_gradient(role, workers[0])
-            late.append(drop(role, workers[0], step, version))
+        if order.command == Command.ANSWER:
+            sends.append(send_weights(role, worker))
+        elif order.command == Command.ANSWER_PULL:
+            pull, fields = wire.receive(mpi, worker, Tag.PUSH, who, f"the rows worker {worker} pulls",
+                                        f"worker {worker}")
+            sends += answer_pull(role, worker, pull, decode_push(fields))
+        elif order.command == Command.FAIL:
+            stop(role, worker, wire.Incoming(mpi, worker, Tag.PUSH), sends)
+        elif order.command == Command.LOST:
+            survival.report(role, worker, order.steps, started=0.0)
+        elif order.command == Command.DROP:
+            late.append(drop(role, receive_gradient(role, worker).stamp))
         else:
-            arrived = {w: receive_gradient(role, w) for w in workers}
+            arrived = [receive_gradient(role, w) for w in order.workers]
             history.append(apply_received(role, arrived, tuple(late), on_update))
             late = []
         sends = survival.pending(role, sends)

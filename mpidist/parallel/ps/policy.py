@@ -3,8 +3,9 @@ dropped, when each worker gets its weights back, and each update's learning-rate
 no tensors: events go in (a worker's gradient arrived, with its step and the version of the
 weights it was computed on; a worker closed; a worker died), decisions come out (APPLY these
 workers' gradients, ANSWER this worker with the current weights, DROP this late gradient, LOST
-this dead worker), in the order the servers carry them out. The coordinating server
-(coordinator.py) feeds it the messages it receives and tells the other servers its decisions.
+this dead worker), in the order the servers carry them out, each of the policy's own Kind. The
+coordinating server (coordinator.py) feeds it the messages it receives and tells the other
+servers its decisions (protocol.order_of makes them commands).
 
 Update rules (Zhang et al., "Staleness-Aware Async-SGD for Distributed Deep Learning", IJCAI
 2016; Ho et al., "More Effective Distributed ML via a Stale Synchronous Parallel Parameter
@@ -29,20 +30,36 @@ own last gradient.
 from __future__ import annotations
 
 import dataclasses
-
-from .protocol import Command
+import enum
+from typing import NamedTuple
 
 MODES = ("sync", "async", "softsync")
+
+
+class Kind(enum.Enum):
+    """What a decision has the servers do (see Decision)."""
+    APPLY = "apply"
+    ANSWER = "answer"
+    DROP = "drop"
+    LOST = "lost"
+
+
+class Stamp(NamedTuple):
+    """A gradient as the policy knows it: its `worker` (rank), the worker's `step` (the
+    gradients it pushed before this one) and the `version` of the weights it was computed on."""
+    worker: int
+    step: int
+    version: int
 
 
 @dataclasses.dataclass(frozen=True)
 class Update:
     """One update the server applied. `version`: the number of updates applied with this one.
-    `gradients`: (worker rank, the worker's step, the version its weights had) for each gradient
-    averaged, in the order summed (by worker rank). `staleness`: their mean staleness.
+    `gradients`: the Stamp (worker rank, the worker's step, the version its weights had) of each
+    gradient averaged, in the order summed (by worker rank). `staleness`: their mean staleness.
     `lr_scale`: what the learning rate was multiplied by (1 / staleness with staleness_lr).
-    `dropped`: the late gradients (worker, step, version) dropped since the update before
-    (backup workers)."""
+    `dropped`: the Stamp of each late gradient dropped since the update before (backup
+    workers)."""
     version: int
     gradients: tuple
     staleness: float
@@ -53,12 +70,12 @@ class Update:
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """What the servers do next: `kind` (APPLY, ANSWER, DROP or LOST) for `workers`. APPLY
-    carries its `update`; DROP the late gradient (worker, step, version); LOST the gradients the
-    dead worker had pushed (`steps`)."""
-    kind: Command
+    carries its `update`; DROP the late gradient's Stamp (`dropped`); LOST the gradients the dead
+    worker had pushed (`steps`)."""
+    kind: Kind
     workers: tuple
     update: Update | None = None
-    dropped: tuple = ()
+    dropped: Stamp | None = None
     steps: int = 0
 
 
@@ -71,8 +88,8 @@ def gradients_per_update(mode: str, workers: int, softsync, backup_workers: int 
 
 
 def make_update(version: int, gradients: tuple, dropped: tuple, staleness_lr: bool) -> Update:
-    """The update after `version` that averages `gradients` ((worker, step, version) each)."""
-    staleness = sum(version - seen for _, _, seen in gradients) / len(gradients)
+    """The update after `version` that averages `gradients` (a Stamp each)."""
+    staleness = sum(version - gradient.version for gradient in gradients) / len(gradients)
     lr_scale = 1.0 / max(1.0, staleness) if staleness_lr else 1.0
     return Update(version + 1, tuple(gradients), staleness, lr_scale, tuple(dropped))
 
@@ -86,18 +103,19 @@ class Policy:
         self.backup_workers, self.version = backup_workers, version
         self.pushed = dict.fromkeys(workers, 0)  # gradients each worker pushed
         self.active = set(workers)  # the workers still training
-        self.arrived = {}  # worker -> (its step, its version): gradients waiting for an update
+        self.arrived = {}  # worker -> the Stamp of its gradient waiting for an update
         self.owed = set()  # workers whose gradient is applied (or dropped), waiting for their weights
         self.late = []  # gradients dropped since the last update
 
     def gradient(self, worker: int, step: int, version: int) -> list:
         """A worker's gradient arrived, computed on weights of `version`."""
         self.pushed[worker] += 1
+        stamp = Stamp(worker, step, version)
         if self.backup_workers and version < self.version:  # a straggler's, for an update already applied
-            self.late.append((worker, step, version))
+            self.late.append(stamp)
             self.owed.add(worker)
-            return [Decision(Command.DROP, (worker,), dropped=self.late[-1])] + self._decide()
-        self.arrived[worker] = (step, version)
+            return [Decision(Kind.DROP, (worker,), dropped=stamp)] + self._decide()
+        self.arrived[worker] = stamp
         return self._decide()
 
     def done(self, worker: int) -> list:
@@ -110,7 +128,7 @@ class Policy:
         self.active.discard(worker)
         self.arrived.pop(worker, None)
         self.owed.discard(worker)
-        return [Decision(Command.LOST, (worker,), steps=self.pushed[worker])] + self._decide()
+        return [Decision(Kind.LOST, (worker,), steps=self.pushed[worker])] + self._decide()
 
     @property
     def finished(self) -> bool:
@@ -126,14 +144,14 @@ class Policy:
         decisions = []
         if self.arrived and (len(self.arrived) >= self.per_update or self.active <= set(self.arrived) | self.owed):
             order = sorted(self.arrived)  # by worker rank: the same sum whatever order they arrived in
-            update = make_update(self.version, tuple((w, *self.arrived[w]) for w in order), tuple(self.late),
+            update = make_update(self.version, tuple(self.arrived[w] for w in order), tuple(self.late),
                                  self.staleness_lr)
-            decisions.append(Decision(Command.APPLY, tuple(order), update=update))
+            decisions.append(Decision(Kind.APPLY, tuple(order), update=update))
             self.version = update.version
             self.owed |= set(order)
             self.arrived, self.late = {}, []
         for waiting in sorted(self.owed):
             if self.may_start(waiting):
                 self.owed.discard(waiting)
-                decisions.append(Decision(Command.ANSWER, (waiting,)))
+                decisions.append(Decision(Kind.ANSWER, (waiting,)))
         return decisions

@@ -2,8 +2,11 @@
 worker's gradient, apply an update to its range, answer a worker with its range of the weights
 or the rows it pulls, and stop the parameter server on a failure. Functions of the server's
 ServerRole (roles.py: the agreed settings, the model, the endpoint and the server's own state).
+A worker's gradient, as a server holds it until an update takes it, is a Gradient.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -11,15 +14,49 @@ from ...runtime import wire
 from ...runtime.deadlines import wait_until
 from . import sparse
 from .model import Model
-from .policy import Update, make_update
-from .protocol import FAILURES, UPDATE_FAILED, Command, Push, Sent, Tag, text, words
+from .policy import Stamp, Update, make_update
+from .protocol import (
+    FAILURES,
+    UPDATE_FAILED,
+    Command,
+    FailedHeader,
+    FailureReply,
+    Order,
+    PullHeader,
+    RowsReply,
+    Tag,
+    WeightsReply,
+    decode_push,
+    encode_order,
+    encode_push,
+    encode_reply,
+    text,
+    words,
+)
 from .roles import Role, ServerRole
 
 
-def command(role: ServerRole, kind: Command, workers: list) -> list:
-    """Start sending a command (the workers it concerns) to every other server."""
-    payload = torch.tensor(workers, dtype=torch.int64)
-    return [wire.send(role.endpoint.mpi, payload, follower, Tag.COMMAND, fields=(kind,))
+@dataclasses.dataclass(frozen=True)
+class Gradient:
+    """A worker's gradient as a server received it: its `worker`, `step` and the `version` of
+    the weights it was computed on (as its PushHeader said), this server's range of its dense
+    part (`dense`, decoded) and the sparse.Rows of each table in this server's row ranges."""
+    worker: int
+    step: int
+    version: int
+    dense: torch.Tensor
+    rows: list
+
+    @property
+    def stamp(self) -> Stamp:
+        """The gradient as the update policy knows it."""
+        return Stamp(self.worker, self.step, self.version)
+
+
+def command(role: ServerRole, order: Order) -> list:
+    """Start sending a command to every other server."""
+    payload, fields = encode_order(order)
+    return [wire.send(role.endpoint.mpi, payload, follower, Tag.COMMAND, fields=fields)
             for follower in role.settings.servers[1:]]
 
 
@@ -31,39 +68,39 @@ def send_weights(role: ServerRole, worker: int) -> wire.Outgoing:
         weights = role.owned.weights() if role.owned is not None else role.model.flat(role.model.params)
         role.sent_weights = (role.version, weights)
     return wire.send(role.endpoint.mpi, role.sent_weights[1], worker, Tag.REPLY,
-                     fields=(role.version, Sent.WEIGHTS, role.stopping))
+                     fields=encode_reply(WeightsReply(role.version, int(role.stopping))))
 
 
 def send_table_ranges(role: ServerRole, rank: int, tag: int) -> list:
     """Start sending this server's row range of every table (the final weights)."""
     return [wire.send(role.endpoint.mpi, table.weight.detach()[slice(*table.row_range(role.index))], rank, tag,
-                      fields=(role.version, Sent.ROWS)) for table in role.model.tables]
+                      fields=encode_reply(RowsReply(role.version))) for table in role.model.tables]
 
 
-def receive_gradient(role: ServerRole, worker: int) -> tuple:
-    dense, (_, step, version, _) = wire.receive(role.endpoint.mpi, worker, Tag.PUSH, role.endpoint.who,
-                                                f"the gradient of worker {worker}", f"worker {worker}")
-    return (role.codec.decode(dense), receive_gradient_rows(role, worker)), step, version
-
-
-def receive_gradient_rows(role: ServerRole, worker: int) -> list:
-    """[(indices, rows)] of each table's gradient in this server's row ranges, as sent after
-    the dense range."""
-    parts = []
+def receive_gradient(role: ServerRole, worker: int, incoming: wire.Incoming | None = None) -> Gradient:
+    """The gradient of `worker`: its header from `incoming` (come already) or, when None,
+    received here; then its dense range and the rows of each table, as sent after it."""
+    who, what, silent = role.endpoint.who, f"the gradient of worker {worker}", f"worker {worker}"
+    if incoming is None:
+        incoming = wire.Incoming(role.endpoint.mpi, worker, Tag.PUSH)
+        incoming.wait(who, what, silent)
+    header = decode_push(incoming.fields)
+    dense = role.codec.decode(incoming.receive_payload(who, what, silent))
+    rows = []
     for table in role.model.tables:
-        what, silent = f"the gradient rows of {table.name} from worker {worker}", f"worker {worker}"
-        indices, _ = wire.receive(role.endpoint.mpi, worker, Tag.SPARSE, role.endpoint.who, what, silent)
-        rows, _ = wire.receive(role.endpoint.mpi, worker, Tag.SPARSE, role.endpoint.who, what, silent)
-        parts.append((indices, rows))
-    return parts
+        what = f"the gradient rows of {table.name} from worker {worker}"
+        indices, _ = wire.receive(role.endpoint.mpi, worker, Tag.SPARSE, who, what, silent)
+        values, _ = wire.receive(role.endpoint.mpi, worker, Tag.SPARSE, who, what, silent)
+        rows.append(sparse.Rows(indices, values))
+    return Gradient(worker, header.step, header.version, dense, rows)
 
 
-def receive_from_server(role: ServerRole, other: int, tag: int, what: str) -> tuple:
-    """(tensor, fields) of another server's message with `tag`; on the coordinator, should
+def receive_from_server(role: ServerRole, other: int, tag: int, what: str) -> torch.Tensor:
+    """The tensor of another server's message with `tag`; on the coordinator, should
     that server's update fail first, its failure stops the parameter server instead."""
     mpi, who = role.endpoint.mpi, role.endpoint.who
     if not role.coordinating:
-        return wire.receive(mpi, other, tag, who, what, f"server {other}")
+        return wire.receive(mpi, other, tag, who, what, f"server {other}")[0]
     incoming = wire.Incoming(mpi, other, tag)
     failure = role.failures[other]
     # Get_status leaves a failure that came with the message for the next wait to find.
@@ -72,35 +109,33 @@ def receive_from_server(role: ServerRole, other: int, tag: int, what: str) -> tu
     if not incoming.request.Test():
         incoming.request.Cancel()
         stop(role, other, failure, [])
-    return incoming.receive_payload(who, what, f"server {other}"), incoming.fields
+    return incoming.receive_payload(who, what, f"server {other}")
 
 
-def answer_pull(role: ServerRole, worker: int, pull: torch.Tensor, fields: tuple) -> list:
+def answer_pull(role: ServerRole, worker: int, pull: torch.Tensor, header: PullHeader) -> list:
     """Start sending the rows a worker pulls, of the current version, and this server's range
     of the dense weights too when the worker's are older."""
-    _, index, version = fields
-    rows = role.model.tables[index].weight.detach()[pull]
-    sends = [wire.send(role.endpoint.mpi, rows, worker, Tag.REPLY, fields=(role.version, Sent.ROWS))]
-    if version != role.version:
+    rows = role.model.tables[header.table].weight.detach()[pull]
+    sends = [wire.send(role.endpoint.mpi, rows, worker, Tag.REPLY, fields=encode_reply(RowsReply(role.version)))]
+    if header.version != role.version:
         sends.append(send_weights(role, worker))
     return sends
 
 
-def apply(role: ServerRole, arrived: dict, update: Update, on_update) -> Update:
-    """Apply `update`: the mean of the gradients `arrived` (worker -> (gradient, step,
-    version)) to this server's range, then on_update."""
-    order = [worker for worker, _, _ in update.gradients]
-    total = arrived[order[0]][0][0].clone()
-    for worker in order[1:]:
-        total += arrived[worker][0][0]
-    total /= len(order)
+def apply(role: ServerRole, arrived: list, update: Update, on_update) -> Update:
+    """Apply `update`: the mean of the gradients `arrived` (a Gradient each, in the order of
+    update.gradients) to this server's range, then on_update."""
+    total = arrived[0].dense.clone()
+    for gradient in arrived[1:]:
+        total += gradient.dense
+    total /= len(arrived)
     owned, tables = role.owned, role.model.tables
     for index, table in enumerate(tables):
-        gradient = sparse.mean_gradient(table, [arrived[w][0][1][index] for w in order], len(order))
+        mean = sparse.mean_gradient(table, [gradient.rows[index] for gradient in arrived], len(arrived))
         if owned is not None:
-            owned.set_table_gradient(table.weight, gradient)
+            owned.set_table_gradient(table.weight, mean)
         else:
-            table.weight.grad = gradient
+            table.weight.grad = mean
     try:
         with sparse.invariants_checked():
             if owned is not None:
@@ -120,9 +155,10 @@ def apply(role: ServerRole, arrived: dict, update: Update, on_update) -> Update:
     return update
 
 
-def apply_received(role: ServerRole, arrived: dict, dropped: tuple, on_update) -> Update:
-    """A follower's update: the gradients `arrived` as the coordinator commanded."""
-    gradients = tuple((w, arrived[w][1], arrived[w][2]) for w in sorted(arrived))
+def apply_received(role: ServerRole, arrived: list, dropped: tuple, on_update) -> Update:
+    """A follower's update: the gradients `arrived` (a Gradient each), in the coordinator's
+    order (by worker rank), as it commanded."""
+    gradients = tuple(gradient.stamp for gradient in arrived)
     return apply(role, arrived, make_update(role.version, gradients, dropped, role.settings.staleness_lr), on_update)
 
 
@@ -145,9 +181,9 @@ def step_whole(model: Model, gradient: torch.Tensor, lr_scale: float) -> None:
         param.grad = None
 
 
-def drop(role: ServerRole, worker: int, step: int, version: int) -> tuple:
-    role.dropped.append((worker, step, version))
-    return role.dropped[-1]
+def drop(role: ServerRole, stamp: Stamp) -> Stamp:
+    role.dropped.append(stamp)
+    return stamp
 
 
 def stop(role: ServerRole, rank: int, incoming: wire.Incoming, sends: list):
@@ -158,10 +194,10 @@ def stop(role: ServerRole, rank: int, incoming: wire.Incoming, sends: list):
     silent = f"{'server' if rank in role.settings.servers else 'worker'} {rank}"
     incoming.wait(who, f"the failure of {silent}", silent)
     said = incoming.receive_payload(who, f"the failure of {silent}", silent)
-    _, code, _ = incoming.fields
+    code = decode_push(incoming.fields).code
     if role.coordinating:
-        sends += command(role, Command.FAIL, [rank])
-        sends += [wire.send(mpi, said, other, Tag.REPLY, fields=(role.version, Sent.FAILURE, code, rank))
+        sends += command(role, Order(Command.FAIL, (rank,)))
+        sends += [wire.send(mpi, said, other, Tag.REPLY, fields=encode_reply(FailureReply(role.version, code, rank)))
                   for other in role.settings.workers if other != rank]
         for outgoing in sends:
             outgoing.wait(who, f"the message sent to rank {outgoing.dest}", f"rank {outgoing.dest}")
@@ -179,12 +215,12 @@ def server_failed(role: ServerRole, error: Exception):
     servers and every worker (in place of its next reply), then raises `error`."""
     mpi, rank, servers = role.endpoint.mpi, role.endpoint.rank, role.settings.servers
     said = words(f"its update {role.version + 1} raised {type(error).__name__}: {error}")
-    sends = command(role, Command.FAIL, [rank]) if role.coordinating else []
-    sends += [wire.send(mpi, said, other, Tag.PUSH, fields=(Push.FAILED, UPDATE_FAILED, role.version))
-              for other in servers if other != rank]
+    sends = command(role, Order(Command.FAIL, (rank,))) if role.coordinating else []
+    failed = encode_push(FailedHeader(UPDATE_FAILED, role.version))
+    sends += [wire.send(mpi, said, other, Tag.PUSH, fields=failed) for other in servers if other != rank]
     # In place of this server's next reply to each worker (which may wait for it alone).
-    sends += [wire.send(mpi, said, worker, Tag.REPLY, fields=(role.version, Sent.FAILURE, UPDATE_FAILED, rank))
-              for worker in role.settings.workers]
+    failure_reply = encode_reply(FailureReply(role.version, UPDATE_FAILED, rank))
+    sends += [wire.send(mpi, said, worker, Tag.REPLY, fields=failure_reply) for worker in role.settings.workers]
     for outgoing in sends:
         outgoing.wait(role.endpoint.who, f"the failure sent to rank {outgoing.dest}", f"rank {outgoing.dest}")
     raise error

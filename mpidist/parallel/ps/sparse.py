@@ -8,6 +8,7 @@ apply one.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
@@ -43,6 +44,13 @@ class Table:
         return list(zip(cuts[:-1], cuts[1:]))
 
 
+class Rows(NamedTuple):
+    """Rows of a table's gradient: their `indices` (sorted, unique) and the summed gradient
+    `values` of each."""
+    indices: torch.Tensor
+    values: torch.Tensor
+
+
 def find_tables(module: torch.nn.Module, servers: int, sparse_embeddings: bool) -> list:
     """The Table of every embedding weight that goes by rows: nn.Embedding and nn.EmbeddingBag
     with sparse=True, and with sparse_embeddings=True the dense ones too."""
@@ -55,15 +63,14 @@ def find_tables(module: torch.nn.Module, servers: int, sparse_embeddings: bool) 
     return tables
 
 
-def gradient_rows(table: Table, pulled) -> tuple:
-    """(unique row indices, their summed gradient rows) of a worker's gradient of `table`, the
-    indices sorted; `pulled` the rows the worker pulled in this step (None: none). A sparse
-    gradient gives its own rows (as torch's optimizers see them); a dense one the pulled rows.
-    Raises InvalidArgumentError for a gradient on rows that were not pulled."""
+def gradient_rows(table: Table, pulled) -> Rows:
+    """The Rows of a worker's gradient of `table`; `pulled` the rows the worker pulled in this
+    step (None: none). A sparse gradient gives its own rows (as torch's optimizers see them); a
+    dense one the pulled rows. Raises InvalidArgumentError for a gradient on rows that were not pulled."""
     grad = table.weight.grad
     pulled = torch.empty(0, dtype=torch.int64) if pulled is None else pulled
     if grad is None:
-        return torch.empty(0, dtype=torch.int64), torch.empty((0, *table.weight.shape[1:]), dtype=table.weight.dtype)
+        return Rows(torch.empty(0, dtype=torch.int64), torch.empty((0, *table.weight.shape[1:]), dtype=table.weight.dtype))
     grad = grad.detach().cpu()
     if grad.is_sparse:
         grad = grad.coalesce()
@@ -76,15 +83,15 @@ def gradient_rows(table: Table, pulled) -> tuple:
         raise InvalidArgumentError(f"the gradient of the sparse table {table.name} has rows that were not pulled "
                                    f"in this step (rows {outside[:8].tolist()}): call pull_rows(module, ids) with "
                                    "every id of the batch before the forward pass")
-    return indices.contiguous(), values.contiguous()
+    return Rows(indices.contiguous(), values.contiguous())
 
 
 def mean_gradient(table: Table, parts: list, count: int) -> torch.Tensor:
-    """The torch sparse gradient of `table` holding the workers' rows `parts` ([(indices,
-    values)], in the order summed) divided by `count`, the number of gradients averaged: rows
+    """The torch sparse gradient of `table` holding the workers' rows `parts` (their Rows, in
+    the order summed) divided by `count`, the number of gradients averaged: rows
     several workers sent are summed, as torch sums the rows of one sparse gradient."""
-    indices = torch.cat([index for index, _ in parts]) if parts else torch.empty(0, dtype=torch.int64)
-    values = torch.cat([value for _, value in parts]) if parts else \
+    indices = torch.cat([part.indices for part in parts]) if parts else torch.empty(0, dtype=torch.int64)
+    values = torch.cat([part.values for part in parts]) if parts else \
         torch.empty((0, *table.weight.shape[1:]), dtype=table.weight.dtype)
     # Checked (the indices against the table's rows: one pass over them) and coalesced here, once:
     # an optimizer that needs unique rows (Adagrad) finds them so.

@@ -30,9 +30,9 @@ def share_final_weights(role: ServerRole) -> list:
     for index, (other, (low, high)) in enumerate(zip(servers, role.settings.ranges)):
         if other != role.endpoint.rank:
             what = f"the final weights of server {other}"
-            weights[low:high], _ = receive_from_server(role, other, Tag.SHARE, what)
+            weights[low:high] = receive_from_server(role, other, Tag.SHARE, what)
             for table in model.tables:
-                rows, _ = receive_from_server(role, other, Tag.SHARE, what)
+                rows = receive_from_server(role, other, Tag.SHARE, what)
                 with torch.no_grad():
                     table.weight[slice(*table.row_range(index))] = rows.to(table.weight.device)
     model.load(weights)
@@ -54,15 +54,15 @@ def gather(role: ServerRole, weights: bool) -> list:
     for other, (low, high) in zip(servers[1:], ranges[1:]):
         what = f"the state of server {other}"
         if weights:
-            flat[low:high], _ = receive_from_server(role, other, Tag.STATE, what)
+            flat[low:high] = receive_from_server(role, other, Tag.STATE, what)
             for table in model.tables:
-                rows, _ = receive_from_server(role, other, Tag.STATE, what)
+                rows = receive_from_server(role, other, Tag.STATE, what)
                 with torch.no_grad():
                     table.weight[slice(*table.row_range(servers.index(other)))] = rows.to(table.weight.device)
-        said, _ = receive_from_server(role, other, Tag.STATE, what)
+        said = receive_from_server(role, other, Tag.STATE, what)
         contents = json.loads(text(said))
         count = sum(spread is not None for *_, named in contents for spread, _ in named.values())
-        tensors = [receive_from_server(role, other, Tag.STATE, what)[0] for _ in range(count)]
+        tensors = [receive_from_server(role, other, Tag.STATE, what) for _ in range(count)]
         pieces += [(optimizer, position, tuple(span),
                     {name: (bool(spread), value if spread is None else tensors[value])
                      for name, (spread, value) in named.items()})

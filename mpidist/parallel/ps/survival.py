@@ -40,6 +40,7 @@ import time
 from ...errors import RankDiedError
 from ...runtime import losses
 from ...runtime.mpi import failed_ranks, fault_tolerant, is_process_failure
+from .protocol import DiedHeader, encode_push
 from .roles import Role, ServerRole
 
 # How long a rank whose call failed on a revoked communicator waits to hear which rank died.
@@ -57,10 +58,8 @@ class Lost:
 
 class Death:
     """Stands in the coordinator's pending receives for a worker that died; its fields, as a
-    message's, say so (kind, step, version)."""
-
-    def __init__(self, kind: int):
-        self.fields = (kind, -1, -1)
+    message's, say so (those of a DiedHeader)."""
+    fields = encode_push(DiedHeader())
 
 
 def dead_workers(role: ServerRole, error: BaseException, waited_for) -> list:

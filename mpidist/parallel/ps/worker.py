@@ -10,7 +10,19 @@ import torch
 from ...errors import InvalidArgumentError, MismatchError
 from ...runtime import wire
 from . import sparse
-from .protocol import FAILURES, Push, Sent, Tag, words
+from .protocol import (
+    FAILURES,
+    DoneHeader,
+    FailedHeader,
+    FailureReply,
+    PullHeader,
+    PushHeader,
+    Tag,
+    WeightsReply,
+    decode_reply,
+    encode_push,
+    words,
+)
 from .roles import WorkerRole
 from .server import failure
 
@@ -56,9 +68,9 @@ def pull(role: WorkerRole, index: int, ids: torch.Tensor) -> bool:
     """Pull rows `ids` (sorted) of table `index`, each server its part, into the table; True
     when they came with newer weights (loaded too)."""
     table, mpi = role.model.tables[index], role.endpoint.mpi
-    outgoing = []
+    outgoing, header = [], encode_push(PullHeader(index, role.version))
     for server, (low, high) in zip(role.settings.servers, table.split(ids)):
-        outgoing.append(wire.send(mpi, ids[low:high], server, Tag.PUSH, fields=(Push.PULL, index, role.version)))
+        outgoing.append(wire.send(mpi, ids[low:high], server, Tag.PUSH, fields=header))
         role.bytes_pushed += (high - low) * ids.element_size()
     parts, version = receive_replies(role, f"the rows of {table.name} from the server")
     moved = version != role.version
@@ -82,13 +94,13 @@ def step(role: WorkerRole) -> None:
         fail(role, error)
     gradient = model.flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in model.params])
     outgoing = []
-    header = (Push.GRADIENT, role.steps, role.version, role.stop_asked)
+    header = encode_push(PushHeader(role.steps, role.version, int(role.stop_asked)))
     for position, (server, (start, end)) in enumerate(zip(role.settings.servers, role.settings.ranges)):
         parts = [role.codecs[position].encode(gradient[start:end])]
         outgoing.append(wire.send(mpi, parts[0], server, Tag.PUSH, fields=header))
-        for table, (indices, values) in zip(model.tables, rows):
-            low, high = table.split(indices)[position]
-            parts += [indices[low:high], values[low:high]]
+        for table, table_rows in zip(model.tables, rows):
+            low, high = table.split(table_rows.indices)[position]
+            parts += [table_rows.indices[low:high], table_rows.values[low:high]]
             outgoing += [wire.send(mpi, part, server, Tag.SPARSE) for part in parts[-2:]]
         role.bytes_pushed += sum(part.numel() * part.element_size() for part in parts)
     receive_weights(role)
@@ -104,7 +116,7 @@ def close(role: WorkerRole, receive_weights) -> None:
     check_worker(role, "close()")
     mpi, coordinator = role.endpoint.mpi, role.settings.coordinator
     nothing = torch.empty(0, dtype=role.model.dtype)
-    outgoing = wire.send(mpi, nothing, coordinator, Tag.PUSH, fields=(Push.DONE, role.steps, role.version))
+    outgoing = wire.send(mpi, nothing, coordinator, Tag.PUSH, fields=encode_push(DoneHeader(role.steps, role.version)))
     receive_weights()
     for table in role.model.tables:
         parts, _ = receive_replies(role, f"the final rows of {table.name} from the server")
@@ -119,8 +131,8 @@ def fail(role: WorkerRole, error: Exception):
     """Stop the parameter server on bad input: tell every server (the coordinator tells the
     other workers), then raise `error` here."""
     said = words(str(error))
-    code = FAILURES.index(type(error))
-    for sent in [wire.send(role.endpoint.mpi, said, server, Tag.PUSH, fields=(Push.FAILED, code, role.version))
+    header = encode_push(FailedHeader(FAILURES.index(type(error)), role.version))
+    for sent in [wire.send(role.endpoint.mpi, said, server, Tag.PUSH, fields=header)
                  for server in role.settings.servers]:
         sent.wait(role.endpoint.who, "the failure sent to the server", f"the server (rank {sent.dest})")
     role.closed = True
@@ -145,14 +157,15 @@ def receive_replies(role: WorkerRole, what: str) -> tuple:
         silent = f"the server (rank {reply.source})"
         reply.wait(who, what, silent)
         parts.append(reply.receive_payload(who, what, silent))
-        if reply.fields[1] == Sent.FAILURE:
+        header = decode_reply(reply.fields)
+        if isinstance(header, FailureReply):
             for pending in incoming[position + 1:]:
                 pending.request.Cancel()
             role.closed = True
-            raise failure(role, parts[-1], *reply.fields[2:])
-        versions.append(reply.fields[0])
-        if reply.source == role.settings.coordinator and reply.fields[1] == Sent.WEIGHTS:
-            role.stopping |= bool(reply.fields[2])
+            raise failure(role, parts[-1], header.code, header.rank)
+        versions.append(header.version)
+        if reply.source == role.settings.coordinator and isinstance(header, WeightsReply):
+            role.stopping |= bool(header.stopping)
         role.bytes_pulled += parts[-1].numel() * parts[-1].element_size()
     if len(set(versions)) > 1:
         raise MismatchError(f"{who}: the servers {servers} sent weights of versions {versions}; "
