@@ -166,16 +166,26 @@ class DeviceWindows:
             if self.refusal is not None:
                 return None
             self.window = NodeWindow(node, DeviceMemory(node, info.device_index), alternates=node.Get_size() > 2)
-        if info.device_index != self.window.memory.device_index:
-            raise InvalidArgumentError(
-                f"this communicator's device window is on cuda:{self.window.memory.device_index}, the buffer on "
-                f"{info.device}: a rank's GPU buffers must all be on one GPU")
+        check_gpu(channel, info)
         return self.window
 
     def free(self) -> None:
         if self.window is not None:
             self.window.free()
             self.window = None
+
+
+def check_gpu(channel, info: BufferInfo) -> None:
+    """Refuse CUDA buffer `info` where it lies on another GPU than `channel`'s device window (made
+    on this rank's GPU at the window's first use). The collectives call it before the call check,
+    which shares the refusal (callcheck.share_refusal): the other ranks raise with this one
+    instead of waiting for it in the window's first round."""
+    windows = channel.device_window
+    window = None if windows is None else windows.window
+    if info.is_cuda and window is not None and info.device_index != window.memory.device_index:
+        raise InvalidArgumentError(
+            f"rank {channel.rank}'s buffer is on {info.device}, this communicator's device window on that rank on "
+            f"cuda:{window.memory.device_index}: a rank's GPU buffers must all be on one GPU")
 
 
 def keep_off(channel, reason: str) -> None:
