@@ -16,6 +16,8 @@ this module gives it DeviceMemory and decides where it is used.
   peer that sees the flag reads finished data. The flags stay in host shared memory: the rounds and
   the deadline naming a silent local rank are the host window's (tested on CPU by
   tests/test_node_window.py, with memory that defers its work until settle() as a stream does).
+  This module's own code runs on CPU in tests/test_device_window_standin.py, with CuPy, CUDA
+  IPC and the CUDA kernels stood in for in host memory.
 
 Where: all-reduce with algorithm "hierarchical" (what `auto` picks for CUDA buffers when the
 communicator is one node, unless MPIDIST_DEVICE_WINDOW=0), broadcast, allgather and reduce-scatter
