@@ -81,12 +81,25 @@ def _run_allreduce(comm, array, info, op, algorithm, source_info=None, shape=Non
     except MpidistError:
         share_refusal(comm)
         raise
+    if name == "hierarchical":
+        _check_gpu(comm, info)
     if comm.check_calls:
         check_same_call(comm, mpi, signature("allreduce", info, op, name, row_shape=shape), shape)
     if source_info is not None:
         copy_buffer(info, source_info)
     _reduce_in_place(comm, array, info, op, name)
     return array
+
+
+def _check_gpu(comm, info):
+    """A CUDA buffer on another GPU than this rank's device window is refused before the call
+    check, and the refusal shared there: the other ranks would otherwise enter the window and
+    wait for this rank until MPIDIST_TIMEOUT."""
+    try:
+        device_window.check_gpu(comm, info)
+    except MpidistError:
+        share_refusal(comm)
+        raise
 
 
 def _reduce_in_place(comm, array, info, op, name):
@@ -127,6 +140,7 @@ def _check_broadcast(comm, array, root):
 
 @traced("mpidist.broadcast", "BROADCAST")
 def _broadcast(comm, array, info, root):
+    _check_gpu(comm, info)
     check_same_call(comm, comm.mpi, signature("broadcast", info, root=root))
     if device_window.broadcast(comm, array, info, root):
         return array
@@ -153,6 +167,7 @@ def _allgather(comm, array, info):
     rows = shape[0] if shape else 1
     fields, row_shape = _allgather_signature("allgather", array, info)
     row_elements = int(np.prod(row_shape)) if row_shape else 1
+    _check_gpu(comm, info)
     check_same_call(comm, comm.mpi, fields, row_shape)
     all_rows = np.empty(comm.size, dtype=np.int64)
     comm.mpi.Allgather([np.array([rows], dtype=np.int64), MPI.INT64_T], [all_rows, MPI.INT64_T])
@@ -196,6 +211,7 @@ def _reduce_scatter(comm, array, info, op):
     shape = tuple(array.shape)
     rows = shape[0] if shape else 1
     row_elements = info.count // rows if rows else 0
+    _check_gpu(comm, info)
     check_same_call(comm, comm.mpi, *_reduce_scatter_signature("reduce_scatter", array, info, op))
     chunks = [(o * row_elements, c * row_elements) for o, c in split_counts(rows, comm.size)]
     my_rows = split_counts(rows, comm.size)[comm.rank][1]

@@ -16,6 +16,8 @@ this module gives it DeviceMemory and decides where it is used.
   peer that sees the flag reads finished data. The flags stay in host shared memory: the rounds and
   the deadline naming a silent local rank are the host window's (tested on CPU by
   tests/test_node_window.py, with memory that defers its work until settle() as a stream does).
+  This module's own code runs on CPU in tests/test_device_window_standin.py, with CuPy, CUDA
+  IPC and the CUDA kernels stood in for in host memory.
 
 Where: all-reduce with algorithm "hierarchical" (what `auto` picks for CUDA buffers when the
 communicator is one node, unless MPIDIST_DEVICE_WINDOW=0), broadcast, allgather and reduce-scatter
@@ -166,16 +168,26 @@ class DeviceWindows:
             if self.refusal is not None:
                 return None
             self.window = NodeWindow(node, DeviceMemory(node, info.device_index), alternates=node.Get_size() > 2)
-        if info.device_index != self.window.memory.device_index:
-            raise InvalidArgumentError(
-                f"this communicator's device window is on cuda:{self.window.memory.device_index}, the buffer on "
-                f"{info.device}: a rank's GPU buffers must all be on one GPU")
+        check_gpu(channel, info)
         return self.window
 
     def free(self) -> None:
         if self.window is not None:
             self.window.free()
             self.window = None
+
+
+def check_gpu(channel, info: BufferInfo) -> None:
+    """Refuse CUDA buffer `info` where it lies on another GPU than `channel`'s device window (made
+    on this rank's GPU at the window's first use). The collectives call it before the call check,
+    which shares the refusal (callcheck.share_refusal): the other ranks raise with this one
+    instead of waiting for it in the window's first round."""
+    windows = channel.device_window
+    window = None if windows is None else windows.window
+    if info.is_cuda and window is not None and info.device_index != window.memory.device_index:
+        raise InvalidArgumentError(
+            f"rank {channel.rank}'s buffer is on {info.device}, this communicator's device window on that rank on "
+            f"cuda:{window.memory.device_index}: a rank's GPU buffers must all be on one GPU")
 
 
 def keep_off(channel, reason: str) -> None:
