@@ -214,7 +214,9 @@ def test_async_collectives_on_one_node_run_at_once(mpi_world, monkeypatch):
     for name, (group, at_once) in groups.items():
         tensor, rows = values(rank, (50,)), [torch.empty(3, dtype=torch.float64) for _ in range(size)]
         if not at_once and rank == 1:
-            time.sleep(0.2)  # rank 0's collectives wait for this rank on its background thread
+            # The others' collectives wait for this rank on their background threads. The pause is
+            # long enough that, on a loaded machine, the others check their handles within it.
+            time.sleep(1.0)
         works = [dist.all_reduce(tensor, group=group, async_op=True),
                  dist.all_gather(rows, values(rank, (3,), seed=1), group=group, async_op=True)]
         if at_once:
