@@ -64,7 +64,9 @@ import sys
 import tempfile
 import time
 
-from fault_evidence import (
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling modules, however it is run
+
+from fault_evidence import (  # noqa: E402
     accuracy_of,
     final_weights,
     first_line,
@@ -78,10 +80,10 @@ from fault_evidence import (
     training_seconds,
     work_done,
 )
-from fault_launch import HERE, launch, nodes_up
-from fault_references import accuracy_verdict, digits_test_size, elastic_replay, reference
-from fault_report import append_record, read_records, write_reports
-from fault_scenarios import SCENARIOS, draw, is_ps
+from fault_launch import HERE, launch, nodes_up  # noqa: E402
+from fault_references import accuracy_verdict, digits_test_size, elastic_replay, reference  # noqa: E402
+from fault_report import append_record, read_records, write_reports  # noqa: E402
+from fault_scenarios import SCENARIOS, draw, is_ps  # noqa: E402
 
 REPLAY_TOLERANCE = 1e-4  # elastic: float32 training against the float64 replay, relative to the weights
 

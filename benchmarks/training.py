@@ -47,6 +47,7 @@ The command exits 1 if a check fails.
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Open MPI busy-polls while a request is pending. Where a rank has two busy threads (the
@@ -57,11 +58,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # environment turns it off. Other MPI libraries ignore the variable.
 os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling modules, however it is run
+
 import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
