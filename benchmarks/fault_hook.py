@@ -16,7 +16,7 @@ place), ranks (a signal to every rank, as SLURM sends SIGTERM at a time limit), 
 emulated nodes of tests/multinode/cluster.sh, where each rank runs in its node's network
 namespace: link-down (its node's link, eth0, set down) and link-loss (a packet filter on its
 node's link dropping a drawn share of the packets in and out). The campaign restores the link
-(benchmarks/faults.py, restore_link): a rank cannot be trusted to, since the fault may end it.
+(benchmarks/fault_launch.py, restore_link): a rank cannot be trusted to, since the fault may end it.
 Kill, stop, launcher, ranks and the link faults fire a drawn fraction of the phase's usual
 length after the phase begins; the phase in progress then is what the record says (fault.json).
 
@@ -36,7 +36,7 @@ import threading
 import time
 
 RANK = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
-LOG_DIR = os.environ.get("FAULT_DIR", "")  # set by benchmarks/faults.py (which imports LINK from here)
+LOG_DIR = os.environ.get("FAULT_DIR", "")  # set by benchmarks/fault_launch.py (which imports LINK from here)
 SPEC = json.loads(os.environ.get("FAULT_SPEC", "null"))
 VICTIM = SPEC is not None and SPEC["rank"] == RANK
 
@@ -136,7 +136,7 @@ class PhaseLog:
 
 
 LINK = "eth0"  # an emulated node's one interface (tests/multinode/cluster.sh)
-LOSS_TABLE = "mpidist_fault"  # the packet filter's table, which benchmarks/faults.py deletes
+LOSS_TABLE = "mpidist_fault"  # the packet filter's table, which benchmarks/fault_launch.py deletes
 
 
 def loss_rules(percent: int) -> str:
@@ -203,13 +203,9 @@ def with_final_weights_saved(evaluate):
     return save_and_evaluate
 
 
-def install(log: PhaseLog) -> None:
-    """Wraps the training step, the checkpoint writes and the elastic commits of `mpidist train`
-    with the phase log; records the elastic batches, restored state and final weights."""
+def logged_train_batch(log: PhaseLog):
+    """train.train_batch, with its forward, backward and apply phases logged and the step counted."""
     import torch
-
-    import mpidist.cli.train as train
-    import mpidist.cli.train_ps as train_ps
 
     def train_batch(model, optimizer, apply, x, y):
         log.step += 1
@@ -226,36 +222,33 @@ def install(log: PhaseLog) -> None:
         log.leave("apply", started)
         log.enter("done")
         return output, loss.item()
+    return train_batch
 
-    def logged(save):
-        def save_checkpoint(*args, **kwargs):
-            started = log.enter("checkpoint")
-            try:
-                return save(*args, **kwargs)
-            finally:
-                log.leave("checkpoint", started)
-                log.enter("checkpoint-done")
-        return save_checkpoint
 
-    def logged_commit(commit):
-        def commit_and_log(state):
-            commit(state)
-            log.enter("commit")
-        return commit_and_log
+def logged_save(save, log: PhaseLog):
+    """A save_checkpoint whose write is the phase "checkpoint", marked "checkpoint-done" when it ends."""
+    def save_checkpoint(*args, **kwargs):
+        started = log.enter("checkpoint")
+        try:
+            return save(*args, **kwargs)
+        finally:
+            log.leave("checkpoint", started)
+            log.enter("checkpoint-done")
+    return save_checkpoint
 
-    import mpidist as md
-    md.elastic.State.commit = logged_commit(md.elastic.State.commit)
-    batches = open(os.path.join(LOG_DIR, f"batches-{RANK}.log"), "a", buffering=1)  # noqa: SIM115
-    md.elastic.ElasticSampler.record_batch = logged_batch(md.elastic.ElasticSampler.record_batch, batches)
-    md.elastic.run = with_restored_state_saved(md.elastic.run, batches)
-    train.evaluate = with_final_weights_saved(train.evaluate)
-    train.train_batch = train_batch
-    train.save_checkpoint = logged(train.save_checkpoint)
-    train_ps.save_checkpoint = logged(train_ps.save_checkpoint)
-    serve = md.ParameterServer.serve
 
-    def logged_serve(ps, on_update=None):
-        """The server's updates as its steps: phase "update" runs from one update to the next."""
+def logged_commit(commit, log: PhaseLog):
+    """md.elastic.State.commit, with each commit marked in the log."""
+    def commit_and_log(state):
+        commit(state)
+        log.enter("commit")
+    return commit_and_log
+
+
+def logged_serve(serve, log: PhaseLog):
+    """ParameterServer.serve, with the server's updates as its steps: phase "update" runs from
+    one update to the next."""
+    def serve_and_log(ps, on_update=None):
         started = [log.enter("update")]
 
         def logged_update(update):
@@ -265,8 +258,25 @@ def install(log: PhaseLog) -> None:
                 on_update(update)
             started[0] = log.enter("update")
         return serve(ps, on_update=logged_update)
+    return serve_and_log
 
-    md.ParameterServer.serve = logged_serve
+
+def install(log: PhaseLog) -> None:
+    """Wraps the training step, the checkpoint writes and the elastic commits of `mpidist train`
+    with the phase log; records the elastic batches, restored state and final weights."""
+    import mpidist as md
+    import mpidist.cli.train as train
+    import mpidist.cli.train_ps as train_ps
+
+    md.elastic.State.commit = logged_commit(md.elastic.State.commit, log)
+    batches = open(os.path.join(LOG_DIR, f"batches-{RANK}.log"), "a", buffering=1)  # noqa: SIM115
+    md.elastic.ElasticSampler.record_batch = logged_batch(md.elastic.ElasticSampler.record_batch, batches)
+    md.elastic.run = with_restored_state_saved(md.elastic.run, batches)
+    train.evaluate = with_final_weights_saved(train.evaluate)
+    train.train_batch = logged_train_batch(log)
+    train.save_checkpoint = logged_save(train.save_checkpoint, log)
+    train_ps.save_checkpoint = logged_save(train_ps.save_checkpoint, log)
+    md.ParameterServer.serve = logged_serve(md.ParameterServer.serve, log)
     backup = int(os.environ.get("FAULT_BACKUP_WORKERS", "0"))
     if backup:  # `mpidist train` has no option for backup workers: its sync mode gets them here
         import functools

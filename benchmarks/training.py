@@ -47,6 +47,7 @@ The command exits 1 if a check fails.
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Open MPI busy-polls while a request is pending. Where a rank has two busy threads (the
@@ -57,15 +58,24 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # environment turns it off. Other MPI libraries ignore the variable.
 os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling modules, however it is run
+
 import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from training_candidates import (  # noqa: E402
+    Candidate,
+    DDPCandidate,
+    LocalCandidate,
+    LockstepCandidate,
+    MpidistCandidate,
+    SingleCandidate,
+)
 
 ROW_KEYS = ("candidate", "bucket_mb", "gradient_as_bucket_view", "ranks", "batch_per_rank", "params", "layers",
             "steps", "rounds",
@@ -110,138 +120,6 @@ def sleeping_barrier(comm) -> None:
         time.sleep(0.0005)
 
 
-# ---- candidates ---------------------------------------------------------------------------------
-
-class Candidate:
-    name = ""
-    bucket_mb = None
-    views = False  # gradient_as_bucket_view
-
-    def __init__(self, sizes, seed):
-        torch.manual_seed(seed)
-        self.model = build_model(sizes)
-        self.loss = torch.nn.CrossEntropyLoss()
-        self.phases = []  # per measured step: (forward, backward, wait, optimizer, comm, hidden) s
-
-    def train_step(self, x, y, record: bool) -> None:
-        t0 = time.perf_counter()
-        loss = self.loss(self.wrapped(x), y)
-        t1 = time.perf_counter()
-        self.backward(loss)
-        t2 = time.perf_counter()
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-        t3 = time.perf_counter()
-        if record:
-            self.phases.append(self.breakdown(t0, t1, t2, t3))
-
-    def backward(self, loss) -> None:
-        loss.backward()
-
-    def breakdown(self, t0, t1, t2, t3):
-        return (t1 - t0, t2 - t1, 0.0, t3 - t2, 0.0, 0.0)
-
-    def parameters_flat(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
-
-    def close(self):
-        pass
-
-
-class MpidistCandidate(Candidate):
-    def __init__(self, sizes, seed, comm, bucket_mb, views=False):
-        super().__init__(sizes, seed)
-        import mpidist as md
-        self.name, self.bucket_mb, self.views = "mpidist", bucket_mb, views
-        self.wrapped = md.DataParallel(self.model, comm=comm, bucket_mb=bucket_mb, gradient_as_bucket_view=views)
-        self.optimizer = torch.optim.SGD(self.wrapped.parameters(), lr=LR)
-        self.buckets = len(self.wrapped.buckets.buckets)
-        self.waits = []
-        self._instrument()
-
-    def _instrument(self):
-        """Timestamps of GradientBuckets.wait (through an instance attribute; the class is
-        untouched) and of each bucket's all-reduce (GradientBuckets.trace)."""
-        buckets = self.wrapped.buckets
-        plain_wait = buckets.wait
-
-        def timed_wait():
-            start = time.perf_counter()
-            try:
-                plain_wait()
-            finally:
-                self.waits.append((start, time.perf_counter()))
-
-        buckets.wait = timed_wait
-        self.spans = buckets.trace = []
-
-    def train_step(self, x, y, record: bool) -> None:
-        self.waits.clear()
-        self.spans.clear()
-        super().train_step(x, y, record)
-
-    def breakdown(self, t0, t1, t2, t3):
-        (wait_start, wait_end), = self.waits
-        wait = wait_end - wait_start
-        comm = sum(end - start for start, end in self.spans)
-        hidden = sum(max(0.0, min(end, wait_start) - start) for start, end in self.spans)
-        return (t1 - t0, t2 - t1 - wait, wait, t3 - t2, comm, hidden)
-
-
-class DDPCandidate(Candidate):
-    name = "ddp"
-
-    def __init__(self, sizes, seed, views=False):
-        super().__init__(sizes, seed)
-        self.views = views
-        self.wrapped = torch.nn.parallel.DistributedDataParallel(self.model, gradient_as_bucket_view=views)
-        self.optimizer = torch.optim.SGD(self.wrapped.parameters(), lr=LR)
-        self.buckets = None
-
-
-class LocalCandidate(Candidate):
-    """Every rank trains its own copy on its own batches with no communication at all: the
-    throughput the ranks reach together on this machine, the ceiling of any data parallelism."""
-    name = "local"
-
-    def __init__(self, sizes, seed):
-        super().__init__(sizes, seed)
-        self.wrapped = self.model
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LR)
-        self.buckets = None
-
-
-class LockstepCandidate(LocalCandidate):
-    """`local` plus one synchronization of the ranks after each backward, and no data moved:
-    the ceiling of any synchronous data parallelism, which runs every step at the pace of the
-    slowest rank. The ranks meet through a one-element all-reduce in the shared slots, polled
-    and napping as DataParallel's buckets wait (all ranks on one node)."""
-    name = "lockstep"
-
-    def __init__(self, sizes, seed, comm):
-        super().__init__(sizes, seed)
-        from mpidist.collectives.node_buckets import NodeSlots
-        self.flag = np.zeros(1, dtype=np.float32)
-        self.slots = NodeSlots(comm.node_comm, [self.flag.nbytes])
-
-    def backward(self, loss) -> None:
-        loss.backward()
-        start = time.perf_counter()
-        self.slots.start(0, [self.flag], "sum").wait()
-        self.wait = time.perf_counter() - start
-
-    def breakdown(self, t0, t1, t2, t3):
-        return (t1 - t0, t2 - t1 - self.wait, self.wait, t3 - t2, 0.0, 0.0)
-
-    def close(self):
-        self.slots.free()
-
-
-class SingleCandidate(LocalCandidate):
-    """The same plain training, run by rank 0 alone (measure() lets the other ranks wait)."""
-    name = "single"
-
-
 # ---- the measurement ----------------------------------------------------------------------------
 
 def run_steps(candidate, comm, pool, first: int, count: int, record: bool) -> float:
@@ -283,97 +161,136 @@ def ranks_agree(comm, candidate) -> bool:
     return bool((low == high).all())
 
 
-def measure(comm, args) -> list[dict]:
-    from mpi4py import MPI
+class Lineup:
+    """The candidates of one run, in the order they are measured and reported: the mpidist ones,
+    DDP (per gradient_as_bucket_view setting), then the references that exchange no gradients
+    (local, lockstep where all ranks share one node, single)."""
 
+    def __init__(self, sizes, comm, args):
+        def model():  # the same initial weights for every candidate
+            torch.manual_seed(args.seed)
+            return build_model(sizes)
+
+        settings = (False, True) if args.views else (False,)
+        self.candidates = [MpidistCandidate(model(), LR, comm, mb, views) for views in settings for mb in args.buckets]
+        self.ddps = {views: DDPCandidate(model(), LR, views) for views in settings}
+        self.single = SingleCandidate(model(), LR)
+        self.local = LocalCandidate(model(), LR)
+        self.references = [self.local, self.single]
+        if comm.local_size == comm.size:
+            self.references.insert(1, LockstepCandidate(model(), LR, comm))
+        self.candidates += list(self.ddps.values()) + self.references
+
+
+def measure(comm, args) -> list[dict]:
     from mpidist.cli.bench import Gloo
 
     sizes = layer_sizes(parse_count(args.params), args.depth)
     gloo = Gloo(comm)
     try:
-        settings = (False, True) if args.views else (False,)
-        candidates = [MpidistCandidate(sizes, args.seed, comm, mb, views) for views in settings for mb in args.buckets]
-        ddps = {views: DDPCandidate(sizes, args.seed, views) for views in settings}
-        ddp = ddps[False]
-        single = SingleCandidate(sizes, args.seed)
-        local = LocalCandidate(sizes, args.seed)
-        references = [local, single]
-        if comm.local_size == comm.size:
-            references.insert(1, LockstepCandidate(sizes, args.seed, comm))
-        candidates += list(ddps.values()) + references
-        params = sum(p.numel() for p in single.model.parameters())
+        lineup = Lineup(sizes, comm, args)
+        params = sum(p.numel() for p in lineup.single.model.parameters())
         pool = make_pool(sizes, args.batch, args.seed, comm.rank)
         single_pool = make_pool(sizes, args.batch, args.seed, 0)
         if comm.rank == 0:
             print(f"# {comm.size} ranks, MLP {'-'.join(map(str, sizes))} ({params:,} parameters), "
                   f"batch {args.batch} per rank, {args.rounds} rounds x {args.steps} steps, "
                   f"warmup {args.warmup}", flush=True)
-        for candidate in candidates:
-            run_steps(candidate, comm, single_pool if candidate is single else pool, 0, args.warmup, False)
-        elapsed = np.full((args.rounds, len(candidates)), np.nan)
-        for round_index in range(args.rounds):
-            order = list(range(len(candidates)))
-            shift = round_index % len(order)
-            for index in order[shift:] + order[:shift]:
-                candidate = candidates[index]
-                first = args.warmup + round_index * args.steps
-                elapsed[round_index, index] = run_steps(
-                    candidate, comm, single_pool if candidate is single else pool, first, args.steps, True)
-        slowest = np.empty_like(elapsed)
-        comm.mpi.Allreduce(np.nan_to_num(elapsed, nan=-1.0), slowest, op=MPI.MAX)
-
-        rows = []
-        for index, candidate in enumerate(candidates):
-            ranks = 1 if candidate is single else comm.size
-            phases = np.array(candidate.phases if candidate.phases else [[np.nan] * 6])
-            medians = np.median(phases, axis=0) * 1e3
-            summed = np.empty_like(medians)
-            comm.mpi.Allreduce(np.nan_to_num(medians, nan=0.0), summed, op=MPI.SUM)
-            mean = summed / (1 if candidate is single else comm.size)
-            step_ms = float(np.median(np.sum(phases[:, :4], axis=1))) * 1e3
-            step_sum = np.empty(1)
-            comm.mpi.Allreduce(np.array([0.0 if math.isnan(step_ms) else step_ms]), step_sum, op=MPI.SUM)
-            is_mpidist = candidate.name == "mpidist"
-            rows.append({
-                "candidate": candidate.name, "bucket_mb": candidate.bucket_mb,
-                "gradient_as_bucket_view": candidate.views, "ranks": ranks,
-                "batch_per_rank": args.batch, "params": params, "layers": sizes, "steps": args.steps,
-                "rounds": args.rounds, **throughput(ranks * args.batch * args.steps, slowest[:, index]),
-                "step_ms": round(float(step_sum[0]) / (1 if candidate is single else comm.size), 3),
-                "forward_ms": round(float(mean[0]), 3), "backward_ms": round(float(mean[1]), 3),
-                "exposed_wait_ms": round(float(mean[2]), 3) if is_mpidist or candidate.name == "lockstep" else None,
-                "optimizer_ms": round(float(mean[3]), 3),
-                "comm_ms": round(float(mean[4]), 3) if is_mpidist else None,
-                "comm_hidden_ms": round(float(mean[5]), 3) if is_mpidist else None,
-                "buckets": candidate.buckets,
-                "mpi_yield_when_idle": os.environ.get("OMPI_MCA_mpi_yield_when_idle"),
-            })
-        # vs_ddp: against DDP with the same gradient_as_bucket_view setting.
-        ddp_rates = {views: rows[candidates.index(c)]["samples_per_s"] for views, c in ddps.items()}
-        single_rate = rows[candidates.index(single)]["samples_per_s"]
-        local_rate = rows[candidates.index(local)]["samples_per_s"]
-        for row in rows:
-            row["vs_ddp"] = round(row["samples_per_s"] / ddp_rates[row["gradient_as_bucket_view"]], 3)
-            row["vs_single"] = round(row["samples_per_s"] / single_rate, 3)
-            row["vs_local"] = round(row["samples_per_s"] / local_rate, 3)
-            row["max_rel_diff_vs_ddp"] = None
-            row["correct"] = None
-
-        # Correctness: DataParallel against DDP on every rank, and the ranks against each other.
-        for index, candidate in enumerate(candidates):
-            if candidate in references:
-                continue
-            agree = ranks_agree(comm, candidate)
-            mine = max_rel_diff(candidate, ddp) if candidate is not ddp else 0.0
-            worst = np.empty(1)
-            comm.mpi.Allreduce(np.array([mine]), worst, op=MPI.MAX)
-            rows[index]["max_rel_diff_vs_ddp"] = float(worst[0])
-            rows[index]["correct"] = bool(agree and worst[0] <= args.tolerance)
-        for candidate in candidates:
+        slowest = time_rounds(lineup, comm, args, pool, single_pool)
+        rows = [row_of(candidate, candidate is lineup.single, slowest[:, index], sizes, params, comm, args)
+                for index, candidate in enumerate(lineup.candidates)]
+        compare_rates(rows, lineup)
+        check_correctness(rows, lineup, comm, args.tolerance)
+        for candidate in lineup.candidates:
             candidate.close()
         return rows
     finally:
         gloo.close(comm)
+
+
+def time_rounds(lineup: Lineup, comm, args, pool, single_pool) -> np.ndarray:
+    """The warm-up steps of every candidate, then `args.rounds` rounds of `args.steps` steps of
+    each, in an order that rotates from round to round; [round, candidate] the slowest rank's
+    seconds."""
+    from mpi4py import MPI
+
+    candidates = lineup.candidates
+    for candidate in candidates:
+        run_steps(candidate, comm, single_pool if candidate is lineup.single else pool, 0, args.warmup, False)
+    elapsed = np.full((args.rounds, len(candidates)), np.nan)
+    for round_index in range(args.rounds):
+        order = list(range(len(candidates)))
+        shift = round_index % len(order)
+        for index in order[shift:] + order[:shift]:
+            candidate = candidates[index]
+            first = args.warmup + round_index * args.steps
+            elapsed[round_index, index] = run_steps(
+                candidate, comm, single_pool if candidate is lineup.single else pool, first, args.steps, True)
+    slowest = np.empty_like(elapsed)
+    comm.mpi.Allreduce(np.nan_to_num(elapsed, nan=-1.0), slowest, op=MPI.MAX)
+    return slowest
+
+
+def row_of(candidate: Candidate, alone: bool, seconds, sizes, params: int, comm, args) -> dict:
+    """A candidate's row, but for its comparisons: its samples/s from each round's `seconds`, and
+    its step's breakdown, the mean over the ranks of each rank's medians (rank 0's `alone`)."""
+    from mpi4py import MPI
+
+    ranks = 1 if alone else comm.size
+    phases = np.array(candidate.phases if candidate.phases else [[np.nan] * 6])
+    medians = np.median(phases, axis=0) * 1e3
+    summed = np.empty_like(medians)
+    comm.mpi.Allreduce(np.nan_to_num(medians, nan=0.0), summed, op=MPI.SUM)
+    mean = summed / (1 if alone else comm.size)
+    step_ms = float(np.median(np.sum(phases[:, :4], axis=1))) * 1e3
+    step_sum = np.empty(1)
+    comm.mpi.Allreduce(np.array([0.0 if math.isnan(step_ms) else step_ms]), step_sum, op=MPI.SUM)
+    is_mpidist = candidate.name == "mpidist"
+    return {
+        "candidate": candidate.name, "bucket_mb": candidate.bucket_mb,
+        "gradient_as_bucket_view": candidate.views, "ranks": ranks,
+        "batch_per_rank": args.batch, "params": params, "layers": sizes, "steps": args.steps,
+        "rounds": args.rounds, **throughput(ranks * args.batch * args.steps, seconds),
+        "step_ms": round(float(step_sum[0]) / (1 if alone else comm.size), 3),
+        "forward_ms": round(float(mean[0]), 3), "backward_ms": round(float(mean[1]), 3),
+        "exposed_wait_ms": round(float(mean[2]), 3) if is_mpidist or candidate.name == "lockstep" else None,
+        "optimizer_ms": round(float(mean[3]), 3),
+        "comm_ms": round(float(mean[4]), 3) if is_mpidist else None,
+        "comm_hidden_ms": round(float(mean[5]), 3) if is_mpidist else None,
+        "buckets": candidate.buckets,
+        "mpi_yield_when_idle": os.environ.get("OMPI_MCA_mpi_yield_when_idle"),
+    }
+
+
+def compare_rates(rows: list[dict], lineup: Lineup) -> None:
+    """Each row's samples/s against DDP's with the same gradient_as_bucket_view setting, single's
+    and local's; the correctness columns left empty for check_correctness."""
+    ddp_rates = {views: rows[lineup.candidates.index(c)]["samples_per_s"] for views, c in lineup.ddps.items()}
+    single_rate = rows[lineup.candidates.index(lineup.single)]["samples_per_s"]
+    local_rate = rows[lineup.candidates.index(lineup.local)]["samples_per_s"]
+    for row in rows:
+        row["vs_ddp"] = round(row["samples_per_s"] / ddp_rates[row["gradient_as_bucket_view"]], 3)
+        row["vs_single"] = round(row["samples_per_s"] / single_rate, 3)
+        row["vs_local"] = round(row["samples_per_s"] / local_rate, 3)
+        row["max_rel_diff_vs_ddp"] = None
+        row["correct"] = None
+
+
+def check_correctness(rows: list[dict], lineup: Lineup, comm, tolerance: float) -> None:
+    """DataParallel against DDP on every rank, and the ranks against each other, for every
+    candidate but the references."""
+    from mpi4py import MPI
+
+    ddp = lineup.ddps[False]
+    for index, candidate in enumerate(lineup.candidates):
+        if candidate in lineup.references:
+            continue
+        agree = ranks_agree(comm, candidate)
+        mine = max_rel_diff(candidate, ddp) if candidate is not ddp else 0.0
+        worst = np.empty(1)
+        comm.mpi.Allreduce(np.array([mine]), worst, op=MPI.MAX)
+        rows[index]["max_rel_diff_vs_ddp"] = float(worst[0])
+        rows[index]["correct"] = bool(agree and worst[0] <= tolerance)
 
 
 # ---- outputs ------------------------------------------------------------------------------------
