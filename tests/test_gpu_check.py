@@ -33,6 +33,14 @@ def off_by_one_element(array, *args, **kwargs):
 
 md.allreduce = off_by_one_element
 """
+FAILING_ALLREDUCE = """
+import mpidist as md
+
+def failing(*args, **kwargs):
+    raise RuntimeError("no all-reduce today")
+
+md.allreduce = failing
+"""
 
 
 def test_reduced_results_are_held_to_the_projects_bound():
@@ -47,15 +55,20 @@ def test_reduced_results_are_held_to_the_projects_bound():
         device_arrays.assert_reduced_values(total[:1], per_rank, "sum", "float16")
 
 
-def run_rank_tests(folder, *options, plugin_path=None):
-    """The collective tests of tests/gpu/ of NumPy float32 arrays on one rank; their checks merged."""
+def rank_pytest(*options, plugin_path=None) -> subprocess.CompletedProcess:
+    """pytest of tests/gpu/ with `options` on one rank, as a launch's rank runs it (modules of
+    `plugin_path` importable)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PYTEST_ISOLATE_MPI_IS_FORKED")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(plugin_path or ""), REPO, env.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-m", "pytest", "tests/gpu/test_device_collectives.py", "-q",
-                             "-p", "no:cacheprovider", "-k", "numpy-float32", "--device", "cpu",
-                             f"--junitxml={folder}/rank{{rank}}.xml", *options],
-                            capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *options],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+
+
+def run_rank_tests(folder, *options, plugin_path=None):
+    """The collective tests of tests/gpu/ of NumPy float32 arrays on one rank; their checks merged."""
+    result = rank_pytest("tests/gpu/test_device_collectives.py", "-k", "numpy-float32", "--device", "cpu",
+                         f"--junitxml={folder}/rank{{rank}}.xml", *options, plugin_path=plugin_path)
     return junit.merge_ranks(str(folder), 1, result.returncode), result
 
 
@@ -343,8 +356,7 @@ def test_the_device_window_route_is_checked():
 
 def collected(*options) -> list:
     """"module::test" of every rank test pytest selects with `options`, in its order."""
-    result = subprocess.run([sys.executable, "-m", "pytest", "tests/gpu", "--collect-only", "-p", "no:cacheprovider",
-                             *options], capture_output=True, text=True, timeout=300, cwd=REPO)
+    result = rank_pytest("tests/gpu", "--collect-only", *options)
     assert result.returncode == 0, result.stdout + result.stderr
     tests, module = [], None
     for line in result.stdout.splitlines():  # pytest's tree: <Module file.py>, then its <Function test[id]>
@@ -372,6 +384,22 @@ def test_the_rank_tests_take_the_launchs_options_and_leave_out_what_it_does_not_
     assert cpu and not any(word in line for line in cpu for word in (
         "peer", "device_window", "gpu_is_visible", "cuda_aware", "cupy", "training.py", "horovod.py", "ddp"))
     assert any("test_allreduce[numpy-float16" in line for line in cpu)
+
+
+def test_a_peers_failure_alone_leaves_the_ranks_exit_status_at_0(tmp_path):
+    """With every all-reduce failing (and without a GPU, every test on --device cuda in its setup),
+    NCCL's checks alone exit 0, one of mpidist's beside them 1; the peer's failures are in the
+    report all the same."""
+    (tmp_path / "failing_allreduce.py").write_text(FAILING_ALLREDUCE)
+    options = ("tests/gpu", "--device", "cuda", "--nccl", "-p", "failing_allreduce")
+    peers = rank_pytest(*options, "-k", "peer_nccl_runs", f"--junitxml={tmp_path}/rank{{rank}}.xml",
+                        plugin_path=tmp_path)
+    merged = junit.merge_ranks(str(tmp_path), 1, peers.returncode)
+    assert peers.returncode == 0 and merged["problem"] == "", peers.stdout[-3000:]
+    assert len(merged["checks"]) == 2 and not any(c["ok"] for c in merged["checks"])
+    assert all(junit.is_peer(c) for c in merged["checks"])
+    ours = rank_pytest(*options, "-k", "peer_nccl_runs or max_into_out", plugin_path=tmp_path)
+    assert ours.returncode == 1, ours.stdout[-3000:]
 
 
 def test_the_check_and_its_rank_tests_keep_to_the_size_limits():
