@@ -10,7 +10,8 @@ every rank passed it.
 They are not part of the suite `make test` runs (pyproject.toml's norecursedirs leaves tests/gpu
 out): every test's collectives meet the other ranks' in the same test, so all the ranks run all
 the tests, one after another, in one launch of their own, which pytest-isolate-mpi's launches of
-the suite do not give. `pytest tests/gpu` runs them by hand, on one rank or under mpirun.
+the suite do not give. `pytest tests/gpu` runs them by hand, under mpirun (on one rank the
+parameter server's test fails: it needs a server and a worker).
 
 The options are the launch's:
   --device cuda|cpu          where the arrays and modules live: torch and CuPy on the rank's GPU,
