@@ -123,4 +123,4 @@ def main(argv=None) -> int:
     return run(check)
 
 
-__doc__ += "\n" + help_text()  # so that the module's own help lists the steps as --help does
+__doc__ = (__doc__ or "") + "\n" + help_text()  # the module's own help lists the steps as --help does
