@@ -104,10 +104,11 @@ test-system-mpi:
 	$(SYSTEM_MPI_ENV) PATH="$(GIVEN_PATH)" $(MAKE) run MPI=system VENV=.venv-system \
 		TRAIN_ARGS="--epochs 2 --no-progress --checkpoint-dir build/system-mpi-checkpoints"
 
-# The GPU check (docs/gpu.md). On a machine with an NVIDIA GPU and no network, `make gpu-check`
-# installs the missing wheels of GPU_WHEELS, builds the CUDA kernels for that GPU and checks every
-# CUDA path; GPU_DRY_RUN=1 runs what needs no GPU (CI does). It uses this venv when there is
-# one, else the machine's python3 (the GPU image's, with torch and CuPy).
+# The GPU check (docs/gpu.md; benchmarks/gpu_check/, whose launches run tests/gpu/ in every rank).
+# On a machine with an NVIDIA GPU and no network, `make gpu-check` installs the missing wheels of
+# GPU_WHEELS, builds the CUDA kernels for that GPU and checks every CUDA path; GPU_DRY_RUN=1 runs
+# what needs no GPU (CI does). It uses this venv when there is one, else the machine's python3
+# (the GPU image's, with torch and CuPy).
 GPU_DRY_RUN ?=
 GPU_CHECK_ARGS ?=
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
@@ -117,7 +118,7 @@ GPU_PYTHON_VERSION ?= 3.12
 GPU_PLATFORMS ?= manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_5_x86_64 manylinux1_x86_64
 
 gpu-check:
-	$(GPU_PYTHON) benchmarks/gpu_check.py --wheels $(GPU_WHEELS) --cuda-mpi $(CUDA_MPI) $(if $(filter-out 0,$(GPU_DRY_RUN)),--dry-run) $(GPU_CHECK_ARGS)
+	$(GPU_PYTHON) benchmarks/gpu_check --wheels $(GPU_WHEELS) --cuda-mpi $(CUDA_MPI) $(if $(filter-out 0,$(GPU_DRY_RUN)),--dry-run) $(GPU_CHECK_ARGS)
 
 gpu-wheels:
 	$(GPU_PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --implementation cp \

@@ -1,6 +1,6 @@
 """The CPU side of the device window and of algorithm="nccl" (device_window.py, nccl.py): where
 `auto` sends CUDA buffers, why a rank cannot use the device window, and NCCL's refusals. The GPU
-side runs in `make gpu-check` (benchmarks/gpu_check_ranks.py)."""
+side runs in `make gpu-check` (tests/gpu/)."""
 import types
 
 import numpy as np

@@ -14,7 +14,7 @@ Only what needs a GPU is stood in for, in host memory (HostGpu below):
   slot before the peer settled its writes would give wrong results here.
 Everything else runs as on a GPU machine: missing() and can_open's exchange, DeviceWindows,
 window_for, DeviceMemory and node_window.py's rounds. The GPU itself runs them in
-`make gpu-check` (benchmarks/gpu_check_ranks.py).
+`make gpu-check` (tests/gpu/).
 
 The multi-rank tests of one world size run in one launch (mpi_shared_launch.py)."""
 import contextlib
