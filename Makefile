@@ -104,11 +104,11 @@ test-system-mpi:
 	$(SYSTEM_MPI_ENV) PATH="$(GIVEN_PATH)" $(MAKE) run MPI=system VENV=.venv-system \
 		TRAIN_ARGS="--epochs 2 --no-progress --checkpoint-dir build/system-mpi-checkpoints"
 
-# The GPU check (docs/gpu.md; benchmarks/gpu_check/, whose launches run tests/gpu/ in every rank).
-# On a machine with an NVIDIA GPU and no network, `make gpu-check` installs the missing wheels of
-# GPU_WHEELS, builds the CUDA kernels for that GPU and checks every CUDA path; GPU_DRY_RUN=1 runs
-# what needs no GPU (CI does). It uses this venv when there is one, else the machine's python3
-# (the GPU image's, with torch and CuPy).
+# The GPU check (docs/gpu-check.md; benchmarks/gpu_check/, whose launches run tests/gpu/ in every
+# rank). On a machine with an NVIDIA GPU and no network, `make gpu-check` installs the missing wheels
+# of GPU_WHEELS, builds the CUDA kernels for that GPU and checks every CUDA path; GPU_DRY_RUN=1 runs
+# what needs no GPU (CI does). It uses this venv when there is one, else the machine's python3 (the
+# GPU image's, with torch and CuPy).
 GPU_DRY_RUN ?=
 GPU_CHECK_ARGS ?=
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
@@ -127,7 +127,7 @@ gpu-wheels:
 	du -sh $(GPU_WHEELS)
 
 # A CUDA-aware Open MPI that travels with the working tree to a GPU machine without a package
-# registry (docs/gpu.md): Debian's source package, built --with-cuda against this machine's CUDA
+# registry (docs/gpu-check.md): Debian's source package, built --with-cuda against this machine's CUDA
 # headers (Open MPI opens libcuda when it starts), trimmed to what mpirun and the mpi4py wheel
 # need and stripped, in CUDA_MPI. It is used from anywhere with OPAL_PREFIX and LD_LIBRARY_PATH
 # pointing at it (`make gpu-check` does so). The source comes through an apt sources list of its
@@ -189,7 +189,7 @@ test-cuda-mpi: install
 		print(facts['mpi_library'], '|', facts['cuda_aware_mpi'], '|', facts['cuda_aware_mpi_how'])"
 	$(CUDA_MPI_ENV) $(PY) -m pytest tests/test_point_to_point.py tests/test_collectives.py -k 'not never_joins' $(PYTEST_ARGS)
 
-# A small NCCL that travels with the working tree to a GPU machine (docs/gpu.md), for the NCCL
+# A small NCCL that travels with the working tree to a GPU machine (docs/gpu-check.md), for the NCCL
 # route and lane (MPIDIST_NCCL_LIBRARY=$(NCCL)/lib/libnccl.so.2): built from an NCCL source
 # checkout (NCCL_SRC, 2.30 or newer: two ranks on one GPU need NCCL_MULTI_RANK_GPU_ENABLE) for one
 # GPU architecture and only the kernels mpidist's NCCL paths and their comparison call, which

@@ -16,17 +16,19 @@ import argparse
 import torch
 
 import mpidist as md
+from mpidist.launch import gpu_for_local_rank
 
 FEATURES, CLASSES = 32, 10
 
 
 def choose_device() -> torch.device:
-    """This rank's GPU (its local rank among the GPUs it sees), or the CPU where there is none."""
+    """This rank's GPU, as mpidist.launch picks it from the launcher's variables, or the CPU where
+    there is none."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
     # One GPU visible per rank (srun --gpus-per-task=1) makes this device 0; with all of a
     # node's GPUs visible (mpirun, --gpus-per-node) each rank on the node takes its own.
-    device = torch.device("cuda", md.local_rank() % torch.cuda.device_count())
+    device = torch.device("cuda", gpu_for_local_rank(device_count=torch.cuda.device_count()))
     # Before any CUDA work: otherwise every rank's context, and mpidist's staging buffers, would
     # land on GPU 0.
     torch.cuda.set_device(device)

@@ -10,7 +10,7 @@ compared with an exact reference (inputs are small integers, so sums are exact i
 dtype) and the wrong elements are counted over all iterations and ranks.
 
 With --device cuda (all-reduce only) the buffers are on each rank's GPU and the rows name the
-route (docs/gpu.md): "hierarchical" through the node window in GPU memory, "staged:<algorithm>"
+route (docs/gpu-training.md): "hierarchical" through the node window in GPU memory, "staged:<algorithm>"
 through pinned host memory, "cuda-aware:<algorithm>" handed to a CUDA-aware MPI, "nccl" where
 NCCL runs; each route on a Communicator of its own. The row "bound" (all-reduce on one node, on
 the CPU and on CUDA) is no measurement but a model of the least time the node window's

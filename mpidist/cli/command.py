@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_parser.add_argument("--json", metavar="FILE", help="write the rows as JSON to FILE")
     bench_parser.add_argument("--plot", metavar="FILE.png", help="plot busbw against size to FILE.png")
     bench_parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                              help="cuda: all-reduce on each rank's GPU, by route (docs/gpu.md)")
+                              help="cuda: all-reduce on each rank's GPU, by route (docs/gpu-training.md)")
     bench_parser.set_defaults(run=cmd_bench)
 
     tune = sub.add_parser("tune", help="measure the all-reduce algorithms here and write auto's decision table",

@@ -119,7 +119,7 @@ VARIABLES = (
     _package("MPIDIST_NCCL_LIBRARY", "path", None,
              "unset (the nvidia-nccl wheel's, else the loader's `libnccl.so.2`)", "at the first NCCL call, by `mpidist info`",
              "the NCCL library (`libnccl.so.2`) of `algorithm=\"nccl\"` and the NCCL lane between nodes, e.g. the "
-             "`.nccl/lib/libnccl.so.2` of [`make nccl`](gpu.md#a-small-nccl-carried-with-the-tree); a missing file, a "
+             "`.nccl/lib/libnccl.so.2` of [`make nccl`](gpu-check.md#a-small-nccl); a missing file, a "
              "library that is not NCCL, or NCCL older than 2.30 is refused on every rank with the reason"),
     _package("MPIDIST_GPU_LANE", "text", None, "`auto`", "at the first GPU buffer of a Communicator across nodes",
              "the lane between nodes of CUDA buffers' `hierarchical` all-reduce ([GPU training](gpu-training.md#between-"
