@@ -3,7 +3,7 @@
     make gpu-check                   # a machine with an NVIDIA GPU; no network needed
     make gpu-check GPU_DRY_RUN=1     # anywhere: the steps that need no GPU, the rest reported skipped
 
-Both run `python benchmarks/gpu_check` (docs/gpu.md; `--help` lists its steps). One module per
+Both run `python benchmarks/gpu_check` (docs/gpu-check.md; `--help` lists its steps). One module per
 family of steps, their order in one list, steps.STEPS:
   machine.py   the machine's facts
   build.py     the wheels this Python lacks, and mpidist._C built for this GPU

@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="gpu_check", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=help_text(),
         description="Do mpidist's CUDA paths work on this NVIDIA GPU, and are its kernels as fast as they should be? "
-                    "(docs/gpu.md)")
+                    "(docs/gpu-check.md)")
     parser.add_argument("--dry-run", action="store_true", help="run what needs no GPU; report the rest skipped")
     parser.add_argument("--out", help="results folder (default: $OUT, else benchmarks/results/gpu-check, "
                                       "or build/gpu-check-dry-run for a dry run)")

@@ -2,7 +2,7 @@
 
     mpirun -np 4 python -m pytest tests/gpu --device cuda --expect-ranks 4 --junitxml=DIR/rank{rank}.xml
 
-`make gpu-check` (benchmarks/gpu_check/, docs/gpu.md) launches them once per rank count and
+`make gpu-check` (benchmarks/gpu_check/, docs/gpu-check.md) launches them once per rank count and
 route, on `--device cuda`; its dry run, on the CPU, runs them on `--device cpu`. It merges the
 ranks' JUnit reports ("{rank}" in --junitxml becomes each rank's number): a test passes only where
 every rank passed it.
