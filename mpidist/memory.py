@@ -4,10 +4,9 @@ operating system and faulting it in again.
 With torch's default `zero_grad(set_to_none=True)` every step frees its gradients and the next
 backward allocates them again. glibc's malloc returns the top of its heap to the kernel once
 more than its trim threshold is free there (by default twice the largest block it has served
-from mmap, so a few MB), and every page of the next allocation is then a fresh, zeroed page: on
-the 2-core test machine plain training scripts with 12.6 MB of gradients (one process, and
-DataParallel on 2 ranks) took about 2,000 page faults per step, and their steps took 17-24%
-longer than with the memory kept (benchmarks/results/heap-cpu.md).
+from mmap, so a few MB), and every page of the next allocation is then a fresh, zeroed page:
+thousands of page faults per step for a model of a few million parameters, a cost every step
+pays (benchmarks/results/heap-cpu.md measures it).
 
 keep_freed_memory() sets two of glibc's malloc parameters, for the whole process:
 - M_MMAP_THRESHOLD to 32 MiB, the largest glibc accepts on 64-bit systems: blocks up to that

@@ -1,6 +1,6 @@
 """Central storage: the model's variables held in one place per node, in the host memory of the
 node's first rank, while the node's other ranks compute; synchronous. TensorFlow's
-CentralStorageStrategy, as a configuration of the parameter server (ps.py): the first rank of
+CentralStorageStrategy, as a configuration of the parameter server (ps/): the first rank of
 every node is a server, every other rank a worker, mode="sync".
 
 On one node this is CentralStorageStrategy itself: one copy of the variables, the optimizer
