@@ -5,11 +5,11 @@ buffer the staged way, against float64 NumPy references.
 
 Only what needs a GPU is stood in for, in host memory (HostGpu below):
 - CuPy, as far as mpidist uses it: its arrays (a NumPy array that says which GPU it is on), its
-  device contexts and current stream, and the CUDA runtime's cudaMalloc, cudaFree, IPC handles
-  and peer access. A "GPU allocation" is a file in /dev/shm mapped into the process; its IPC
+  device contexts and current stream, and the CUDA runtime's cudaMalloc, cudaFree, cudaMemcpy
+  (of the staged route), IPC handles and peer access. A "GPU allocation" is a file in /dev/shm mapped into the process; its IPC
   handle is the file's name, which a peer maps as cudaIpcOpenMemHandle maps another process's
   memory, so the slots are shared between the ranks as on a GPU.
-- mpidist._C's CUDA kernels (pack, reduce_many_to, synchronize): the CPU's, each held back until
+- mpidist._C's CUDA kernels (pack, reduce_many_to, scale, synchronize): the CPU's, each held back until
   the stream is synchronized, as kernels wait in a stream, so that a round that read a peer's
   slot before the peer settled its writes would give wrong results here.
 Everything else runs as on a GPU machine: missing() and can_open's exchange, DeviceWindows,
@@ -73,7 +73,7 @@ class HostGpu:
         for name in ("cupy", "cupy.cuda", "cupy.cuda.runtime"):
             monkeypatch.setitem(sys.modules, name, self)
         monkeypatch.setattr(_C, "built_with_cuda", True, raising=False)
-        for name in ("cuda_pack", "cuda_reduce_many_to", "cuda_synchronize"):
+        for name in ("cuda_pack", "cuda_reduce_many_to", "cuda_scale", "cuda_synchronize"):
             monkeypatch.setattr(_C, name, getattr(self, name), raising=False)
 
     # ---- CuPy's arrays, devices and streams
@@ -133,6 +133,12 @@ class HostGpu:
     def deviceCanAccessPeer(self, device, peer):  # noqa: N802
         return int(self.peer_access)
 
+    memcpyHostToDevice, memcpyDeviceToHost = 1, 2  # noqa: N815 (CuPy's names)
+
+    def memcpy(self, dst, src, nbytes, kind):
+        self.cuda_synchronize(None, None)  # cudaMemcpy waits for the legacy default stream
+        ctypes.memmove(dst, src, nbytes)
+
     # ---- mpidist._C's CUDA kernels: queued on the stream until it is synchronized
     def _queue(self, device, work) -> None:
         self.kernels += 1
@@ -144,6 +150,9 @@ class HostGpu:
 
     def cuda_reduce_many_to(self, dsts, srcs, count, dtype, op, scale, stream, device):
         self._queue(device, lambda: _C.reduce_many_to(dsts, srcs, count, dtype, op, scale))
+
+    def cuda_scale(self, ptr, count, dtype, factor, stream, device):
+        self._queue(device, lambda: _C.scale(ptr, count, dtype, factor))
 
     def cuda_synchronize(self, stream, device):
         queued, self.queued = self.queued, []
@@ -271,8 +280,8 @@ def entry_points_refuse(channel, array) -> None:
     chunks = split_counts(info.count, channel.size)
     assert not device_window.allreduce(channel, array, info, "sum")
     assert not device_window.broadcast(channel, array, info, 0)
-    assert not device_window.allgather(channel, array, info, info, chunks)
-    assert not device_window.reduce_scatter(channel, array, info, info, chunks, "sum")
+    assert not device_window.allgather(channel, array, info, array, chunks)
+    assert not device_window.reduce_scatter(channel, array, info, array, chunks, "sum")
 
 
 REFUSALS = {
@@ -310,7 +319,6 @@ def test_a_refusal_sends_every_rank_the_staged_way(mpi_ranks, comm, gpu, monkeyp
 def test_no_window_across_nodes_for_one_rank_or_for_a_cpu_buffer(mpi_ranks, gpu, monkeypatch):
     monkeypatch.setenv("MPIDIST_RANKS_PER_NODE", "1")  # every rank a node of its own
     with md.Communicator(MPI.COMM_WORLD) as spanning:
-        assert not device_window.wanted(spanning, buffers.describe(on_gpu(np.ones(4), "float32")))
         entry_points_refuse(spanning, on_gpu(np.ones(4), "float32"))
         assert spanning.device_window.refusal == "the communicator spans nodes"
     monkeypatch.delenv("MPIDIST_RANKS_PER_NODE")
@@ -318,7 +326,6 @@ def test_no_window_across_nodes_for_one_rank_or_for_a_cpu_buffer(mpi_ranks, gpu,
         entry_points_refuse(alone, on_gpu(np.ones(4), "float32"))
         assert alone.device_window.refusal == "one rank"
     with md.Communicator(MPI.COMM_WORLD) as node:
-        assert device_window.wanted(node, buffers.describe(on_gpu(np.ones(4), "float32")))
         entry_points_refuse(node, np.ones(4, dtype=np.float32))
         assert node.device_window is None  # a CPU buffer asks nothing of the window
     assert gpu.kernels == 0
