@@ -33,8 +33,9 @@ from tolerances import reduction_bound, reduction_reference
 
 import mpidist as md
 from mpidist import _C, buffers
-from mpidist.collectives import device_window
+from mpidist.collectives import device_window, staging
 from mpidist.collectives.common import split_counts
+from mpidist.collectives.select import table_choice
 
 pytestmark = pytest.mark.mpi_shared_launch
 
@@ -194,10 +195,10 @@ def assert_reduced(result, inputs, op, dtype, where, same_on_every_rank=True):
     assert all(b == everyone[0] for b in everyone), f"{where}: ranks differ"
 
 
-def check_allreduce(comm, dtype, op, count, seed, device=0):
+def check_allreduce(comm, dtype, op, count, seed, device=0, algorithm="auto"):
     inputs = [rank_values(seed, k, count, dtype, op) for k in range(comm.size)]
     array = on_gpu(inputs[comm.rank], dtype, device)
-    assert comm.allreduce(array, op=op) is array
+    assert comm.allreduce(array, op=op, algorithm=algorithm) is array
     assert_reduced(array, inputs, op, dtype, f"allreduce {dtype} {op} n={count} p={comm.size}")
 
 
@@ -227,6 +228,25 @@ def check_allgather(comm, dtype, rows, seed):
     out = comm.allgather(on_gpu(inputs[comm.rank], dtype))
     assert out.device.id == 0
     assert out.host.tobytes() == np.concatenate(inputs).astype(dtype).tobytes(), f"allgather {dtype} rows {rows}"
+
+
+def record_routes(comm, monkeypatch) -> tuple:
+    """([count of each buffer staged to host memory], [each algorithm the staged route ran])."""
+    staged, ran = [], []
+    stage_in = comm.staging.stage_in
+
+    def recorded_stage_in(array, info, slot=0):
+        staged.append(info.count)
+        return stage_in(array, info, slot)
+
+    def recorded(name, algorithm):
+        def run(ctx):
+            ran.append(name)
+            algorithm(ctx)
+        return run
+    monkeypatch.setattr(comm.staging, "stage_in", recorded_stage_in)
+    monkeypatch.setattr(staging, "ALLREDUCE", {name: recorded(name, a) for name, a in staging.ALLREDUCE.items()})
+    return staged, ran
 
 
 def assert_in_the_window(comm, gpu, device=0):
@@ -313,6 +333,25 @@ def test_a_refusal_sends_every_rank_the_staged_way(mpi_ranks, comm, gpu, monkeyp
         entry_points_refuse(comm, on_gpu(np.ones(12), "float32", device=comm.rank))
     assert comm.device_window.window is None and REFUSALS[refusal](comm.rank, last) in comm.device_window.refusal
     assert gpu.kernels == 0 and not gpu.mapped
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+@pytest.mark.parametrize("algorithm", ["auto", "hierarchical"])
+def test_where_the_node_cannot_open_the_window_the_algorithm_runs_staged(mpi_ranks, comm, gpu, monkeypatch,
+                                                                        algorithm):
+    """Each rank on a GPU of its own, without peer access between them: the node refuses the
+    window together, and the buffers go to a host copy, where "hierarchical" runs itself and
+    `auto` its table's choice for the message."""
+    gpu.peer_access = False
+    staged, ran = record_routes(comm, monkeypatch)
+    counts = (5, 100003)
+    for seed, count in enumerate(counts):
+        check_allreduce(comm, "float32", "sum", count, seed, device=comm.rank, algorithm=algorithm)
+    assert "has no peer access" in comm.device_window.refusal and gpu.kernels == 0
+    assert staged == list(counts)
+    assert ran == [algorithm if algorithm != "auto" else
+                   table_choice(comm, buffers.BufferInfo(0, count, "float32", f"cuda:{comm.rank}", "cupy"))
+                   for count in counts]
 
 
 @pytest.mark.mpi(ranks=[2])
