@@ -16,7 +16,10 @@ from . import device_window, gpu_lane, staging
 
 def check_gpu(channel, info: BufferInfo, collective: str) -> None:
     """Refuse a buffer on another GPU than this rank's windows: the node window's for every
-    collective, the GPU lane's for all-reduce, the one collective it carries."""
+    collective, the GPU lane's for all-reduce, the one collective it carries. With the call check
+    off (MPIDIST_CHECK=0) nothing shares the refusal, and the other ranks wait for this one until
+    MPIDIST_TIMEOUT: the route's first exchange could not carry it cheaply (the window's flags
+    only count rounds, and the lane between nodes may be NCCL's)."""
     device_window.check_gpu(channel, info)
     if collective == "allreduce":
         gpu_lane.check_gpu(channel, info)
