@@ -58,8 +58,9 @@ class Channel(abc.ABC):
     until that algorithm makes it over node_communicators().
     device_window: the node windows in GPU memory of CUDA buffers (collectives/device_window.py),
     None until a collective of one makes them.
-    lane_window, gpu_lane: CUDA buffers' hierarchical all-reduce across nodes in GPU memory and the
-    (lane, why) between nodes it was agreed to take (collectives/gpu_lane.py), None until then.
+    lane_window, gpu_lane: CUDA buffers' all-reduce across nodes in GPU memory (the device route's)
+    and the (lane, why) between nodes it was agreed to take (collectives/gpu_lane.py), None until
+    then.
     fast_path_scratch: float32 room for small float16/bfloat16 all-reduces (collectives/fastpath.py).
     nccl_comm: NCCL's communicator of algorithm="nccl" (collectives/nccl.py), made at its first call.
     The channel frees the windows with itself (free_windows).

@@ -1,6 +1,6 @@
-"""The CPU side of the device window and of algorithm="nccl" (device_window.py, nccl.py): where
-`auto` sends CUDA buffers, why a rank cannot use the device window, and NCCL's refusals. The GPU
-side runs in `make gpu-check` (tests/gpu/)."""
+"""The CPU side of the device window and of algorithm="nccl" (device_window.py, nccl.py): which
+route `auto` and the other algorithms send CUDA buffers on (routes.py), why a rank cannot use the
+device window, and NCCL's refusals. The GPU side runs in `make gpu-check` (tests/gpu/)."""
 import types
 
 import numpy as np
@@ -11,6 +11,7 @@ from mpidist.buffers import BufferInfo
 from mpidist.cli import bench, bench_bound, bench_device, command
 from mpidist.collectives import device_window, nccl
 from mpidist.collectives.callcheck import resolve_algorithm
+from mpidist.collectives.routes import ROUTES, route_for
 from mpidist.collectives.select import choose_allreduce
 
 pytestmark = pytest.mark.mpi_shared_launch
@@ -28,34 +29,46 @@ def table_choice(info, comm):
                             comm.num_nodes)
 
 
-@pytest.fixture
-def device_window_possible(monkeypatch):
-    """A rank that could use the device window, as on a GPU machine with CuPy."""
-    monkeypatch.setattr(device_window, "missing", lambda: None)
+@pytest.mark.parametrize("nodes", [1, 2, 3])
+def test_auto_sends_cuda_buffers_to_the_device_route(nodes):
+    """On one node and across nodes alike: the route decides with the other ranks whether the
+    buffer stays in GPU memory, so "auto" is what the call check compares."""
+    assert resolve_algorithm("auto", CUDA_BUFFER, channel(num_nodes=nodes)) == "auto"
+    assert route_for(CUDA_BUFFER, "auto") is ROUTES["device"]
 
 
-def test_auto_sends_cuda_buffers_on_one_node_to_the_device_window(device_window_possible):
-    assert resolve_algorithm("auto", CUDA_BUFFER, channel()) == "hierarchical"
+def test_auto_sends_cuda_buffers_to_the_device_route_where_this_rank_lacks_the_window():
+    """Here: torch is the CPU build and the extension has no CUDA, so missing() says why. The
+    ranks still decide together (device_window.can_open, gpu_lane.agreed_lane), so that one rank
+    without it cannot make the ranks' choices differ; the route stages with the table's choice."""
+    reason = device_window.missing()
+    assert reason and ("without CUDA" in reason or "CuPy" in reason)
+    assert resolve_algorithm("auto", CUDA_BUFFER, channel()) == "auto"
 
 
-@pytest.mark.parametrize("comm,info", [(channel(num_nodes=2), CUDA_BUFFER), (channel(size=1), CUDA_BUFFER),
-                                       (channel(), CPU_BUFFER), (channel(forced="ring"), CUDA_BUFFER)],
-                         ids=["two_nodes", "one_rank", "cpu_buffer", "forced_ring"])
-def test_auto_keeps_its_table_elsewhere(device_window_possible, comm, info):
+@pytest.mark.parametrize("comm,info", [(channel(size=1), CUDA_BUFFER), (channel(), CPU_BUFFER),
+                                       (channel(num_nodes=2), CPU_BUFFER), (channel(forced="ring"), CUDA_BUFFER)],
+                         ids=["one_rank", "cpu_buffer", "cpu_buffer_two_nodes", "forced_ring"])
+def test_auto_keeps_its_table_elsewhere(comm, info):
     assert resolve_algorithm("auto", info, comm) == table_choice(info, comm)
 
 
-def test_auto_keeps_its_table_where_the_device_window_is_missing():
-    """Here: torch is the CPU build and the extension has no CUDA, so missing() says why."""
-    reason = device_window.missing()
-    assert reason and ("without CUDA" in reason or "CuPy" in reason)
-    assert resolve_algorithm("auto", CUDA_BUFFER, channel()) == table_choice(CUDA_BUFFER, channel())
+@pytest.mark.parametrize("algorithm,route", [("hierarchical", "device"), ("auto", "device"), (None, "device"),
+                                             ("ring", "staged"), ("mpi", "staged"), ("nccl", "staged")])
+def test_the_route_of_a_cuda_buffer(algorithm, route):
+    """None: broadcast, allgather and reduce-scatter. "nccl" works on GPU memory in place, which
+    the staged route does for it."""
+    assert route_for(CUDA_BUFFER, algorithm) is ROUTES[route]
+
+
+@pytest.mark.parametrize("algorithm", [None, "auto", *md.collectives.ALLREDUCE])
+def test_a_cpu_buffer_takes_the_staged_route(algorithm):
+    assert route_for(CPU_BUFFER, algorithm) is ROUTES["staged"]
 
 
 def test_device_window_switched_off(monkeypatch):
     monkeypatch.setenv("MPIDIST_DEVICE_WINDOW", "0")
     assert device_window.missing() == "MPIDIST_DEVICE_WINDOW=0"
-    assert not device_window.wanted(channel(), CUDA_BUFFER)
 
 
 def test_nccl_refuses_a_cpu_buffer():

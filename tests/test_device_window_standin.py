@@ -5,11 +5,11 @@ buffer the staged way, against float64 NumPy references.
 
 Only what needs a GPU is stood in for, in host memory (HostGpu below):
 - CuPy, as far as mpidist uses it: its arrays (a NumPy array that says which GPU it is on), its
-  device contexts and current stream, and the CUDA runtime's cudaMalloc, cudaFree, IPC handles
-  and peer access. A "GPU allocation" is a file in /dev/shm mapped into the process; its IPC
+  device contexts and current stream, and the CUDA runtime's cudaMalloc, cudaFree, cudaMemcpy
+  (of the staged route), IPC handles and peer access. A "GPU allocation" is a file in /dev/shm mapped into the process; its IPC
   handle is the file's name, which a peer maps as cudaIpcOpenMemHandle maps another process's
   memory, so the slots are shared between the ranks as on a GPU.
-- mpidist._C's CUDA kernels (pack, reduce_many_to, synchronize): the CPU's, each held back until
+- mpidist._C's CUDA kernels (pack, reduce_many_to, scale, synchronize): the CPU's, each held back until
   the stream is synchronized, as kernels wait in a stream, so that a round that read a peer's
   slot before the peer settled its writes would give wrong results here.
 Everything else runs as on a GPU machine: missing() and can_open's exchange, DeviceWindows,
@@ -33,8 +33,9 @@ from tolerances import reduction_bound, reduction_reference
 
 import mpidist as md
 from mpidist import _C, buffers
-from mpidist.collectives import device_window
+from mpidist.collectives import device_window, staging
 from mpidist.collectives.common import split_counts
+from mpidist.collectives.select import table_choice
 
 pytestmark = pytest.mark.mpi_shared_launch
 
@@ -73,7 +74,7 @@ class HostGpu:
         for name in ("cupy", "cupy.cuda", "cupy.cuda.runtime"):
             monkeypatch.setitem(sys.modules, name, self)
         monkeypatch.setattr(_C, "built_with_cuda", True, raising=False)
-        for name in ("cuda_pack", "cuda_reduce_many_to", "cuda_synchronize"):
+        for name in ("cuda_pack", "cuda_reduce_many_to", "cuda_scale", "cuda_synchronize"):
             monkeypatch.setattr(_C, name, getattr(self, name), raising=False)
 
     # ---- CuPy's arrays, devices and streams
@@ -133,6 +134,12 @@ class HostGpu:
     def deviceCanAccessPeer(self, device, peer):  # noqa: N802
         return int(self.peer_access)
 
+    memcpyHostToDevice, memcpyDeviceToHost = 1, 2  # noqa: N815 (CuPy's names)
+
+    def memcpy(self, dst, src, nbytes, kind):
+        self.cuda_synchronize(None, None)  # cudaMemcpy waits for the legacy default stream
+        ctypes.memmove(dst, src, nbytes)
+
     # ---- mpidist._C's CUDA kernels: queued on the stream until it is synchronized
     def _queue(self, device, work) -> None:
         self.kernels += 1
@@ -144,6 +151,9 @@ class HostGpu:
 
     def cuda_reduce_many_to(self, dsts, srcs, count, dtype, op, scale, stream, device):
         self._queue(device, lambda: _C.reduce_many_to(dsts, srcs, count, dtype, op, scale))
+
+    def cuda_scale(self, ptr, count, dtype, factor, stream, device):
+        self._queue(device, lambda: _C.scale(ptr, count, dtype, factor))
 
     def cuda_synchronize(self, stream, device):
         queued, self.queued = self.queued, []
@@ -185,10 +195,10 @@ def assert_reduced(result, inputs, op, dtype, where, same_on_every_rank=True):
     assert all(b == everyone[0] for b in everyone), f"{where}: ranks differ"
 
 
-def check_allreduce(comm, dtype, op, count, seed, device=0):
+def check_allreduce(comm, dtype, op, count, seed, device=0, algorithm="auto"):
     inputs = [rank_values(seed, k, count, dtype, op) for k in range(comm.size)]
     array = on_gpu(inputs[comm.rank], dtype, device)
-    assert comm.allreduce(array, op=op) is array
+    assert comm.allreduce(array, op=op, algorithm=algorithm) is array
     assert_reduced(array, inputs, op, dtype, f"allreduce {dtype} {op} n={count} p={comm.size}")
 
 
@@ -218,6 +228,25 @@ def check_allgather(comm, dtype, rows, seed):
     out = comm.allgather(on_gpu(inputs[comm.rank], dtype))
     assert out.device.id == 0
     assert out.host.tobytes() == np.concatenate(inputs).astype(dtype).tobytes(), f"allgather {dtype} rows {rows}"
+
+
+def record_routes(comm, monkeypatch) -> tuple:
+    """([count of each buffer staged to host memory], [each algorithm the staged route ran])."""
+    staged, ran = [], []
+    stage_in = comm.staging.stage_in
+
+    def recorded_stage_in(array, info, slot=0):
+        staged.append(info.count)
+        return stage_in(array, info, slot)
+
+    def recorded(name, algorithm):
+        def run(ctx):
+            ran.append(name)
+            algorithm(ctx)
+        return run
+    monkeypatch.setattr(comm.staging, "stage_in", recorded_stage_in)
+    monkeypatch.setattr(staging, "ALLREDUCE", {name: recorded(name, a) for name, a in staging.ALLREDUCE.items()})
+    return staged, ran
 
 
 def assert_in_the_window(comm, gpu, device=0):
@@ -271,8 +300,8 @@ def entry_points_refuse(channel, array) -> None:
     chunks = split_counts(info.count, channel.size)
     assert not device_window.allreduce(channel, array, info, "sum")
     assert not device_window.broadcast(channel, array, info, 0)
-    assert not device_window.allgather(channel, array, info, info, chunks)
-    assert not device_window.reduce_scatter(channel, array, info, info, chunks, "sum")
+    assert not device_window.allgather(channel, array, info, array, chunks)
+    assert not device_window.reduce_scatter(channel, array, info, array, chunks, "sum")
 
 
 REFUSALS = {
@@ -306,11 +335,29 @@ def test_a_refusal_sends_every_rank_the_staged_way(mpi_ranks, comm, gpu, monkeyp
     assert gpu.kernels == 0 and not gpu.mapped
 
 
+@pytest.mark.mpi(ranks=[2, 3])
+@pytest.mark.parametrize("algorithm", ["auto", "hierarchical"])
+def test_where_the_node_cannot_open_the_window_the_algorithm_runs_staged(mpi_ranks, comm, gpu, monkeypatch,
+                                                                        algorithm):
+    """Each rank on a GPU of its own, without peer access between them: the node refuses the
+    window together, and the buffers go to a host copy, where "hierarchical" runs itself and
+    `auto` its table's choice for the message."""
+    gpu.peer_access = False
+    staged, ran = record_routes(comm, monkeypatch)
+    counts = (5, 100003)
+    for seed, count in enumerate(counts):
+        check_allreduce(comm, "float32", "sum", count, seed, device=comm.rank, algorithm=algorithm)
+    assert "has no peer access" in comm.device_window.refusal and gpu.kernels == 0
+    assert staged == list(counts)
+    assert ran == [algorithm if algorithm != "auto" else
+                   table_choice(comm, buffers.BufferInfo(0, count, "float32", f"cuda:{comm.rank}", "cupy"))
+                   for count in counts]
+
+
 @pytest.mark.mpi(ranks=[2])
 def test_no_window_across_nodes_for_one_rank_or_for_a_cpu_buffer(mpi_ranks, gpu, monkeypatch):
     monkeypatch.setenv("MPIDIST_RANKS_PER_NODE", "1")  # every rank a node of its own
     with md.Communicator(MPI.COMM_WORLD) as spanning:
-        assert not device_window.wanted(spanning, buffers.describe(on_gpu(np.ones(4), "float32")))
         entry_points_refuse(spanning, on_gpu(np.ones(4), "float32"))
         assert spanning.device_window.refusal == "the communicator spans nodes"
     monkeypatch.delenv("MPIDIST_RANKS_PER_NODE")
@@ -318,7 +365,6 @@ def test_no_window_across_nodes_for_one_rank_or_for_a_cpu_buffer(mpi_ranks, gpu,
         entry_points_refuse(alone, on_gpu(np.ones(4), "float32"))
         assert alone.device_window.refusal == "one rank"
     with md.Communicator(MPI.COMM_WORLD) as node:
-        assert device_window.wanted(node, buffers.describe(on_gpu(np.ones(4), "float32")))
         entry_points_refuse(node, np.ones(4, dtype=np.float32))
         assert node.device_window is None  # a CPU buffer asks nothing of the window
     assert gpu.kernels == 0

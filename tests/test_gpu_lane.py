@@ -2,7 +2,10 @@
 every combination of the ranks' facts, its agreement on every rank (emulated nodes:
 MPIDIST_RANKS_PER_NODE), the refusals of a forced lane, and the lane route's steps run on host
 memory standing in for the device window's (the GPU runs them in `make gpu-check`), against the
-float64 NumPy reference."""
+float64 NumPy reference; then the public all-reduce on CUDA buffers across nodes, with CuPy and
+mpidist's CUDA kernels stood in for (test_device_window_standin.py): `auto` takes the lane where
+the ranks agreed on one, and the staged route with its table's choice where not, and a buffer on
+another GPU than the lane's window is refused on every rank."""
 import itertools
 import json
 
@@ -10,13 +13,15 @@ import numpy as np
 import pytest
 from conftest import run_python
 from mpi4py import MPI
+from test_device_window_standin import HostGpu, on_gpu, record_routes
 from test_nccl_library import fake_nccl
 
 import mpidist as md
-from mpidist import buffers
+from mpidist import _C, buffers
 from mpidist.buffers import BufferInfo
 from mpidist.collectives import device_window, gpu_lane, nccl
 from mpidist.collectives.node_window import HostMemory
+from mpidist.collectives.select import table_choice
 
 pytestmark = pytest.mark.mpi_shared_launch
 
@@ -104,8 +109,9 @@ class HostStandIn(HostMemory):
         super().__init__(node_comm)
 
 
-def nccl_stand_in(monkeypatch, lanes_run):
-    """The NCCL lane's calls answered by MPI's all-reduce over the lane (what NCCL would compute)."""
+def nccl_stand_in(monkeypatch, lanes_run, gpu=None):
+    """The NCCL lane's calls answered by MPI's all-reduce over the lane (what NCCL would compute);
+    with `gpu` (a HostGpu), after the kernels queued before it, as NCCL runs on their stream."""
     class Communicator:
         def __init__(self, mpi, device, what):
             self.mpi, self.destroyed = mpi, False
@@ -117,6 +123,8 @@ def nccl_stand_in(monkeypatch, lanes_run):
     monkeypatch.setattr(nccl, "communicator_over", Communicator)
     def reduce_with(comm, info, op):
         lanes_run.append(info.count)
+        if gpu is not None:
+            gpu.cuda_synchronize(None, None)
         view = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_double * info.count).from_address(info.ptr))
         comm.mpi.Allreduce(MPI.IN_PLACE, view, op=MPI.SUM)
     monkeypatch.setattr(nccl, "reduce_with", reduce_with)
@@ -162,3 +170,91 @@ def test_info_names_the_nccl_and_the_lane(tmp_path):
     facts = json.loads(result.stdout)
     assert facts["nccl"] == f"2.30.7 ({path})"
     assert facts["gpu_lane_between_nodes"] == "nccl (auto)"
+
+
+# ---- the public all-reduce of CUDA buffers across nodes: the device route --------------------------
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """CuPy, CUDA IPC and mpidist's CUDA kernels stood in for in host memory, on a rank that could
+    use the device window; every stand-in allocation given back by the end."""
+    standin = HostGpu()
+    standin.install(monkeypatch)
+    for name in ("MPIDIST_DEVICE_WINDOW", "MPIDIST_ALLREDUCE_ALGORITHM", "MPIDIST_GPU_LANE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(_C, "cuda_max_sources", 8, raising=False)
+    yield standin
+    assert not standin.mapped, "memory still mapped after the communicator was freed"
+
+
+@pytest.fixture
+def gpu_nodes(mpi_ranks, gpu, monkeypatch):
+    """A Communicator over emulated nodes, of one rank each with 2 ranks, else of two (3 ranks: a
+    node of two and a node of one), on ranks with the stand-in GPU."""
+    monkeypatch.setenv("MPIDIST_RANKS_PER_NODE", "1" if mpi_ranks == 2 else "2")
+    comm = md.Communicator(MPI.COMM_WORLD)
+    yield comm
+    comm.free()
+
+
+def check_sums(comm, op="sum", algorithm="auto", counts=(1, 1000, 40001), device=0) -> None:
+    for seed, count in enumerate(counts):
+        inputs = [np.random.default_rng([seed, k]).standard_normal(count) for k in range(comm.size)]
+        array = on_gpu(inputs[comm.rank], "float64", device)
+        assert comm.allreduce(array, op=op, algorithm=algorithm) is array
+        expected = np.sum(inputs, axis=0) / (comm.size if op == "avg" else 1)
+        np.testing.assert_allclose(array.host, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.mpi(ranks=[2, 3, 4])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_auto_takes_the_lane_route(mpi_ranks, gpu, gpu_nodes, monkeypatch, tmp_path, op):
+    """algorithm="auto" on CUDA buffers across nodes takes the lane every rank agreed on (here
+    NCCL, which every rank has), with the device window inside the nodes of two, as "hierarchical"
+    does: nothing is staged and no algorithm of the staged route runs."""
+    monkeypatch.setenv("MPIDIST_NCCL_LIBRARY", fake_nccl(tmp_path, 23007))
+    lanes_run = []
+    nccl_stand_in(monkeypatch, lanes_run, gpu)
+    staged, ran = record_routes(gpu_nodes, monkeypatch)
+    check_sums(gpu_nodes, op)
+    assert gpu_nodes.gpu_lane[0] == "nccl" and staged == [] and ran == []
+    assert bool(lanes_run) == (gpu_nodes.node_communicators().lane is not None)
+    assert (gpu_nodes.lane_window.memory.own is not None) == (gpu_nodes.node_comm.Get_size() > 1)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_auto_stages_with_its_table_where_no_lane_can_be_taken(mpi_ranks, gpu, gpu_nodes, monkeypatch):
+    """No rank has NCCL nor a CUDA-aware MPI: the ranks agree on the staged lane, and `auto` runs
+    its table's choice on a host copy (where "hierarchical" would run itself there)."""
+    monkeypatch.setenv("MPIDIST_NCCL_LIBRARY", "/nonexistent/libnccl.so.2")
+    staged, ran = record_routes(gpu_nodes, monkeypatch)
+    counts = (1, 1000, 40001)
+    check_sums(gpu_nodes, counts=counts)
+    assert gpu_nodes.gpu_lane[0] == "staged" and gpu_nodes.lane_window is None
+    assert staged == list(counts)
+    assert ran == [table_choice(gpu_nodes, BufferInfo(0, count, "float64", "cuda:0", "cupy")) for count in counts]
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+@pytest.mark.parametrize("algorithm", ["auto", "hierarchical"])
+def test_a_buffer_on_another_gpu_than_the_lane_window_is_an_error_on_every_rank(mpi_ranks, gpu, gpu_nodes,
+                                                                                monkeypatch, tmp_path, algorithm):
+    """The lane's window is on cuda:0 on every rank; then the last rank passes a buffer on cuda:1.
+    It refuses it before the call check, which shares the refusal, so every rank raises at once
+    (the others had gone on into the window or the lane and waited for it there). Nobody entered
+    them: the communicator works on."""
+    last = mpi_ranks - 1
+    monkeypatch.setenv("MPIDIST_NCCL_LIBRARY", fake_nccl(tmp_path, 23007))
+    nccl_stand_in(monkeypatch, [], gpu)
+    check_sums(gpu_nodes, algorithm=algorithm, counts=(1000,))
+    monkeypatch.setenv("MPIDIST_TIMEOUT", "5")  # so that a regression ends as a DeadlineError
+    array = on_gpu(np.ones(1000), "float64", device=1 if gpu_nodes.rank == last else 0)
+    if gpu_nodes.rank == last:
+        expected = md.InvalidArgumentError, rf"rank {last}'s buffer is on cuda:1, this communicator's GPU lane " \
+                                             r"window on that rank on cuda:0: a rank's GPU buffers must all be on one GPU"
+    else:
+        expected = md.MismatchError, rf"ranks \[{last}\] refused their arguments to this collective"
+    with pytest.raises(expected[0], match=expected[1]):
+        gpu_nodes.allreduce(array, algorithm=algorithm)
+    monkeypatch.delenv("MPIDIST_TIMEOUT")
+    check_sums(gpu_nodes, algorithm=algorithm, counts=(3000,))

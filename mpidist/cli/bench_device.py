@@ -24,9 +24,10 @@ def cuda_algorithms(comm) -> list:
 
 
 def route_communicators(comm, algorithms) -> dict:
-    """A Communicator for each route named in `algorithms` ("staged:ring" ...), kept from the node
-    window in GPU memory and told whether MPI reads GPU memory (collective)."""
-    from ..collectives import device_window
+    """A Communicator for each route named in `algorithms` ("staged:ring" ...), kept off the device
+    route (the node window in GPU memory and the GPU lane) and told whether MPI reads GPU memory
+    (collective)."""
+    from ..collectives import device_route
     from ..comm import Communicator
     unknown = [a for a in algorithms if ":" in a and a.split(":", 1)[0] not in ROUTES]
     if unknown:
@@ -39,5 +40,5 @@ def route_communicators(comm, algorithms) -> dict:
             routes[route] = Communicator(comm.mpi)
             routes[route].cuda_aware = route == "cuda-aware"
             routes[route].check_calls = comm.check_calls
-            device_window.keep_off(routes[route], f"the {route} route of mpidist bench")
+            device_route.keep_off(routes[route], f"the {route} route of mpidist bench")
     return routes

@@ -2,7 +2,8 @@
 
 api.py holds the public calls; callcheck.py the argument checks and the cross-rank call check;
 engine.py the asynchronous engine and its handles; fastpath.py small all-reduces straight to MPI;
-staging.py GPU buffers through host memory; registry.py the algorithms by name; select.py
+routes.py each buffer's route to the algorithms (staging.py through host memory where needed,
+device_route.py in GPU memory); registry.py the algorithms by name; select.py
 algorithm="auto"'s choice; cost_model.py the algorithms' predicted times, which it uses where
 nothing was measured. Every call takes the channel it runs on (channel.py) first. This
 package's namespace is what a Communicator's collective methods call (comm.py, above it).

@@ -2,8 +2,9 @@
 the asynchronous forms (allreduce_async, broadcast_async, allgather_async, reduce_scatter_async).
 
 Each call checks its arguments on this rank (a refusal still joins the call check, so the other
-ranks fail at once), then runs in order on its channel (engine.in_order): the ranks agree on the
-call (callcheck.py), GPU buffers are staged where needed (staging.py), and the algorithm runs.
+ranks fail at once), then runs in order on its channel (engine.in_order): it resolves the route
+of its buffer (routes.py: staged, or in GPU memory) and checks the buffer's GPU for it, the ranks
+agree on the call (callcheck.py), and the route runs the collective.
 The asynchronous forms check their arguments at the call and queue the rest on the
 communicator's engine (engine.py), whose thread runs them in submission order. Each run is a
 span in torch.profiler's trace and on the timeline while either records (runtime/tracing.py).
@@ -18,8 +19,6 @@ from ..errors import InvalidArgumentError, MpidistError
 from ..runtime.deadlines import wait_for_collective
 from ..runtime.mpi import MPI
 from ..runtime.tracing import traced
-from . import device_window, gpu_lane
-from .broadcast import broadcast as broadcast_algorithm
 from .callcheck import (
     BARRIER_SIGNATURE,
     OPS,
@@ -34,11 +33,11 @@ from .callcheck import (
     share_refusal,
     signature,
 )
-from .common import COLLECTIVES, TAGS, Context, finish_average, kernel_op, split_counts
+from .common import COLLECTIVES, split_counts
 from .engine import Handle, in_order
-from .registry import ALGORITHMS, ALLREDUCE, DEVICE_MEMORY_ALGORITHMS, HOST_MEMORY_ALGORITHMS
-from .ring import allgather_ring, reduce_scatter_ring
-from .staging import copy_buffer, staged
+from .registry import ALGORITHMS
+from .routes import route_for
+from .staging import copy_buffer
 
 
 def allreduce(comm, array, op="sum", algorithm="auto", out=None, shape=None):
@@ -72,57 +71,31 @@ def prepare_allreduce(array, op, algorithm, out):
 def _run_allreduce(comm, array, info, op, algorithm, source_info=None, shape=None):
     """All-reduce `array` (described by `info`); with `source_info`, copy that input into it
     first, once the ranks have agreed on the call, so a refused call leaves out= untouched."""
-    mpi = comm.mpi
     # The signature carries the algorithm this rank will run, not the one asked for: ranks with
     # different MPIDIST_ALLREDUCE_ALGORITHM (or tuning tables) would otherwise pass the check
     # and then run algorithms whose messages do not match.
-    try:
-        name = resolve_algorithm(algorithm, info, comm)
-    except MpidistError:
-        share_refusal(comm)
-        raise
-    if name == "hierarchical":
-        _check_gpu(comm, info)
+    name, route = _route(comm, info, "allreduce", algorithm)
     if comm.check_calls:
-        check_same_call(comm, mpi, signature("allreduce", info, op, name, row_shape=shape), shape)
+        check_same_call(comm, comm.mpi, signature("allreduce", info, op, name, row_shape=shape), shape)
     if source_info is not None:
         copy_buffer(info, source_info)
-    _reduce_in_place(comm, array, info, op, name)
+    route.allreduce(comm, array, info, op, name)
     return array
 
 
-def _check_gpu(comm, info):
-    """A CUDA buffer on another GPU than this rank's device window is refused before the call
-    check, and the refusal shared there: the other ranks would otherwise enter the window and
-    wait for this rank until MPIDIST_TIMEOUT."""
+def _route(comm, info, collective, algorithm=None):
+    """(the all-reduce algorithm `algorithm` resolves to, or None for the other collectives; the
+    route of `info`), its GPU checked for the route. A refusal is shared with the call check
+    before it is raised: the other ranks would otherwise go on into the route and wait there for
+    this rank until MPIDIST_TIMEOUT."""
     try:
-        device_window.check_gpu(comm, info)
+        name = None if algorithm is None else resolve_algorithm(algorithm, info, comm)
+        route = route_for(info, name)
+        route.check_gpu(comm, info, collective)
     except MpidistError:
         share_refusal(comm)
         raise
-
-
-def _reduce_in_place(comm, array, info, op, name):
-    """All-reduce `array` with the algorithm `name`, once the ranks have agreed on the call."""
-    if info.is_cuda:
-        if name == "hierarchical" and (device_window.allreduce(comm, array, info, op)
-                                       or gpu_lane.allreduce(comm, array, info, op)):
-            return
-        if name in DEVICE_MEMORY_ALGORITHMS:
-            buffers.synchronize(array, info)
-            _reduce_with(ALLREDUCE[name], Context(comm, comm.mpi, info, op=kernel_op(op), tag=TAGS["allreduce"]), op)
-            return
-        with staged(comm, array, info, host_only=name in HOST_MEMORY_ALGORITHMS) as work:
-            _reduce_with(ALLREDUCE[name], Context(comm, comm.mpi, work, op=kernel_op(op), tag=TAGS["allreduce"]), op)
-    else:  # the hot path of small messages: no context manager
-        _reduce_with(ALLREDUCE[name], Context(comm, comm.mpi, info, op=kernel_op(op), tag=TAGS["allreduce"]), op)
-
-
-def _reduce_with(algorithm, ctx: Context, op: str) -> None:
-    ctx.average = op == "avg"
-    algorithm(ctx)
-    if ctx.average:  # the algorithm left the division to us
-        finish_average(ctx, op)
+    return name, route
 
 
 def broadcast(comm, array, root=0):
@@ -140,12 +113,9 @@ def _check_broadcast(comm, array, root):
 
 @traced("mpidist.broadcast", "BROADCAST")
 def _broadcast(comm, array, info, root):
-    _check_gpu(comm, info)
+    _, route = _route(comm, info, "broadcast")
     check_same_call(comm, comm.mpi, signature("broadcast", info, root=root))
-    if device_window.broadcast(comm, array, info, root):
-        return array
-    with staged(comm, array, info) as work:
-        broadcast_algorithm(Context(comm, comm.mpi, work, tag=TAGS["broadcast"]), root)
+    route.broadcast(comm, array, info, root)
     return array
 
 
@@ -167,23 +137,15 @@ def _allgather(comm, array, info):
     rows = shape[0] if shape else 1
     fields, row_shape = _allgather_signature("allgather", array, info)
     row_elements = int(np.prod(row_shape)) if row_shape else 1
-    _check_gpu(comm, info)
+    _, route = _route(comm, info, "allgather")
     check_same_call(comm, comm.mpi, fields, row_shape)
     all_rows = np.empty(comm.size, dtype=np.int64)
     comm.mpi.Allgather([np.array([rows], dtype=np.int64), MPI.INT64_T], [all_rows, MPI.INT64_T])
     total = int(all_rows.sum())
     out = buffers.new_array(array, (total,) + row_shape if shape else (total,))
-    out_info = buffers.describe(out)
     offsets = np.concatenate([[0], np.cumsum(all_rows)[:-1]]) * row_elements
     chunks = [(int(o), int(r) * row_elements) for o, r in zip(offsets, all_rows)]
-    if device_window.allgather(comm, array, info, out_info, chunks):
-        return out
-    with staged(comm, out, out_info) as work:
-        own_offset = chunks[comm.rank][0]
-        with staged(comm, array, info) as source:
-            copy_buffer(BufferInfo(work.ptr + own_offset * work.itemsize, info.count, info.dtype,
-                                   work.device, work.kind), source)
-        allgather_ring(Context(comm, comm.mpi, work, tag=TAGS["allgather"]), chunks, rotation=-1)
+    route.allgather(comm, array, info, out, chunks)
     return out
 
 
@@ -211,25 +173,12 @@ def _reduce_scatter(comm, array, info, op):
     shape = tuple(array.shape)
     rows = shape[0] if shape else 1
     row_elements = info.count // rows if rows else 0
-    _check_gpu(comm, info)
+    _, route = _route(comm, info, "reduce_scatter")
     check_same_call(comm, comm.mpi, *_reduce_scatter_signature("reduce_scatter", array, info, op))
     chunks = [(o * row_elements, c * row_elements) for o, c in split_counts(rows, comm.size)]
     my_rows = split_counts(rows, comm.size)[comm.rank][1]
     out = buffers.new_array(array, (my_rows,) + shape[1:] if shape else (my_rows,))
-    if device_window.reduce_scatter(comm, array, info, buffers.describe(out), chunks, op):
-        return out
-    work_copy = buffers.new_array(array, (info.count,))
-    work_info = buffers.describe(work_copy)
-    copy_buffer(work_info, info)
-    with staged(comm, work_copy, work_info) as work:
-        ctx = Context(comm, comm.mpi, work, op=kernel_op(op), tag=TAGS["reduce_scatter"])
-        if comm.size > 1 and info.count:
-            reduce_scatter_ring(ctx, chunks, rotation=-1)
-        offset, count = chunks[comm.rank]
-        finish_average(ctx, op, offset, count)
-    out_info = buffers.describe(out)
-    copy_buffer(out_info, BufferInfo(work_info.ptr + chunks[comm.rank][0] * info.itemsize, out_info.count,
-                                     info.dtype, info.device, info.kind))
+    route.reduce_scatter(comm, array, info, out, chunks, op)
     return out
 
 
@@ -247,8 +196,9 @@ def join_round(comm) -> bool:
     elif called:
         info = BufferInfo(0, called["count"], DTYPES[called["dtype"]], "cpu", "numpy")
         zeros = np.zeros(info.nbytes, dtype=np.uint8)  # all-zero bytes: zero in every dtype
-        _reduce_in_place(comm, zeros, info._replace(ptr=zeros.ctypes.data), OPS[called["op"]],
-                         ALGORITHMS[called["algorithm"]])
+        info = info._replace(ptr=zeros.ctypes.data)
+        name = ALGORITHMS[called["algorithm"]]
+        route_for(info, name).allreduce(comm, zeros, info, OPS[called["op"]], name)
     return False
 
 

@@ -21,12 +21,11 @@ from ..errors import InvalidArgumentError, MismatchError, MpidistError, Unsuppor
 from ..runtime.deadlines import wait_for_collective
 from ..runtime.mpi import MPI
 from ..runtime.wire import FLOAT_DTYPES
-from . import device_window
 from .common import COLLECTIVES
 from .engine import in_order
 from .nccl import check_usable
 from .registry import ALGORITHMS, ALLREDUCE
-from .select import choose_allreduce
+from .select import table_choice
 
 OPS = ("sum", "avg", "min", "max", "prod")
 SIGNATURE_FIELDS = ("collective", "count", "dtype", "op", "algorithm", "root", "row shape")
@@ -91,14 +90,17 @@ def check_algorithm(algorithm: str) -> str:
 
 
 def resolve_algorithm(algorithm: str, info: BufferInfo, comm) -> str:
+    """The all-reduce this rank will run, by the name the call check compares: `algorithm`, or for
+    "auto" MPIDIST_ALLREDUCE_ALGORITHM or the table's choice. A CUDA buffer of "auto" on several
+    ranks stays "auto": its route (routes.py: the device route) decides with the other ranks
+    whether it stays in GPU memory, and where it cannot, runs the table's choice staged."""
     if algorithm == "nccl":
         check_usable(info)
     if algorithm != "auto":
         return algorithm
-    if comm.forced_algorithm is None and device_window.wanted(comm, info):
-        return "hierarchical"  # in GPU memory (device_window.py)
-    chosen = choose_allreduce(info.nbytes, comm.size, comm.tuning_table, info.dtype, comm.forced_algorithm,
-                              comm.num_nodes)
+    if info.is_cuda and comm.size > 1 and comm.forced_algorithm is None:
+        return "auto"
+    chosen = table_choice(comm, info)
     if chosen not in ALLREDUCE:
         raise InvalidArgumentError(
             f"MPIDIST_ALLREDUCE_ALGORITHM={chosen!r} is not an all-reduce algorithm; "
@@ -244,7 +246,8 @@ def describe_mismatch(table: np.ndarray, row_shapes: list | None = None) -> str:
             groups.setdefault(signature_label(column, int(value), names, row_shapes, rank), []).append(rank)
         part = f"{field}: " + "; ".join(f"ranks {ranks} have {label}" for label, ranks in groups.items())
         if field == "algorithm":
-            part += " (the algorithm each rank would run, from algorithm=, MPIDIST_ALLREDUCE_ALGORITHM or auto's table)"
+            part += (" (the algorithm each rank would run, from algorithm=, MPIDIST_ALLREDUCE_ALGORITHM or auto's "
+                     "table; auto itself for a CUDA buffer, whose route the ranks decide together)")
         parts.append(part)
     called = "the same collective with different arguments" if len(set(codes)) == 1 else "different collectives"
     return f"ranks called {called}: " + " | ".join(parts)

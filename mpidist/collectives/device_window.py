@@ -19,9 +19,9 @@ this module gives it DeviceMemory and decides where it is used.
   This module's own code runs on CPU in tests/test_device_window_standin.py, with CuPy, CUDA
   IPC and the CUDA kernels stood in for in host memory.
 
-Where: all-reduce with algorithm "hierarchical" (what `auto` picks for CUDA buffers when the
-communicator is one node, unless MPIDIST_DEVICE_WINDOW=0), broadcast, allgather and reduce-scatter
-of CUDA buffers on a communicator that is one node. The local ranks decide together, once per
+Where: the device route's collectives (device_route.py: all-reduce with "hierarchical" or
+"auto", broadcast, allgather and reduce-scatter) of CUDA buffers on a communicator that is one
+node, unless MPIDIST_DEVICE_WINDOW=0. The local ranks decide together, once per
 channel, whether they can (every rank has CuPy and CUDA kernels, the ranks' GPUs are one or
 peers, the node has no more ranks than the k-way kernel has sources); where any cannot, all of
 them take the staged route instead, and `refusal` says why.
@@ -60,12 +60,6 @@ def missing() -> str | None:
     except ImportError as error:
         return f"CuPy, whose CUDA runtime bindings export the window, cannot be imported ({error})"
     return None
-
-
-def wanted(channel, info: BufferInfo) -> bool:
-    """Whether `auto` sends this buffer to the device window: a CUDA buffer, on a channel that is
-    one node, on a rank that can use it (missing())."""
-    return info.is_cuda and channel.num_nodes == 1 and channel.size > 1 and missing() is None
 
 
 class DeviceMemory:
@@ -191,8 +185,8 @@ def check_gpu(channel, info: BufferInfo) -> None:
 
 
 def keep_off(channel, reason: str) -> None:
-    """Send `channel`'s CUDA buffers the staged way (or to a CUDA-aware MPI): `mpidist bench`'s
-    routes beside the window."""
+    """Keep `channel`'s CUDA buffers out of the window, `reason` its refusal (device_route.keep_off:
+    `mpidist bench`'s routes beside the device route)."""
     channel.device_window = DeviceWindows()
     channel.device_window.refusal = reason
 
@@ -207,9 +201,9 @@ def window_for(channel, info: BufferInfo):
     return channel.device_window.get(channel, info)
 
 
-# The collectives' entry points (api.py): each returns False, having done nothing, where the
-# buffer takes another route; the caller's stream is synchronized before the window reads the
-# buffer, and the window has settled when they return.
+# The collectives in the window (the device route's, device_route.py): each returns False, having
+# done nothing, where the buffer takes another way; the caller's stream is synchronized before the
+# window reads the buffer, and the window has settled when they return.
 
 def allreduce(channel, array, info: BufferInfo, op: str) -> bool:
     window = window_for(channel, info)
@@ -229,23 +223,27 @@ def broadcast(channel, array, info: BufferInfo, root: int) -> bool:
     return True
 
 
-def allgather(channel, array, info: BufferInfo, out: BufferInfo, chunks) -> bool:
-    """`chunks`: (offset, count) of each rank's rows in `out`, in elements."""
+def allgather(channel, array, info: BufferInfo, out, chunks) -> bool:
+    """`chunks`: (offset, count) of each rank's rows in the array `out`, in elements."""
     window = window_for(channel, info)
     if window is None:
         return False
     buffers.synchronize(array, info)
+    out_info = buffers.describe(out)
     offset, count = chunks[channel.rank]
     if count:
-        kernels.copy_ptr(out.ptr + offset * out.itemsize, info.ptr, count * out.itemsize, device=out.device)
-    allgather_on_node(window, out, chunks)
+        kernels.copy_ptr(out_info.ptr + offset * out_info.itemsize, info.ptr, count * out_info.itemsize,
+                         device=out_info.device)
+    allgather_on_node(window, out_info, chunks)
     return True
 
 
-def reduce_scatter(channel, array, info: BufferInfo, out: BufferInfo, chunks, op: str) -> bool:
+def reduce_scatter(channel, array, info: BufferInfo, out, chunks, op: str) -> bool:
+    """This rank's chunk (`chunks`: (offset, count) per rank, in elements) into the array `out`."""
     window = window_for(channel, info)
     if window is None:
         return False
     buffers.synchronize(array, info)
-    reduce_scatter_on_node(window, info, chunks, out, kernel_op(op), 1.0 / channel.size if op == "avg" else 1.0)
+    reduce_scatter_on_node(window, info, chunks, buffers.describe(out), kernel_op(op),
+                           1.0 / channel.size if op == "avg" else 1.0)
     return True

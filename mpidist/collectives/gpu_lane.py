@@ -1,17 +1,19 @@
-"""The lane between nodes of CUDA buffers' hierarchical all-reduce: which one (choose_lane, from
-every rank's facts; agreed_lane, the same answer on every rank, once per channel) and the route
-that runs it (allreduce, api.py's entry).
+"""The lane between nodes of CUDA buffers' all-reduce on the device route (device_route.py:
+"hierarchical" and "auto"): which one (choose_lane, from every rank's facts; agreed_lane, the
+same answer on every rank, once per channel) and the all-reduce that runs it (allreduce, with
+check_gpu before the call check).
 
 The lanes, in `auto`'s order:
 - "nccl": NCCL between the nodes (runtime/nccl_library.py), one NCCL communicator per lane of
   hierarchical.py, bootstrapped over MPI as algorithm="nccl" is (nccl.communicator_over);
 - "cuda-aware": MPI reading GPU memory, with hierarchical.py's algorithms between the nodes;
-- "staged": the whole all-reduce on a pinned host copy (api.py's staged route, hierarchical.py
-  in host memory), which works everywhere.
+- "staged": the whole all-reduce on a pinned host copy (staging.py's route: hierarchical.py in
+  host memory, or for "auto" the table's choice), which works everywhere.
 With the first two, inside each node the ranks reduce through the device window's memory
 (device_window.DeviceMemory, with hierarchical.py's result region), so the buffer never leaves
-the GPUs. `auto` takes the first lane every rank can use; MPIDIST_GPU_LANE forces one, and a
-forced lane that some rank cannot use is an error on every rank, naming those ranks and why.
+the GPUs; with one rank per node the lane runs on the buffer itself. `auto` takes the first lane
+every rank can use; MPIDIST_GPU_LANE forces one, and a forced lane that some rank cannot use is an
+error on every rank, naming those ranks and why.
 """
 from __future__ import annotations
 
@@ -125,23 +127,37 @@ class LaneWindow(HierarchicalWindow):
         super().free()
 
 
+def check_gpu(channel, info: BufferInfo) -> None:
+    """Refuse CUDA buffer `info` where it lies on another GPU than `channel`'s lane window (made on
+    this rank's GPU at its first all-reduce across nodes), as device_window.check_gpu does for the
+    node window, and before the call check for the same reason: the other ranks would otherwise
+    wait for this one in the window or the lane until MPIDIST_TIMEOUT."""
+    window = channel.lane_window
+    if info.is_cuda and window is not None and info.device_index != window.device_index:
+        raise InvalidArgumentError(
+            f"rank {channel.rank}'s buffer is on {info.device}, this communicator's GPU lane window on that rank on "
+            f"cuda:{window.device_index}: a rank's GPU buffers must all be on one GPU")
+
+
 def allreduce(channel, array, info: BufferInfo, op: str) -> bool:
     """CUDA buffer `info` all-reduced through the device window inside each node and the agreed
-    lane between them; False, having done nothing, where the buffer takes the staged route (one
-    node, or the staged lane)."""
+    lane between them (with one rank per node, the lane alone, on the buffer itself); False,
+    having done nothing, where the buffer takes the staged route (one node, or the staged lane).
+    check_gpu has passed."""
     if channel.num_nodes == 1 or channel.size == 1:
         return False
     lane, _ = agreed_lane(channel, info.device_index)
     if lane == "staged":
         return False
-    window = getattr(channel, "lane_window", None)
-    if window is None:
-        window = channel.lane_window = LaneWindow(channel, lane, info.device_index)
-    elif window.device_index != info.device_index:
-        raise InvalidArgumentError(f"this communicator's GPU lane window is on cuda:{window.device_index}, the "
-                                   f"buffer on {info.device}: a rank's GPU buffers must all be on one GPU")
+    if channel.lane_window is None:
+        channel.lane_window = LaneWindow(channel, lane, info.device_index)
+    window = channel.lane_window
     buffers.synchronize(array, info)
-    reduce_across_nodes(Context(channel, channel.mpi, info, op=kernel_op(op), tag=TAGS["allreduce"]), window)
+    ctx = Context(channel, channel.mpi, info, op=kernel_op(op), tag=TAGS["allreduce"])
+    if window.local_size == 1:
+        window.across(ctx, info)  # nothing to share inside the node: no window memory, no CuPy
+    else:
+        reduce_across_nodes(ctx, window)
     if op == "avg":
         kernels.scale_ptr(info.ptr, info.count, info.dtype, 1.0 / channel.size, device=info.device)
     kernels.synchronize(info.device)

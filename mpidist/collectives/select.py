@@ -133,6 +133,13 @@ def choose_allreduce(nbytes: int, ranks: int, table=None, dtype: str = "float32"
     return chosen
 
 
+def table_choice(channel, info) -> str:
+    """auto's choice for buffer `info` (a BufferInfo) on `channel`: its forced algorithm, else its
+    table's for the message's size and dtype."""
+    return choose_allreduce(info.nbytes, channel.size, channel.tuning_table, info.dtype, channel.forced_algorithm,
+                            channel.num_nodes)
+
+
 def fast_path_bounds(ranks: int, nodes: int, table=None, forced: str | None = None) -> tuple:
     """((mpi, node) for other dtypes, (mpi, node) for float16/bfloat16): the small-message fast
     path (fastpath.py) gives messages below `mpi` to MPI, as choose_allreduce does from its first
