@@ -72,9 +72,11 @@ def launch(scenario: dict, directory: str, checkpoints: str, args, spec=None, re
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     link = LinkRestorer(directory, spec) if spec is not None and scenario.get("nodes") else None
+    alive = None
     try:
         status = process.wait(timeout=DEADLINE)
     except subprocess.TimeoutExpired:
+        alive = still_alive(process.pid)
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
         status = None
@@ -84,7 +86,16 @@ def launch(scenario: dict, directory: str, checkpoints: str, args, spec=None, re
     reader.join(timeout=10)
     shutil.rmtree(session, ignore_errors=True)
     return {"cmd": cmd, "status": status, "started": started, "ended": ended, "lines": lines,
-            "checkpoints": checkpoints, "directory": directory, "link": link and link.record}
+            "checkpoints": checkpoints, "directory": directory, "link": link and link.record, "alive_at_deadline": alive}
+
+
+def still_alive(group: int) -> list:
+    """The processes of a hung launch's process group (mpirun's session), with their state and
+    the kernel function each sleeps in: which of mpirun, its daemon and the ranks kept the job
+    from ending."""
+    listing = subprocess.run(["ps", "-o", "pid=,stat=,wchan:32=,args=", "-g", str(group)], capture_output=True,
+                             text=True).stdout
+    return [line.strip()[:300] for line in listing.splitlines() if line.strip()]
 
 
 def node_pid(node: int) -> str:

@@ -13,9 +13,9 @@ end) unless they are up already, and link-loss needs nftables' `nft`.
 
 Each run's record is appended as one JSON line to <out>.jsonl as soon as it ends; a restart skips
 the runs already there. <out>.json and <out>.md summarize every record in the file, per
-scenario: runs, completed as documented, hangs (killed at the runner's own deadline), wrong
-results, unloadable newest checkpoints, and the median and p95 of the time to detect, to recover
-and lost per failure; for the parameter server's scenarios also the test accuracy (min / median
+scenario: runs, completed as documented, hangs (killed at the runner's own deadline; the record
+lists the processes still alive then), wrong results, unloadable newest checkpoints, and the
+median and p95 of the time to detect, to recover and lost per failure; for the parameter server's scenarios also the test accuracy (min / median
 / max) of their runs and of their job's references, the runs' lost shares of work and the bounds
 they were judged by (below).
 
@@ -117,6 +117,8 @@ def judge(scenario: dict, ref: dict, run: dict, relaunch, fault: dict, logs: dic
     record["lost_s"] = lost_s
     if not record["completed"] or record["wrong"] or record["hang"]:
         record["output_tail"] = "\n".join(line for _, line in run["lines"])[-3000:]
+    if record["hang"]:
+        record["alive_at_deadline"] = run["alive_at_deadline"]
     return record
 
 
@@ -237,7 +239,8 @@ def one_run(name: str, index: int, args) -> dict:
               "batch_size": args.batch_size, "command": args.command, "spec": spec, "training_seed": training_seed}
     if not os.path.exists(fault_file):  # the job ended (or hung) before the drawn moment came
         record.update(injected=False, hang=run["status"] is None, status=run["status"],
-                      output_tail="\n".join(line for _, line in run["lines"])[-3000:])
+                      output_tail="\n".join(line for _, line in run["lines"])[-3000:],
+                      alive_at_deadline=run["alive_at_deadline"])
         return record
     with open(fault_file) as f:
         fault = json.load(f)
