@@ -8,7 +8,6 @@ import glob
 import json
 import os
 import shutil
-import statistics
 
 from fault_evidence import accuracy_of, gradients_applied, newest_checkpoint, phase_log, training_seconds, work_done
 from fault_launch import launch
@@ -123,26 +122,3 @@ def elastic_replay(directory: str):
     return max(float(np.max(np.abs(final[k].double().numpy() - v.detach().numpy())) /
                      max(float(np.max(np.abs(v.detach().numpy()))), 1e-12))
                for k, v in model.state_dict().items())
-
-
-def digits_test_size() -> int:
-    from mpidist.data import HDF5Dataset, default_digits_path
-    return len(HDF5Dataset(default_digits_path(), "test"))
-
-
-def accuracy_verdict(accuracy, work, references: list, resolution: float) -> dict:
-    """A parameter-server run's accuracy judged against its job's references with as much work
-    (benchmarks/faults.py's docstring; `resolution`: one test item's share of the accuracy): its lost share
-    of work, the references' range there, the bound, and whether it is wrong."""
-    import numpy as np
-    if accuracy is None or work is None:
-        return {"wrong": True, "work": work}
-    lengths = {}  # seed -> [(work, accuracy)] of its references
-    for r in references:
-        lengths.setdefault(r["reference_seed"], []).append((r["work"], r["accuracy"]))
-    at_same_work = [float(np.interp(work, *zip(*sorted(points)))) for points in lengths.values()]
-    low, high = min(at_same_work), max(at_same_work)
-    bound = low - max(high - low, resolution)
-    full = statistics.median(max(points)[0] for points in lengths.values())
-    return {"work": work, "lost_share": 1 - work / full, "references_at_same_work": [low, high],
-            "accuracy_bound": bound, "wrong": accuracy < bound}

@@ -10,6 +10,7 @@ import re
 import statistics
 import subprocess
 
+from fault_accuracy import digits_test_size, undisturbed_below_bound
 from fault_scenarios import DEADLINE, SCENARIOS, STALL_WARNING, TIMEOUT, is_ps, reference_key
 
 NOTES_HEADING = "## Notes"  # the summary's own section, written by hand; kept when the summary is rewritten
@@ -78,7 +79,9 @@ def accuracy_summary(scenario: dict, injected: list, records: list) -> dict:
     references = [r for r in records if r.get("reference") == reference_key(scenario) and
                   (r["ranks"], r["epochs"], r["batch_size"]) in shapes]
     lengths = sorted({r["training_epochs"] for r in references}, reverse=True)
+    below, judged = undisturbed_below_bound(references, 1 / digits_test_size())
     return {"accuracy": spread(r.get("accuracy") for r in injected),
+            "undisturbed_below_bound": [below, judged],
             "lost_share": spread(r.get("lost_share") for r in injected),
             "accuracy_bound": spread(r.get("accuracy_bound") for r in injected),
             "references": [{"epochs": epochs, "seeds": sorted(r["reference_seed"] for r in mine),
@@ -135,14 +138,15 @@ def write_reports(out: str, args, started_load) -> None:
               "seeds 0, 1, ..., each for all the epochs and for one less) and of the disturbed runs; the runs' lost "
               "share of work (1 - their workers' steps / the full references') and the bound each was judged by (the "
               "references' lowest accuracy with as much work, less their range there, at least one test item; "
-              "benchmarks/faults.py).", "",
+              "benchmarks/faults.py). The rule's false alarms: the references that it calls wrong when each is judged "
+              "against the other seeds' (undisturbed below bound).", "",
               "| scenario | references' accuracy (epochs: min / median / max (N)) | runs' accuracy | lost share of work "
-              "| bound | wrong |", "|" + "---|" * 6]
+              "| bound | wrong | undisturbed below bound |", "|" + "---|" * 7]
     for name, row in summary.items():
         if "references" in row:
             references = "; ".join(f"{r['epochs']}: {fmt_spread(r['accuracy'])}" for r in row["references"])
             lines.append(f"| {name} | {references} | {fmt_spread(row['accuracy'])} | {fmt_spread(row['lost_share'])} "
-                         f"| {fmt_spread(row['accuracy_bound'])} | {row['wrong']} |")
+                         f"| {fmt_spread(row['accuracy_bound'])} | {row['wrong']} | {fmt_false_alarms(row)} |")
     notes = ""  # what was written about the runs by hand, kept from the file being replaced
     if os.path.exists(out + ".md"):
         with open(out + ".md") as f:
@@ -151,6 +155,11 @@ def write_reports(out: str, args, started_load) -> None:
             notes = "\n" + existing[existing.index(NOTES_HEADING):]
     with open(out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n" + notes)
+
+
+def fmt_false_alarms(row: dict) -> str:
+    below, judged = row.get("undisturbed_below_bound", (0, 0))
+    return f"{below} of {judged}" if judged else "-"
 
 
 def fmt_spread(cell: dict) -> str:

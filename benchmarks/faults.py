@@ -15,9 +15,10 @@ Each run's record is appended as one JSON line to <out>.jsonl as soon as it ends
 the runs already there. <out>.json and <out>.md summarize every record in the file, per
 scenario: runs, completed as documented, hangs (killed at the runner's own deadline; the record
 lists the processes still alive then), wrong results, unloadable newest checkpoints, and the
-median and p95 of the time to detect, to recover and lost per failure; for the parameter server's scenarios also the test accuracy (min / median
-/ max) of their runs and of their job's references, the runs' lost shares of work and the bounds
-they were judged by (below).
+median and p95 of the time to detect, to recover and lost per failure; for the parameter
+server's scenarios also the test accuracy (min / median / max) of their runs and of their job's
+references, the runs' lost shares of work, the bounds they were judged by (below) and the rule's
+false alarms: how many references it calls wrong when each is judged against the other seeds'.
 
 Per run, times are seconds from the fault (the moment the victim rank records just before it):
 detect, to the first line of the job that names the fault (or, where none does, to the end of
@@ -66,6 +67,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling modules, however it is run
 
+from fault_accuracy import accuracy_verdict, digits_test_size  # noqa: E402
 from fault_evidence import (  # noqa: E402
     accuracy_of,
     final_weights,
@@ -81,7 +83,7 @@ from fault_evidence import (  # noqa: E402
     work_done,
 )
 from fault_launch import HERE, launch, nodes_up  # noqa: E402
-from fault_references import accuracy_verdict, digits_test_size, elastic_replay, reference  # noqa: E402
+from fault_references import elastic_replay, reference  # noqa: E402
 from fault_report import append_record, read_records, write_reports  # noqa: E402
 from fault_scenarios import SCENARIOS, draw, is_ps  # noqa: E402
 

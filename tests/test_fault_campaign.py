@@ -164,6 +164,18 @@ def test_a_parameter_server_run_with_no_accuracy_is_wrong():
     assert faults.accuracy_verdict(None, 200, references, 0.01)["wrong"]
 
 
+def test_the_rule_s_false_alarms_are_the_references_it_calls_wrong_against_the_other_seeds():
+    """Three seeds at 0.90, 0.91 and 0.70 for all the work: judged against the other two, 0.70 is
+    below 0.90 - 0.01 and wrong, the others are within (0.70 - 0.21 and 0.70 - 0.20); with two
+    seeds there is no spread to judge one by, and nothing is counted."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import fault_accuracy
+    references = [{"reference_seed": seed, "work": work, "accuracy": accuracy}
+                  for seed, accuracy in enumerate((0.90, 0.91, 0.70)) for work in (100, 200)]
+    assert fault_accuracy.undisturbed_below_bound(references, 0.01) == (2, 6)
+    assert fault_accuracy.undisturbed_below_bound(references[:4], 0.01) == (0, 0)
+
+
 def test_until_crosses_midnight():
     """--until names the next time the UTC clock reads it: 00:30 given at 23:00 is 90 minutes away."""
     faults = faults_module()
