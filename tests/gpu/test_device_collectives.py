@@ -2,7 +2,7 @@
 CPU): every all-reduce algorithm, max into out=, broadcast, allgather, reduce_scatter and
 allreduce_async, against float64 references of every rank's inputs within tests/tolerances.py's
 bounds, the same bits on every rank, and for a GPU buffer the route it took: through the node
-window in GPU memory (CUDA IPC) for the hierarchical all-reduce, broadcast, allgather and
+window in GPU memory (CUDA IPC) for the hierarchical and auto all-reduces, broadcast, allgather and
 reduce_scatter with --device-window yes; otherwise through pinned host memory when the MPI
 library is not CUDA-aware (MPIDIST_CUDA_AWARE=0 forces this), straight from GPU memory when it is.
 
@@ -14,11 +14,13 @@ from device_arrays import COUNT, assert_reduced_values, disagreement, rounded
 from tolerances import assert_exact
 
 import mpidist as md
+from mpidist.collectives.registry import HOST_MEMORY_ALGORITHMS
 
 ALGORITHMS = ("auto", "ring", "tree", "recursive_halving", "recursive_doubling", "reduce_bcast", "hierarchical",
               "mpi")
-# Algorithms that reduce in host memory whatever the MPI library can do (mpidist.collectives.api).
-HOST_MEMORY_ALGORITHMS = ("hierarchical",)
+# The algorithms whose CUDA buffers take the device route (the node window in GPU memory) where
+# the node can open it; elsewhere auto's choice is its table's.
+DEVICE_ROUTE_ALGORITHMS = ("hierarchical", "auto")
 
 
 def route_problem(staging, before, arrays, comm, settings, host_only=False) -> str:
@@ -38,9 +40,10 @@ def test_allreduce(comm, arrays, dtype, count, algorithm, op, inputs, staging, s
     assert out is buf, "the result is not the input array (in place)"
     assert_reduced_values(got, per_rank, op, dtype)
     assert not differs, differs
-    if algorithm != "auto":  # auto's choice is its own
+    windowed = settings.device_window and algorithm in DEVICE_ROUTE_ALGORITHMS
+    if algorithm != "auto" or windowed:  # without the window, auto's choice is its table's
         route = staging.route_problem(before, arrays.on_gpu, algorithm in HOST_MEMORY_ALGORITHMS,
-                                      comm.is_cuda_aware(), settings.device_window and algorithm == "hierarchical")
+                                      comm.is_cuda_aware(), windowed)
         assert not route, route
 
 
