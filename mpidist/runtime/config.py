@@ -123,9 +123,10 @@ VARIABLES = (
              "library that is not NCCL, or NCCL older than 2.30 is refused on every rank with the reason"),
     _package("MPIDIST_GPU_LANE", "text", None, "`auto`", "at the first GPU buffer of a Communicator across nodes",
              "the lane between nodes of CUDA buffers' `auto` and `hierarchical` all-reduce ([GPU "
-             "training](gpu-training.md#between-nodes)): `nccl`, `cuda-aware` (MPI reading GPU memory; both with the device window inside each node), "
-             "`staged` (all through host memory); `auto` takes the first of them every rank can use. A lane forced "
-             "but not usable is an error on every rank, naming the ranks and why"),
+             "training](gpu-training.md#between-nodes)): `nccl`, `cuda-aware` (MPI reading GPU memory; both with "
+             "the device window inside each node), `staged` (all through host memory); `auto` takes the first of "
+             "them every rank can use. A lane forced but not usable is an error on every rank, naming the ranks "
+             "and why"),
     *(_package(name, "text", None, "unset", "at the first GPU buffer (detection)", meaning, reader="the MPI library")
       for name, meaning in (
           ("OMPI_MCA_opal_cuda_support", "Open MPI 4 built with CUDA: `0` turns its CUDA support off"),
