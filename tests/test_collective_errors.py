@@ -271,3 +271,33 @@ def test_a_refused_argument_does_not_communicate_with_the_check_off():
     result = run_python(code, ranks=2, env={"MPIDIST_TIMEOUT": "5", "MPIDIST_CHECK": "0"}, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rank 0: InvalidArgumentError" in result.stdout and "rank 1:" not in result.stdout, result.stdout
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_on_one_node_the_call_check_compares_in_the_node_window_and_exchanges_only_to_name_a_difference(
+        mpi_ranks, own_comm, monkeypatch):
+    """Once the hierarchical all-reduce has made the node window, the ranks' signatures are compared
+    there (each field's minimum and maximum); the MPI exchange of every signature runs only when
+    they differ, to name the difference, and a rank that never comes ends the others' wait with the
+    call check's own deadline."""
+    exchanges = []
+    exchange = callcheck.exchange_signatures
+    monkeypatch.setattr(callcheck, "exchange_signatures", lambda mpi, fields: exchanges.append(fields) or
+                        exchange(mpi, fields))
+    own_comm.allreduce(np.ones(4), algorithm="hierarchical")  # makes the window
+    assert own_comm.node_window is not None and own_comm.num_nodes == 1
+    before = len(exchanges)
+    for call in (lambda: own_comm.allreduce(np.ones(5)), lambda: own_comm.broadcast(np.ones(3)),
+                 lambda: own_comm.allgather(np.ones((2, 2))), own_comm.barrier):
+        call()
+    assert len(exchanges) == before, "signatures that agree were exchanged through MPI"
+    # Fields of every size: a row shape's code, a negative "not applicable", a large count.
+    assert (own_comm.allreduce(np.ones(70000, dtype=np.int8)) == mpi_ranks).all()
+    with pytest.raises(md.MismatchError, match=r"count: ranks \[0\] have 3; ranks \[1(, 2)?\] have 4"):
+        own_comm.allreduce(np.ones(3 + min(own_comm.rank, 1)))
+    assert len(exchanges) == before + 1
+    monkeypatch.setenv("MPIDIST_TIMEOUT", "3")
+    if own_comm.rank == 0:  # it waits in its call check for the others, which never come
+        with pytest.raises(md.DeadlineError, match=r"rank 0: the barrier call check did not complete within 3 s"):
+            own_comm.barrier()
+    own_comm.mpi.Barrier()  # rank 0 gave up; the window's rounds now differ: the communicator is done

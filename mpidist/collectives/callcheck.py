@@ -3,7 +3,9 @@
 The call check: before a collective moves any data, every rank contributes its signature (which
 collective, count, dtype, op, algorithm, root, row shape or shape; as int64 numbers) to one small
 allgather with a deadline; any difference raises MismatchError on every rank, naming who passed
-what (of ranks that called different collectives, in the fields those share: FIELDS_OF). A rank
+what (of ranks that called different collectives, in the fields those share: FIELDS_OF). Where
+the ranks share one node and its node window exists, they first compare in the window, one call
+into the node protocol (agreed_on_node), and exchange their signatures only to name a difference. A rank
 that refused its own arguments still joins, with a row that says so (share_refusal), so the
 others fail at once instead of waiting out MPIDIST_TIMEOUT. So does a
 rank that has run out of data and waits in join (join_call_check): a rank calling another
@@ -18,12 +20,14 @@ import numpy as np
 
 from ..buffers import DTYPES, BufferInfo
 from ..errors import InvalidArgumentError, MismatchError, MpidistError, UnsupportedDtypeError
-from ..runtime.deadlines import wait_for_collective
+from ..runtime import stall
+from ..runtime.deadlines import wait_for_collective, wait_in_collective_of
 from ..runtime.mpi import MPI
 from ..runtime.wire import FLOAT_DTYPES
 from .common import COLLECTIVES
 from .engine import in_order
 from .nccl import check_usable
+from .node_window import host_allreduce_on_node
 from .registry import ALGORITHMS, ALLREDUCE
 from .select import table_choice
 
@@ -126,6 +130,8 @@ def check_same_call(comm, mpi, fields: dict, row_shape: tuple | None = None) -> 
     """
     if not comm.check_calls or mpi.Get_size() == 1:
         return
+    if agreed_on_node(comm, fields):
+        return
     table = exchange_signatures(mpi, fields)
     if (table == table[mpi.Get_rank()]).all():
         return
@@ -152,15 +158,44 @@ def check_same_call(comm, mpi, fields: dict, row_shape: tuple | None = None) -> 
     raise MismatchError(describe_mismatch(table, row_shapes))
 
 
+def call_check_name(fields: dict) -> str:
+    """What the stall report and the deadline call the call check of `fields`."""
+    collective = fields["collective"]
+    return f"{COLLECTIVES[collective] if collective != REFUSED else 'refused'} call check"
+
+
 def exchange_signatures(mpi, fields: dict) -> np.ndarray:
     """Every rank's signature (a row by rank), exchanged with the deadline."""
     mine = np.array([fields[name] for name in SIGNATURE_FIELDS], dtype=np.int64)
     table = np.empty((mpi.Get_size(), len(mine)), dtype=np.int64)
     request = mpi.Iallgather([mine, MPI.INT64_T], [table, MPI.INT64_T])
-    collective = fields["collective"]
-    wait_for_collective(request, mpi, what=f"{COLLECTIVES[collective] if collective != REFUSED else 'refused'} "
-                                          "call check")
+    wait_for_collective(request, mpi, what=call_check_name(fields))
     return table
+
+
+def agreed_on_node(channel, fields: dict) -> bool | None:
+    """Whether every rank's signature is `fields`, decided in the channel's node window where its
+    ranks share one node and the window exists (the hierarchical all-reduce made it, at the same
+    call on every rank, so every rank takes the same way): one call into the node protocol
+    reduces each field's minimum and, as the minimum of its bitwise complement, its maximum, and
+    the ranks agree where the two are equal. The wait is the call check's, as through MPI (the
+    stall report, a peer's exit, the deadline naming the other ranks). None where there is no
+    such window: the ranks then exchange their signatures through MPI (exchange_signatures), as
+    they also do to name the differences once this says there are some."""
+    window = channel.node_window
+    if window is None or channel.num_nodes != 1:
+        return None
+    mine = np.array([fields[name] for name in SIGNATURE_FIELDS], dtype=np.int64)
+    reduced = np.concatenate([mine, ~mine])
+    what = call_check_name(fields)
+
+    def wait(round_):
+        wait_in_collective_of(lambda: window.others_reached(round_), channel.mpi, what, window.yield_seconds)
+
+    stall.publish(f"the {what}")  # the record of this rank's last call, also where nothing waits
+    host_allreduce_on_node(window, reduced.ctypes.data, reduced.nbytes, "int64", "min", 1.0, wait)
+    stall.returned()
+    return bool((reduced[:len(mine)] == ~reduced[len(mine):]).all())
 
 
 def join_call_check(comm) -> dict | None:
@@ -172,6 +207,8 @@ def join_call_check(comm) -> dict | None:
     others called something else, raise there (check_same_call), and the joined rank waits for
     their next call."""
     if not comm.check_calls or comm.size == 1:
+        return None
+    if agreed_on_node(comm, JOIN_SIGNATURE):  # every rank waits in join
         return None
     table = exchange_signatures(comm.mpi, JOIN_SIGNATURE)
     training = table[table[:, 0] != JOINED]

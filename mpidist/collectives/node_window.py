@@ -280,6 +280,10 @@ class NodeWindow:
         _C.store_counter(self.flags.counters[self.local_rank], self.rounds)
         self.wait_for_round(self.rounds)
 
+    def others_reached(self, round_: int) -> bool:
+        """Whether every other local rank has reached `round_`."""
+        return _C.counters_reached([c for k, c in enumerate(self.flags.counters) if k != self.local_rank], round_)
+
     def wait_for_round(self, round_: int) -> None:
         """Wait until every other local rank has reached `round_`; one that does not within
         MPIDIST_TIMEOUT is named in a DeadlineError."""
@@ -338,18 +342,20 @@ def allreduce_on_node(window: NodeWindow, info: BufferInfo, op: str, scale: floa
 
 
 def host_allreduce_on_node(window: NodeWindow, address: int, nbytes: int, dtype: str, op: str,
-                           scale: float) -> None:
+                           scale: float, wait=None) -> None:
     """allreduce_on_node in host memory, of the `nbytes` of `dtype` at `address` (the
-    small-message fast path calls it so): the steps run in the extension
+    small-message fast path and the call check call it so): the steps run in the extension
     (csrc/node_steps.h), which returns a step whose round some rank has not reached yet; this
-    waits for it, with the deadline, and the extension goes on from that step."""
+    waits for it, with the deadline (`wait(round)`, by default window.wait_for_round), and the
+    extension goes on from that step."""
+    wait = wait or window.wait_for_round
     one_shot = nbytes <= window.one_shot_bytes
     slots = window.next_one_shot_slots(nbytes) if one_shot else window.next_slots(nbytes)
     call = (slots, window.flags.counters, window.local_rank, window.rounds, address, nbytes // ITEMSIZE[dtype], dtype,
             op, scale, one_shot)
     step = _C.node_allreduce(*call, 0, window.yield_seconds)
     while step >= 0:
-        window.wait_for_round(window.rounds + step)
+        wait(window.rounds + step)
         step = _C.node_allreduce(*call, step, window.yield_seconds)
     window.rounds += _C.node_allreduce_rounds(one_shot)
 

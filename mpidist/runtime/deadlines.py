@@ -101,8 +101,15 @@ def wait_in_collective(test, mpi, what: str, on_timeout, yield_seconds: float = 
 
 def wait_for_collective(request, mpi, what: str) -> None:
     """Wait for a nonblocking collective `request` on the mpi4py communicator `mpi`
-    (wait_in_collective). Which rank is missing cannot be known from here, so the deadline's
-    error names every other rank; the stall report before it names the missing ones."""
+    (wait_in_collective_of)."""
+    wait_in_collective_of(request.Test, mpi, what)
+
+
+def wait_in_collective_of(test, mpi, what: str, yield_seconds: float = YIELD_SECONDS,
+                          nap_seconds: float = NAP_SECONDS) -> None:
+    """Poll test() until it returns True, as this rank's wait in the collective `what` of every
+    rank of `mpi` (wait_in_collective). Which rank is missing is not known here, so the
+    deadline's error names every other rank; the stall report before it names the missing ones."""
     others = other_ranks(mpi)
     waiting_in = f"the {what}"
 
@@ -112,4 +119,4 @@ def wait_for_collective(request, mpi, what: str) -> None:
                              advice="Some rank did not enter the same collective (it may have raised an error, or "
                                     "called a different collective). This communicator can no longer be used safely.")
 
-    wait_in_collective(request.Test, mpi, waiting_in, timed_out)
+    wait_in_collective(test, mpi, waiting_in, timed_out, yield_seconds, nap_seconds)
