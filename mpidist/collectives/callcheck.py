@@ -177,8 +177,9 @@ def agreed_on_node(channel, fields: dict) -> bool | None:
     """Whether every rank's signature is `fields`, decided in the channel's node window where its
     ranks share one node and the window exists (the hierarchical all-reduce made it, at the same
     call on every rank, so every rank takes the same way): one call into the node protocol
-    reduces each field's minimum and, as the minimum of its bitwise complement, its maximum, and
-    the ranks agree where the two are equal. The wait is the call check's, as through MPI (the
+    reduces each field's minimum and, as the minimum of its bitwise complement, its maximum (in one
+    round: one-shot, whatever the window's bound for all-reduces), and the ranks agree where the
+    two are equal. The wait is the call check's, as through MPI (the
     stall report, a peer's exit, the deadline naming the other ranks). None where there is no
     such window: the ranks then exchange their signatures through MPI (exchange_signatures), as
     they also do to name the differences once this says there are some."""
@@ -193,7 +194,7 @@ def agreed_on_node(channel, fields: dict) -> bool | None:
         wait_in_collective_of(lambda: window.others_reached(round_), channel.mpi, what, window.yield_seconds)
 
     stall.publish(f"the {what}")  # the record of this rank's last call, also where nothing waits
-    host_allreduce_on_node(window, reduced.ctypes.data, reduced.nbytes, "int64", "min", 1.0, wait)
+    host_allreduce_on_node(window, reduced.ctypes.data, reduced.nbytes, "int64", "min", 1.0, wait, one_shot=True)
     stall.returned()
     return bool((reduced[:len(mine)] == ~reduced[len(mine):]).all())
 

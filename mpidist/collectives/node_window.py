@@ -342,14 +342,14 @@ def allreduce_on_node(window: NodeWindow, info: BufferInfo, op: str, scale: floa
 
 
 def host_allreduce_on_node(window: NodeWindow, address: int, nbytes: int, dtype: str, op: str,
-                           scale: float, wait=None) -> None:
+                           scale: float, wait=None, one_shot: bool | None = None) -> None:
     """allreduce_on_node in host memory, of the `nbytes` of `dtype` at `address` (the
     small-message fast path and the call check call it so): the steps run in the extension
     (csrc/node_steps.h), which returns a step whose round some rank has not reached yet; this
     waits for it, with the deadline (`wait(round)`, by default window.wait_for_round), and the
-    extension goes on from that step."""
+    extension goes on from that step. One-shot up to the window's bound, unless `one_shot` says."""
     wait = wait or window.wait_for_round
-    one_shot = nbytes <= window.one_shot_bytes
+    one_shot = nbytes <= window.one_shot_bytes if one_shot is None else one_shot
     slots = window.next_one_shot_slots(nbytes) if one_shot else window.next_slots(nbytes)
     call = (slots, window.flags.counters, window.local_rank, window.rounds, address, nbytes // ITEMSIZE[dtype], dtype,
             op, scale, one_shot)
