@@ -195,6 +195,33 @@ def test_horovod_join(mpi_ranks, mpi_world):
         drop(optimizers)
 
 
+@pytest.mark.mpi(ranks=[2, 3])
+def test_horovod_join_meets_the_call_checks_in_the_node_window(mpi_ranks, mpi_world):
+    """test_horovod_join's first epoch once the world's and its engine's node windows exist: the
+    ranks waiting in join meet the others' call checks in the window (callcheck.agreed_on_node),
+    take part in their all-reduces with zeros, and are named where they cannot."""
+    import numpy as np
+    hvd.init()
+    rank, size = mpi_world.rank, mpi_ranks
+    assert (mpi_world.allreduce(np.ones(4), algorithm="hierarchical") == size).all()
+    assert (mpi_world.allreduce_async(np.ones(4), algorithm="hierarchical").wait() == size).all()
+    assert mpi_world.node_window is not None and mpi_world._engine.node_window is not None
+    model = make_model()
+    optimizers = [hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                           named_parameters=model.named_parameters())]
+    try:
+        for step in range(steps_of(rank)):
+            x, y = batch(step, rank)
+            optimizers[0].zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizers[0].step()
+            check_metrics_while_ranks_wait_in_join(0, step)
+        assert hvd.join() == last_rank_to_join(size)
+        assert_close_to_reference(list(model.parameters()), reference_parameters(size, steps_of(rank)))
+    finally:
+        drop(optimizers)
+
+
 def check_metrics_while_ranks_wait_in_join(epoch, step):
     """After step `step`, every rank still training all-reduces metrics: the ranks waiting in
     join() add zeros (an average still divides by every rank, as in Horovod); collectives they
