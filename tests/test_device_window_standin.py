@@ -161,12 +161,13 @@ class HostGpu:
             work()
 
 
-@pytest.fixture
-def gpu(monkeypatch):
-    """The stand-in, installed, on a rank that could use the device window."""
+@pytest.fixture(name="gpu")
+def host_gpu(monkeypatch):
+    """The stand-in, installed, on a rank that could use the device window (and the GPU lane: the
+    variables that force a route are cleared); every stand-in allocation given back by the end."""
     standin = HostGpu()
     standin.install(monkeypatch)
-    for name in ("MPIDIST_DEVICE_WINDOW", "MPIDIST_RANKS_PER_NODE", "MPIDIST_ALLREDUCE_ALGORITHM"):
+    for name in ("MPIDIST_DEVICE_WINDOW", "MPIDIST_RANKS_PER_NODE", "MPIDIST_ALLREDUCE_ALGORITHM", "MPIDIST_GPU_LANE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(_C, "cuda_max_sources", 8, raising=False)
     yield standin

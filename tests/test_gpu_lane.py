@@ -13,11 +13,15 @@ import numpy as np
 import pytest
 from conftest import run_python
 from mpi4py import MPI
-from test_device_window_standin import HostGpu, on_gpu, record_routes
+from test_device_window_standin import (
+    host_gpu,  # noqa: F401  (the fixture "gpu")
+    on_gpu,
+    record_routes,
+)
 from test_nccl_library import fake_nccl
 
 import mpidist as md
-from mpidist import _C, buffers
+from mpidist import buffers
 from mpidist.buffers import BufferInfo
 from mpidist.collectives import device_window, gpu_lane, nccl
 from mpidist.collectives.node_window import HostMemory
@@ -173,19 +177,6 @@ def test_info_names_the_nccl_and_the_lane(tmp_path):
 
 
 # ---- the public all-reduce of CUDA buffers across nodes: the device route --------------------------
-
-@pytest.fixture
-def gpu(monkeypatch):
-    """CuPy, CUDA IPC and mpidist's CUDA kernels stood in for in host memory, on a rank that could
-    use the device window; every stand-in allocation given back by the end."""
-    standin = HostGpu()
-    standin.install(monkeypatch)
-    for name in ("MPIDIST_DEVICE_WINDOW", "MPIDIST_ALLREDUCE_ALGORITHM", "MPIDIST_GPU_LANE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(_C, "cuda_max_sources", 8, raising=False)
-    yield standin
-    assert not standin.mapped, "memory still mapped after the communicator was freed"
-
 
 @pytest.fixture
 def gpu_nodes(mpi_ranks, gpu, monkeypatch):
