@@ -19,30 +19,35 @@ def phase_log(directory: str) -> dict:
     return logs
 
 
-def accuracy_of(run: dict):
+def first_match(run: dict, pattern: str):
+    """The match of `pattern` in the first line of a launch's output that has one, or None."""
     for _, line in run["lines"]:
-        found = re.search(r"final test accuracy: ([0-9.]+)", line)
+        found = re.search(pattern, line)
         if found:
-            return float(found.group(1))
+            return found
     return None
+
+
+def output_tail(run: dict) -> str:
+    """The end of a launch's output, for a run's record."""
+    return "\n".join(line for _, line in run["lines"])[-3000:]
+
+
+def accuracy_of(run: dict):
+    found = first_match(run, r"final test accuracy: ([0-9.]+)")
+    return float(found.group(1)) if found else None
 
 
 def gradients_applied(run: dict):
     """The gradients the server applied in this launch (its summary line), or None."""
-    for _, line in run["lines"]:
-        found = re.search(r"parameter server \(.*\): \d+ updates of (\d+) gradients", line)
-        if found:
-            return int(found.group(1))
-    return None
+    found = first_match(run, r"parameter server \(.*\): \d+ updates of (\d+) gradients")
+    return int(found.group(1)) if found else None
 
 
 def gradients_resumed(run: dict) -> int:
     """The gradients applied to the checkpoint a relaunch resumed from (its "resumed from" line)."""
-    for _, line in run["lines"]:
-        found = re.search(r"resumed from .* gradients per worker \[([0-9, ]*)\]", line)
-        if found:
-            return sum(int(n) for n in found.group(1).split(",") if n.strip())
-    return 0
+    found = first_match(run, r"resumed from .* gradients per worker \[([0-9, ]*)\]")
+    return sum(int(n) for n in found.group(1).split(",") if n.strip()) if found else 0
 
 
 def work_done(logs: dict) -> int:

@@ -76,6 +76,7 @@ from fault_evidence import (  # noqa: E402
     gradients_resumed,
     loads,
     newest_checkpoint,
+    output_tail,
     phase_log,
     rate,
     step_times,
@@ -118,7 +119,7 @@ def judge(scenario: dict, ref: dict, run: dict, relaunch, fault: dict, logs: dic
     record["redone_steps"] = redone
     record["lost_s"] = lost_s
     if not record["completed"] or record["wrong"] or record["hang"]:
-        record["output_tail"] = "\n".join(line for _, line in run["lines"])[-3000:]
+        record["output_tail"] = output_tail(run)
     if record["hang"]:
         record["alive_at_deadline"] = run["alive_at_deadline"]
     return record
@@ -241,7 +242,7 @@ def one_run(name: str, index: int, args) -> dict:
               "batch_size": args.batch_size, "command": args.command, "spec": spec, "training_seed": training_seed}
     if not os.path.exists(fault_file):  # the job ended (or hung) before the drawn moment came
         record.update(injected=False, hang=run["status"] is None, status=run["status"],
-                      output_tail="\n".join(line for _, line in run["lines"])[-3000:],
+                      output_tail=output_tail(run),
                       alive_at_deadline=run["alive_at_deadline"])
         return record
     with open(fault_file) as f:
