@@ -164,9 +164,14 @@ def call_check_name(fields: dict) -> str:
     return f"{COLLECTIVES[collective] if collective != REFUSED else 'refused'} call check"
 
 
+def signature_row(fields: dict) -> np.ndarray:
+    """The signature `fields` as the int64 row the ranks compare."""
+    return np.array([fields[name] for name in SIGNATURE_FIELDS], dtype=np.int64)
+
+
 def exchange_signatures(mpi, fields: dict) -> np.ndarray:
     """Every rank's signature (a row by rank), exchanged with the deadline."""
-    mine = np.array([fields[name] for name in SIGNATURE_FIELDS], dtype=np.int64)
+    mine = signature_row(fields)
     table = np.empty((mpi.Get_size(), len(mine)), dtype=np.int64)
     request = mpi.Iallgather([mine, MPI.INT64_T], [table, MPI.INT64_T])
     wait_for_collective(request, mpi, what=call_check_name(fields))
@@ -186,7 +191,7 @@ def agreed_on_node(channel, fields: dict) -> bool | None:
     window = channel.node_window
     if window is None or channel.num_nodes != 1:
         return None
-    mine = np.array([fields[name] for name in SIGNATURE_FIELDS], dtype=np.int64)
+    mine = signature_row(fields)
     reduced = np.concatenate([mine, ~mine])
     what = call_check_name(fields)
 
