@@ -61,7 +61,9 @@ class Channel(abc.ABC):
     lane_window, gpu_lane: CUDA buffers' all-reduce across nodes in GPU memory (the device route's)
     and the (lane, why) between nodes it was agreed to take (collectives/gpu_lane.py), None until
     then.
-    fast_path_scratch: float32 room for small float16/bfloat16 all-reduces (collectives/fastpath.py).
+    fast_path_scratch, fast_path_signatures: float32 room for small float16/bfloat16 all-reduces,
+    and the call check's signatures by kind of call, of the small-message fast path
+    (collectives/fastpath.py).
     nccl_comm: NCCL's communicator of algorithm="nccl" (collectives/nccl.py), made at its first call.
     The channel frees the windows with itself (free_windows).
     """
@@ -83,6 +85,7 @@ class Channel(abc.ABC):
         self.device_window = None
         self.lane_window = self.gpu_lane = None
         self.fast_path_scratch = None
+        self.fast_path_signatures = {}
         self.nccl_comm = None
 
     @abc.abstractmethod

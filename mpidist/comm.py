@@ -180,9 +180,10 @@ class Communicator(Channel):
     # ---- collectives (mpidist's own algorithms; see mpidist/collectives/) ----------------------
 
     def allreduce(self, array, op="sum", algorithm="auto", out=None, shape=None):
-        # Small CPU messages go straight to MPI_Allreduce (only without the call check), unless
-        # spans are recorded: the general path has them.
-        if out is None and not tracing.recording() and collectives.small_cpu_allreduce(self, array, op, algorithm):
+        # Small CPU messages go straight to MPI_Allreduce or the node protocol, unless spans are
+        # recorded (the general path has them) or the call check must compare a shape.
+        if out is None and (shape is None or not self.check_calls) and not tracing.recording() \
+                and collectives.small_cpu_allreduce(self, array, op, algorithm):
             return array
         return collectives.allreduce(self, array, op=op, algorithm=algorithm, out=out, shape=shape)
 

@@ -162,15 +162,21 @@ def test_unknown_forced_algorithm_is_named(monkeypatch):
 
 
 @pytest.fixture
-def fast_path_calls(own_comm, monkeypatch):
-    """With the call check off, small CPU messages go straight to MPI_Allreduce. Returns the list
-    to which every try of the fast path appends whether it took the message."""
+def fast_path_tries(own_comm, monkeypatch):
+    """The list to which every try of the small-message fast path appends whether it took the
+    message (a try that raises appends nothing)."""
     from mpidist import collectives
     taken = []
     fast = collectives.small_cpu_allreduce
     monkeypatch.setattr(collectives, "small_cpu_allreduce", lambda *args: taken.append(fast(*args)) or taken[-1])
-    own_comm.check_calls = False
     return taken
+
+
+@pytest.fixture
+def fast_path_calls(own_comm, fast_path_tries):
+    """fast_path_tries with the call check off: small CPU messages go straight to MPI_Allreduce."""
+    own_comm.check_calls = False
+    return fast_path_tries
 
 
 @pytest.mark.mpi(ranks=ALL_RANKS)
@@ -228,6 +234,53 @@ def test_fast_path_into_the_node_protocol(mpi_ranks, own_comm, fast_path_calls, 
                 check_allreduce(own_comm, algorithm, dtype, op, count, kind, in_place=True)
                 assert fast_path_calls == [expect_fast], (algorithm, op, count, fast_path_calls)
     assert own_comm.node_window is not None or not one_node
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_with_the_call_check_on_the_fast_path_checks_in_the_node_window(mpi_ranks, own_comm, fast_path_tries,
+                                                                         monkeypatch):
+    """With the call check on, small all-reduces take the fast path once the node window exists:
+    the check compares there (no MPI exchange of the signatures), the results are the general
+    path's, a call agrees with the same call on the general path (out=), and a difference is
+    named on every rank, also against a rank on the general path."""
+    from mpidist.collectives import callcheck
+    from mpidist.collectives.node_window import ONE_SHOT_BYTES
+    exchanges = []
+    exchange = callcheck.exchange_signatures
+    monkeypatch.setattr(callcheck, "exchange_signatures", lambda mpi, fields: exchanges.append(fields) or
+                        exchange(mpi, fields))
+    r = own_comm.rank
+    assert own_comm.check_calls and own_comm.num_nodes == 1
+    check_allreduce(own_comm, "mpi", "float32", "sum", 3, "numpy", in_place=True)
+    assert fast_path_tries == [False] and len(exchanges) == 1, "no window yet: the general path checks through MPI"
+    own_comm.allreduce(np.ones(4), algorithm="hierarchical")  # makes the window
+    mpi_below, node_below = own_comm.fast_path_bounds[False]
+    for algorithm in ("auto", "mpi", "hierarchical"):
+        for dtype, op, count, kind in (("float32", "sum", 1, "numpy"), ("float64", "avg", 7, "torch"),
+                                       ("int32", "max", 1009, "numpy"), ("float32", "prod", 300, "torch")):
+            fast_path_tries.clear()
+            before = len(exchanges)
+            check_allreduce(own_comm, algorithm, dtype, op, count, kind, in_place=r % 2 == 0)
+            nbytes = count * np.dtype(dtype).itemsize
+            expect_fast = algorithm != "auto" or nbytes < max(mpi_below, node_below) and nbytes <= ONE_SHOT_BYTES
+            expected = [expect_fast] if r % 2 == 0 else []  # out= takes the general path
+            assert fast_path_tries == expected, (algorithm, dtype, op, count, fast_path_tries)
+            assert len(exchanges) == before, (algorithm, dtype, op, count, "agreeing signatures went through MPI")
+    with pytest.raises(md.MismatchError, match=r"count: ranks \[0\] have 3; ranks \[1(, 2)?\] have 4"):
+        own_comm.allreduce(np.ones(3 + min(r, 1)))
+    with pytest.raises(md.MismatchError, match=r"count: ranks \[0\] have 5; ranks \[1(, 2)?\] have 6"):
+        if r == 0:
+            own_comm.allreduce(np.ones(5), out=np.empty(5))  # the general path
+        else:
+            own_comm.allreduce(np.ones(6))
+    with pytest.raises(md.MismatchError, match=r"collective: ranks \[0\] have broadcast; ranks \[1(, 2)?\] have allreduce"):
+        own_comm.broadcast(np.ones(3)) if r == 0 else own_comm.allreduce(np.ones(3))
+    assert (own_comm.allreduce(np.ones(2)) == mpi_ranks).all()  # still usable
+    monkeypatch.setenv("MPIDIST_TIMEOUT", "3")
+    if r == 0:  # it waits in its call check for the others, which never come
+        with pytest.raises(md.DeadlineError, match=r"rank 0: the allreduce call check did not complete within 3 s"):
+            own_comm.allreduce(np.ones(2))
+    own_comm.mpi.Barrier()  # rank 0 gave up; the window's rounds now differ: the communicator is done
 
 
 @pytest.mark.mpi(ranks=ALL_RANKS)

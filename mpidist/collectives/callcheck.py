@@ -130,8 +130,15 @@ def check_same_call(comm, mpi, fields: dict, row_shape: tuple | None = None) -> 
     """
     if not comm.check_calls or mpi.Get_size() == 1:
         return
-    if agreed_on_node(comm, fields):
-        return
+    if not agreed_on_node(comm, fields):
+        settle_difference(comm, mpi, fields, row_shape)
+
+
+def settle_difference(comm, mpi, fields: dict, row_shape: tuple | None = None) -> None:
+    """The call check's MPI exchange, for ranks not known to agree (no node window to compare
+    in, or it found a difference): returns where every rank's signature is `fields` (or the
+    others' differ only by joined ranks that take part), else raises MismatchError naming the
+    differences, on every rank alike."""
     table = exchange_signatures(mpi, fields)
     if (table == table[mpi.Get_rank()]).all():
         return
@@ -192,16 +199,23 @@ def agreed_on_node(channel, fields: dict) -> bool | None:
     if window is None or channel.num_nodes != 1:
         return None
     mine = signature_row(fields)
-    reduced = np.concatenate([mine, ~mine])
-    what = call_check_name(fields)
+    return compared_on_node(channel, window, np.concatenate([mine, ~mine]), call_check_name(fields))
+
+
+def compared_on_node(channel, window, pair: np.ndarray, what: str) -> bool:
+    """agreed_on_node's round, of `pair` (this rank's signature row and its complement, int64),
+    reduced in place: whether every rank's pair is this rank's (each field's minimum equals its
+    maximum, and both are this rank's). `what` names the check in the stall report and the
+    deadline."""
+    mine = pair.tobytes()
 
     def wait(round_):
         wait_in_collective_of(lambda: window.others_reached(round_), channel.mpi, what, window.yield_seconds)
 
     stall.publish(f"the {what}")  # the record of this rank's last call, also where nothing waits
-    host_allreduce_on_node(window, reduced.ctypes.data, reduced.nbytes, "int64", "min", 1.0, wait, one_shot=True)
+    host_allreduce_on_node(window, pair.ctypes.data, pair.nbytes, "int64", "min", 1.0, wait, one_shot=True)
     stall.returned()
-    return bool((reduced[:len(mine)] == ~reduced[len(mine):]).all())
+    return pair.tobytes() == mine
 
 
 def join_call_check(comm) -> dict | None:

@@ -8,8 +8,9 @@ MPI_Allreduce (float16/bfloat16 through the MPI route's float32 round trip, in a
 kept for this), and those up to ONE_SHOT_BYTES (the default one-shot bound, which a tuned bound
 may move: the window chooses one-shot or sliced) that it gives to the hierarchical all-reduce on
 one node go straight into the node protocol (node_window.host_allreduce_on_node: one call into
-the extension) once the window exists. With the cross-rank call check on, the general path runs:
-the check is a collective of its own.
+the extension) once the window exists. With the cross-rank call check on, the check runs first,
+as the general path's own round in that window (callcheck.compared_on_node) of a signature made
+once per kind of call; without the window (or across nodes) the general path runs.
 """
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ import sys
 import numpy as np
 
 from .. import _C
+from ..buffers import BufferInfo
 from ..runtime.mpi import MPI
 from ..runtime.wire import FLOAT_DTYPES, HALF_DTYPES, ITEMSIZE
 from . import native
+from .callcheck import call_check_name, compared_on_node, resolve_algorithm, settle_difference, signature, signature_row
 from .node_window import ONE_SHOT_BYTES, host_allreduce_on_node
 
 # The dtypes MPI reduces itself, and the half types it reduces through float32.
@@ -66,11 +69,12 @@ def fast_route(comm, nbytes: int, half: bool, algorithm: str):
 
 def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
     """All-reduce a small contiguous CPU array with one MPI_Allreduce, or one call into the node
-    protocol, when that is where the general path would end up too. Returns False, having done
-    nothing, otherwise (the general path then also gives the error messages). `comm` is the
+    protocol, when that is where the general path would end up too; with the call check on,
+    after the check (check_on_node: a difference raises there, on every rank). Returns False,
+    having done nothing, otherwise (the general path then also gives the error messages). `comm` is the
     channel the call runs on: a Communicator without an asynchronous engine, or an engine (in
     order, engine.in_order)."""
-    if comm.check_calls or comm._engine is not None:
+    if comm._engine is not None:
         return False
     mpi_op = (FAST_OPS or fill_fast_tables()).get(op)
     if mpi_op is None:
@@ -102,13 +106,17 @@ def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
         return False
     on_node = route == "node"
     count = nbytes // itemsize
+    window = comm.node_window  # the general path makes it, at the same call on every rank
+    if on_node and window is None:
+        return False
+    if comm.check_calls and comm.size > 1:
+        if window is None or comm.num_nodes != 1:
+            return False
+        check_on_node(comm, window, name, count, op, algorithm)
     # mpi4py's buffer gives the address several times faster than NumPy's .ctypes.data, and
     # the scaling goes straight to the CPU kernel: the arguments are known good here.
     message = MPI.buffer.frombuffer(array) if kind is np.ndarray else MPI.buffer.fromaddress(array.data_ptr(), nbytes)
     if on_node:
-        window = comm.node_window
-        if window is None:  # the general path makes it, at the same call on every rank
-            return False
         host_allreduce_on_node(window, message.address, nbytes, name, "sum" if average else op,
                                1.0 / comm.size if average else 1.0)
         return True
@@ -123,3 +131,27 @@ def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
     native.allreduce_through_float32(comm.mpi, message.address, name, count, wide.ctypes.data, mpi_op,
                                      1.0 / comm.size if average else 1.0)
     return True
+
+
+# Signatures kept per channel (Channel.fast_path_signatures) before the table starts over.
+KEPT_SIGNATURES = 256
+
+
+def check_on_node(comm, window, dtype: str, count: int, op: str, algorithm: str) -> None:
+    """The call check of this all-reduce in the node window: the general path's round
+    (callcheck.compared_on_node) of the signature the general path would make, made by its own
+    functions at the first call of each kind and kept on the channel. Where the ranks differ,
+    the general path's exchange names the difference (MismatchError on every rank), or lets a
+    call with joined ranks go on."""
+    key = (dtype, count, op, algorithm)
+    known = comm.fast_path_signatures.get(key)
+    if known is None:
+        if len(comm.fast_path_signatures) >= KEPT_SIGNATURES:
+            comm.fast_path_signatures.clear()
+        info = BufferInfo(0, count, dtype, "cpu", "numpy")
+        fields = signature("allreduce", info, op, resolve_algorithm(algorithm, info, comm))
+        row = signature_row(fields)
+        known = comm.fast_path_signatures[key] = (fields, np.concatenate([row, ~row]), call_check_name(fields))
+    fields, pair, what = known
+    if not compared_on_node(comm, window, pair.copy(), what):
+        settle_difference(comm, comm.mpi, fields)
