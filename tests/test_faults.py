@@ -219,20 +219,23 @@ def test_a_rank_silent_inside_an_algorithm_is_named_at_the_deadline(call):
 
 
 def test_after_a_death_a_survivor_stuck_in_mpi_finalize_leaves_with_its_exit_status():
-    # Under ULFM, rank 2 dies; rank 1 comes to MPI_Finalize 4 s late, so rank 0 waits for it
-    # there past MPIDIST_FINALIZE_TIMEOUT (1 s), as a survivor waits forever when Open MPI's
-    # end-of-job barrier does not complete, and must leave with the status given to sys.exit.
+    # Under ULFM, rank 2 dies; rank 1 comes to MPI_Finalize 4 s late (after the survivors'
+    # agreement at exit), so rank 0 waits for it there past MPIDIST_FINALIZE_TIMEOUT (1 s), as a
+    # survivor waits forever when Open MPI's end-of-job barrier does not complete, and must leave
+    # with the status given to sys.exit.
     code = textwrap.dedent("""
         import os, signal, sys, time
         import mpidist as md
         from mpi4py import MPI
+        from mpidist.runtime import leave
         from mpidist.runtime.mpi import failed_ranks
         md.init()
         if md.rank() == 2:
             os.kill(os.getpid(), signal.SIGKILL)
         assert failed_ranks(MPI.COMM_WORLD, wait=30) == [2]
         if md.rank() == 1:
-            time.sleep(4)
+            agree = leave.a_survivor_knows_of_a_death
+            leave.a_survivor_knows_of_a_death = lambda MPI, known: (agree(MPI, known), time.sleep(4))[0]
         sys.exit(3)
     """)
     result = run_python(code, ranks=3, env={"MPIDIST_FINALIZE_TIMEOUT": "1"}, mpirun_options=("--with-ft", "ulfm"))
@@ -241,6 +244,35 @@ def test_after_a_death_a_survivor_stuck_in_mpi_finalize_leaves_with_its_exit_sta
     assert "mpidist: rank 0: MPI_Finalize has not returned 1 s (MPIDIST_FINALIZE_TIMEOUT) after rank(s) [2] of the " \
         "job died" in output and "exiting with status 3 without it" in output, output
     assert "rank 1: MPI_Finalize has not returned" not in output, output
+
+
+def test_a_survivor_that_has_not_heard_of_the_death_still_leaves_a_stuck_mpi_finalize():
+    # Under ULFM, rank 2 dies. Rank 1 has not heard of it by the time it leaves (as a rank that
+    # never exchanged with the dead one may not have; here its own knowledge is hidden), and its
+    # MPI_Finalize never returns (Open MPI's end-of-job barrier after a death). It learns of the
+    # death from the survivors' agreement at exit, so its MPI_Finalize runs under the watchdog.
+    code = textwrap.dedent("""
+        import os, signal, sys, time
+        import mpidist as md
+        from mpi4py import MPI
+        from mpidist.runtime import leave
+        from mpidist.runtime.mpi import failed_ranks
+        md.init()
+        if md.rank() == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if md.rank() == 0:
+            assert failed_ranks(MPI.COMM_WORLD, wait=30) == [2]
+        else:
+            leave.failed_ranks = lambda comm, wait=0.0: []
+            leave._mpi_function = lambda name: lambda: time.sleep(120)
+        sys.exit(3)
+    """)
+    result = run_python(code, ranks=3, env={"MPIDIST_FINALIZE_TIMEOUT": "1"}, mpirun_options=("--with-ft", "ulfm"),
+                        timeout=90)
+    output = result.stdout + result.stderr
+    assert "mpidist: rank 1: MPI_Finalize has not returned 1 s (MPIDIST_FINALIZE_TIMEOUT) after a rank of the job " \
+        "died, as another rank knew" in output and "exiting with status 3 without it" in output, output
+    assert result.returncode == 3, output
 
 
 @pytest.mark.parametrize("uncaught, requested, status", [

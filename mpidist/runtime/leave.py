@@ -7,8 +7,9 @@ end-of-job barrier waits forever; docs/elastic.md). With ULFM's heartbeat failur
 detector waits in MPI_Finalize for the last heartbeat of the rank it observes, and in a run where
 every rank had finished its program, some ranks spun there for minutes while the others waited
 for them in the end-of-job barrier (benchmarks/faults.py, docs/faults.md). So in a run under
-ULFM, md.init() registers finalize_after_a_death to run at exit: when MPI knows a rank of the job
-dead, or the detector is on, it calls
+ULFM, md.init() registers finalize_after_a_death to run at exit: when a rank of the job is known
+dead (to any survivor: they agree on it first, a_survivor_knows_of_a_death), or the detector is
+on, it calls
 MPI_Finalize itself, through ctypes so that Python's lock is released during the call (mpi4py's
 MPI.Finalize holds it), and a watchdog thread ends the process with os._exit once
 MPIDIST_FINALIZE_TIMEOUT has passed, with the exit status the program was going to return.
@@ -122,11 +123,14 @@ def finalize_after_a_death() -> None:
     if MPI.Is_finalized() or mpi4py.rc.finalize is False:  # finalized already, or by the program's choice never
         return
     dead = failed_ranks(MPI.COMM_WORLD)
-    if not dead and not detector_on() and not losses.lost_any():
+    died = a_survivor_knows_of_a_death(MPI, bool(dead) or losses.lost_any())
+    if not died and not detector_on():
         return
     status, limit = exit_status(), config.value("MPIDIST_FINALIZE_TIMEOUT")
     flush_output()  # what the program printed must not wait on a call that may never return
-    why = (f"after rank(s) {dead} of the job died (Open MPI's end-of-job barrier, docs/elastic.md)" if dead else
+    barrier = "(Open MPI's end-of-job barrier, docs/elastic.md)"
+    why = (f"after rank(s) {dead} of the job died {barrier}" if dead else
+           f"after a rank of the job died, as another rank knew {barrier}" if died else
            "with ULFM's failure detector on (its end waits for the heartbeats of the rank it observes, "
            "docs/faults.md)")
     _watchdog.arm(limit, status, f"mpidist: rank {MPI.COMM_WORLD.Get_rank()}: MPI_Finalize has not returned "
@@ -136,6 +140,21 @@ def finalize_after_a_death() -> None:
     if status != program_status():
         flush_output()
         os._exit(status)  # Python would exit 0: it decided its status before its exit handlers ran
+
+
+def a_survivor_knows_of_a_death(MPI, known_here: bool) -> bool:
+    """Whether any surviving rank of the job knows of a rank's death, `known_here` being this
+    rank's answer: ULFM's agreement over the world (MPIX_Comm_agree), which gives every survivor
+    the same answer. A rank that never exchanged with the dead one may not have heard of the death
+    by the time it leaves, and would then wait in an MPI_Finalize that its peers left after
+    MPIDIST_FINALIZE_TIMEOUT. The agreement also raises MPI_ERR_PROC_FAILED alike on every survivor
+    where a rank died before it and not every rank has acknowledged that."""
+    try:
+        return MPI.COMM_WORLD.Agree(0 if known_here else 1) == 0
+    except MPI.Exception as error:
+        if error.Get_error_class() in (MPI.ERR_PROC_FAILED, MPI.ERR_REVOKED):
+            return True
+        raise
 
 
 def _mpi_function(name):
