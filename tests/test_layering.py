@@ -278,6 +278,12 @@ def test_importing_the_public_modules_does_not_start_mpi(public_names):
     assert public_names["mpi_started"] is False
 
 
+def test_the_architecture_page_names_every_public_module():
+    with open(os.path.join(REPO, "docs", "architecture.md")) as handle:
+        section = handle.read().split("\n## The public API\n")[1].split("\n## ")[0]
+    assert [module for module in PUBLIC_MODULES if f"`{module}`" not in section] == []
+
+
 def test_only_runtime_mpi_loads_mpi_up_to_the_communicator():
     # Up to comm.py, importing a module must not start MPI: only runtime/mpi.py imports mpi4py's
     # MPI module (the collectives read its names through runtime/mpi.py's MPI, which imports it at
