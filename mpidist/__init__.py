@@ -3,8 +3,25 @@
     import mpidist as md
     md.init()
     md.allreduce(array, op="sum", algorithm="auto")
+
+The library's public API is this package's __all__ and that of a few modules (docs/architecture.md
+lists them); the `mpidist` command is built on it alone.
 """
 __version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    # the world and its collectives
+    "init", "is_initialized", "world", "Communicator", "rank", "size", "local_rank", "local_size",
+    "allreduce", "allreduce_async", "adasum_allreduce", "broadcast", "allgather", "reduce_scatter", "barrier",
+    # the errors (mpidist.errors has them all)
+    "MpidistError", "DeadlineError", "InvalidArgumentError", "LaunchMismatchError", "MismatchError",
+    "MPIUnavailableError", "NonContiguousError", "NotInitializedError", "NotOfferedError", "PeerExitedError",
+    "RankDiedError", "UnsupportedBufferError", "UnsupportedDtypeError",
+    # the training modes, imported (with torch) when first used: __getattr__ below
+    "DataParallel", "Join", "ParameterAveraging", "Pipeline", "ParameterServer", "Update", "CentralStorage",
+    "ZeroRedundancyOptimizer", "elastic", "SyncBatchNorm",
+]
 
 from . import launch as _launch
 from .runtime import mpi as _mpi
@@ -17,8 +34,8 @@ _mpi.apply_start_settings()
 _launch.set_launcher_variables()
 
 from . import distributed as _distributed  # noqa: E402
-from .comm import Communicator, init, is_initialized, world  # noqa: E402,F401
-from .errors import (  # noqa: E402,F401
+from .comm import Communicator, init, is_initialized, world  # noqa: E402
+from .errors import (  # noqa: E402
     DeadlineError,
     InvalidArgumentError,
     LaunchMismatchError,

@@ -20,6 +20,9 @@ from .errors import InvalidArgumentError, MpidistError
 from .runtime import config
 from .runtime.together import on_root
 
+__all__ = ["ShardedSampler", "HDF5Dataset", "shard_range", "default_digits_path", "prepare_digits", "ensure_digits",
+           "DataFileError", "DataPreparationError"]
+
 # torch, h5py and scikit-learn are imported in the functions that use them: `mpidist prepare-data`
 # runs without torch, scikit-learn is needed only to make the file once, and each takes a
 # noticeable part of a second to import.

@@ -3,6 +3,10 @@
 The lowest floor of the package: it imports nothing, so every other module may raise these.
 """
 
+__all__ = ["MpidistError", "NotInitializedError", "MPIUnavailableError", "LaunchMismatchError",
+           "UnsupportedBufferError", "UnsupportedDtypeError", "NonContiguousError", "InvalidArgumentError",
+           "MismatchError", "DeadlineError", "PeerExitedError", "CheckpointError", "RankDiedError", "NotOfferedError"]
+
 
 class MpidistError(RuntimeError):
     """Base class of every error raised by mpidist."""

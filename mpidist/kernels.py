@@ -24,7 +24,8 @@ __all__ = [
     "OPS", "reduce", "reduce_scale", "scale", "reduce_many", "reduce_many_to", "pack", "unpack", "cast",
     "int8_row_bytes", "int8_quantize", "int8_sum_requantize", "int8_dequantize",
     "reduce_ptr", "reduce_scale_ptr", "scale_ptr", "reduce_many_ptr", "reduce_many_to_ptr",
-    "cuda_available", "set_num_threads", "get_num_threads", "cpu_isa", "cpu_isas", "set_cpu_isa",
+    "cuda_available", "built_with_cuda", "cuda_device_count",
+    "set_num_threads", "get_num_threads", "cpu_isa", "cpu_isas", "set_cpu_isa",
 ]
 
 _NO_CUDA = "mpidist._C was built without CUDA; reinstall with MPIDIST_CUDA=1"
@@ -66,6 +67,16 @@ def _translate(error: ValueError, what: str) -> MpidistError:
 def cuda_available() -> bool:
     """True when the extension was built with CUDA and a CUDA device is present."""
     return bool(_C.built_with_cuda) and _C.cuda_device_count() > 0
+
+
+def built_with_cuda() -> bool:
+    """Whether the extension was built with its CUDA kernels (MPIDIST_CUDA=1)."""
+    return bool(_C.built_with_cuda)
+
+
+def cuda_device_count() -> int:
+    """The CUDA devices the extension sees; 0 where it was built without CUDA."""
+    return int(_C.cuda_device_count()) if _C.built_with_cuda else 0
 
 
 def _require_cuda() -> None:

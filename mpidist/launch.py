@@ -38,8 +38,8 @@ from typing import Mapping, Optional
 
 from .errors import InvalidArgumentError, LaunchMismatchError
 
-__all__ = ["LaunchInfo", "check_agrees_with_mpi", "detect", "gpu_for_local_rank", "set_launcher_variables",
-           "set_torchrun_variables"]
+__all__ = ["LaunchInfo", "check_agrees_with_mpi", "detect", "gpu_for_local_rank", "launcher_place",
+           "set_launcher_variables", "set_torchrun_variables"]
 
 
 @dataclass(frozen=True)

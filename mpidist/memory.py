@@ -22,6 +22,8 @@ import ctypes
 
 from .runtime import config
 
+__all__ = ["keep_freed_memory"]
+
 M_TRIM_THRESHOLD = -1  # mallopt parameter numbers, from glibc's malloc.h
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's limit on 64-bit: HEAP_MAX_SIZE / 2

@@ -486,12 +486,14 @@ def test_cuda_buffer_without_cuda_build_is_a_clear_error():
         kernels.reduce_ptr(1, 1, 1, "float32", "sum", device="cuda:0")
     assert not hasattr(_C, "cuda_reduce")
     assert kernels.cuda_available() is False
+    assert kernels.built_with_cuda() is False and kernels.cuda_device_count() == 0
 
 
 @pytest.mark.skipif(not _C.built_with_cuda or _C.cuda_device_count() > 0,
                     reason="needs mpidist._C built with CUDA on a machine without a GPU")
 def test_cuda_call_without_gpu_raises_the_cuda_error():
     assert kernels.cuda_available() is False
+    assert kernels.built_with_cuda() is True and kernels.cuda_device_count() == 0
     with pytest.raises(MpidistError, match="mpidist CUDA error"):
         kernels.reduce_ptr(16, 16, 4, "float32", "sum", device="cuda:0")
     with pytest.raises(MpidistError, match="synchronize: mpidist CUDA error"):
@@ -670,6 +672,7 @@ def test_cuda_nan_inf_cast_and_pack():
     for out, part in zip(outs, parts):
         assert torch.equal(bits(out), bits(part))
     assert kernels.cuda_available()
+    assert kernels.built_with_cuda() is True and kernels.cuda_device_count() >= 1
 
 
 @cuda

@@ -1,7 +1,8 @@
 """The package's floors: no import circle (counting imports inside functions), lower floors never
 import upper ones, not even at run time (no module holds an object of a floor above it), the
 runtime floor never loads MPI but through runtime/mpi.py, and the `mpidist` command (cli/) is
-the top floor, which nothing outside it imports."""
+the top floor, which nothing outside it imports and which imports only the library's public API
+(PUBLIC_MODULES and the names of their __all__)."""
 import ast
 import json
 import os
@@ -43,6 +44,15 @@ def module_names():
     return modules
 
 
+def imported_from(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The absolute name of the module a `from ... import` statement of `module` imports from."""
+    if not node.level:
+        return node.module
+    base = module.split(".")
+    base = base[:len(base) - node.level + (1 if is_package else 0)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def imports_of(module: str, path: str, modules: dict) -> dict:
     """{imported module of the package: line} for every import statement of the module, at
     module level and inside functions alike."""
@@ -54,12 +64,7 @@ def imports_of(module: str, path: str, modules: dict) -> dict:
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = module.split(".")
-                base = base[:len(base) - node.level + (1 if is_package else 0)]
-                prefix = ".".join(base + ([node.module] if node.module else []))
-            else:
-                prefix = node.module
+            prefix = imported_from(module, is_package, node)
             submodules = [f"{prefix}.{alias.name}" for alias in node.names if f"{prefix}.{alias.name}" in modules]
             # `from package import module` imports the module; `from module import name`, the module.
             targets = submodules or [prefix]
@@ -166,6 +171,117 @@ def test_import_mpidist_loads_no_module_of_the_command():
     loaded = json.loads(result.stdout.strip().splitlines()[-1])
     assert "mpidist.comm" in loaded and "mpidist.torch" in loaded, loaded
     assert [name for name in loaded if in_the_command(name)] == []
+
+
+# The library's public API: the modules a program may import, each naming its public names in
+# its __all__ (docs/architecture.md lists them). The command (cli/) is built on them alone.
+PUBLIC_MODULES = ("mpidist", "mpidist.errors", "mpidist.launch", "mpidist.data", "mpidist.checkpoint",
+                  "mpidist.collectives", "mpidist.runtime", "mpidist.parallel.compressors", "mpidist.kernels",
+                  "mpidist.memory", "mpidist.torch")
+
+
+def declared_names(path: str) -> set:
+    """The names of the module's __all__, read from its source (none where it has no __all__)."""
+    with open(path) as handle:
+        tree = ast.parse(handle.read(), path)
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(target, "id", None) == "__all__" for target in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def private_imports(module: str, is_package: bool, source: str, public: dict) -> list:
+    """"line N: ..." for each import, in the command's `module` (its `source`), of a module of mpidist
+    that is not in `public` ({public module: the names of its __all__}) or of a name missing from
+    its module's __all__. Imports inside functions count; the command's own modules are its own."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            wanted = [(alias.name, None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            prefix = imported_from(module, is_package, node)
+            wanted = [(prefix, alias.name) for alias in node.names]
+        else:
+            continue
+        for target, name in wanted:
+            if target != "mpidist" and not target.startswith("mpidist.") or in_the_command(target) \
+                    or f"{target}.{name}" in public:  # `from package import module` of a public module
+                continue
+            if target not in public:
+                found.append((node.lineno, f"{target} is not a public module"))
+            elif name is not None and name not in public[target]:
+                found.append((node.lineno, f"{name} is not in {target}.__all__"))
+    return [f"line {line}: {problem}" for line, problem in sorted(found)]
+
+
+def test_the_command_imports_only_the_public_api():
+    # The command is the library's first user: what it needs of the inside (bench, tune and info
+    # report the library's internals) is a public name of the package that owns it.
+    modules = module_names()
+    public = {module: declared_names(modules[module]) for module in PUBLIC_MODULES}
+    found = []
+    for module, path in sorted(modules.items()):
+        if path and in_the_command(module):
+            with open(path) as handle:
+                source = handle.read()
+            found += [f"{module}, {problem}" for problem in
+                      private_imports(module, path.endswith("__init__.py"), source, public)]
+    assert found == []
+
+
+def test_the_public_api_check_finds_a_private_import():
+    public = {"mpidist": {"__version__", "init"}, "mpidist.errors": {"MpidistError"},
+              "mpidist.collectives": {"ALGORITHMS"}, "mpidist.kernels": {"reduce"}}
+    source = ("import numpy as np\n"
+              "import mpidist as md\n"
+              "import mpidist._C as ext\n"
+              "from .. import __version__, _launch, kernels\n"
+              "from ..errors import MpidistError\n"
+              "from ..runtime.wire import ITEMSIZE\n"
+              "from . import bench\n"
+              "def later():\n"
+              "    from ..collectives import ALGORITHMS, select\n")
+    assert private_imports("mpidist.cli.example", False, source, public) == [
+        "line 3: mpidist._C is not a public module", "line 4: _launch is not in mpidist.__all__",
+        "line 6: mpidist.runtime.wire is not a public module", "line 9: select is not in mpidist.collectives.__all__"]
+
+
+# Imports every public module, notes whether that started MPI, then reads every name of each
+# module's __all__ (the training modes of mpidist's __getattr__ import torch, and the parameter
+# server mpi4py's MPI: they are used after md.init()); prints, for each module, the names it lists
+# and lacks or that are private (None: no __all__).
+PUBLIC_NAMES = """
+import importlib, json, sys
+modules = {name: importlib.import_module(name) for name in MODULES}
+mpi_started = "mpi4py.MPI" in sys.modules
+found = {}
+for name, module in modules.items():
+    names = getattr(module, "__all__", None)
+    found[name] = None if names is None else [
+        n for n in names if not hasattr(module, n) or n.startswith("_") and not n.startswith("__")]
+print(json.dumps({"modules": found, "mpi_started": mpi_started}))
+"""
+
+
+@pytest.fixture(scope="module")
+def public_names():
+    result = run_python(f"MODULES = {list(PUBLIC_MODULES)!r}\n{PUBLIC_NAMES}", timeout=300)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_every_public_module_lists_its_names_in_all_and_defines_them(public_names):
+    assert public_names["modules"] == {module: [] for module in PUBLIC_MODULES}
+
+
+def test_importing_the_public_modules_does_not_start_mpi(public_names):
+    assert public_names["mpi_started"] is False
+
+
+def test_the_architecture_page_names_every_public_module():
+    with open(os.path.join(REPO, "docs", "architecture.md")) as handle:
+        section = handle.read().split("\n## The public API\n")[1].split("\n## ")[0]
+    assert [module for module in PUBLIC_MODULES if f"`{module}`" not in section] == []
 
 
 def test_only_runtime_mpi_loads_mpi_up_to_the_communicator():

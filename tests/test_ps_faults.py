@@ -277,9 +277,9 @@ def test_the_job_ends_with_the_status_of_mpidist_exit_on_rank_loss(job):
     (None, "sync", "plain sync mode waits for every worker: a worker that dies ends the job"),
 ])
 def test_train_elastic_in_ps_mode_says_at_the_start_what_a_death_does(monkeypatch, missing, mode, said):
+    from mpidist import runtime  # the command reads the runtime's public name
     from mpidist.cli.train import say_what_survives
-    from mpidist.runtime import mpi
-    monkeypatch.setattr(mpi, "fault_tolerance_missing", lambda: missing)
+    monkeypatch.setattr(runtime, "fault_tolerance_missing", lambda: missing)
     lines = []
     say_what_survives(mode, 1, lambda line, **_: lines.append(line))
     assert len(lines) == 1 and said in lines[0], lines

@@ -28,7 +28,8 @@ so each rank resumes its own dropout stream. Modes where ranks hold different mo
 BackgroundCheckpoints writes them from a thread of its own, from copies taken when asked.
 
 The package: this module holds what users call (save_checkpoint, load_checkpoint,
-latest_checkpoint, checkpoint_path, BackgroundCheckpoints); files.py makes files appear
+latest_checkpoint, checkpoint_path and CHECKPOINT_NAME, the pattern of its names,
+BackgroundCheckpoints, CheckpointError); files.py makes files appear
 atomically and sealed, tree.py turns a state into datasets and JSON, rng.py gathers and restores
 the ranks' random number generators.
 """
@@ -51,6 +52,9 @@ from ..runtime.together import mpi_of, on_every_rank, on_root, share_failure
 from . import rng
 from .files import atomic_hdf5, read_seal, verified, verify
 from .tree import ITEMS, TENSOR, TUPLE, decode, read_tree, write_tree
+
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_path", "CHECKPOINT_NAME",
+           "BackgroundCheckpoints", "CheckpointError"]
 
 # torch and h5py are imported in the functions that use them: `mpidist prepare-data` writes
 # its HDF5 file without torch, and each takes a noticeable part of a second to import.

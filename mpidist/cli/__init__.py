@@ -1,6 +1,6 @@
 """The `mpidist` command (`mpidist ...`, `python -m mpidist.cli ...`): info, bench, tune, train and
-prepare-data, built on the library's public API and its documented modules. The library never
-imports it (tests/test_layering.py).
+prepare-data, built on the library's public API alone (the public modules and the names of their
+__all__: docs/architecture.md). The library never imports it (tests/test_layering.py checks both).
 
     command.py       the argument parser and the dispatch to each subcommand
     info.py          mpidist info's facts

@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from ..runtime.wire import COLLECTIVE_DTYPES, ITEMSIZE
+from ..runtime import COLLECTIVE_DTYPES, ITEMSIZE
 from . import bench_bound, bench_device
 
 # torch and mpi4py's MPI are imported in the functions that use them (matplotlib in bench_plot.py):

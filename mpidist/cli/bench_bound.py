@@ -42,7 +42,7 @@ def one_shot_traffic(nbytes: int, local_size: int) -> float:
 
 def host_traffic(nbytes: int, local_size: int) -> float:
     """The host protocol's traffic at this size (node_window.host_allreduce_on_node)."""
-    from ..collectives.node_window import ONE_SHOT_BYTES
+    from ..collectives import ONE_SHOT_BYTES
     if nbytes <= ONE_SHOT_BYTES:
         return one_shot_traffic(nbytes, local_size)
     return window_traffic(nbytes, local_size)

@@ -14,11 +14,11 @@ def cuda_algorithms(comm) -> list:
     """--device cuda's default rows: the device window, the staged route of the same algorithm, the
     ring through a CUDA-aware MPI where the library is one, NCCL where it loads
     (runtime/nccl_library.py), and the bound (other routes by name: --algorithms staged:ring,...)."""
-    from ..collectives import nccl
+    from ..collectives import nccl_bindings
     algorithms = ["hierarchical", "staged:hierarchical"]
     if comm.is_cuda_aware():
         algorithms.append("cuda-aware:ring")
-    if nccl.bindings() is not None:
+    if nccl_bindings() is not None:
         algorithms.append("nccl")
     return algorithms + ["bound"]
 
@@ -27,8 +27,8 @@ def route_communicators(comm, algorithms) -> dict:
     """A Communicator for each route named in `algorithms` ("staged:ring" ...), kept off the device
     route (the node window in GPU memory and the GPU lane) and told whether MPI reads GPU memory
     (collective)."""
-    from ..collectives import device_route
-    from ..comm import Communicator
+    from .. import Communicator
+    from ..collectives import keep_off_device_route
     unknown = [a for a in algorithms if ":" in a and a.split(":", 1)[0] not in ROUTES]
     if unknown:
         raise ValueError(f"unknown routes {unknown}; a route is one of {', '.join(ROUTES)}")
@@ -40,5 +40,5 @@ def route_communicators(comm, algorithms) -> dict:
             routes[route] = Communicator(comm.mpi)
             routes[route].cuda_aware = route == "cuda-aware"
             routes[route].check_calls = comm.check_calls
-            device_route.keep_off(routes[route], f"the {route} route of mpidist bench")
+            keep_off_device_route(routes[route], f"the {route} route of mpidist bench")
     return routes

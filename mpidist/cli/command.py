@@ -11,14 +11,12 @@ import sys
 
 import numpy as np
 
-from .. import __version__
-from ..collectives import select
-from ..comm import init, is_initialized
+from .. import __version__, init, is_initialized
+from ..collectives import read_tuning_file, save_tuning_table
 from ..data import default_digits_path, prepare_digits
 from ..errors import DeadlineError, MpidistError
 from ..launch import detect, launcher_place
-from ..runtime.abort import abort_job
-from ..runtime.leave import note_exit_status
+from ..runtime import abort_job, note_exit_status
 from . import bench, bench_plot
 from . import tune as tuning
 from .info import collect, format_report
@@ -123,13 +121,13 @@ def cmd_tune(args) -> int:
     tuned = tuning.tune(comm, bench_options(args, "allreduce"))
     if comm.rank == 0:
         # The cost model is fitted to these times with the layout they were taken on.
-        path = select.save_tuning_table(tuned.table, comm.size, args.output, tuned.measurements,
-                                        ranks_per_node=-(-comm.size // comm.num_nodes),
-                                        one_shot_bytes=tuned.one_shot_bytes)
+        path = save_tuning_table(tuned.table, comm.size, args.output, tuned.measurements,
+                                 ranks_per_node=-(-comm.size // comm.num_nodes),
+                                 one_shot_bytes=tuned.one_shot_bytes)
         print(f"# wrote the {comm.size}-rank table to {path}: {json.dumps(tuned.table)}", flush=True)
         if tuned.one_shot_bytes is not None:
             print(f"# the node window's one-shot all-reduce up to {tuned.one_shot_bytes} bytes", flush=True)
-        parameters = select.read_tuning_file(path)["model"]["parameters"]
+        parameters = read_tuning_file(path)["model"]["parameters"]
         print(f"# cost model parameters (seconds per call, message, byte): {json.dumps(parameters)}", flush=True)
     return 0
 

@@ -15,28 +15,20 @@ def _version_of(module_name: str) -> str:
     return getattr(module, "__version__", "installed")
 
 
-def _cuda_devices(ext) -> int:
-    count = getattr(ext, "cuda_device_count", None)
-    return int(count()) if (ext.built_with_cuda and count is not None) else 0
-
-
 def collect(comm) -> dict:
     """Facts about this installation and this launch, gathered to every rank."""
     # imported here, once init() has started MPI: importing mpi4py's MPI or the collectives
     # initializes it
     from mpi4py import MPI
 
-    import mpidist._C as ext
-
-    from ..collectives import ALGORITHMS
-    from ..collectives.gpu_lane import describe_lane
+    from .. import kernels
+    from ..collectives import ALGORITHMS, describe_lane
     from ..launch import detect, gpu_for_local_rank
-    from ..runtime.cuda_aware import library_support
-    from ..runtime.nccl_library import describe as describe_nccl
+    from ..runtime import describe_nccl, mpi_cuda_support
 
     names = ("numpy", "mpi4py", "torch", "h5py", "cupy", "tqdm")
     launch = detect()
-    cuda = library_support()
+    cuda = mpi_cuda_support()
     hosts = comm.mpi.allgather(MPI.Get_processor_name())
     ranks_per_node = comm.mpi.allgather(comm.local_size)
     return {
@@ -51,8 +43,8 @@ def collect(comm) -> dict:
         # what the library answers; the probe of a device-to-device send runs at the first GPU buffer
         "cuda_aware_mpi": cuda.aware,
         "cuda_aware_mpi_how": f"{cuda.how}; to change it, {cuda.turned_off}" if cuda.turned_off else cuda.how,
-        "extension_built_with_cuda": bool(ext.built_with_cuda),
-        "cuda_devices_visible": _cuda_devices(ext),
+        "extension_built_with_cuda": kernels.built_with_cuda(),
+        "cuda_devices_visible": kernels.cuda_device_count(),
         "nccl": describe_nccl(),  # its version and path, or why none (MPIDIST_NCCL_LIBRARY)
         "gpu_lane_between_nodes": describe_lane(comm, gpu_for_local_rank(launch) or 0),
         "launcher": launch.launcher,

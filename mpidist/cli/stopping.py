@@ -15,8 +15,7 @@ import signal
 
 import numpy as np
 
-from ..runtime.deadlines import wait_for_collective
-from ..runtime.mpi import load_mpi
+from ..runtime import load_mpi, wait_for_collective
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 

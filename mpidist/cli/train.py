@@ -60,7 +60,7 @@ from ..checkpoint import (
 from ..data import DataFileError, HDF5Dataset, ShardedSampler, ensure_digits
 from ..errors import InvalidArgumentError, MpidistError
 from ..parallel.compressors import parse_compression
-from ..runtime.together import on_every_rank, share_failure
+from ..runtime import on_every_rank, share_failure
 from . import sparse_workload
 from .stopping import GracefulStop
 from .train_pipeline import PipelineMode, common_checkpoint

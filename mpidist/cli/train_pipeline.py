@@ -15,7 +15,7 @@ from ..checkpoint import (
     latest_checkpoint,
     save_checkpoint,
 )
-from ..runtime.together import share_failure
+from ..runtime import share_failure
 from .training import Mode, stopped_line
 
 

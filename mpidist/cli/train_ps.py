@@ -90,7 +90,7 @@ def serve_and_checkpoint(args, comm, ps, model, optimizer, epoch_updates: int, a
 def say_what_survives(mode: str, servers: int, say) -> None:
     """--elastic --mode ps: what a death does to this run, said at the start (with ULFM, whether
     the mode survives a dead worker; without it, what a death loses)."""
-    from ..runtime.mpi import fault_tolerance_missing
+    from ..runtime import fault_tolerance_missing
     missing = fault_tolerance_missing()
     newest = "--resume continues from the newest checkpoint in ps/" if servers == 1 else \
         "with --servers > 1 there is no checkpoint on the way to resume from"

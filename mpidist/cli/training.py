@@ -12,7 +12,7 @@ import time
 from tqdm import tqdm
 
 from ..checkpoint import CheckpointError
-from ..runtime.together import on_every_rank
+from ..runtime import on_every_rank
 
 # The first words of the line `mpidist train` prints when a stop signal ended it early (slurm/train.sbatch
 # looks for them to requeue the job).

@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from ..comm import Communicator
-from ..runtime.mpi import fault_tolerant
+from .. import Communicator
+from ..runtime import fault_tolerant
 from . import bench
 
 TUNE_SIZES = "8,64,512,4K,16K,64K,256K,1M,4M,16M"

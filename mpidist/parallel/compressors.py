@@ -33,6 +33,8 @@ from ..errors import InvalidArgumentError
 from .bucket_exchanges import Int8Bucket, PowerSGDBucket, TopKBucket
 from .push_compression import CastPush, Int8Push, PlainPush, TopKPush
 
+__all__ = ["Compressor", "NoCompression", "Cast", "PowerSGD", "Int8", "TopK", "parse_compression"]
+
 CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
