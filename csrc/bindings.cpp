@@ -30,7 +30,7 @@ void* address(std::uintptr_t ptr, std::size_t bytes, const char* what) {
 mpidist::node::Allreduce node_call(const std::vector<std::uintptr_t>& slots, const std::vector<std::uintptr_t>& counters,
                                    int local_rank, std::uint64_t round, const std::vector<mpidist::node::Segment>& segments,
                                    DType dtype, const std::string& op, double scale, bool results_in_slots,
-                                   bool one_shot, int step, int until) {
+                                   bool one_shot, int step, int until, std::uintptr_t signature = 0) {
     if (slots.size() != counters.size() || slots.empty())
         throw std::invalid_argument("node_allreduce: one slot and one counter per local rank, got " +
                                     std::to_string(slots.size()) + " slots and " + std::to_string(counters.size()) +
@@ -53,9 +53,11 @@ mpidist::node::Allreduce node_call(const std::vector<std::uintptr_t>& slots, con
         address(segment.address, segment.nbytes, "an all-reduce segment");
         bytes += segment.nbytes;
     }
-    for (auto p : slots) address(p, bytes, "a node window slot");
+    if (signature && !one_shot) throw std::invalid_argument("node_allreduce: only a one-shot compares signatures");
+    const std::size_t room = signature ? mpidist::node::kSignatureBytes : 0;
+    for (auto p : slots) address(p, room + bytes, "a node window slot");
     return {slots, counters, local_rank, round, segments, bytes / item, dtype, mpidist::parse_op(op), scale,
-            results_in_slots, one_shot};
+            results_in_slots, one_shot, reinterpret_cast<const void*>(signature)};
 }
 
 std::vector<const void*> const_addresses(const std::vector<std::uintptr_t>& ptrs, std::size_t bytes, const char* what) {
@@ -331,21 +333,26 @@ PYBIND11_MODULE(_C, m) {
     m.def("node_allreduce",
           [](const std::vector<std::uintptr_t>& slots, const std::vector<std::uintptr_t>& counters, int local_rank,
              std::uint64_t round, std::uintptr_t buffer, std::size_t count, const std::string& dtype,
-             const std::string& op, double scale, bool one_shot, int step, double patience, int until) {
+             const std::string& op, double scale, bool one_shot, std::uintptr_t signature, int step,
+             double patience, int until) {
               const DType t = mpidist::parse_dtype(dtype);
               const std::vector<mpidist::node::Segment> segments{{buffer, count * mpidist::itemsize(t)}};
               const auto call = node_call(slots, counters, local_rank, round, segments, t, op, scale, false, one_shot,
-                                          step, until);
+                                          step, until, signature);
               py::gil_scoped_release unlocked;
               return mpidist::node::host_allreduce(call, step, patience, until);
           },
           py::arg("slots"), py::arg("counters"), py::arg("local_rank"), py::arg("round"), py::arg("buffer"),
           py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("scale"), py::arg("one_shot"),
-          py::arg("step"), py::arg("patience"), py::arg("until") = -1,
+          py::arg("signature"), py::arg("step"), py::arg("patience"), py::arg("until") = -1,
           "The all-reduce on one node through the node window in host memory (csrc/node_steps.h), from "
           "`step` on: -1 once the result is in place, else the step whose round a local rank has not "
           "reached within `patience` seconds (wait for round + step, then call again from it), or "
-          "`until` when given (>= 0), before which it stops.");
+          "`until` when given (>= 0), before which it stops. A one-shot with a `signature` (the address "
+          "of node_signature_bytes bytes; 0: none) compares the ranks' first, and returns "
+          "node_signatures_differ, having reduced nothing, where they differ.");
+    m.attr("node_signature_bytes") = mpidist::node::kSignatureBytes;
+    m.attr("node_signatures_differ") = mpidist::node::kSignaturesDiffer;
     m.def("node_bucket_allreduce",
           [](const std::vector<std::uintptr_t>& slots, const std::vector<std::uintptr_t>& counters, int local_rank,
              std::uint64_t round, const std::vector<std::pair<std::uintptr_t, std::size_t>>& segments,

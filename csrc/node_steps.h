@@ -3,6 +3,7 @@
 //
 //   struct Memory {
 //       static void copy(std::uintptr_t dst, std::uintptr_t src, std::size_t nbytes);
+//       static bool equal(std::uintptr_t a, std::uintptr_t b, std::size_t nbytes);  // same bytes
 //       // every dsts[j] = (srcs[0] op ... op srcs[k-1]) * scale, in one pass, the sources in order
 //       static void reduce(const std::vector<void*>& dsts, const std::vector<const void*>& srcs,
 //                          std::size_t count, DType dtype, Op op, double scale);
@@ -23,11 +24,16 @@
 // One-shot (small messages; one round):
 //   0. copy the whole buffer into this rank's slot; publish round + 1;
 //   1. await it; reduce every rank's slot, in local-rank order, into the buffer.
+// A checked one-shot (the call check's round, with or without the message) first writes the
+// call's signature (kSignatureBytes) at the start of this rank's slot, the buffer after it, and
+// after the round compares every rank's signature with its own: where one differs, it reduces
+// nothing and returns kSignaturesDiffer, on every rank alike (they all read the same signatures).
 // Either way every rank gets the same bits. The one-shot leaves while others may still read its
 // slot: its slots are its own, and consecutive one-shot calls alternate between two halves of
 // them (NodeWindow.next_one_shot_slots).
 //
-// allreduce_steps runs from `step` on and returns -1 once the result is in place, or the step that
+// allreduce_steps runs from `step` on and returns -1 once the result is in place (kSignaturesDiffer
+// instead of it, above), or the step that
 // waits when a rank is still behind after `patience` seconds of polling: the caller waits for
 // round + step (with its deadline) and calls again from that step (patience 0: a polled
 // all-reduce that never blocks). With `until` >= 0 it stops before that step, and returns it (the
@@ -48,6 +54,11 @@ struct Segment {
     std::size_t nbytes;
 };
 
+// The room of a checked one-shot's signature at the start of each slot: one cache line.
+constexpr std::size_t kSignatureBytes = 64;
+// What a checked one-shot returns where the ranks' signatures differ.
+constexpr int kSignaturesDiffer = -2;
+
 struct Allreduce {
     std::vector<std::uintptr_t> slots;     // this call's slot of every local rank
     std::vector<std::uintptr_t> counters;  // every local rank's flag
@@ -60,6 +71,7 @@ struct Allreduce {
     double scale;
     bool results_in_slots;
     bool one_shot;
+    const void* signature;                 // kSignatureBytes of a checked one-shot; nullptr: unchecked
 };
 
 inline int allreduce_round_count(bool one_shot) { return one_shot ? 1 : 2; }
@@ -90,24 +102,29 @@ int allreduce_steps(const Allreduce& call, int step, double patience, int until)
     const Rounds<Flags> rounds{call.counters, call.local_rank};
     const std::size_t size = call.slots.size(), me = static_cast<std::size_t>(call.local_rank);
     const std::size_t item = itemsize(call.dtype);
+    const std::size_t skip = call.signature ? kSignatureBytes : 0;  // where the message starts in a slot
     auto reduce_pieces = [&](std::size_t first, std::size_t n, auto destinations) {
         for_pieces(call.buffer, first * item, n * item, [&](std::uintptr_t address, std::size_t offset, std::size_t bytes) {
             std::vector<const void*> sources;
             for (std::size_t k = 0; k < size; ++k)
-                sources.push_back(reinterpret_cast<const void*>(k == me && !call.one_shot ? address : call.slots[k] + offset));
+                sources.push_back(reinterpret_cast<const void*>(k == me && !call.one_shot ? address : call.slots[k] + skip + offset));
             Memory::reduce(destinations(address, offset), sources, bytes / item, call.dtype, call.op, call.scale);
         });
     };
     if (call.one_shot) {
         if (step == 0) {
+            if (call.signature) Memory::copy(call.slots[me], reinterpret_cast<std::uintptr_t>(call.signature), skip);
             for_pieces(call.buffer, 0, call.count * item, [&](std::uintptr_t address, std::size_t offset, std::size_t bytes) {
-                Memory::copy(call.slots[me] + offset, address, bytes);
+                Memory::copy(call.slots[me] + skip + offset, address, bytes);
             });
             rounds.publish(call.round + 1);
             step = 1;
         }
         if (until == 1) return 1;
         if (!rounds.await(call.round + 1, patience)) return 1;
+        for (std::size_t k = 0; call.signature && k < size; ++k)
+            if (k != me && !Memory::equal(call.slots[k], reinterpret_cast<std::uintptr_t>(call.signature), skip))
+                return kSignaturesDiffer;
         reduce_pieces(0, call.count, [](std::uintptr_t address, std::size_t) {
             return std::vector<void*>{reinterpret_cast<void*>(address)};
         });

@@ -10,7 +10,7 @@ REAL = _C.node_allreduce
 def stepwise(pause):
     def node_allreduce(*arguments):
         *call, step, patience = arguments
-        rounds = _C.node_allreduce_rounds(call[-1])  # the last argument of the call: one_shot
+        rounds = _C.node_allreduce_rounds(call[-2])  # the call's arguments end with one_shot, signature
         while 0 <= step < rounds:
             stopped = REAL(*call, step, patience, step + 1)
             if stopped == step:

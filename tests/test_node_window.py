@@ -21,11 +21,13 @@ from mpidist.buffers import describe
 from mpidist.collectives.common import kernel_op, split_counts
 from mpidist.collectives.node_window import (
     ONE_SHOT_BYTES,
+    SIGNATURE_BYTES,
     HostMemory,
     NodeWindow,
     allgather_on_node,
     allreduce_on_node,
     broadcast_on_node,
+    host_allreduce_on_node,
     reduce_scatter_on_node,
 )
 
@@ -168,6 +170,36 @@ def test_a_silent_rank_is_named_in_a_deadline_error(mpi_ranks, window, monkeypat
     if window.local_rank == silent:
         window.sync()  # the round the others entered; they raised their flags before waiting
     check_allreduce(window, "float32", "sum", 1000, seed=2)
+
+
+@pytest.mark.mpi(ranks=[2, 3, 4, 5])
+@pytest.mark.parametrize("dtype", DTYPES + ["int32"])
+def test_a_checked_one_shot_compares_the_signatures_before_it_reduces(mpi_ranks, window, dtype):
+    """A one-shot with a signature (the call check's round, with the fast path's message along):
+    where every rank wrote the same signature it is the all-reduce (float64 reference, the same
+    bits everywhere); where one rank's differs in one field, every rank says so and no buffer
+    changes; with no message it is the check alone."""
+    p, r = window.local_size, window.local_rank
+    inputs = [rank_values(3, k, 777, dtype, "max") for k in range(p)]
+    signature = np.arange(SIGNATURE_BYTES // 8, dtype=np.int64)
+
+    def checked(array, header):
+        return host_allreduce_on_node(window, array.data_ptr(), array.numel() * array.element_size(), dtype, "max",
+                                      1.0, signature=header.ctypes.data)
+
+    array = make_array("torch", inputs[r], dtype)
+    assert checked(array, signature)
+    assert (to_float64(array) == reduction_reference(inputs, "max")).all(), dtype
+    same_on_every_rank(array, f"checked one-shot {dtype}")
+    for odd in sorted({0, p - 1}):
+        mine = signature.copy()
+        mine[odd + 1] += r == odd
+        array = make_array("torch", inputs[r], dtype)
+        before = raw_bytes(array)
+        assert not checked(array, mine), f"rank {odd}'s signature differs"
+        assert raw_bytes(array) == before, "reduced although the signatures differ"
+    assert host_allreduce_on_node(window, 0, 0, "int64", "sum", 1.0, signature=signature.ctypes.data)
+    check_allreduce(window, dtype, "sum", 1000, seed=4)  # the window goes on as before
 
 
 @pytest.mark.mpi(ranks=[2, 3, 4, 5])

@@ -5,7 +5,8 @@ collective, count, dtype, op, algorithm, root, row shape or shape; as int64 numb
 allgather with a deadline; any difference raises MismatchError on every rank, naming who passed
 what (of ranks that called different collectives, in the fields those share: FIELDS_OF). Where
 the ranks share one node and its node window exists, they first compare in the window, one call
-into the node protocol (agreed_on_node), and exchange their signatures only to name a difference. A rank
+into the node protocol (agreed_on_node; the small-message fast path sends its all-reduce along
+in the same round), and exchange their signatures only to name a difference. A rank
 that refused its own arguments still joins, with a row that says so (share_refusal), so the
 others fail at once instead of waiting out MPIDIST_TIMEOUT. So does a
 rank that has run out of data and waits in join (join_call_check): a rank calling another
@@ -27,7 +28,7 @@ from ..runtime.wire import FLOAT_DTYPES
 from .common import COLLECTIVES
 from .engine import in_order
 from .nccl import check_usable
-from .node_window import host_allreduce_on_node
+from .node_window import SIGNATURE_BYTES, host_allreduce_on_node
 from .registry import ALGORITHMS, ALLREDUCE
 from .select import table_choice
 
@@ -188,34 +189,43 @@ def exchange_signatures(mpi, fields: dict) -> np.ndarray:
 def agreed_on_node(channel, fields: dict) -> bool | None:
     """Whether every rank's signature is `fields`, decided in the channel's node window where its
     ranks share one node and the window exists (the hierarchical all-reduce made it, at the same
-    call on every rank, so every rank takes the same way): one call into the node protocol
-    reduces each field's minimum and, as the minimum of its bitwise complement, its maximum (in one
-    round: one-shot, whatever the window's bound for all-reduces), and the ranks agree where the
-    two are equal. The wait is the call check's, as through MPI (the
-    stall report, a peer's exit, the deadline naming the other ranks). None where there is no
+    call on every rank, so every rank takes the same way): one checked one-shot round of the node
+    protocol (compared_on_node), with no message. The wait is the call check's, as through MPI
+    (the stall report, a peer's exit, the deadline naming the other ranks). None where there is no
     such window: the ranks then exchange their signatures through MPI (exchange_signatures), as
     they also do to name the differences once this says there are some."""
     window = channel.node_window
     if window is None or channel.num_nodes != 1:
         return None
-    mine = signature_row(fields)
-    return compared_on_node(channel, window, np.concatenate([mine, ~mine]), call_check_name(fields))
+    header = signature_header(fields, False)
+    return compared_on_node(channel, window, header.ctypes.data, call_check_name(fields))
 
 
-def compared_on_node(channel, window, pair: np.ndarray, what: str) -> bool:
-    """agreed_on_node's round, of `pair` (this rank's signature row and its complement, int64),
-    reduced in place: whether every rank's pair is this rank's (each field's minimum equals its
-    maximum, and both are this rank's). `what` names the check in the stall report and the
-    deadline."""
-    mine = pair.tobytes()
+def signature_header(fields: dict, with_message: bool) -> np.ndarray:
+    """What a rank writes before its message in a checked one-shot round of the node window: the
+    signature row and whether its message follows in the same round (the small-message fast path:
+    where one rank sends its message along and another does not, their headers differ, and the
+    exchange decides; node_window.SIGNATURE_BYTES in all)."""
+    header = np.zeros(SIGNATURE_BYTES // 8, dtype=np.int64)
+    header[:len(SIGNATURE_FIELDS)] = signature_row(fields)
+    header[len(SIGNATURE_FIELDS)] = with_message
+    return header
 
+
+def compared_on_node(channel, window, header: int, what: str, message=None) -> bool:
+    """A checked one-shot round in `window` (node_window.host_allreduce_on_node with a signature):
+    whether every rank wrote the header at address `header` (signature_header), the same answer
+    on every rank; with
+    `message` ((address, bytes, dtype, op, scale) of an all-reduce) that all-reduce in the same
+    round where they did. `what` names the check in the stall report and the deadline."""
     def wait(round_):
         wait_in_collective_of(lambda: window.others_reached(round_), channel.mpi, what, window.yield_seconds)
 
     stall.publish(f"the {what}")  # the record of this rank's last call, also where nothing waits
-    host_allreduce_on_node(window, pair.ctypes.data, pair.nbytes, "int64", "min", 1.0, wait, one_shot=True)
+    address, nbytes, dtype, op, scale = message or (0, 0, "int64", "sum", 1.0)
+    agreed = host_allreduce_on_node(window, address, nbytes, dtype, op, scale, wait, signature=header)
     stall.returned()
-    return pair.tobytes() == mine
+    return agreed
 
 
 def join_call_check(comm) -> dict | None:

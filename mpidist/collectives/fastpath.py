@@ -10,7 +10,8 @@ may move: the window chooses one-shot or sliced) that it gives to the hierarchic
 one node go straight into the node protocol (node_window.host_allreduce_on_node: one call into
 the extension) once the window exists. With the cross-rank call check on, the check runs first,
 as the general path's own round in that window (callcheck.compared_on_node) of a signature made
-once per kind of call; without the window (or across nodes) the general path runs.
+once per kind of call, and a message for the node protocol goes along in the same round; without
+the window (or across nodes) the general path runs.
 """
 from __future__ import annotations
 
@@ -23,8 +24,15 @@ from ..buffers import BufferInfo
 from ..runtime.mpi import MPI
 from ..runtime.wire import FLOAT_DTYPES, HALF_DTYPES, ITEMSIZE
 from . import native
-from .callcheck import call_check_name, compared_on_node, resolve_algorithm, settle_difference, signature, signature_row
-from .node_window import ONE_SHOT_BYTES, host_allreduce_on_node
+from .callcheck import (
+    call_check_name,
+    compared_on_node,
+    resolve_algorithm,
+    settle_difference,
+    signature,
+    signature_header,
+)
+from .node_window import ONE_SHOT_BYTES, SIGNATURE_BYTES, host_allreduce_on_node
 
 # The dtypes MPI reduces itself, and the half types it reduces through float32.
 FAST_DTYPES = tuple(native.MPI_TYPE_NAMES) + HALF_DTYPES
@@ -67,6 +75,27 @@ def fast_route(comm, nbytes: int, half: bool, algorithm: str):
     return "mpi" if algorithm == "mpi" else None
 
 
+def described(array, kind) -> tuple:
+    """(fast_spec, bytes) of `array` (of type `kind`): a contiguous, writable CPU NumPy array or
+    torch tensor of a dtype the fast path takes; (None, 0) for any other, which the general path
+    takes (and refuses where it must)."""
+    if kind is np.ndarray:
+        spec = FAST_NUMPY_TYPES.get(array.dtype)
+        flags = array.flags
+        if spec is None or not flags.c_contiguous or not flags.writeable:
+            return None, 0
+        return spec, array.nbytes
+    torch = sys.modules.get("torch")
+    if torch is None or kind is not torch.Tensor and not isinstance(array, torch.Tensor):
+        return None, 0
+    if not FAST_TORCH_TYPES:
+        fill_fast_torch_types(torch)
+    spec = FAST_TORCH_TYPES.get(array.dtype)
+    if spec is None or not array.is_cpu or not array.is_contiguous():
+        return None, 0
+    return spec, array.numel() * spec[1]
+
+
 def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
     """All-reduce a small contiguous CPU array with one MPI_Allreduce, or one call into the node
     protocol, when that is where the general path would end up too; with the call check on,
@@ -80,22 +109,9 @@ def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
     if mpi_op is None:
         return False
     kind = type(array)
-    if kind is np.ndarray:
-        spec = FAST_NUMPY_TYPES.get(array.dtype)
-        flags = array.flags
-        if spec is None or not flags.c_contiguous or not flags.writeable:  # the general path refuses
-            return False
-        nbytes = array.nbytes
-    else:
-        torch = sys.modules.get("torch")
-        if torch is None or kind is not torch.Tensor and not isinstance(array, torch.Tensor):
-            return False
-        if not FAST_TORCH_TYPES:
-            fill_fast_torch_types(torch)
-        spec = FAST_TORCH_TYPES.get(array.dtype)
-        if spec is None or not array.is_cpu or not array.is_contiguous():
-            return False
-        nbytes = array.numel() * spec[1]
+    spec, nbytes = described(array, kind)
+    if spec is None:
+        return False
     mpi_type, itemsize, name = spec
     half = name in HALF_DTYPES
     average = op == "avg"
@@ -109,27 +125,31 @@ def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
     window = comm.node_window  # the general path makes it, at the same call on every rank
     if on_node and window is None:
         return False
-    if comm.check_calls and comm.size > 1:
-        if window is None or comm.num_nodes != 1:
-            return False
-        check_on_node(comm, window, name, count, op, algorithm)
     # mpi4py's buffer gives the address several times faster than NumPy's .ctypes.data, and
     # the scaling goes straight to the CPU kernel: the arguments are known good here.
     message = MPI.buffer.frombuffer(array) if kind is np.ndarray else MPI.buffer.fromaddress(array.data_ptr(), nbytes)
+    reduce_op, scale = ("sum", 1.0 / comm.size) if average else (op, 1.0)
+    if comm.check_calls and comm.size > 1:
+        if window is None or comm.num_nodes != 1:
+            return False
+        # Sent along with the check where it is one-shot anyway and fits the slots as they are
+        # (growing them is a collective: it must wait until the ranks agree on the call).
+        along = on_node and nbytes <= window.one_shot_bytes and SIGNATURE_BYTES + nbytes <= window.one_shot_capacity
+        if check_on_node(comm, window, name, count, op, algorithm,
+                         (message.address, nbytes, name, reduce_op, scale) if along else None):
+            return True
     if on_node:
-        host_allreduce_on_node(window, message.address, nbytes, name, "sum" if average else op,
-                               1.0 / comm.size if average else 1.0)
+        host_allreduce_on_node(window, message.address, nbytes, name, reduce_op, scale)
         return True
     if not half:
         comm.mpi.Allreduce(MPI.IN_PLACE, [message, mpi_type], mpi_op)
         if average:  # as finish_average does
-            _C.scale(message.address, count, name, 1.0 / comm.size)
+            _C.scale(message.address, count, name, scale)
         return True
     wide = comm.fast_path_scratch
     if wide is None or wide.size < count:
         wide = comm.fast_path_scratch = np.empty(max(count, 1024), dtype=np.float32)
-    native.allreduce_through_float32(comm.mpi, message.address, name, count, wide.ctypes.data, mpi_op,
-                                     1.0 / comm.size if average else 1.0)
+    native.allreduce_through_float32(comm.mpi, message.address, name, count, wide.ctypes.data, mpi_op, scale)
     return True
 
 
@@ -137,12 +157,14 @@ def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
 KEPT_SIGNATURES = 256
 
 
-def check_on_node(comm, window, dtype: str, count: int, op: str, algorithm: str) -> None:
-    """The call check of this all-reduce in the node window: the general path's round
+def check_on_node(comm, window, dtype: str, count: int, op: str, algorithm: str, message=None) -> bool:
+    """The call check of this all-reduce in the node window: the general path's checked round
     (callcheck.compared_on_node) of the signature the general path would make, made by its own
-    functions at the first call of each kind and kept on the channel. Where the ranks differ,
-    the general path's exchange names the difference (MismatchError on every rank), or lets a
-    call with joined ranks go on."""
+    functions at the first call of each kind and kept on the channel; with `message` (as
+    compared_on_node takes it) the all-reduce in the same round. Returns whether the message was
+    reduced there. Where the ranks differ, the general path's exchange names the difference
+    (MismatchError on every rank), or lets the call go on (joined ranks; a rank whose message
+    did not come along): the message is then still to be reduced."""
     key = (dtype, count, op, algorithm)
     known = comm.fast_path_signatures.get(key)
     if known is None:
@@ -150,8 +172,11 @@ def check_on_node(comm, window, dtype: str, count: int, op: str, algorithm: str)
             comm.fast_path_signatures.clear()
         info = BufferInfo(0, count, dtype, "cpu", "numpy")
         fields = signature("allreduce", info, op, resolve_algorithm(algorithm, info, comm))
-        row = signature_row(fields)
-        known = comm.fast_path_signatures[key] = (fields, np.concatenate([row, ~row]), call_check_name(fields))
-    fields, pair, what = known
-    if not compared_on_node(comm, window, pair.copy(), what):
-        settle_difference(comm, comm.mpi, fields)
+        headers = (signature_header(fields, False), signature_header(fields, True))
+        known = comm.fast_path_signatures[key] = (fields, headers, [header.ctypes.data for header in headers],
+                                                  call_check_name(fields))
+    fields, _, addresses, what = known
+    if compared_on_node(comm, window, addresses[message is not None], what, message):
+        return message is not None
+    settle_difference(comm, comm.mpi, fields)
+    return False

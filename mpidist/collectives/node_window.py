@@ -57,6 +57,8 @@ COUNTER_BYTES = 64  # one cache line per counter: ranks never write the same lin
 YIELD_SECONDS = 100e-6  # how long a wait polls without sleeping, with more ranks than cores
 OWN_CORE_YIELD_SECONDS = 1e-3  # the same where every rank can have a core of its own
 NAP_SECONDS = 50e-6  # then the sleep between polls
+# The room of the call check's signature at the start of a checked one-shot's slots.
+SIGNATURE_BYTES = _C.node_signature_bytes
 
 # Up to this size a host-memory all-reduce on one node goes one-shot: one round instead of two,
 # each rank reducing the whole message (benchmarks/results/node-protocol-cpu.md), unless the
@@ -342,22 +344,27 @@ def allreduce_on_node(window: NodeWindow, info: BufferInfo, op: str, scale: floa
 
 
 def host_allreduce_on_node(window: NodeWindow, address: int, nbytes: int, dtype: str, op: str,
-                           scale: float, wait=None, one_shot: bool | None = None) -> None:
+                           scale: float, wait=None, one_shot: bool | None = None, signature=None) -> bool:
     """allreduce_on_node in host memory, of the `nbytes` of `dtype` at `address` (the
     small-message fast path and the call check call it so): the steps run in the extension
     (csrc/node_steps.h), which returns a step whose round some rank has not reached yet; this
     waits for it, with the deadline (`wait(round)`, by default window.wait_for_round), and the
-    extension goes on from that step. One-shot up to the window's bound, unless `one_shot` says."""
+    extension goes on from that step. One-shot up to the window's bound, unless `one_shot` says.
+    With `signature` (SIGNATURE_BYTES at that address: the call check's row) a one-shot that
+    first compares every rank's signature: returns False, having reduced nothing, where they
+    differ (on every rank alike), True otherwise."""
     wait = wait or window.wait_for_round
-    one_shot = nbytes <= window.one_shot_bytes if one_shot is None else one_shot
-    slots = window.next_one_shot_slots(nbytes) if one_shot else window.next_slots(nbytes)
+    one_shot = signature is not None or (nbytes <= window.one_shot_bytes if one_shot is None else one_shot)
+    room = SIGNATURE_BYTES if signature is not None else 0
+    slots = window.next_one_shot_slots(room + nbytes) if one_shot else window.next_slots(nbytes)
     call = (slots, window.flags.counters, window.local_rank, window.rounds, address, nbytes // ITEMSIZE[dtype], dtype,
-            op, scale, one_shot)
+            op, scale, one_shot, signature or 0)
     step = _C.node_allreduce(*call, 0, window.yield_seconds)
     while step >= 0:
         wait(window.rounds + step)
         step = _C.node_allreduce(*call, step, window.yield_seconds)
     window.rounds += _C.node_allreduce_rounds(one_shot)
+    return step != _C.node_signatures_differ
 
 
 def reduce_scatter_on_node(window: NodeWindow, info: BufferInfo, chunks, out: BufferInfo, op: str,
