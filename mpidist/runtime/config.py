@@ -68,8 +68,8 @@ VARIABLES = (
              "(data-checkpoints.md#files-from-elsewhere-are-checked-before-they-are-trusted))"),
     _package("MPIDIST_CHECK", "flag", True, "`1`", "when a Communicator is made",
              "`0` skips the per-call [cross-rank signature check](collectives.md#the-cross-rank-call-check) (one "
-             "small allgather per call, or on one node a comparison in the node window) and enables the "
-             "small-message fast path; a refused rank then leaves the others waiting `MPIDIST_TIMEOUT`"),
+             "small allgather per call, or on one node a comparison in the node window, which a small "
+             "all-reduce there shares); a refused rank then leaves the others waiting `MPIDIST_TIMEOUT`"),
     _package("MPIDIST_TIMEOUT", "number", 300.0, "`300` (seconds)", "at every wait",
              "how long a rank waits for a peer: a rank that never joins a collective, a pipeline neighbour or "
              "parameter-server peer that never answers, a gradient bucket, an `hvd.join` announcement, a "
