@@ -244,12 +244,14 @@ def test_with_the_call_check_on_the_fast_path_checks_in_the_node_window(mpi_rank
     path's, a call agrees with the same call on the general path (out=; where the fast path's
     message went along with the check, the exchange settles that), and a difference is named on
     every rank, also against a rank on the general path."""
-    from mpidist.collectives import callcheck
+    from mpidist.collectives import callcheck, fastpath
     from mpidist.collectives.node_window import ONE_SHOT_BYTES
-    exchanges = []
-    exchange = callcheck.exchange_signatures
+    exchanges, along = [], []
+    exchange, compare = callcheck.exchange_signatures, fastpath.compared_on_node
     monkeypatch.setattr(callcheck, "exchange_signatures", lambda mpi, fields: exchanges.append(fields) or
                         exchange(mpi, fields))
+    monkeypatch.setattr(fastpath, "compared_on_node", lambda *args: along.append(args[4] is not None) or
+                        compare(*args))
     r = own_comm.rank
     assert own_comm.check_calls and own_comm.num_nodes == 1
     check_allreduce(own_comm, "mpi", "float32", "sum", 3, "numpy", in_place=True)
@@ -260,12 +262,15 @@ def test_with_the_call_check_on_the_fast_path_checks_in_the_node_window(mpi_rank
         for dtype, op, count, kind in (("float32", "sum", 1, "numpy"), ("float64", "avg", 7, "torch"),
                                        ("int32", "max", 1009, "numpy"), ("float32", "prod", 300, "torch")):
             fast_path_tries.clear()
+            along.clear()
             before = len(exchanges)
             check_allreduce(own_comm, algorithm, dtype, op, count, kind, in_place=True)
             nbytes = count * np.dtype(dtype).itemsize
             expect_fast = algorithm != "auto" or nbytes < max(mpi_below, node_below) and nbytes <= ONE_SHOT_BYTES
             assert fast_path_tries == [expect_fast], (algorithm, dtype, op, count, fast_path_tries)
             assert len(exchanges) == before, (algorithm, dtype, op, count, "agreeing signatures went through MPI")
+            # The message goes with the check's round, but to MPI where algorithm="mpi" names it.
+            assert along == ([algorithm != "mpi"] if expect_fast else []), (algorithm, dtype, op, count, along)
     for algorithm, settled in (("hierarchical", 1), ("mpi", 0)):  # out= takes the general path
         before = len(exchanges)
         check_allreduce(own_comm, algorithm, "float64", "sum", 5, "numpy", in_place=r % 2 == 0)

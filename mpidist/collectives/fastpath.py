@@ -10,8 +10,8 @@ may move: the window chooses one-shot or sliced) that it gives to the hierarchic
 one node go straight into the node protocol (node_window.host_allreduce_on_node: one call into
 the extension) once the window exists. With the cross-rank call check on, the check runs first,
 as the general path's own round in that window (callcheck.compared_on_node) of a signature made
-once per kind of call, and a message for the node protocol goes along in the same round; without
-the window (or across nodes) the general path runs.
+once per kind of call, and a one-shot message goes along in the same round (under "auto" also
+one that would have gone to MPI); without the window (or across nodes) the general path runs.
 """
 from __future__ import annotations
 
@@ -132,9 +132,12 @@ def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
     if comm.check_calls and comm.size > 1:
         if window is None or comm.num_nodes != 1:
             return False
-        # Sent along with the check where it is one-shot anyway and fits the slots as they are
-        # (growing them is a collective: it must wait until the ranks agree on the call).
-        along = on_node and nbytes <= window.one_shot_bytes and SIGNATURE_BYTES + nbytes <= window.one_shot_capacity
+        # Sent along with the check where it would go one-shot anyway (and under "auto" also where
+        # it would go to MPI: the check's round then costs less than the check and MPI_Allreduce),
+        # if it fits the slots as they are (growing them is a collective: it must wait until the
+        # ranks agree on the call). An explicit algorithm="mpi" keeps MPI's own all-reduce.
+        along = (on_node or algorithm == "auto") and nbytes <= window.one_shot_bytes \
+            and SIGNATURE_BYTES + nbytes <= window.one_shot_capacity
         if check_on_node(comm, window, name, count, op, algorithm,
                          (message.address, nbytes, name, reduce_op, scale) if along else None):
             return True

@@ -244,10 +244,13 @@ class NodeWindow:
         consecutive one-shot calls alternate between two halves, and the one after the next
         comes back to this half only after every rank has passed the next one's sync, so after
         every rank has read this one. The other calls never touch these slots; theirs the
-        one-shot never touches. A slot grown for a message also holds it checked, behind the call
-        check's signature (SIGNATURE_BYTES): the fast path sends it along only where it fits."""
+        one-shot never touches. The slots hold any message of the small-message fast path
+        (ONE_SHOT_BYTES) from the start, and every message they grow for, behind the call check's
+        signature (SIGNATURE_BYTES): the fast path sends a message along with its check only where
+        it fits the slots as they are."""
         if nbytes > self.one_shot_capacity:
-            capacity = (max(nbytes + SIGNATURE_BYTES, 2 * self.one_shot_capacity, 4096) + 63) // 64 * 64
+            least = max(nbytes, ONE_SHOT_BYTES) + SIGNATURE_BYTES
+            capacity = (max(least, 2 * self.one_shot_capacity) + 63) // 64 * 64
             if self.one_shot_memory is not None:
                 self.sync()  # nobody may still be reading the old slots
                 self.one_shot_memory.free()
