@@ -74,12 +74,15 @@ class Board:
         self.polled = memory[24:32].view(np.float64)
         self.text = memory[32:RECORD_BYTES]
         self.state[0] = NO_CALL
+        self.published = None  # the text of the last publish()
         self.pid = os.getpid()
 
     def publish(self, what: str) -> None:
-        data = _as_published(what)
-        self.text[:len(data)] = np.frombuffer(data, dtype=np.uint8)
-        self.length[0] = len(data)
+        if what != self.published:  # a call like the last one finds its text there already
+            data = _as_published(what)
+            self.text[:len(data)] = np.frombuffer(data, dtype=np.uint8)
+            self.length[0] = len(data)
+            self.published = what
         self.polled[0] = 0.0  # unknown until this wait polls (mark_polled)
         self.time[0] = time.time()
         self.state[0] = WAITING
