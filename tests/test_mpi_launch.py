@@ -27,9 +27,11 @@ def pytest_sessionstart(session):
     mpi_shared_launch.register(session.config)
 """
 
+# Without Hypothesis's plugin, as the suite's ranks run (conftest.py): the projects' tests have
+# no use for it, and it costs every pytest start (each rank of each launch) a share of a second.
 PYTEST_INI = """
 [pytest]
-addopts = -p no:randomly -p no:cacheprovider --mpi-default-test-timeout=120
+addopts = -p no:randomly -p no:cacheprovider -p no:hypothesispytest --mpi-default-test-timeout=120
 mpi_executable = mpirun
 mpi_option_for_processes = -np
 mpi_command_line_args = --oversubscribe --bind-to none
