@@ -31,6 +31,10 @@ os.environ["MPIDIST_TUNING_FILE"] = os.path.join(REPO, "tests", "no-such-dir", "
 # leaving out Open MPI's UCX one-sided component (runtime/mpi.py), which prints an error at the
 # first shared window when no UCX network is present. They inherit this environment.
 os.environ.setdefault("OMPI_MCA_osc", "^ucx")
+# Open MPI's libfabric transport (btl ofi) looks for a fabric at every MPI_Init and waits a second
+# before it gives up when there is none; the suite starts MPI hundreds of times, one after another,
+# on one machine, where the shared-memory and TCP transports carry everything.
+os.environ.setdefault("OMPI_MCA_btl", "^ofi")
 
 # Every multi-rank test starts one pytest per rank (pytest-isolate-mpi), and Hypothesis's pytest
 # plugin costs each of them about 2 s of start-up (a 2-rank launch took 16.8 s of CPU with it in

@@ -5,7 +5,9 @@ every test from its JUnit XML; a project's modules run in one pytest session, as
 and their shared tests of one rank count in one launch, so each planted misbehaviour has a project
 of its own. The launches that fail to start run under a stand-in for mpirun that prints Open MPI's
 start-up failure and exits before starting any rank, as mpirun does when its PMIx server cannot
-start."""
+start. And every module of the suite's multi-rank tests takes part in the shared launch."""
+import ast
+import glob
 import os
 import shutil
 import subprocess
@@ -27,9 +29,11 @@ def pytest_sessionstart(session):
     mpi_shared_launch.register(session.config)
 """
 
+# Without Hypothesis's plugin, as the suite's ranks run (conftest.py): the projects' tests have
+# no use for it, and it costs every pytest start (each rank of each launch) a share of a second.
 PYTEST_INI = """
 [pytest]
-addopts = -p no:randomly -p no:cacheprovider --mpi-default-test-timeout=120
+addopts = -p no:randomly -p no:cacheprovider -p no:hypothesispytest --mpi-default-test-timeout=120
 mpi_executable = mpirun
 mpi_option_for_processes = -np
 mpi_command_line_args = --oversubscribe --bind-to none
@@ -306,3 +310,30 @@ def test_the_shared_modules_tests_of_one_rank_count_run_in_one_launch(two_shared
     assert not [launch for launch in launches if "test_second.py" in launch and "test_first.py" not in launch]
     assert sorted(runs) == sorted(f"test_{module} {rank}" for module in ("first", "second")
                                   for size in (2, 3) for rank in range(size)), runs
+
+
+def marks(decorators):
+    """The names of the pytest marks among `decorators` (or a pytestmark's value): "mpi" for
+    @pytest.mark.mpi(ranks=...), "mpi_shared_launch" for pytest.mark.mpi_shared_launch."""
+    names = set()
+    for node in decorators:
+        for part in ast.walk(node):
+            if isinstance(part, ast.Attribute) and isinstance(part.value, ast.Attribute) and part.value.attr == "mark":
+                names.add(part.attr)
+    return names
+
+
+def test_every_module_of_multi_rank_tests_shares_the_launch():
+    """A module of multi-rank tests outside the shared launch starts one launch per test and rank
+    count, each importing torch in every rank; a test that cannot share (it leaves a collective
+    unfinished, ends a rank, needs an environment of its own) is marked mpi_own_launch instead."""
+    unshared = []
+    for path in sorted(glob.glob(os.path.join(TESTS, "test_*.py"))):
+        module = ast.parse(open(path).read())
+        multi_rank = any("mpi" in marks(node.decorator_list) for node in ast.walk(module)
+                         if isinstance(node, (ast.FunctionDef, ast.ClassDef)))
+        module_marks = set().union(*(marks([node.value]) for node in module.body if isinstance(node, ast.Assign)
+                                     and any(getattr(target, "id", None) == "pytestmark" for target in node.targets)))
+        if multi_rank and "mpi_shared_launch" not in module_marks:
+            unshared.append(os.path.basename(path))
+    assert unshared == [], f"multi-rank tests outside the shared launch: {unshared}"
