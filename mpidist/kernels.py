@@ -66,7 +66,7 @@ def _translate(error: ValueError, what: str) -> MpidistError:
 
 def cuda_available() -> bool:
     """True when the extension was built with CUDA and a CUDA device is present."""
-    return bool(_C.built_with_cuda) and _C.cuda_device_count() > 0
+    return cuda_device_count() > 0
 
 
 def built_with_cuda() -> bool:
