@@ -176,6 +176,7 @@ def check_on_node(comm, window, dtype: str, count: int, op: str, algorithm: str,
         info = BufferInfo(0, count, dtype, "cpu", "numpy")
         fields = signature("allreduce", info, op, resolve_algorithm(algorithm, info, comm))
         headers = (signature_header(fields, False), signature_header(fields, True))
+        # The headers are kept with their addresses, which the extension reads: alive as long.
         known = comm.fast_path_signatures[key] = (fields, headers, [header.ctypes.data for header in headers],
                                                   call_check_name(fields))
     fields, _, addresses, what = known
