@@ -9,6 +9,10 @@ window (device_window.py) runs this same protocol on such memory, so a round tha
 slot before the peer had settled its writes would give wrong results here.
 
 The multi-rank tests of one world size run in one launch (mpi_shared_launch.py)."""
+import os
+import time
+import types
+
 import numpy as np
 import pytest
 from conftest import make_array, raw_bytes, to_float64
@@ -220,3 +224,42 @@ def test_a_rank_silent_in_the_extensions_allreduce_is_named_in_a_deadline_error(
             allreduce_on_node(window, describe(array), "sum")
         assert list(error.value.peers) == [silent]
     MPI.COMM_WORLD.Barrier()
+
+
+def copy_seconds_alone(node_comm, nbytes: int) -> float:
+    """The fastest of a few copies of `nbytes` on this rank while the other local ranks sleep:
+    the local ranks take turns in rank order (a rank waiting for its turn naps instead of polling,
+    so it takes no CPU from the one copying)."""
+    source = np.ones(nbytes, dtype=np.uint8)
+    target = np.empty_like(source)
+    fastest = float("inf")
+    for turn in range(node_comm.Get_size()):
+        if turn == node_comm.Get_rank():
+            for _ in range(20):
+                start = time.perf_counter()
+                np.copyto(target, source)
+                fastest = min(fastest, time.perf_counter() - start)
+        request = node_comm.Ibarrier()
+        while not request.Test():
+            time.sleep(0.001)
+    return fastest
+
+
+@pytest.mark.mpi(ranks=[3])
+def test_the_cpu_bound_gives_ranks_that_share_a_core_a_share_of_it(mpi_ranks):
+    """bench's CPU bound (bench_bound.host_copy_seconds) with every local rank on one CPU: a copy
+    takes each rank about three times as long as it takes one rank alone, since the three take
+    turns on that core, as they do in an all-reduce. (Each rank copying once, as the bound did
+    before, measured a rank that had the core to itself.)"""
+    from mpidist.cli import bench_bound
+    node = types.SimpleNamespace(node_comm=MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED))
+    nbytes = 1 << 20
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {MPI.COMM_WORLD.allreduce(min(allowed), op=MPI.MIN)})
+    try:
+        alone = MPI.COMM_WORLD.allreduce(copy_seconds_alone(node.node_comm, nbytes), op=MPI.MAX)
+        shared = bench_bound.host_copy_seconds(node, nbytes)
+    finally:
+        os.sched_setaffinity(0, allowed)
+        node.node_comm.Free()
+    assert shared > 2 * alone, f"a copy took {shared * 1e6:.0f} us on one core shared by three, {alone * 1e6:.0f} alone"

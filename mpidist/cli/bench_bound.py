@@ -8,18 +8,20 @@ has just written) the all-reduce can beat it (benchmarks/results/node-protocol-c
 On CUDA: the device window's traffic of every rank on the busiest GPU at the rate a
 device-to-device copy reads and writes that GPU's memory. On the CPU: the host protocol's traffic
 (one-shot up to ONE_SHOT_BYTES, sliced above) at the rate each local rank copies host memory while
-all of them copy at once, so that ranks sharing cores or memory channels are counted as they
-share them; the copies are at least COPY_BYTES long, as shorter ones measure the call, not the
-memory. Across nodes the link bounds an all-reduce rather than the memory: there is no CPU bound
+all of them copy at once for a while, so that ranks sharing cores or memory channels are counted
+as they share them (more ranks than cores: each gets its share of a core); the copies are at least
+COPY_BYTES long, as shorter ones measure the call, not the memory. Across nodes the link bounds an all-reduce rather than the memory: there is no CPU bound
 row there.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
 
 COPY_BYTES = 1 << 20
+COPY_SECONDS = 0.01  # each rank copies this long in a round: many of the scheduler's time slices
 COPY_ROUNDS = 5  # the fastest of these is the rate
 
 # torch, mpi4py's MPI and the collectives (which import it) are imported in the functions that use
@@ -50,21 +52,29 @@ def host_traffic(nbytes: int, local_size: int) -> float:
 
 def host_copy_seconds(comm, nbytes: int) -> float:
     """Seconds a copy of `nbytes` (at least COPY_BYTES, scaled back to nbytes) takes on the
-    slowest local rank while every local rank copies at once: the fastest of COPY_ROUNDS."""
+    slowest local rank while every local rank copies at once. In each of COPY_ROUNDS rounds every
+    local rank leaves a barrier and copies as many times as fill COPY_SECONDS, so that ranks that
+    share a core take turns within the round (a single short copy each would run alone while the
+    others wait for the CPU, and the rate would count a core per rank); a round takes what its
+    slowest rank took, and the fastest round is the rate."""
     from mpi4py import MPI
     length = max(nbytes, COPY_BYTES)
     source = np.ones(length, dtype=np.uint8)
     target = np.empty_like(source)
     np.copyto(target, source)
-    times = []
-    for _ in range(COPY_ROUNDS):
+    start = time.perf_counter()
+    np.copyto(target, source)
+    repeats = np.array([math.ceil(COPY_SECONDS / max(time.perf_counter() - start, 1e-9))])
+    comm.node_comm.Allreduce(MPI.IN_PLACE, repeats, op=MPI.MAX)
+    rounds = np.empty(COPY_ROUNDS)
+    for index in range(COPY_ROUNDS):
         comm.node_comm.Barrier()
         start = time.perf_counter()
-        np.copyto(target, source)
-        times.append(time.perf_counter() - start)
-    seconds = np.array([min(times)])
-    comm.node_comm.Allreduce(MPI.IN_PLACE, seconds, op=MPI.MAX)
-    return float(seconds[0]) * nbytes / length
+        for _ in range(int(repeats[0])):
+            np.copyto(target, source)
+        rounds[index] = (time.perf_counter() - start) / repeats[0]
+    comm.node_comm.Allreduce(MPI.IN_PLACE, rounds, op=MPI.MAX)
+    return float(rounds.min()) * nbytes / length
 
 
 def device_copy_seconds(comm, nbytes: int) -> tuple:
