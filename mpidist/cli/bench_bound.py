@@ -10,8 +10,8 @@ device-to-device copy reads and writes that GPU's memory. On the CPU: the host p
 (one-shot up to ONE_SHOT_BYTES, sliced above) at the rate each local rank copies host memory while
 all of them copy at once for a while, so that ranks sharing cores or memory channels are counted
 as they share them (more ranks than cores: each gets its share of a core); the copies are at least
-COPY_BYTES long, as shorter ones measure the call, not the memory. Across nodes the link bounds an all-reduce rather than the memory: there is no CPU bound
-row there.
+COPY_BYTES long, as shorter ones measure the call, not the memory. Across nodes the link bounds
+an all-reduce rather than the memory: there is no CPU bound row there.
 """
 from __future__ import annotations
 

@@ -23,10 +23,11 @@ from ..buffers import DTYPES, BufferInfo
 from ..errors import InvalidArgumentError, MismatchError, MpidistError, UnsupportedDtypeError
 from ..runtime import stall
 from ..runtime.deadlines import wait_for_collective, wait_in_collective_of
-from ..runtime.mpi import MPI
+from ..runtime.mpi import MPI, fault_tolerant
 from ..runtime.wire import FLOAT_DTYPES
 from .common import COLLECTIVES
 from .engine import in_order
+from .hierarchical import channel_node_window
 from .nccl import check_usable
 from .node_window import SIGNATURE_BYTES, host_allreduce_on_node
 from .registry import ALGORITHMS, ALLREDUCE
@@ -142,6 +143,7 @@ def settle_difference(comm, mpi, fields: dict, row_shape: tuple | None = None) -
     differences, on every rank alike."""
     table = exchange_signatures(mpi, fields)
     if (table == table[mpi.Get_rank()]).all():
+        window_for_checks(comm)
         return
     refused = [rank for rank in range(len(table)) if table[rank, 0] == REFUSED]
     if refused:  # decided alike on every rank, before the exchange below
@@ -188,9 +190,9 @@ def exchange_signatures(mpi, fields: dict) -> np.ndarray:
 
 def agreed_on_node(channel, fields: dict) -> bool | None:
     """Whether every rank's signature is `fields`, decided in the channel's node window where its
-    ranks share one node and the window exists (the hierarchical all-reduce made it, at the same
-    call on every rank, so every rank takes the same way): one checked one-shot round of the node
-    protocol (compared_on_node), with no message. The wait is the call check's, as through MPI
+    ranks share one node and the window exists (an agreed check or the hierarchical all-reduce
+    made it, at the same call on every rank, so every rank takes the same way): one checked
+    one-shot round of the node protocol (compared_on_node), with no message. The wait is the call check's, as through MPI
     (the stall report, a peer's exit, the deadline naming the other ranks). None where there is no
     such window: the ranks then exchange their signatures through MPI (exchange_signatures), as
     they also do to name the differences once this says there are some."""
@@ -199,6 +201,18 @@ def agreed_on_node(channel, fields: dict) -> bool | None:
         return None
     header = signature_header(fields, False)
     return compared_on_node(channel, window, header.ctypes.data, call_check_name(fields))
+
+
+def window_for_checks(channel) -> None:
+    """Make the channel's node window, where there is none yet and its ranks share one node's
+    memory, once every rank has made the same call (collective over the channel: every rank
+    decides alike). The checks of the calls after it are then a round of the window
+    (agreed_on_node), and the small-message fast path can take checked all-reduces. Otherwise
+    only a hierarchical all-reduce makes the window, and a communicator of small all-reduces
+    keeps paying for an MPI exchange on every checked call. Under ULFM there are no shared-memory
+    windows (runtime/mpi.py)."""
+    if channel.node_window is None and channel.num_nodes == 1 and not fault_tolerant():
+        channel_node_window(channel).grow_one_shot_slots()  # the checks' round is a one-shot
 
 
 def signature_header(fields: dict, with_message: bool) -> np.ndarray:

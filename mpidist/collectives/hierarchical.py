@@ -65,10 +65,14 @@ class HierarchicalWindow(NodeWindow):
 def node_window(ctx: Context) -> HierarchicalWindow:
     """The window of ctx's channel (channel.Channel), made on first use over the channel's node
     communicators; the channel frees it."""
-    channel = ctx.comm
+    return channel_node_window(ctx.comm)
+
+
+def channel_node_window(channel) -> HierarchicalWindow:
+    """The node window of `channel`, made at the first call (collective over the channel)."""
     if channel.node_window is None:
         groups = channel.node_communicators()
-        channel.node_window = HierarchicalWindow(groups, spans_nodes=groups.node.Get_size() < ctx.size,
+        channel.node_window = HierarchicalWindow(groups, spans_nodes=groups.node.Get_size() < channel.size,
                                                  one_shot_bytes=channel.one_shot_bytes)
     return channel.node_window
 

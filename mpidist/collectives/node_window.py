@@ -249,17 +249,22 @@ class NodeWindow:
         signature (SIGNATURE_BYTES): the fast path sends a message along with its check only where
         it fits the slots as they are."""
         if nbytes > self.one_shot_capacity:
-            least = max(nbytes, ONE_SHOT_BYTES) + SIGNATURE_BYTES
-            capacity = (max(least, 2 * self.one_shot_capacity) + 63) // 64 * 64
-            if self.one_shot_memory is not None:
-                self.sync()  # nobody may still be reading the old slots
-                self.one_shot_memory.free()
-            self.one_shot_memory = HostMemory(self.node_comm)
-            self.one_shot_bases = self.one_shot_memory.allocate(2 * capacity)
-            self.one_shot_capacity = capacity
+            self.grow_one_shot_slots(nbytes)
         half = self.one_shot_calls % 2 * self.one_shot_capacity
         self.one_shot_calls += 1
         return [base + half for base in self.one_shot_bases]
+
+    def grow_one_shot_slots(self, nbytes: int = 0) -> None:
+        """Make the one-shot slots hold `nbytes` (collective over the node), and at least any
+        message of the fast path behind its signature."""
+        least = max(nbytes, ONE_SHOT_BYTES) + SIGNATURE_BYTES
+        capacity = (max(least, 2 * self.one_shot_capacity) + 63) // 64 * 64
+        if self.one_shot_memory is not None:
+            self.sync()  # nobody may still be reading the old slots
+            self.one_shot_memory.free()
+        self.one_shot_memory = HostMemory(self.node_comm)
+        self.one_shot_bases = self.one_shot_memory.allocate(2 * capacity)
+        self.one_shot_capacity = capacity
 
     def ensure(self, nbytes: int) -> None:
         """Grow the slots to hold `nbytes` each (collective over the node; every local rank has
