@@ -1,7 +1,7 @@
 """Small all-reduce latency: mpidist's path for small CPU messages against calling mpi4py yourself.
 
     MPIDIST_CHECK=0 mpirun --oversubscribe -np 2 python benchmarks/small_allreduce.py \
-        [--counts 1,256] [--calls 2000] [--rounds 15] [--json FILE]
+        [--counts 1,256] [--calls 2000] [--rounds 15] [--candidates "mpi4py sum,mpidist sum"] [--json FILE]
 
 Every round times `--calls` back-to-back calls of each candidate in turn (after a barrier), so
 the noise of a shared machine falls on all of them alike; the table holds the median over
@@ -14,6 +14,10 @@ rounds of the time per call, in microseconds, on rank 0. Candidates, float32:
 - `mpidist node sum` / `mpidist node torch sum`: `algorithm="hierarchical"` on one node, which the
   fast path hands straight to the node protocol (one call into the extension; `auto` takes it
   where the table gives small messages to the hierarchical all-reduce).
+
+`--candidates` runs only those named (in the order above): leaving the node candidates out keeps the
+hierarchical all-reduce from making the node window, as in a program that has no message large
+enough for it.
 
 The timed calls reduce zeros (an in-place sum of zeros stays zero); after them, each mpidist
 candidate reduces ones once and is checked against what that must give (the rank count for a
@@ -37,7 +41,7 @@ import mpidist as md
 
 def candidates(world, array, out, tensor):
     """name -> (call, what its result should be when every rank's input is ones, or None)."""
-    size = world.Get_size()
+    size = world.Get_size() if world is not None else 0
 
     def mpi4py_sum():
         world.Allreduce(array, out)
@@ -63,14 +67,20 @@ def main(argv=None) -> int:
     parser.add_argument("--counts", default="1,256", help="comma-separated element counts")
     parser.add_argument("--calls", type=int, default=2000, help="calls per candidate per round")
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--candidates", help="comma-separated candidates to run, of those above (default: all)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
+    known = list(candidates(None, None, None, None))
+    chosen = args.candidates.split(",") if args.candidates else known
+    unknown = [name for name in chosen if name not in known]
+    if unknown:
+        parser.error(f"unknown candidates {unknown}; choose from {known}")
     md.init()
     world = MPI.COMM_WORLD
     rows, wrong = [], []
     for count in [int(c) for c in args.counts.split(",")]:
         array, out, tensor = np.ones(count, np.float32), np.empty(count, np.float32), torch.ones(count)
-        table = candidates(world, array, out, tensor)
+        table = {name: call for name, call in candidates(world, array, out, tensor).items() if name in chosen}
         times = {name: [] for name in table}
         for _ in range(args.rounds):
             for name, (call, expected) in table.items():
