@@ -55,8 +55,8 @@ class Channel(abc.ABC):
     communicator's):
     scratch, staging: scratch memory and pinned host buffers (buffers.ScratchPool, HostStaging).
     node_window: the hierarchical all-reduce's shared window (collectives/hierarchical.py), None
-    until that algorithm makes it over node_communicators(), or the call check does on one node
-    (callcheck.window_for_checks).
+    until that algorithm makes it over node_communicators(), or the first checked all-reduce does
+    on one node (callcheck.window_for_checks).
     device_window: the node windows in GPU memory of CUDA buffers (collectives/device_window.py),
     None until a collective of one makes them.
     lane_window, gpu_lane: CUDA buffers' all-reduce across nodes in GPU memory (the device route's)

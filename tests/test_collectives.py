@@ -240,7 +240,7 @@ def test_fast_path_into_the_node_protocol(mpi_ranks, own_comm, fast_path_calls, 
 def test_with_the_call_check_on_the_fast_path_checks_in_the_node_window(mpi_ranks, own_comm, fast_path_tries,
                                                                          monkeypatch):
     """With the call check on, small all-reduces take the fast path once the node window exists
-    (the first checked call makes it, on one node): the check compares there (no MPI exchange of
+    (the first checked all-reduce makes it, on one node): the check compares there (no MPI exchange of
     the signatures), the results are the general path's, a call agrees with the same call on
     the general path (out=; where the fast path's message went along with the check, the
     exchange settles that), and a difference is named on every rank, also against a rank on the
@@ -257,8 +257,8 @@ def test_with_the_call_check_on_the_fast_path_checks_in_the_node_window(mpi_rank
     assert own_comm.check_calls and own_comm.num_nodes == 1
     check_allreduce(own_comm, "mpi", "float32", "sum", 3, "numpy", in_place=True)
     assert fast_path_tries == [False] and len(exchanges) == 1, "no window yet: the general path checks through MPI"
-    # Having agreed, the ranks made the window: the next checks are its rounds, although no
-    # all-reduce was large enough for the hierarchical algorithm (which would make it too).
+    # After their first checked all-reduce the ranks made the window: the next checks are its
+    # rounds, although no all-reduce was large enough for the hierarchical algorithm.
     assert own_comm.node_window is not None
     mpi_below, node_below = own_comm.fast_path_bounds[False]
     for algorithm in ("auto", "mpi", "hierarchical"):

@@ -32,6 +32,7 @@ from .callcheck import (
     resolve_algorithm,
     share_refusal,
     signature,
+    window_for_checks,
 )
 from .common import COLLECTIVES, split_counts
 from .engine import Handle, in_order
@@ -80,6 +81,7 @@ def _run_allreduce(comm, array, info, op, algorithm, source_info=None, shape=Non
     if source_info is not None:
         copy_buffer(info, source_info)
     route.allreduce(comm, array, info, op, name)
+    window_for_checks(comm)
     return array
 
 
@@ -199,6 +201,7 @@ def join_round(comm) -> bool:
         info = info._replace(ptr=zeros.ctypes.data)
         name = ALGORITHMS[called["algorithm"]]
         route_for(info, name).allreduce(comm, zeros, info, OPS[called["op"]], name)
+        window_for_checks(comm)  # as the others do after their all-reduce (_run_allreduce)
     return False
 
 

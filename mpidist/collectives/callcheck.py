@@ -143,7 +143,6 @@ def settle_difference(comm, mpi, fields: dict, row_shape: tuple | None = None) -
     differences, on every rank alike."""
     table = exchange_signatures(mpi, fields)
     if (table == table[mpi.Get_rank()]).all():
-        window_for_checks(comm)
         return
     refused = [rank for rank in range(len(table)) if table[rank, 0] == REFUSED]
     if refused:  # decided alike on every rank, before the exchange below
@@ -204,14 +203,18 @@ def agreed_on_node(channel, fields: dict) -> bool | None:
 
 
 def window_for_checks(channel) -> None:
-    """Make the channel's node window, where there is none yet and its ranks share one node's
-    memory, once every rank has made the same call (collective over the channel: every rank
-    decides alike). The checks of the calls after it are then a round of the window
-    (agreed_on_node), and the small-message fast path can take checked all-reduces. Otherwise
-    only a hierarchical all-reduce makes the window, and a communicator of small all-reduces
-    keeps paying for an MPI exchange on every checked call. Under ULFM there are no shared-memory
-    windows (runtime/mpi.py)."""
-    if channel.node_window is None and channel.num_nodes == 1 and not fault_tolerant():
+    """Make the channel's node window, where the call check is on, there is none yet and the
+    channel's ranks share one node's memory; called once every rank has taken part in a checked
+    all-reduce (collective over the channel: every rank decides alike). Not after the check
+    alone: a rank that gave up at its deadline has left its signature behind, so the others can
+    agree without it (a barrier, whose check is all of it, then completes), and they would wait
+    for it in the window's making, which has no deadline. The checks of the calls after it are a
+    round of the window (agreed_on_node), and the small-message fast path can take checked
+    all-reduces. Otherwise only a hierarchical all-reduce makes the window, and a communicator of
+    small all-reduces keeps paying for an MPI exchange on every checked call. Under ULFM there are
+    no shared-memory windows (runtime/mpi.py)."""
+    if channel.check_calls and channel.node_window is None and channel.num_nodes == 1 and channel.size > 1 \
+            and not fault_tolerant():
         channel_node_window(channel).grow_one_shot_slots()  # the checks' round is a one-shot
 
 

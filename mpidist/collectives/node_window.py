@@ -60,6 +60,9 @@ NAP_SECONDS = 50e-6  # then the sleep between polls
 # The room of the call check's signature at the start of a checked one-shot's slots.
 SIGNATURE_BYTES = _C.node_signature_bytes
 
+# The rounds of the node window one all-reduce in the extension takes, sliced and one-shot.
+ALLREDUCE_ROUNDS = (_C.node_allreduce_rounds(False), _C.node_allreduce_rounds(True))
+
 # Up to this size a host-memory all-reduce on one node goes one-shot: one round instead of two,
 # each rank reducing the whole message (benchmarks/results/node-protocol-cpu.md), unless the
 # tuning file has a bound measured for the rank count (select.py).
@@ -205,6 +208,7 @@ class NodeWindow:
         self.one_shot_bytes = one_shot_bytes
         self.one_shot_memory = None
         self.one_shot_bases: list = []
+        self.one_shot_halves = ([], [])
         self.one_shot_capacity = 0
         self.one_shot_calls = 0
         self.yield_seconds = yield_seconds(node_comm.allgather(os.sched_getaffinity(0)), self.local_size)
@@ -250,9 +254,8 @@ class NodeWindow:
         it fits the slots as they are."""
         if nbytes > self.one_shot_capacity:
             self.grow_one_shot_slots(nbytes)
-        half = self.one_shot_calls % 2 * self.one_shot_capacity
         self.one_shot_calls += 1
-        return [base + half for base in self.one_shot_bases]
+        return self.one_shot_halves[self.one_shot_calls % 2]
 
     def grow_one_shot_slots(self, nbytes: int = 0) -> None:
         """Make the one-shot slots hold `nbytes` (collective over the node), and at least any
@@ -265,6 +268,8 @@ class NodeWindow:
         self.one_shot_memory = HostMemory(self.node_comm)
         self.one_shot_bases = self.one_shot_memory.allocate(2 * capacity)
         self.one_shot_capacity = capacity
+        # Both halves' slot lists, made once: the fast path's small calls each take one.
+        self.one_shot_halves = ([base + capacity for base in self.one_shot_bases], list(self.one_shot_bases))
 
     def ensure(self, nbytes: int) -> None:
         """Grow the slots to hold `nbytes` each (collective over the node; every local rank has
@@ -311,6 +316,7 @@ class NodeWindow:
             self.one_shot_memory.free()
             self.one_shot_memory = None
             self.one_shot_capacity = 0
+            self.one_shot_halves = ([], [])
         if self.flags is not None:
             self.flags.free()
             self.flags = None
@@ -372,7 +378,7 @@ def host_allreduce_on_node(window: NodeWindow, address: int, nbytes: int, dtype:
     while step >= 0:
         wait(window.rounds + step)
         step = _C.node_allreduce(*call, step, window.yield_seconds)
-    window.rounds += _C.node_allreduce_rounds(one_shot)
+    window.rounds += ALLREDUCE_ROUNDS[one_shot]
     return step != _C.node_signatures_differ
 
 
