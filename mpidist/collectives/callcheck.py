@@ -189,9 +189,9 @@ def exchange_signatures(mpi, fields: dict) -> np.ndarray:
 
 def agreed_on_node(channel, fields: dict) -> bool | None:
     """Whether every rank's signature is `fields`, decided in the channel's node window where its
-    ranks share one node and the window exists (an agreed check or the hierarchical all-reduce
-    made it, at the same call on every rank, so every rank takes the same way): one checked
-    one-shot round of the node protocol (compared_on_node), with no message. The wait is the call check's, as through MPI
+    ranks share one node and the window exists (a checked all-reduce made it, at the same call on
+    every rank, so every rank takes the same way): one checked one-shot round of the node
+    protocol (compared_on_node), with no message. The wait is the call check's, as through MPI
     (the stall report, a peer's exit, the deadline naming the other ranks). None where there is no
     such window: the ranks then exchange their signatures through MPI (exchange_signatures), as
     they also do to name the differences once this says there are some."""

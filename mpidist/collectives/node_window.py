@@ -254,8 +254,9 @@ class NodeWindow:
         it fits the slots as they are."""
         if nbytes > self.one_shot_capacity:
             self.grow_one_shot_slots(nbytes)
+        slots = self.one_shot_halves[self.one_shot_calls % 2]
         self.one_shot_calls += 1
-        return self.one_shot_halves[self.one_shot_calls % 2]
+        return slots
 
     def grow_one_shot_slots(self, nbytes: int = 0) -> None:
         """Make the one-shot slots hold `nbytes` (collective over the node), and at least any
@@ -269,7 +270,7 @@ class NodeWindow:
         self.one_shot_bases = self.one_shot_memory.allocate(2 * capacity)
         self.one_shot_capacity = capacity
         # Both halves' slot lists, made once: the fast path's small calls each take one.
-        self.one_shot_halves = ([base + capacity for base in self.one_shot_bases], list(self.one_shot_bases))
+        self.one_shot_halves = (list(self.one_shot_bases), [base + capacity for base in self.one_shot_bases])
 
     def ensure(self, nbytes: int) -> None:
         """Grow the slots to hold `nbytes` each (collective over the node; every local rank has
