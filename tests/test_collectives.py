@@ -240,9 +240,9 @@ def test_fast_path_into_the_node_protocol(mpi_ranks, own_comm, fast_path_calls, 
 def test_with_the_call_check_on_the_fast_path_checks_in_the_node_window(mpi_ranks, own_comm, fast_path_tries,
                                                                          monkeypatch):
     """With the call check on, small all-reduces take the fast path once the node window exists
-    (the first checked all-reduce makes it, on one node): the check compares there (no MPI exchange of
-    the signatures), the results are the general path's, a call agrees with the same call on
-    the general path (out=; where the fast path's message went along with the check, the
+    (the first checked all-reduce makes it, on one node): the check compares there (no MPI
+    exchange of the signatures), the results are the general path's, a call agrees with the same
+    call on the general path (out=; where the fast path's message went along with the check, the
     exchange settles that), and a difference is named on every rank, also against a rank on the
     general path."""
     from mpidist.collectives import callcheck, fastpath

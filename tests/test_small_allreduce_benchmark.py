@@ -38,8 +38,8 @@ def test_small_allreduce_reports_a_wrong_result(tmp_path):
 
 def test_chosen_candidates_only_with_the_call_check_on(tmp_path):
     """--candidates runs those named, in the order of the table; with the call check on, the
-    mpidist candidates' results are still checked (the first checked all-reduce makes the node window,
-    and the calls after it check in it)."""
+    mpidist candidates' results are still checked (the first checked all-reduce makes the node
+    window, and the calls after it check in it)."""
     out = tmp_path / "rows.json"
     result = run_benchmark(out, args=["--candidates", "mpidist avg,mpi4py sum"], ranks=2, check="1")
     assert result.returncode == 0, result.stdout + result.stderr
