@@ -207,8 +207,7 @@ class NodeWindow:
         self.rounds = 0
         self.one_shot_bytes = one_shot_bytes
         self.one_shot_memory = None
-        self.one_shot_bases: list = []
-        self.one_shot_halves = ([], [])
+        self.one_shot_halves = ([], [])  # the slots of the two halves, in local-rank order
         self.one_shot_capacity = 0
         self.one_shot_calls = 0
         self.yield_seconds = yield_seconds(node_comm.allgather(os.sched_getaffinity(0)), self.local_size)
@@ -267,10 +266,10 @@ class NodeWindow:
             self.sync()  # nobody may still be reading the old slots
             self.one_shot_memory.free()
         self.one_shot_memory = HostMemory(self.node_comm)
-        self.one_shot_bases = self.one_shot_memory.allocate(2 * capacity)
+        bases = self.one_shot_memory.allocate(2 * capacity)
         self.one_shot_capacity = capacity
         # Both halves' slot lists, made once: the fast path's small calls each take one.
-        self.one_shot_halves = (list(self.one_shot_bases), [base + capacity for base in self.one_shot_bases])
+        self.one_shot_halves = (bases, [base + capacity for base in bases])
 
     def ensure(self, nbytes: int) -> None:
         """Grow the slots to hold `nbytes` each (collective over the node; every local rank has
