@@ -17,11 +17,11 @@ import numpy as np
 
 from . import buffers, collectives, launch
 from .channel import Channel, NodeGroups, split_node_groups
-from .errors import InvalidArgumentError, NotInitializedError
+from .errors import InvalidArgumentError, NotInitializedError, RankDiedError
 from .runtime import config, leave, stall, tracing
 from .runtime.abort import install_abort_on_exception
 from .runtime.cuda_aware import mpi_library_cuda_aware
-from .runtime.mpi import fault_tolerant, load_mpi
+from .runtime.mpi import failed_ranks, fault_tolerant, load_mpi
 from .runtime.together import raise_together
 
 
@@ -338,21 +338,40 @@ def init(mpi_comm=None) -> Communicator:
         if _world is None:
             MPI = load_mpi()
             launch.check_agrees_with_mpi(MPI.COMM_WORLD.Get_size(), MPI.Get_library_version())
-            _world = Communicator(mpi_comm)
+            if fault_tolerant():
+                # First: its exit handler must run after the others, and a rank may die before
+                # the world exists, whose survivors' MPI_Finalize must not wait for it forever.
+                leave.install()
+            _world = _make_world(MPI, mpi_comm)
             differing = launch.set_torchrun_variables(_world.rank, _world.size, _world.local_rank,
                                                       _world.local_size)
             if differing:
                 warnings.warn(f"mpidist: rank {_world.rank}: the environment has {'; '.join(differing)}: "
                               "code that reads these variables gets another place than md.rank() and "
                               "md.local_rank() (unset them to let mpidist set them)", stacklevel=2)
-            if fault_tolerant():
-                leave.install()  # first: its exit handler must run after the others
             stall.open_board(_world.mpi)
             install_abort_on_exception(load_mpi().COMM_WORLD)
             timeline = config.value("MPIDIST_TIMELINE")
             if timeline and _world.rank == 0:  # rank 0 writes it, as Horovod's
                 tracing.start_timeline(timeline)
     return _world
+
+
+def _make_world(MPI, mpi_comm) -> Communicator:
+    """md.init()'s world; a rank's death while it is made (the first collective calls of the job)
+    is a RankDiedError naming the dead ranks, not MPI's bare MPI_ERR_PROC_FAILED: a job cannot go
+    on from a rank lost before its training started, so it ends (md.elastic.run keeps going only
+    from a state that every rank committed)."""
+    try:
+        return Communicator(mpi_comm)
+    except MPI.Exception as error:
+        if not fault_tolerant() or error.Get_error_class() not in (MPI.ERR_PROC_FAILED, MPI.ERR_REVOKED):
+            raise
+        world_mpi = MPI.COMM_WORLD
+        dead = failed_ranks(world_mpi, wait=1.0)
+        raise RankDiedError(f"rank {world_mpi.Get_rank()}: rank(s) {dead} of {world_mpi.Get_size()} died while "
+                            "md.init() was making mpidist's world, before the program could commit any state: the "
+                            "job cannot go on without them; launch it again", ranks=dead) from error
 
 
 def replace_world(communicator: Communicator) -> None:
