@@ -89,6 +89,56 @@ std::size_t total(const std::vector<std::size_t>& nbytes) {
     return sum;
 }
 
+// The one-shot slots of one node window (the small-message fast path and the call check): its
+// flags and the two halves of its slots, given once when the slots are made, so that each
+// node_one_shot call passes only what changes (node_allreduce converts its lists at every call,
+// which a message of a few bytes feels).
+struct NodeOneShotSlots {
+    NodeOneShotSlots(const std::vector<std::uintptr_t>& counters, int local_rank, const std::vector<std::uintptr_t>& first,
+                     const std::vector<std::uintptr_t>& second, std::size_t capacity)
+        : capacity(capacity) {
+        if (first.size() != second.size())
+            throw std::invalid_argument("NodeOneShotSlots: the two halves have " + std::to_string(first.size()) +
+                                        " and " + std::to_string(second.size()) + " slots");
+        for (const auto* slots : {&first, &second})
+            for (auto p : *slots) address(p, capacity, "a node window slot");
+        halves[0] = node_call(first, counters, local_rank, 0, {{0, 0}}, DType::float32, "sum", 1.0, false, true, 0, -1);
+        halves[1] = node_call(second, counters, local_rank, 0, {{0, 0}}, DType::float32, "sum", 1.0, false, true, 0, -1);
+    }
+
+    mpidist::node::Allreduce halves[2];  // the call of each half, the arguments that change set per call
+    std::size_t capacity;
+};
+
+// node_allreduce's one-shot in half 0 or 1 of `slots`.
+int node_one_shot(NodeOneShotSlots& slots, int half, std::uint64_t round, std::uintptr_t buffer, std::size_t count,
+                  const std::string& dtype, const std::string& op, double scale, std::uintptr_t signature, int step,
+                  double patience, int until) {
+    const int rounds = mpidist::node::allreduce_round_count(true);
+    if (half != 0 && half != 1) throw std::invalid_argument("node_one_shot: no half " + std::to_string(half));
+    if (step < 0 || step > rounds) throw std::invalid_argument("node_one_shot: no step " + std::to_string(step));
+    if (until != -1 && (until <= step || until > rounds))
+        throw std::invalid_argument("node_one_shot: cannot stop before step " + std::to_string(until) +
+                                    " when starting at step " + std::to_string(step));
+    mpidist::node::Allreduce& call = slots.halves[half];
+    const DType t = mpidist::parse_dtype(dtype);
+    mpidist::check_scalable(t, scale);
+    const std::size_t bytes = count * mpidist::itemsize(t);
+    const std::size_t room = signature ? mpidist::node::kSignatureBytes : 0;
+    if (room + bytes > slots.capacity)
+        throw std::invalid_argument("node_one_shot: " + std::to_string(room + bytes) + " bytes do not fit slots of " +
+                                    std::to_string(slots.capacity));
+    call.round = round;
+    call.buffer[0] = {reinterpret_cast<std::uintptr_t>(address(buffer, bytes, "an all-reduce buffer")), bytes};
+    call.count = count;
+    call.dtype = t;
+    call.op = mpidist::parse_op(op);
+    call.scale = scale;
+    call.signature = reinterpret_cast<const void*>(signature);
+    py::gil_scoped_release unlocked;
+    return mpidist::node::host_allreduce(call, step, patience, until);
+}
+
 // Each back end provides the kernels as static functions with a trailing `Launch` (nothing on
 // CPU; stream and device on CUDA), so both share one set of argument conversions.
 struct CpuBackend {
@@ -333,23 +383,33 @@ PYBIND11_MODULE(_C, m) {
     m.def("node_allreduce",
           [](const std::vector<std::uintptr_t>& slots, const std::vector<std::uintptr_t>& counters, int local_rank,
              std::uint64_t round, std::uintptr_t buffer, std::size_t count, const std::string& dtype,
-             const std::string& op, double scale, bool one_shot, std::uintptr_t signature, int step,
-             double patience, int until) {
+             const std::string& op, double scale, int step, double patience, int until) {
               const DType t = mpidist::parse_dtype(dtype);
               const std::vector<mpidist::node::Segment> segments{{buffer, count * mpidist::itemsize(t)}};
-              const auto call = node_call(slots, counters, local_rank, round, segments, t, op, scale, false, one_shot,
-                                          step, until, signature);
+              const auto call = node_call(slots, counters, local_rank, round, segments, t, op, scale, false, false,
+                                          step, until);
               py::gil_scoped_release unlocked;
               return mpidist::node::host_allreduce(call, step, patience, until);
           },
           py::arg("slots"), py::arg("counters"), py::arg("local_rank"), py::arg("round"), py::arg("buffer"),
-          py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("scale"), py::arg("one_shot"),
-          py::arg("signature"), py::arg("step"), py::arg("patience"), py::arg("until") = -1,
-          "The all-reduce on one node through the node window in host memory (csrc/node_steps.h), from "
-          "`step` on: -1 once the result is in place, else the step whose round a local rank has not "
+          py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("scale"), py::arg("step"), py::arg("patience"),
+          py::arg("until") = -1,
+          "The sliced all-reduce on one node through the node window in host memory (csrc/node_steps.h), "
+          "from `step` on: -1 once the result is in place, else the step whose round a local rank has not "
           "reached within `patience` seconds (wait for round + step, then call again from it), or "
-          "`until` when given (>= 0), before which it stops. A one-shot with a `signature` (the address "
-          "of node_signature_bytes bytes; 0: none) compares the ranks' first, and returns "
+          "`until` when given (>= 0), before which it stops. node_one_shot is its one-shot.");
+    py::class_<NodeOneShotSlots>(m, "NodeOneShotSlots",
+                                 "A node window's flags and the two halves of its one-shot slots, each slot of "
+                                 "`capacity` bytes, for node_one_shot.")
+        .def(py::init<const std::vector<std::uintptr_t>&, int, const std::vector<std::uintptr_t>&,
+                      const std::vector<std::uintptr_t>&, std::size_t>(),
+             py::arg("counters"), py::arg("local_rank"), py::arg("first"), py::arg("second"), py::arg("capacity"));
+    m.def("node_one_shot", &node_one_shot, py::arg("slots"), py::arg("half"), py::arg("round"), py::arg("buffer"),
+          py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("scale"), py::arg("signature"), py::arg("step"),
+          py::arg("patience"), py::arg("until") = -1,
+          "The one-shot all-reduce on one node (csrc/node_steps.h) in `half` (0 or 1) of a NodeOneShotSlots, "
+          "its steps and return values as node_allreduce's. With a `signature` (the address of "
+          "node_signature_bytes bytes; 0: none) it compares the ranks' first, and returns "
           "node_signatures_differ, having reduced nothing, where they differ.");
     m.attr("node_signature_bytes") = mpidist::node::kSignatureBytes;
     m.attr("node_signatures_differ") = mpidist::node::kSignaturesDiffer;

@@ -695,3 +695,29 @@ def test_cuda_pack_unpack_at_every_alignment(offset):
     torch.cuda.synchronize()
     for out, part in zip(outs, parts):
         assert torch.equal(bits(out), bits(part))
+
+
+def test_node_one_shot_of_one_rank_reduces_its_own_slot_and_refuses_what_does_not_fit():
+    """_C.node_one_shot with one local rank in plain memory: the one-shot's steps (copy in, publish,
+    reduce every slot) give the input times the scale back, and arguments that would write past
+    the slots or name no half are refused before anything is written."""
+    counter = np.zeros(1, dtype=np.uint64)
+    slots = np.zeros(2 * 128, dtype=np.uint8)
+    first, second = slots.ctypes.data, slots.ctypes.data + 128
+    one_shot = _C.NodeOneShotSlots([counter.ctypes.data], 0, [first], [second], 128)
+    values = np.arange(1, 9, dtype=np.float32)
+    for half, round_ in ((0, 0), (1, 1)):
+        assert _C.node_one_shot(one_shot, half, round_, values.ctypes.data, 8, "float32", "sum", 0.5, 0, 0, 0.0) == -1
+        assert counter[0] == round_ + 1
+    np.testing.assert_array_equal(values, np.arange(1, 9, dtype=np.float32) / 4)
+    np.testing.assert_array_equal(slots[128:160].view(np.float32), np.arange(1, 9, dtype=np.float32) / 2)
+    large = np.ones(34, dtype=np.float32)
+    with pytest.raises(ValueError, match="136 bytes do not fit slots of 128"):
+        _C.node_one_shot(one_shot, 0, 2, large.ctypes.data, 34, "float32", "sum", 1.0, 0, 0, 0.0)
+    with pytest.raises(ValueError, match="132 bytes do not fit slots of 128"):  # behind a signature's 64
+        _C.node_one_shot(one_shot, 0, 2, large.ctypes.data, 17, "float32", "sum", 1.0, large.ctypes.data, 0, 0.0)
+    with pytest.raises(ValueError, match="no half 2"):
+        _C.node_one_shot(one_shot, 2, 2, values.ctypes.data, 8, "float32", "sum", 1.0, 0, 0, 0.0)
+    with pytest.raises(ValueError, match="the two halves have 1 and 2 slots"):
+        _C.NodeOneShotSlots([counter.ctypes.data], 0, [first], [first, second], 128)
+    assert counter[0] == 2

@@ -24,7 +24,7 @@ The collectives, on one node (L local ranks, the buffer cut into L slices by spl
   every rank gets the same bits), publishing the result; sync; it copies the others' results out.
   In host memory a message of at most the window's one_shot_bytes (`mpidist tune` measures it,
   else ONE_SHOT_BYTES) goes one-shot instead: each rank copies its whole buffer into a slot of
-  the one-shot's own (next_one_shot_slots); sync; each reduces every such slot, in local-rank
+  the one-shot's own (next_one_shot_half); sync; each reduces every such slot, in local-rank
   order, into its buffer.
   In host memory the whole call is one call into the extension (csrc/node_steps.h: the same
   steps and rounds, written once in C++, with the GIL released); it polls the flags for the
@@ -188,7 +188,7 @@ class NodeWindow:
     of its memory, and consecutive calls alternate between them; with `result_region` local rank 0
     holds a result region of `capacity` bytes after its slot (the hierarchical all-reduce across
     nodes). The one-shot all-reduce in host memory, of messages up to `one_shot_bytes`, has slots
-    of its own (next_one_shot_slots). Collective over `node_comm`: made at the same call on every
+    of its own (next_one_shot_half). Collective over `node_comm`: made at the same call on every
     local rank."""
 
     def __init__(self, node_comm, memory: NodeMemory, alternates: bool, result_region: bool = False,
@@ -207,7 +207,7 @@ class NodeWindow:
         self.rounds = 0
         self.one_shot_bytes = one_shot_bytes
         self.one_shot_memory = None
-        self.one_shot_halves = ([], [])  # the slots of the two halves, in local-rank order
+        self.one_shot = None  # _C.NodeOneShotSlots: the one-shot slots, for _C.node_one_shot
         self.one_shot_capacity = 0
         self.one_shot_calls = 0
         self.yield_seconds = yield_seconds(node_comm.allgather(os.sched_getaffinity(0)), self.local_size)
@@ -237,10 +237,11 @@ class NodeWindow:
         self.calls += 1
         return [base + half for base in self.bases]
 
-    def next_one_shot_slots(self, nbytes: int) -> list:
-        """The slots (in local-rank order, `nbytes` at least) of this one-shot all-reduce, in
-        host memory of their own, made at the first one-shot call and grown as ensure() grows the
-        others (collective over the node).
+    def next_one_shot_half(self, nbytes: int) -> int:
+        """The half (0 or 1) of the one-shot slots (`nbytes` at least each) this one-shot
+        all-reduce runs in; the slots are in host memory of their own, made at the first one-shot
+        call and grown as ensure() grows the others (collective over the node), and held by
+        `one_shot` (the extension's NodeOneShotSlots, which _C.node_one_shot takes).
 
         A one-shot call has a single sync, after which every rank reads every other's slot, so
         a fast rank's next one-shot call could overwrite a slot a slow rank is still reading:
@@ -253,9 +254,9 @@ class NodeWindow:
         it fits the slots as they are."""
         if nbytes > self.one_shot_capacity:
             self.grow_one_shot_slots(nbytes)
-        slots = self.one_shot_halves[self.one_shot_calls % 2]
+        half = self.one_shot_calls % 2
         self.one_shot_calls += 1
-        return slots
+        return half
 
     def grow_one_shot_slots(self, nbytes: int = 0) -> None:
         """Make the one-shot slots hold `nbytes` (collective over the node), and at least any
@@ -268,8 +269,8 @@ class NodeWindow:
         self.one_shot_memory = HostMemory(self.node_comm)
         bases = self.one_shot_memory.allocate(2 * capacity)
         self.one_shot_capacity = capacity
-        # Both halves' slot lists, made once: the fast path's small calls each take one.
-        self.one_shot_halves = (bases, [base + capacity for base in bases])
+        self.one_shot = _C.NodeOneShotSlots(self.flags.counters, self.local_rank, bases,
+                                            [base + capacity for base in bases], capacity)
 
     def ensure(self, nbytes: int) -> None:
         """Grow the slots to hold `nbytes` each (collective over the node; every local rank has
@@ -316,7 +317,7 @@ class NodeWindow:
             self.one_shot_memory.free()
             self.one_shot_memory = None
             self.one_shot_capacity = 0
-            self.one_shot_halves = ([], [])
+            self.one_shot = None
         if self.flags is not None:
             self.flags.free()
             self.flags = None
@@ -368,17 +369,23 @@ def host_allreduce_on_node(window: NodeWindow, address: int, nbytes: int, dtype:
     With `signature` (SIGNATURE_BYTES at that address: the call check's row) a one-shot that
     first compares every rank's signature: returns False, having reduced nothing, where they
     differ (on every rank alike), True otherwise."""
-    wait = wait or window.wait_for_round
-    one_shot = signature is not None or (nbytes <= window.one_shot_bytes if one_shot is None else one_shot)
-    room = SIGNATURE_BYTES if signature is not None else 0
-    slots = window.next_one_shot_slots(room + nbytes) if one_shot else window.next_slots(nbytes)
-    call = (slots, window.flags.counters, window.local_rank, window.rounds, address, nbytes // ITEMSIZE[dtype], dtype,
-            op, scale, one_shot, signature or 0)
-    step = _C.node_allreduce(*call, 0, window.yield_seconds)
+    wait, count = wait or window.wait_for_round, nbytes // ITEMSIZE[dtype]
+    # The slots first: growing them is a round of the window's own.
+    if signature is not None or (nbytes <= window.one_shot_bytes if one_shot is None else one_shot):
+        half = window.next_one_shot_half(nbytes if signature is None else SIGNATURE_BYTES + nbytes)
+        rounds = window.rounds
+        call = (window.one_shot, half, rounds, address, count, dtype, op, scale, signature or 0)
+        run, taken = _C.node_one_shot, ALLREDUCE_ROUNDS[True]
+    else:
+        slots = window.next_slots(nbytes)
+        rounds = window.rounds
+        call = (slots, window.flags.counters, window.local_rank, rounds, address, count, dtype, op, scale)
+        run, taken = _C.node_allreduce, ALLREDUCE_ROUNDS[False]
+    step = run(*call, 0, window.yield_seconds)
     while step >= 0:
-        wait(window.rounds + step)
-        step = _C.node_allreduce(*call, step, window.yield_seconds)
-    window.rounds += ALLREDUCE_ROUNDS[one_shot]
+        wait(rounds + step)
+        step = run(*call, step, window.yield_seconds)
+    window.rounds = rounds + taken
     return step != _C.node_signatures_differ
 
 
