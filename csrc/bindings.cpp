@@ -110,7 +110,7 @@ struct NodeOneShotSlots {
     std::size_t capacity;
 };
 
-// node_allreduce's one-shot in half 0 or 1 of `slots`.
+// The one-shot all-reduce (node_steps.h) in half 0 or 1 of `slots`.
 int node_one_shot(NodeOneShotSlots& slots, int half, std::uint64_t round, std::uintptr_t buffer, std::size_t count,
                   const std::string& dtype, const std::string& op, double scale, std::uintptr_t signature, int step,
                   double patience, int until) {
