@@ -13,7 +13,9 @@ rounds of the time per call, in microseconds, on rank 0. Candidates, float32:
 - `mpidist torch sum` / `mpidist torch avg`: the same on a torch tensor;
 - `mpidist node sum` / `mpidist node torch sum`: `algorithm="hierarchical"` on one node, which the
   fast path hands straight to the node protocol (one call into the extension; `auto` takes it
-  where the table gives small messages to the hierarchical all-reduce).
+  where the table gives small messages to the hierarchical all-reduce);
+- `hvd torch sum`: `mpidist.torch.allreduce_(tensor, op=hvd.Sum)`, Horovod's call, which meets the
+  other ranks' through the negotiation of hvd's operations (its thread and HOROVOD_CYCLE_TIME).
 
 `--candidates` runs only those named (in the order above): leaving the node candidates out keeps the
 hierarchical all-reduce from making the node window, as in a program that has no message large
@@ -37,6 +39,7 @@ import torch
 from mpi4py import MPI
 
 import mpidist as md
+import mpidist.torch as hvd
 
 
 def candidates(world, array, out, tensor):
@@ -59,6 +62,7 @@ def candidates(world, array, out, tensor):
         "mpidist torch avg": (lambda: md.allreduce(tensor, op="avg"), 1),
         "mpidist node sum": (lambda: md.allreduce(array, op="sum", algorithm="hierarchical"), size),
         "mpidist node torch sum": (lambda: md.allreduce(tensor, op="sum", algorithm="hierarchical"), size),
+        "hvd torch sum": (lambda: hvd.allreduce_(tensor, op=hvd.Sum), size),
     }
 
 
@@ -76,6 +80,8 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown candidates {unknown}; choose from {known}")
     md.init()
+    if "hvd torch sum" in chosen:
+        hvd.init()  # only then: its negotiation's thread would share the cores with the other candidates
     world = MPI.COMM_WORLD
     rows, wrong = [], []
     for count in [int(c) for c in args.counts.split(",")]:

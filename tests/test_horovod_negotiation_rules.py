@@ -5,7 +5,9 @@ once every rank not waiting in join() has submitted it, in the order of first su
 different signatures, or a rank's refusal of its own arguments, refuse it on every rank naming
 the ranks; consecutive all-reduces of one dtype, op and device fuse up to the threshold, Adasum's
 never, and every fusion hypothesis draws keeps those rules and starts a new buffer only where
-the next all-reduce could not join the last."""
+the next all-reduce could not join the last. Also the thread's schedule of cycles
+(negotiation.py's Negotiator._serve) over scripted cycles and a clock of its own: busy cycles a
+cycle time apart, as Horovod's loop; idle pauses that double and that a submit ends at once."""
 import json
 
 import pytest
@@ -14,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mpidist.errors import MismatchError
+from mpidist.torch import negotiation
 from mpidist.torch.negotiation_rules import (
     REFUSED,
     REFUSED_GROUP,
@@ -208,11 +211,16 @@ def test_an_operation_waited_for_past_the_deadline_names_the_ranks_that_never_su
     assert "x" not in table.pending
 
 
-def test_an_idle_table_is_not_busy():
+def test_a_table_is_busy_while_something_is_left_to_negotiate():
+    """Busy cycles follow each other a cycle time apart; once nothing is left, the thread pauses
+    until a submit, which it negotiates at once (a lone hvd call waits for no cycle time)."""
     table = Table(2)
-    assert table.cycle([message(allreduce("a")), message()]).busy
-    assert table.cycle([message(), message(allreduce("a"))]).busy  # something arrived
-    assert not table.cycle([message(), message()]).busy
+    assert table.cycle([message(allreduce("a")), message()]).busy  # rank 1 has not submitted it
+    assert not table.cycle([message(), message(allreduce("a"))]).busy  # it ran: nothing is left
+    assert not table.cycle([message(allreduce("b")), message(allreduce("b"))]).busy
+    assert table.cycle([message(joined=True), message()]).busy  # a rank waits in join()
+    decisions = table.cycle([message(joined=True), message(joined=True)])
+    assert decisions.all_joined and not decisions.busy
 
 
 OPERATIONS = st.tuples(st.sampled_from([torch.float32, torch.float64, torch.int32]),
@@ -249,3 +257,78 @@ def test_every_collective_has_one_signature_constructor(collective):
     signature = signature_of(collective, None if collective == "barrier" else torch.zeros(2, 3), root=1)
     assert signature.collective == collective and signature.root == 1
     assert signature.shape == (() if collective == "barrier" else (2, 3))
+
+
+class Clock:
+    """Stands in for the time module in negotiation.py: it moves only when the thread sleeps or
+    pauses, so the schedule is exact."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, seconds):
+        assert seconds >= 0, seconds
+        self.now += seconds
+
+
+class Wake:
+    """Stands in for the thread's wake event: a pause lasts its whole timeout unless a submit set it."""
+
+    def __init__(self, clock):
+        self.clock, self.submitted = clock, False
+
+    def set(self):
+        self.submitted = True
+
+    def clear(self):
+        self.submitted = False
+
+    def wait(self, timeout):
+        if not self.submitted:
+            self.clock.now += timeout
+        return self.submitted
+
+
+class ScriptedCycles:
+    """Stands in for a Negotiator in its thread's loop: each cycle takes `cycle_takes` seconds
+    and ends idle or busy as `script` says, (idle, a submit comes during the pause after it)."""
+
+    def __init__(self, script, clock, cycle_seconds, cycle_takes):
+        self._script, self._clock = list(script), clock
+        self._cycle_seconds, self._cycle_takes = cycle_seconds, cycle_takes
+        self._wake, self._idle, self.began = Wake(clock), False, []
+
+    def _cycle(self):
+        self.began.append(self._clock.now)
+        self._clock.now += self._cycle_takes
+        if not self._script:
+            return False
+        self._idle, submit = self._script.pop(0)
+        if submit:
+            self._wake.set()
+        return True
+
+
+def test_busy_cycles_begin_a_cycle_time_apart_and_a_submit_ends_an_idle_pause_at_once(monkeypatch):
+    """Horovod's loop begins a cycle every HOROVOD_CYCLE_TIME; between idle ones the pause doubles
+    from the cycle time up to IDLE_PAUSE_LIMIT_S; a submit during a pause is negotiated in the
+    next cycle, begun at once (not a cycle time later, which every hvd call would wait)."""
+    clock = Clock()
+    monkeypatch.setattr(negotiation, "time", clock)
+    cycle, takes = 0.001, 0.0003
+    idle, busy = (True, False), (False, False)
+    doublings = 9  # 1, 2, 4, ... 256 ms: past the limit
+    script = [busy, busy] + [idle] * doublings + [(True, True), busy, idle]
+    negotiator = ScriptedCycles(script, clock, cycle, takes)
+    negotiation.Negotiator._serve(negotiator)
+    gaps = [after - before for before, after in zip(negotiator.began, negotiator.began[1:])]
+    assert gaps[:2] == pytest.approx([cycle, cycle])  # the rest of the cycle time, after busy ones
+    pauses = [gap - takes for gap in gaps[2:2 + doublings]]
+    assert pauses == pytest.approx([min(cycle * 2 ** k, negotiation.IDLE_PAUSE_LIMIT_S) for k in range(doublings)])
+    assert pauses[-1] == pytest.approx(negotiation.IDLE_PAUSE_LIMIT_S)
+    assert gaps[2 + doublings] == pytest.approx(takes)  # the pause a submit ended: no wait at all
+    assert gaps[3 + doublings] == pytest.approx(cycle)  # busy again: a cycle time
+    assert gaps[4 + doublings] == pytest.approx(takes + cycle)  # idle again: the pause starts anew

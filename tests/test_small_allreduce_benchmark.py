@@ -7,7 +7,7 @@ from conftest import REPO, run_python
 
 SCRIPT = os.path.join(REPO, "benchmarks", "small_allreduce.py")
 CANDIDATES = ["mpi4py sum", "mpi4py sum + divide", "mpidist sum", "mpidist avg", "mpidist torch sum",
-              "mpidist torch avg", "mpidist node sum", "mpidist node torch sum"]
+              "mpidist torch avg", "mpidist node sum", "mpidist node torch sum", "hvd torch sum"]
 
 
 def run_benchmark(out, before="", args=(), ranks=3, check="0"):

@@ -163,8 +163,8 @@ VARIABLES = (
              "of hvd all-reduces ready in one negotiation cycle that are fused into one buffer (`0`: none)",
              section="horovod"),
     _package("HOROVOD_CYCLE_TIME", "number", 1.0, "`1` (milliseconds)", "when hvd's negotiation starts",
-             "the time between two negotiation cycles of hvd's operations, in milliseconds; while no rank has "
-             "anything to negotiate the pause grows to 50 ms, and a submit ends it (see "
+             "the time between the starts of two negotiation cycles of hvd's operations, in milliseconds; while "
+             "no rank has anything to negotiate the pause grows to 250 ms, and a submit ends it at once (see "
              "[Horovod compatibility](horovod.md))", section="horovod"),
     _package("HOROVOD_TIMELINE", "path", None, "unset", "by the first `hvd.init()`",
              "rank 0 writes a Chrome trace of the collectives to this path (`DYNAMIC`: wait for "

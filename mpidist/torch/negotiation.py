@@ -62,8 +62,9 @@ NEGOTIATED = frozenset({
     "grouped_allreduce_async", "grouped_allreduce_async_", "broadcast_", "broadcast_async", "broadcast_async_",
     "allgather_async", "grouped_allgather_async", "reducescatter_async", "grouped_reducescatter_async", "barrier"})
 # While no rank has anything to negotiate, the pause between cycles doubles up to this, leaving
-# the cores to the program (whose gradients go through the buckets); a submit here ends it.
-IDLE_PAUSE_LIMIT_S = 0.05
+# the cores to the program (whose gradients go through the buckets); a submit here ends it, and
+# so does anything else a rank has to tell the others (a refusal, join, leaving).
+IDLE_PAUSE_LIMIT_S = 0.25
 _negotiators = {}  # Communicator -> Negotiator
 _creation = threading.Lock()
 _stopped_at_exit = False  # whether _stop_all is registered with atexit
@@ -237,11 +238,16 @@ class Negotiator:
     def _serve(self):
         pause = 0.0
         try:
+            began = time.monotonic()
             while self._cycle():
-                pause = min(max(2 * pause, self._cycle_seconds), IDLE_PAUSE_LIMIT_S) if self._idle else 0.0
-                self._wake.wait(pause)  # a submit here ends it
-                time.sleep(self._cycle_seconds)  # then, as between busy cycles: one call's submits, one cycle
+                if self._idle:  # a pause that a submit ends: what it brings is negotiated at once
+                    pause = min(max(2 * pause, self._cycle_seconds), IDLE_PAUSE_LIMIT_S)
+                    self._wake.wait(pause)
+                else:  # Horovod's cycle: the next begins a cycle time after the last began
+                    pause = 0.0
+                    time.sleep(max(0.0, began + self._cycle_seconds - time.monotonic()))
                 self._wake.clear()  # before the next cycle reads the outbox: no submit is missed
+                began = time.monotonic()
         except BaseException as error:  # handed to every operation waiting here
             with self._lock:
                 self._failure = error

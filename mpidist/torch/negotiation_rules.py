@@ -106,7 +106,8 @@ class Stalled(NamedTuple):
 
 class Decisions(NamedTuple):
     """What every rank does after a cycle: fail `stalled`, then run `steps` in order; `all_joined`:
-    every rank waits in join(), which returns; `busy`: some rank has anything to negotiate."""
+    every rank waits in join(), which returns; `busy`: something is left to negotiate (an operation
+    not every rank has submitted, one deferred, a rank waiting in join())."""
     stalled: list
     steps: list
     all_joined: bool
@@ -212,7 +213,7 @@ class Table:
         all_joined = not training
         if all_joined:
             self.joined = set()
-        return Decisions(stalled, steps, all_joined, bool(self.pending or self.deferred or self.joined or arrived))
+        return Decisions(stalled, steps, all_joined, bool(self.pending or self.deferred or self.joined))
 
     def _enter(self, rank: int, submission: Submission) -> None:
         """Enter a rank's submission. A refusal holds no name on the refusing rank, which may use
