@@ -5,14 +5,14 @@ together (HOROVOD_FUSION_THRESHOLD, HOROVOD_CYCLE_TIME).
 Each communicator hvd runs on has a Negotiator: a private duplicate of the communicator and a
 background thread. A call submits its operation under its name= (an unnamed one under the next
 number of the communicator's sequence, so unnamed operations keep matching in call order) with
-its signature (what it is, dtype, shape, op, root, ...). Every HOROVOD_CYCLE_TIME (longer while
-no rank has anything to negotiate, IDLE_PAUSE_LIMIT_S at most) the threads of all ranks exchange
-what was submitted since the last cycle (one allgather of a JSON text: names and numbers, never
-pickled), so every rank holds the same table of who submitted what, and every rank takes the
-same decisions from it: the operations every rank has submitted run in the order they became
-complete (within a cycle, in the order of first submission), consecutive all-reduces of the
-same dtype, op and device fused into one buffer up to the threshold (Adasum's never: each
-combines its own tensor).
+its signature (what it is, dtype, shape, op, root, ...). Every HOROVOD_CYCLE_TIME (while nothing
+is left to negotiate, after a pause of up to IDLE_PAUSE_LIMIT_S that a submit ends) the threads
+of all ranks exchange what was submitted since the last cycle (one allgather of a JSON text:
+names and numbers, never pickled), so every rank holds the same table of who submitted what,
+and every rank takes the same decisions from it: the operations every rank has submitted run in
+the order they became complete (within a cycle, in the order of first submission), consecutive
+all-reduces of the same dtype, op and device fused into one buffer up to the threshold (Adasum's
+never: each combines its own tensor).
 
 What the call check guarantees holds here too: a name submitted with different signatures is
 refused on every rank that submitted it (MismatchError naming the ranks), as is a name some rank
