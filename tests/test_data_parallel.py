@@ -359,6 +359,70 @@ def test_parameter_averaging_of_mixed_dtypes(mpi_ranks, mpi_world):
         torch.testing.assert_close(mine.detach(), first + sum(range(mpi_ranks)) / mpi_ranks)
 
 
+class NormedWithStridedBuffer(torch.nn.Module):
+    """Batch norm (float32 statistics, an int64 count) and a float64 buffer that is not contiguous."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.norm = torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)
+        self.register_buffer("table", torch.zeros(3, 5, dtype=torch.float64).t())
+
+    def forward(self, x):
+        return self.norm(self.linear(x)) + self.table.sum()
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_each_forward_broadcasts_rank_0s_buffers_in_one_broadcast_per_dtype(mpi_ranks, mpi_world, monkeypatch):
+    """As DDP's broadcast_buffers: before each training forward every rank gets rank 0's buffers,
+    whatever their strides, coalesced into one broadcast per dtype (three here), not one per buffer."""
+    model = NormedWithStridedBuffer()
+    ddp = md.DataParallel(model)
+    rank = mpi_world.rank
+
+    def rank_dependent_buffers(r):
+        with torch.no_grad():
+            model.norm.running_mean.fill_(r + 1.0)
+            model.norm.running_var.fill_(r + 2.0)
+            model.norm.num_batches_tracked.fill_(10 * (r + 1))
+            model.table.copy_(torch.arange(15, dtype=torch.float64).reshape(5, 3) * (r + 1))
+
+    rank_dependent_buffers(rank)
+    broadcasts = []
+    broadcast = ddp.comm.broadcast
+    monkeypatch.setattr(ddp.comm, "broadcast", lambda tensor, **kw: broadcasts.append(tensor.dtype) or
+                        broadcast(tensor, **kw))
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(rank))
+    ddp(x).sum().backward()
+    assert sorted(map(str, broadcasts)) == ["torch.float32", "torch.float64", "torch.int64"], broadcasts
+    assert not model.table.is_contiguous()
+    torch.testing.assert_close(model.table, torch.arange(15, dtype=torch.float64).reshape(5, 3), rtol=0, atol=0)
+    assert int(model.norm.num_batches_tracked) == 10 + 1  # rank 0's count, then this forward's
+    # Rank 0's statistics, then this forward's update with this rank's batch (momentum 0.1).
+    with torch.no_grad():
+        features = model.linear(x)
+    expected_mean = 0.9 * 1.0 + 0.1 * features.mean(0)
+    expected_var = 0.9 * 2.0 + 0.1 * features.var(0, unbiased=True)
+    torch.testing.assert_close(model.norm.running_mean, expected_mean)
+    torch.testing.assert_close(model.norm.running_var, expected_var)
+
+
+@pytest.mark.mpi(ranks=[2, 3])
+def test_a_coalesced_broadcast_fills_buckets_up_to_their_size_and_gives_every_rank_rank_0s_values(
+        mpi_world, monkeypatch):
+    from mpidist.parallel import model_state
+    monkeypatch.setattr(model_state, "BROADCAST_BUCKET_BYTES", 16)
+    rank = mpi_world.rank
+    tensors = [torch.full((count,), float(rank + k)) for k, count in enumerate([4, 2, 2, 5, 1])]
+    sizes = []
+    broadcast = mpi_world.broadcast
+    monkeypatch.setattr(mpi_world, "broadcast", lambda tensor, **kw: sizes.append(tensor.numel()) or
+                        broadcast(tensor, **kw))
+    model_state.broadcast_coalesced(mpi_world, tensors)
+    assert sizes == [4, 2 + 2, 5, 1], sizes  # 16 bytes, 16, a tensor over the size alone, the rest
+    for k, tensor in enumerate(tensors):
+        torch.testing.assert_close(tensor, torch.full_like(tensor, float(k)), rtol=0, atol=0)
+
+
 @pytest.mark.mpi(ranks=[2, 3])
 def test_ddp_arguments_are_accepted_as_ddp_takes_them(mpi_ranks, mpi_world):
     model = make_model(seed=mpi_world.rank)

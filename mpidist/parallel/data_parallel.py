@@ -12,7 +12,7 @@ import torch
 from ..comm import init
 from ..errors import InvalidArgumentError, MpidistError, NotOfferedError
 from .compressors import PowerSGD, resolve_compression
-from .model_state import broadcast_in_place, broadcast_module_state
+from .model_state import broadcast_coalesced, broadcast_module_state
 from .reducer import GradientBuckets, check_not_synchronized, register_gradient_hooks, trainable_parameters
 from .sync_batchnorm import SyncBatchNorm
 from .uneven_inputs import Join, Joinable, last_joiner
@@ -66,7 +66,8 @@ def _check_ddp_devices(module, device_ids, output_device) -> None:
 class DataParallel(torch.nn.Module, Joinable):
     """Wrap a module for synchronous data-parallel training over MPI (PyTorch DDP semantics).
 
-    On construction rank 0's parameters and buffers are broadcast. During backward the gradients
+    On construction rank 0's parameters and buffers are broadcast, and in training mode its
+    buffers again before each forward (broadcast_buffers, coalesced). During backward the gradients
     are packed into buckets and each bucket's all-reduce starts in the background as soon as it
     is full, overlapping the rest of backward. When backward returns, every gradient holds the
     average over ranks.
@@ -202,8 +203,7 @@ class DataParallel(torch.nn.Module, Joinable):
         # buffers are no longer broadcast: join() ends by giving every rank the last joiner's.
         if self.broadcast_buffers and self.buckets.active_ranks == self.comm.size:
             with torch.no_grad():
-                for buffer in self.module.buffers():
-                    broadcast_in_place(self.comm, buffer.data)
+                broadcast_coalesced(self.comm, [buffer.data for buffer in self.module.buffers()])
 
     @contextlib.contextmanager
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
