@@ -4,7 +4,7 @@ import json
 import pytest
 from conftest import run_python
 
-from mpidist.cli.bench import ROW_KEYS, parse_size, parse_sizes
+from mpidist.cli.bench import ROW_KEYS, parse_size, parse_sizes, timing_order
 from mpidist.cli.tune import decision_table, one_shot_bound
 
 CLI = "import sys; from mpidist.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -14,6 +14,22 @@ def test_sizes_read_like_nccl_tests():
     assert parse_sizes("8, 1K,4KiB,1M,2G") == [8, 1024, 4096, 1024 ** 2, 2 * 1024 ** 3]
     with pytest.raises(ValueError, match="cannot read size"):
         parse_size("12Q")
+
+
+def test_candidates_run_shuffled_per_iteration_and_gloo_in_a_loop_of_its_own():
+    """Every candidate runs once per iteration, in an order that changes between iterations (the
+    same on every rank: it depends on the iteration alone); gloo, whose threads go on running
+    after its calls, comes after every other candidate's last call, so it is timed next to none."""
+    active = ["ring", "gloo", "tree", "mpi", "hierarchical", "auto"]
+    order = timing_order(active, 12)
+    assert order == timing_order(list(active), 12)
+    assert sorted(order) == sorted((iteration, index) for iteration in range(12) for index in range(len(active)))
+    gloo = active.index("gloo")
+    first_gloo = [index for _, index in order].index(gloo)
+    assert all(index == gloo for _, index in order[first_gloo:]) and len(order[first_gloo:]) == 12
+    others = [[index for iteration, index in order[:first_gloo] if iteration == k] for k in range(12)]
+    assert all(sorted(calls) == [0, 2, 3, 4, 5] for calls in others)
+    assert len({tuple(calls) for calls in others}) > 1  # shuffled, not one fixed order
 
 
 def test_one_shot_bound_ends_where_the_one_shot_first_loses():

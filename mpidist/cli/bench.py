@@ -375,6 +375,21 @@ def run(comm, options: Options, out=sys.stdout) -> list[dict]:
             gloo.close(comm)
 
 
+def timing_order(active: list, iterations: int) -> list:
+    """(iteration, index into `active`) of every timed call, in order. A call measures differently
+    depending on which collective ran just before it (identical code paths measured far apart at
+    8 bytes in a fixed order), so each iteration runs the candidates in a shuffled order; the seed
+    is the iteration, so every rank calls the same algorithm at the same time. gloo runs in a loop
+    of its own, after the others: its threads go on running after each of its calls and slowed
+    whatever was timed next (docs/benchmarks.md)."""
+    order = []
+    for group in ([name for name in active if name != "gloo"], [name for name in active if name == "gloo"]):
+        for iteration in range(iterations):
+            order += [(iteration, active.index(group[position]))
+                      for position in np.random.default_rng(iteration).permutation(len(group))]
+    return order
+
+
 def measure(comm, options, algorithms, gloo, printer, routes=None) -> list[dict]:
     import torch
     from mpi4py import MPI
@@ -395,23 +410,18 @@ def measure(comm, options, algorithms, gloo, printer, routes=None) -> list[dict]
             active = [a for a in algorithms if a != "bound" and supported(workload, a, printer)]
             elapsed = np.zeros(len(active))
             wrong = np.zeros(len(active), dtype=np.int64)
-            for iteration in range(warmup + iters):
-                # A call measures differently depending on which collective ran just before it
-                # (identical code paths measured far apart at 8 bytes in a fixed order),
-                # so each iteration shuffles the order; the seed is the iteration, so every
-                # rank calls the same algorithm at the same time.
-                for index in np.random.default_rng(iteration).permutation(len(active)):
-                    algorithm = active[index]
-                    workload.reset()
-                    comm.mpi.Barrier()
-                    start = time.perf_counter()
-                    result = workload.call(algorithm)
-                    if options.device == "cuda":
-                        torch.cuda.synchronize()
-                    stop = time.perf_counter()
-                    if iteration >= warmup:
-                        elapsed[index] += stop - start
-                    wrong[index] += workload.wrong(result)
+            for iteration, index in timing_order(active, warmup + iters):
+                algorithm = active[index]
+                workload.reset()
+                comm.mpi.Barrier()
+                start = time.perf_counter()
+                result = workload.call(algorithm)
+                if options.device == "cuda":
+                    torch.cuda.synchronize()
+                stop = time.perf_counter()
+                if iteration >= warmup:
+                    elapsed[index] += stop - start
+                wrong[index] += workload.wrong(result)
             mean_us = elapsed / iters * 1e6
             stats = {name: np.empty_like(mean_us) for name in ("sum", "min", "max")}
             for name, op in (("sum", MPI.SUM), ("min", MPI.MIN), ("max", MPI.MAX)):
