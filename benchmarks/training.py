@@ -183,7 +183,7 @@ class Lineup:
 
 
 def measure(comm, args) -> list[dict]:
-    from mpidist.cli.bench import Gloo
+    from mpidist.cli.bench_gloo import Gloo
 
     sizes = layer_sizes(parse_count(args.params), args.depth)
     gloo = Gloo(comm)
