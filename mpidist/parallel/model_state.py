@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from .flat import shaped_like, tensors_by_kind, unpack_tensors
+
 # The most bytes one coalesced broadcast copies into a buffer of its own (torch DDP's
 # broadcast_bucket_size): a larger tensor is broadcast alone, in place.
 BROADCAST_BUCKET_BYTES = 250 * 2 ** 20
@@ -21,27 +23,32 @@ def broadcast_in_place(comm, tensor: torch.Tensor, root: int = 0) -> None:
     tensor.copy_(staging)
 
 
+def broadcast_end_to_end(comm, tensors, root: int = 0) -> None:
+    """Give every rank `root`'s values of `tensors` (of one dtype and device), in place, in one
+    broadcast of them laid end to end; a tensor alone is broadcast in place."""
+    if len(tensors) == 1:
+        broadcast_in_place(comm, tensors[0], root)
+        return
+    flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
+    comm.broadcast(flat, root=root)
+    if comm.rank != root:
+        unpack_tensors(flat, shaped_like(tensors, flat), tensors)
+
+
 def broadcast_coalesced(comm, tensors, root: int = 0) -> None:
     """Give every rank `root`'s values of `tensors`, in place, in one broadcast per dtype and
     device (up to BROADCAST_BUCKET_BYTES each) instead of one per tensor: a model's buffers are
     many and small (three per batch norm layer), and each broadcast costs a round of the ranks."""
-    buckets, filling = [], {}  # filling: (dtype, device) -> [the bucket being filled, its bytes]
-    for tensor in tensors:
-        key, nbytes = (tensor.dtype, tensor.device), tensor.numel() * tensor.element_size()
-        if key not in filling or filling[key][1] + nbytes > BROADCAST_BUCKET_BYTES:
-            filling[key] = [[], 0]
-            buckets.append(filling[key][0])
-        filling[key][0].append(tensor)
-        filling[key][1] += nbytes
-    for bucket in buckets:
-        if len(bucket) == 1:
-            broadcast_in_place(comm, bucket[0], root)
-            continue
-        flat = torch.cat([tensor.reshape(-1) for tensor in bucket])
-        comm.broadcast(flat, root=root)
-        if comm.rank != root:
-            for tensor, piece in zip(bucket, flat.split([tensor.numel() for tensor in bucket])):
-                tensor.copy_(piece.view_as(tensor))
+    for kind in tensors_by_kind(tensors):
+        bucket, filled = [], 0
+        for tensor in kind:
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and filled + nbytes > BROADCAST_BUCKET_BYTES:
+                broadcast_end_to_end(comm, bucket, root)
+                bucket, filled = [], 0
+            bucket.append(tensor)
+            filled += nbytes
+        broadcast_end_to_end(comm, bucket, root)
 
 
 def broadcast_module_state(module: torch.nn.Module, comm, root: int = 0) -> None:

@@ -16,8 +16,8 @@ import torch
 from ..comm import broadcast_json, init
 from ..errors import InvalidArgumentError, MpidistError, NotOfferedError
 from ..runtime import wire
-from .flat import shaped_like, tensors_by_kind, unpack_tensors
-from .model_state import broadcast_in_place
+from .flat import tensors_by_kind
+from .model_state import broadcast_end_to_end
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
@@ -94,13 +94,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         dtype, of its parameters laid end to end."""
         for owner, kinds in enumerate(self._shares):
             for members in kinds:
-                if len(members) == 1:
-                    broadcast_in_place(self.comm, members[0].data, root=owner)
-                    continue
-                flat = torch.cat([p.detach().reshape(-1) for p in members])
-                self.comm.broadcast(flat, root=owner)
-                if self.comm.rank != owner:
-                    unpack_tensors(flat, shaped_like(members, flat), [p.data for p in members])
+                broadcast_end_to_end(self.comm, [p.data for p in members], root=owner)
 
     def add_param_group(self, param_group):
         """As torch's (fine-tuning a layer that was frozen, say): call it on every rank with the
