@@ -62,9 +62,8 @@ class Channel(abc.ABC):
     lane_window, gpu_lane: CUDA buffers' all-reduce across nodes in GPU memory (the device route's)
     and the (lane, why) between nodes it was agreed to take (collectives/gpu_lane.py), None until
     then.
-    fast_path_scratch, fast_path_signatures: float32 room for small float16/bfloat16 all-reduces,
-    and the call check's signatures by kind of call, of the small-message fast path
-    (collectives/fastpath.py).
+    fast_path_scratch, fast_path_plans: float32 room for small float16/bfloat16 all-reduces,
+    and what to do by kind of call, of the small-message fast path (collectives/fastpath.py).
     nccl_comm: NCCL's communicator of algorithm="nccl" (collectives/nccl.py), made at its first call.
     The channel frees the windows with itself (free_windows).
     """
@@ -86,7 +85,7 @@ class Channel(abc.ABC):
         self.device_window = None
         self.lane_window = self.gpu_lane = None
         self.fast_path_scratch = None
-        self.fast_path_signatures = {}
+        self.fast_path_plans = {}
         self.nccl_comm = None
 
     @abc.abstractmethod

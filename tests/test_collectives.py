@@ -248,11 +248,15 @@ def test_with_the_call_check_on_the_fast_path_checks_in_the_node_window(mpi_rank
     from mpidist.collectives import callcheck, fastpath
     from mpidist.collectives.node_window import ONE_SHOT_BYTES
     exchanges, along = [], []
-    exchange, compare = callcheck.exchange_signatures, fastpath.compared_on_node
+    exchange = callcheck.exchange_signatures
     monkeypatch.setattr(callcheck, "exchange_signatures", lambda mpi, fields: exchanges.append(fields) or
                         exchange(mpi, fields))
-    monkeypatch.setattr(fastpath, "compared_on_node", lambda *args: along.append(args[4] is not None) or
-                        compare(*args))
+
+    class FastPathCheck(callcheck.NodeCheck):
+        def agreed(self, *message):
+            along.append(bool(message))
+            return super().agreed(*message)
+    monkeypatch.setattr(fastpath, "NodeCheck", FastPathCheck)
     r = own_comm.rank
     assert own_comm.check_calls and own_comm.num_nodes == 1
     check_allreduce(own_comm, "mpi", "float32", "sum", 3, "numpy", in_place=True)

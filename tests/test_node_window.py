@@ -31,7 +31,7 @@ from mpidist.collectives.node_window import (
     allgather_on_node,
     allreduce_on_node,
     broadcast_on_node,
-    host_allreduce_on_node,
+    one_shot_on_node,
     reduce_scatter_on_node,
 )
 
@@ -188,8 +188,8 @@ def test_a_checked_one_shot_compares_the_signatures_before_it_reduces(mpi_ranks,
     signature = np.arange(SIGNATURE_BYTES // 8, dtype=np.int64)
 
     def checked(array, header):
-        return host_allreduce_on_node(window, array.data_ptr(), array.numel() * array.element_size(), dtype, "max",
-                                      1.0, signature=header.ctypes.data)
+        return one_shot_on_node(window, array.data_ptr(), array.numel(), dtype, "max", 1.0,
+                                SIGNATURE_BYTES + array.numel() * array.element_size(), header.ctypes.data)
 
     array = make_array("torch", inputs[r], dtype)
     assert checked(array, signature)
@@ -202,7 +202,7 @@ def test_a_checked_one_shot_compares_the_signatures_before_it_reduces(mpi_ranks,
         before = raw_bytes(array)
         assert not checked(array, mine), f"rank {odd}'s signature differs"
         assert raw_bytes(array) == before, "reduced although the signatures differ"
-    assert host_allreduce_on_node(window, 0, 0, "int64", "sum", 1.0, signature=signature.ctypes.data)
+    assert one_shot_on_node(window, 0, 0, "int64", "sum", 1.0, SIGNATURE_BYTES, signature.ctypes.data)
     check_allreduce(window, dtype, "sum", 1000, seed=4)  # the window goes on as before
 
 

@@ -29,7 +29,7 @@ from .common import COLLECTIVES
 from .engine import in_order
 from .hierarchical import channel_node_window
 from .nccl import check_usable
-from .node_window import SIGNATURE_BYTES, host_allreduce_on_node
+from .node_window import SIGNATURE_BYTES, one_shot_on_node
 from .registry import ALGORITHMS, ALLREDUCE
 from .select import table_choice
 
@@ -191,15 +191,14 @@ def agreed_on_node(channel, fields: dict) -> bool | None:
     """Whether every rank's signature is `fields`, decided in the channel's node window where its
     ranks share one node and the window exists (a checked all-reduce made it, at the same call on
     every rank, so every rank takes the same way): one checked one-shot round of the node
-    protocol (compared_on_node), with no message. The wait is the call check's, as through MPI
+    protocol (NodeCheck), with no message. The wait is the call check's, as through MPI
     (the stall report, a peer's exit, the deadline naming the other ranks). None where there is no
     such window: the ranks then exchange their signatures through MPI (exchange_signatures), as
     they also do to name the differences once this says there are some."""
     window = channel.node_window
     if window is None or channel.num_nodes != 1:
         return None
-    header = signature_header(fields, False)
-    return compared_on_node(channel, window, header.ctypes.data, call_check_name(fields))
+    return NodeCheck(channel, window, fields).agreed()
 
 
 def window_for_checks(channel) -> None:
@@ -229,20 +228,37 @@ def signature_header(fields: dict, with_message: bool) -> np.ndarray:
     return header
 
 
-def compared_on_node(channel, window, header: int, what: str, message=None) -> bool:
-    """A checked one-shot round in `window` (node_window.host_allreduce_on_node with a signature):
-    whether every rank wrote the header at address `header` (signature_header), the same answer
-    on every rank; with
-    `message` ((address, bytes, dtype, op, scale) of an all-reduce) that all-reduce in the same
-    round where they did. `what` names the check in the stall report and the deadline."""
-    def wait(round_):
-        wait_in_collective_of(lambda: window.others_reached(round_), channel.mpi, what, window.yield_seconds)
+class NodeCheck:
+    """The call check of one kind of call as a checked one-shot round of a node window
+    (node_window.one_shot_on_node with a signature): its header (signature_header, with or
+    without a message behind it), and its wait (the call check's, as through MPI: the stall report,
+    a peer's exit, the deadline naming the other ranks). The general path makes one per check
+    (agreed_on_node); the small-message fast path keeps one per kind of call (fastpath.FastPlan),
+    with `with_message` where its message goes along."""
 
-    stall.publish(f"the {what}")  # the record of this rank's last call, also where nothing waits
-    address, nbytes, dtype, op, scale = message or (0, 0, "int64", "sum", 1.0)
-    agreed = host_allreduce_on_node(window, address, nbytes, dtype, op, scale, wait, signature=header)
-    stall.returned()
-    return agreed
+    def __init__(self, channel, window, fields: dict, with_message: bool = False):
+        self.window = window
+        self.fields = fields
+        self.header = signature_header(fields, with_message)  # the extension reads it at this address
+        self.address = self.header.ctypes.data
+        what = call_check_name(fields)
+        self.published = f"the {what}"  # the record of this rank's last call, also where nothing waits
+        mpi, seconds = channel.mpi, window.yield_seconds
+
+        def wait(round_):
+            wait_in_collective_of(lambda: window.others_reached(round_), mpi, what, seconds)
+        self.wait = wait
+
+    def agreed(self, address: int = 0, count: int = 0, dtype: str = "int64", op: str = "sum", scale: float = 1.0,
+               nbytes: int = 0) -> bool:
+        """Whether every rank wrote this header, the same answer on every rank; with a message
+        (`count` items of `dtype` at `address`, `nbytes` in all, where the header says so) its
+        all-reduce (`op`, times `scale`) in the same round where they did."""
+        stall.publish(self.published)
+        agreed = one_shot_on_node(self.window, address, count, dtype, op, scale, SIGNATURE_BYTES + nbytes,
+                                  self.address, self.wait)
+        stall.returned()
+        return agreed
 
 
 def join_call_check(comm) -> dict | None:

@@ -7,15 +7,20 @@ Contiguous CPU messages whose route the general path would choose from the size 
 MPI_Allreduce (float16/bfloat16 through the MPI route's float32 round trip, in a scratch buffer
 kept for this), and those up to ONE_SHOT_BYTES (the default one-shot bound, which a tuned bound
 may move: the window chooses one-shot or sliced) that it gives to the hierarchical all-reduce on
-one node go straight into the node protocol (node_window.host_allreduce_on_node: one call into
-the extension) once the window exists. With the cross-rank call check on, the check runs first,
-as the general path's own round in that window (callcheck.compared_on_node) of a signature made
-once per kind of call, and a one-shot message goes along in the same round (under "auto" also
-one that would have gone to MPI); without the window (or across nodes) the general path runs.
+one node go straight into the node protocol (node_window.one_shot_on_node or
+host_allreduce_on_node: one call into the extension) once the window exists. With the cross-rank
+call check on, the check runs first, as the general path's own round in that window
+(callcheck.NodeCheck) of the signature the general path would make, and a one-shot message goes
+along in the same round (under "auto" also one that would have gone to MPI); without the window
+(or across nodes) the general path runs.
+
+What to do with a kind of call (dtype, size, op, algorithm) is decided at its first call and kept
+on the channel (FastPlan), so that a call is a lookup and the route's own work.
 """
 from __future__ import annotations
 
 import sys
+import typing
 
 import numpy as np
 
@@ -24,43 +29,38 @@ from ..buffers import BufferInfo
 from ..runtime.mpi import MPI
 from ..runtime.wire import FLOAT_DTYPES, HALF_DTYPES, ITEMSIZE
 from . import native
-from .callcheck import (
-    call_check_name,
-    compared_on_node,
-    resolve_algorithm,
-    settle_difference,
-    signature,
-    signature_header,
-)
-from .node_window import ONE_SHOT_BYTES, SIGNATURE_BYTES, host_allreduce_on_node
+from .callcheck import NodeCheck, resolve_algorithm, settle_difference, signature
+from .node_window import ONE_SHOT_BYTES, SIGNATURE_BYTES, host_allreduce_on_node, one_shot_on_node
 
 # The dtypes MPI reduces itself, and the half types it reduces through float32.
 FAST_DTYPES = tuple(native.MPI_TYPE_NAMES) + HALF_DTYPES
 
-
-def fast_spec(name: str) -> tuple:
-    """(MPI datatype, item size, our name): half types travel as float32."""
-    return (MPI.FLOAT if name in HALF_DTYPES else native.mpi_types()[name], ITEMSIZE[name], name)
-
-
-# op -> MPI operation, and the dtype objects of the array libraries -> fast_spec, so a call costs
-# one dictionary lookup each. They are filled at the first call, since reading MPI's names starts
-# MPI (NumPy has no bfloat16; the torch entries are made when torch is first seen).
-FAST_OPS = {}
-FAST_NUMPY_TYPES = {}
+# The dtype objects of the array libraries -> (our name, item size), so that describing a call
+# costs one dictionary lookup (NumPy has no bfloat16; the torch entries are made when torch is
+# first seen).
+FAST_NUMPY_TYPES = {np.dtype(name): (name, ITEMSIZE[name]) for name in FAST_DTYPES if name != "bfloat16"}
 FAST_TORCH_TYPES = {}
 
 
-def fill_fast_tables() -> dict:
-    """Fill FAST_NUMPY_TYPES and FAST_OPS; returns FAST_OPS."""
-    FAST_NUMPY_TYPES.update({np.dtype(name): fast_spec(name) for name in FAST_DTYPES if name != "bfloat16"})
-    FAST_OPS.update(native.mpi_ops(), avg=MPI.SUM)
-    return FAST_OPS
-
-
-def fill_fast_torch_types(torch) -> None:
-    for name in FAST_DTYPES:
-        FAST_TORCH_TYPES[getattr(torch, name)] = fast_spec(name)
+def described(array, kind) -> tuple:
+    """(our dtype name, bytes) of `array` (of type `kind`): a contiguous, writable CPU NumPy array
+    or torch tensor of a dtype the fast path takes; (None, 0) for any other, which the general
+    path takes (and refuses where it must)."""
+    if kind is np.ndarray:
+        spec = FAST_NUMPY_TYPES.get(array.dtype)
+        flags = array.flags
+        if spec is None or not flags.c_contiguous or not flags.writeable:
+            return None, 0
+        return spec[0], array.nbytes
+    torch = sys.modules.get("torch")
+    if torch is None or kind is not torch.Tensor and not isinstance(array, torch.Tensor):
+        return None, 0
+    if not FAST_TORCH_TYPES:
+        FAST_TORCH_TYPES.update({getattr(torch, name): (name, ITEMSIZE[name]) for name in FAST_DTYPES})
+    spec = FAST_TORCH_TYPES.get(array.dtype)
+    if spec is None or not array.is_cpu or not array.is_contiguous():
+        return None, 0
+    return spec[0], array.numel() * spec[1]
 
 
 def fast_route(comm, nbytes: int, half: bool, algorithm: str):
@@ -75,112 +75,116 @@ def fast_route(comm, nbytes: int, half: bool, algorithm: str):
     return "mpi" if algorithm == "mpi" else None
 
 
-def described(array, kind) -> tuple:
-    """(fast_spec, bytes) of `array` (of type `kind`): a contiguous, writable CPU NumPy array or
-    torch tensor of a dtype the fast path takes; (None, 0) for any other, which the general path
-    takes (and refuses where it must)."""
-    if kind is np.ndarray:
-        spec = FAST_NUMPY_TYPES.get(array.dtype)
-        flags = array.flags
-        if spec is None or not flags.c_contiguous or not flags.writeable:
-            return None, 0
-        return spec, array.nbytes
-    torch = sys.modules.get("torch")
-    if torch is None or kind is not torch.Tensor and not isinstance(array, torch.Tensor):
-        return None, 0
-    if not FAST_TORCH_TYPES:
-        fill_fast_torch_types(torch)
-    spec = FAST_TORCH_TYPES.get(array.dtype)
-    if spec is None or not array.is_cpu or not array.is_contiguous():
-        return None, 0
-    return spec, array.numel() * spec[1]
+class FastPlan(typing.NamedTuple):
+    """What the fast path does with one kind of call on a channel (make_plan), made at its first
+    call and again when the channel's state it depends on (`made_under`: channel_state) changed."""
+
+    made_under: tuple
+    route: typing.Optional[str]  # "mpi" (MPI_Allreduce), "node" (the node protocol) or None: the general path
+    mpi_type: typing.Any
+    mpi_op: typing.Any
+    count: int
+    dtype: str
+    reduce_op: str  # an average is a sum times `scale`
+    scale: float
+    one_shot: bool  # the node protocol's one-shot (else host_allreduce_on_node chooses)
+    check: typing.Optional[NodeCheck]  # the call check, where it runs: in the node window, first
+    along: bool  # whether the message goes in the check's round (then that round is all of it)
+
+
+def channel_state(comm) -> tuple:
+    """What the plans depend on that may change between calls: the call check's setting, the
+    bounds of "auto", and the node window (which the general path makes) with the size of its
+    one-shot slots (which grow)."""
+    window = comm.node_window
+    return comm.check_calls, comm.fast_path_bounds, window, 0 if window is None else window.one_shot_capacity
+
+
+def make_plan(comm, dtype: str, nbytes: int, op: str, algorithm: str) -> FastPlan:
+    """The FastPlan of an all-reduce of `nbytes` of `dtype` on `comm` as it is now: a route where
+    the general path would take the same one from the size alone."""
+    mpi_op = native.mpi_ops().get(op) if op != "avg" else MPI.SUM
+    average = op == "avg"
+    reduce_op, scale = ("sum", 1.0 / comm.size) if average else (op, 1.0)
+    window = comm.node_window  # the general path makes it, at the same call on every rank
+    mpi_type = MPI.FLOAT if dtype in HALF_DTYPES else native.mpi_types()[dtype]  # half types travel as float32
+    plan = FastPlan(channel_state(comm), None, mpi_type, mpi_op, nbytes // ITEMSIZE[dtype], dtype, reduce_op, scale,
+                    window is not None and nbytes <= window.one_shot_bytes, None, False)
+    if mpi_op is None or nbytes == 0 or average and dtype not in FLOAT_DTYPES:  # the general path refuses an integer average
+        return plan
+    route = fast_route(comm, nbytes, dtype in HALF_DTYPES, algorithm)
+    if route is None or route == "node" and window is None:
+        return plan
+    if not comm.check_calls or comm.size == 1:
+        return plan._replace(route=route)
+    if window is None or comm.num_nodes != 1:
+        return plan
+    # Sent along with the check where it would go one-shot anyway (and under "auto" also where it
+    # would go to MPI: the check's round then costs less than the check and MPI_Allreduce), if it
+    # fits the slots as they are (growing them is a collective: it must wait until the ranks agree
+    # on the call). An explicit algorithm="mpi" keeps MPI's own all-reduce.
+    along = (route == "node" or algorithm == "auto") and nbytes <= window.one_shot_bytes \
+        and SIGNATURE_BYTES + nbytes <= window.one_shot_capacity
+    # The signature the general path would make, by its own functions (only for a route taken:
+    # resolving an algorithm name the general path refuses would raise here, on this rank alone).
+    info = BufferInfo(0, plan.count, dtype, "cpu", "numpy")
+    fields = signature("allreduce", info, op, resolve_algorithm(algorithm, info, comm))
+    return plan._replace(route=route, check=NodeCheck(comm, window, fields, along), along=along)
+
+
+# Plans kept per channel (Channel.fast_path_plans) before the table starts over.
+KEPT_PLANS = 256
 
 
 def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
     """All-reduce a small contiguous CPU array with one MPI_Allreduce, or one call into the node
-    protocol, when that is where the general path would end up too; with the call check on,
-    after the check (check_on_node: a difference raises there, on every rank). Returns False,
-    having done nothing, otherwise (the general path then also gives the error messages). `comm` is the
+    protocol, when that is where the general path would end up too; with the call check on, after
+    the check (a difference raises, on every rank) or in its round. Returns False, having done
+    nothing, otherwise (the general path then also gives the error messages). `comm` is the
     channel the call runs on: a Communicator without an asynchronous engine, or an engine (in
     order, engine.in_order)."""
     if comm._engine is not None:
         return False
-    mpi_op = (FAST_OPS or fill_fast_tables()).get(op)
-    if mpi_op is None:
-        return False
     kind = type(array)
-    spec, nbytes = described(array, kind)
-    if spec is None:
+    dtype, nbytes = described(array, kind)
+    if dtype is None:
         return False
-    mpi_type, itemsize, name = spec
-    half = name in HALF_DTYPES
-    average = op == "avg"
-    if nbytes == 0 or average and name not in FLOAT_DTYPES:  # the general path refuses an integer average
+    plans, window = comm.fast_path_plans, comm.node_window
+    try:
+        plan = plans.get((dtype, nbytes, op, algorithm))
+    except TypeError:  # an unhashable op or algorithm: the general path refuses it
         return False
-    route = fast_route(comm, nbytes, half, algorithm)
+    # channel_state(comm), written out: this runs at every call.
+    if plan is None or plan.made_under != (comm.check_calls, comm.fast_path_bounds, window,
+                                           0 if window is None else window.one_shot_capacity):
+        if len(plans) >= KEPT_PLANS:
+            plans.clear()
+        plan = plans[dtype, nbytes, op, algorithm] = make_plan(comm, dtype, nbytes, op, algorithm)
+    _, route, mpi_type, mpi_op, count, _, reduce_op, scale, one_shot, check, along = plan
     if route is None:
-        return False
-    on_node = route == "node"
-    count = nbytes // itemsize
-    window = comm.node_window  # the general path makes it, at the same call on every rank
-    if on_node and window is None:
         return False
     # mpi4py's buffer gives the address several times faster than NumPy's .ctypes.data, and
     # the scaling goes straight to the CPU kernel: the arguments are known good here.
     message = MPI.buffer.frombuffer(array) if kind is np.ndarray else MPI.buffer.fromaddress(array.data_ptr(), nbytes)
-    reduce_op, scale = ("sum", 1.0 / comm.size) if average else (op, 1.0)
-    if comm.check_calls and comm.size > 1:
-        if window is None or comm.num_nodes != 1:
-            return False
-        # Sent along with the check where it would go one-shot anyway (and under "auto" also where
-        # it would go to MPI: the check's round then costs less than the check and MPI_Allreduce),
-        # if it fits the slots as they are (growing them is a collective: it must wait until the
-        # ranks agree on the call). An explicit algorithm="mpi" keeps MPI's own all-reduce.
-        along = (on_node or algorithm == "auto") and nbytes <= window.one_shot_bytes \
-            and SIGNATURE_BYTES + nbytes <= window.one_shot_capacity
-        if check_on_node(comm, window, name, count, op, algorithm,
-                         (message.address, nbytes, name, reduce_op, scale) if along else None):
+    if check is not None:
+        if not (check.agreed(message.address, count, dtype, reduce_op, scale, nbytes) if along else check.agreed()):
+            # The general path's exchange names the difference (MismatchError on every rank), or
+            # lets the call go on (joined ranks; a rank whose message did not come along): the
+            # message is then still to be reduced.
+            settle_difference(comm, comm.mpi, check.fields)
+        elif along:
             return True
-    if on_node:
-        host_allreduce_on_node(window, message.address, nbytes, name, reduce_op, scale)
-        return True
-    if not half:
+    if route == "node" and one_shot:
+        one_shot_on_node(window, message.address, count, dtype, reduce_op, scale, nbytes)
+    elif route == "node":
+        host_allreduce_on_node(window, message.address, nbytes, dtype, reduce_op, scale)
+    elif dtype not in HALF_DTYPES:
         comm.mpi.Allreduce(MPI.IN_PLACE, [message, mpi_type], mpi_op)
-        if average:  # as finish_average does
-            _C.scale(message.address, count, name, scale)
-        return True
-    wide = comm.fast_path_scratch
-    if wide is None or wide.size < count:
-        wide = comm.fast_path_scratch = np.empty(max(count, 1024), dtype=np.float32)
-    native.allreduce_through_float32(comm.mpi, message.address, name, count, wide.ctypes.data, mpi_op, scale)
+        if scale != 1.0:  # an average, as finish_average does
+            _C.scale(message.address, count, dtype, scale)
+    else:
+        wide = comm.fast_path_scratch
+        if wide is None or wide.size < count:
+            wide = comm.fast_path_scratch = np.empty(max(count, 1024), dtype=np.float32)
+        native.allreduce_through_float32(comm.mpi, message.address, dtype, count, wide.ctypes.data, mpi_op, scale)
     return True
-
-
-# Signatures kept per channel (Channel.fast_path_signatures) before the table starts over.
-KEPT_SIGNATURES = 256
-
-
-def check_on_node(comm, window, dtype: str, count: int, op: str, algorithm: str, message=None) -> bool:
-    """The call check of this all-reduce in the node window: the general path's checked round
-    (callcheck.compared_on_node) of the signature the general path would make, made by its own
-    functions at the first call of each kind and kept on the channel; with `message` (as
-    compared_on_node takes it) the all-reduce in the same round. Returns whether the message was
-    reduced there. Where the ranks differ, the general path's exchange names the difference
-    (MismatchError on every rank), or lets the call go on (joined ranks; a rank whose message
-    did not come along): the message is then still to be reduced."""
-    key = (dtype, count, op, algorithm)
-    known = comm.fast_path_signatures.get(key)
-    if known is None:
-        if len(comm.fast_path_signatures) >= KEPT_SIGNATURES:
-            comm.fast_path_signatures.clear()
-        info = BufferInfo(0, count, dtype, "cpu", "numpy")
-        fields = signature("allreduce", info, op, resolve_algorithm(algorithm, info, comm))
-        headers = (signature_header(fields, False), signature_header(fields, True))
-        # The headers are kept with their addresses, which the extension reads: alive as long.
-        known = comm.fast_path_signatures[key] = (fields, headers, [header.ctypes.data for header in headers],
-                                                  call_check_name(fields))
-    fields, _, addresses, what = known
-    if compared_on_node(comm, window, addresses[message is not None], what, message):
-        return message is not None
-    settle_difference(comm, comm.mpi, fields)
-    return False

@@ -360,33 +360,45 @@ def allreduce_on_node(window: NodeWindow, info: BufferInfo, op: str, scale: floa
 
 
 def host_allreduce_on_node(window: NodeWindow, address: int, nbytes: int, dtype: str, op: str,
-                           scale: float, wait=None, one_shot: bool | None = None, signature=None) -> bool:
-    """allreduce_on_node in host memory, of the `nbytes` of `dtype` at `address` (the
-    small-message fast path and the call check call it so): the steps run in the extension
-    (csrc/node_steps.h), which returns a step whose round some rank has not reached yet; this
-    waits for it, with the deadline (`wait(round)`, by default window.wait_for_round), and the
-    extension goes on from that step. One-shot up to the window's bound, unless `one_shot` says.
-    With `signature` (SIGNATURE_BYTES at that address: the call check's row) a one-shot that
-    first compares every rank's signature: returns False, having reduced nothing, where they
-    differ (on every rank alike), True otherwise."""
-    wait, count = wait or window.wait_for_round, nbytes // ITEMSIZE[dtype]
-    # The slots first: growing them is a round of the window's own.
-    if signature is not None or (nbytes <= window.one_shot_bytes if one_shot is None else one_shot):
-        half = window.next_one_shot_half(nbytes if signature is None else SIGNATURE_BYTES + nbytes)
-        rounds = window.rounds
-        call = (window.one_shot, half, rounds, address, count, dtype, op, scale, signature or 0)
-        run, taken = _C.node_one_shot, ALLREDUCE_ROUNDS[True]
-    else:
-        slots = window.next_slots(nbytes)
-        rounds = window.rounds
-        call = (slots, window.flags.counters, window.local_rank, rounds, address, count, dtype, op, scale)
-        run, taken = _C.node_allreduce, ALLREDUCE_ROUNDS[False]
+                           scale: float, wait=None, one_shot: bool | None = None) -> None:
+    """allreduce_on_node in host memory, of the `nbytes` of `dtype` at `address`: the steps run in
+    the extension (csrc/node_steps.h), one-shot up to the window's bound (one_shot_on_node),
+    unless `one_shot` says, else sliced."""
+    count = nbytes // ITEMSIZE[dtype]
+    if nbytes <= window.one_shot_bytes if one_shot is None else one_shot:
+        one_shot_on_node(window, address, count, dtype, op, scale, nbytes, wait=wait)
+        return
+    slots = window.next_slots(nbytes)  # first: growing them is a round of the window's own
+    call = (slots, window.flags.counters, window.local_rank, window.rounds, address, count, dtype, op, scale)
+    steps_in_extension(window, _C.node_allreduce, call, wait, ALLREDUCE_ROUNDS[False])
+
+
+def one_shot_on_node(window: NodeWindow, address: int, count: int, dtype: str, op: str, scale: float,
+                     room: int, signature: int = 0, wait=None) -> bool:
+    """The one-shot all-reduce of `count` items of `dtype` at `address`, `room` bytes of the
+    slots in all (SIGNATURE_BYTES more behind a signature). With `signature` (the address of
+    SIGNATURE_BYTES: the call check's row) every rank's signature is compared first: returns
+    False, having reduced nothing, where they differ (on every rank alike), True otherwise. The
+    small-message fast path calls it so, having worked out its arguments once per kind of call."""
+    half = window.next_one_shot_half(room)  # first: growing the slots is a round of the window's own
+    call = (window.one_shot, half, window.rounds, address, count, dtype, op, scale, signature)
+    return steps_in_extension(window, _C.node_one_shot, call, wait, ALLREDUCE_ROUNDS[True]) \
+        != _C.node_signatures_differ
+
+
+def steps_in_extension(window: NodeWindow, run, call: tuple, wait, rounds: int) -> int:
+    """Run an all-reduce of the extension (`run`: node_allreduce or node_one_shot, with `call`,
+    its arguments up to the step), which returns a step whose round some rank has not reached
+    yet: this waits for it, with the deadline (`wait(round)`, by default window.wait_for_round),
+    and the extension goes on from that step. The all-reduce takes `rounds` of the window's
+    rounds. Returns the extension's last return value."""
+    first = window.rounds
     step = run(*call, 0, window.yield_seconds)
     while step >= 0:
-        wait(rounds + step)
+        (wait or window.wait_for_round)(first + step)
         step = run(*call, step, window.yield_seconds)
-    window.rounds = rounds + taken
-    return step != _C.node_signatures_differ
+    window.rounds = first + rounds
+    return step
 
 
 def reduce_scatter_on_node(window: NodeWindow, info: BufferInfo, chunks, out: BufferInfo, op: str,
