@@ -103,8 +103,8 @@ def channel_state(comm) -> tuple:
 def make_plan(comm, dtype: str, nbytes: int, op: str, algorithm: str) -> FastPlan:
     """The FastPlan of an all-reduce of `nbytes` of `dtype` on `comm` as it is now: a route where
     the general path would take the same one from the size alone."""
-    mpi_op = native.mpi_ops().get(op) if op != "avg" else MPI.SUM
     average = op == "avg"
+    mpi_op = MPI.SUM if average else native.mpi_ops().get(op)
     reduce_op, scale = ("sum", 1.0 / comm.size) if average else (op, 1.0)
     window = comm.node_window  # the general path makes it, at the same call on every rank
     mpi_type = MPI.FLOAT if dtype in HALF_DTYPES else native.mpi_types()[dtype]  # half types travel as float32
@@ -163,11 +163,11 @@ def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
     _, route, mpi_type, mpi_op, count, _, reduce_op, scale, one_shot, check, along = plan
     if route is None:
         return False
-    # mpi4py's buffer gives the address several times faster than NumPy's .ctypes.data, and
+    # mpi4py's buffer gives a NumPy array's address several times faster than .ctypes.data, and
     # the scaling goes straight to the CPU kernel: the arguments are known good here.
-    message = MPI.buffer.frombuffer(array) if kind is np.ndarray else MPI.buffer.fromaddress(array.data_ptr(), nbytes)
+    address = MPI.buffer.frombuffer(array).address if kind is np.ndarray else array.data_ptr()
     if check is not None:
-        if not (check.agreed(message.address, count, dtype, reduce_op, scale, nbytes) if along else check.agreed()):
+        if not (check.agreed(address, count, dtype, reduce_op, scale, nbytes) if along else check.agreed()):
             # The general path's exchange names the difference (MismatchError on every rank), or
             # lets the call go on (joined ranks; a rank whose message did not come along): the
             # message is then still to be reduced.
@@ -175,16 +175,16 @@ def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
         elif along:
             return True
     if route == "node" and one_shot:
-        one_shot_on_node(window, message.address, count, dtype, reduce_op, scale, nbytes)
+        one_shot_on_node(window, address, count, dtype, reduce_op, scale, nbytes)
     elif route == "node":
-        host_allreduce_on_node(window, message.address, nbytes, dtype, reduce_op, scale)
+        host_allreduce_on_node(window, address, nbytes, dtype, reduce_op, scale)
     elif dtype not in HALF_DTYPES:
-        comm.mpi.Allreduce(MPI.IN_PLACE, [message, mpi_type], mpi_op)
+        comm.mpi.Allreduce(MPI.IN_PLACE, [MPI.buffer.fromaddress(address, nbytes), mpi_type], mpi_op)
         if scale != 1.0:  # an average, as finish_average does
-            _C.scale(message.address, count, dtype, scale)
+            _C.scale(address, count, dtype, scale)
     else:
         wide = comm.fast_path_scratch
         if wide is None or wide.size < count:
             wide = comm.fast_path_scratch = np.empty(max(count, 1024), dtype=np.float32)
-        native.allreduce_through_float32(comm.mpi, message.address, dtype, count, wide.ctypes.data, mpi_op, scale)
+        native.allreduce_through_float32(comm.mpi, address, dtype, count, wide.ctypes.data, mpi_op, scale)
     return True
