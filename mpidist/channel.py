@@ -63,7 +63,7 @@ class Channel(abc.ABC):
     and the (lane, why) between nodes it was agreed to take (collectives/gpu_lane.py), None until
     then.
     fast_path_scratch, fast_path_plans: float32 room for small float16/bfloat16 all-reduces,
-    and what to do by kind of call, of the small-message fast path (collectives/fastpath.py).
+    and what to do by kind of call, of the fast path (collectives/fastpath.py).
     nccl_comm: NCCL's communicator of algorithm="nccl" (collectives/nccl.py), made at its first call.
     The channel frees the windows with itself (free_windows).
     """

@@ -57,7 +57,7 @@ class Communicator(Channel):
         self.cuda_aware = None  # asked lazily: only GPU buffers need to know
         self.check_calls = config.value("MPIDIST_CHECK")
         # algorithm="auto"'s decision table from `mpidist tune` (None: the built-in one), the
-        # algorithm MPIDIST_ALLREDUCE_ALGORITHM forces, the sizes the small-message fast path takes,
+        # algorithm MPIDIST_ALLREDUCE_ALGORITHM forces, the sizes the fast path takes,
         # and the largest all-reduce the node window's one-shot takes.
         self.tuning_table, self.forced_algorithm, self.fast_path_bounds, self.one_shot_bytes = \
             collectives.auto_choice(self.mpi, self.num_nodes)
@@ -180,10 +180,10 @@ class Communicator(Channel):
     # ---- collectives (mpidist's own algorithms; see mpidist/collectives/) ----------------------
 
     def allreduce(self, array, op="sum", algorithm="auto", out=None, shape=None):
-        # Small CPU messages go straight to MPI_Allreduce or the node protocol, unless spans are
+        # CPU messages go straight to MPI_Allreduce or the node protocol where they can, unless spans are
         # recorded (the general path has them) or the call check must compare a shape.
         if out is None and (shape is None or not self.check_calls) and not tracing.recording() \
-                and collectives.small_cpu_allreduce(self, array, op, algorithm):
+                and collectives.fast_cpu_allreduce(self, array, op, algorithm):
             return array
         return collectives.allreduce(self, array, op=op, algorithm=algorithm, out=out, shape=shape)
 

@@ -167,8 +167,8 @@ def fast_path_tries(own_comm, monkeypatch):
     message (a try that raises appends nothing)."""
     from mpidist import collectives
     taken = []
-    fast = collectives.small_cpu_allreduce
-    monkeypatch.setattr(collectives, "small_cpu_allreduce", lambda *args: taken.append(fast(*args)) or taken[-1])
+    fast = collectives.fast_cpu_allreduce
+    monkeypatch.setattr(collectives, "fast_cpu_allreduce", lambda *args: taken.append(fast(*args)) or taken[-1])
     return taken
 
 
@@ -211,12 +211,17 @@ def test_fast_path_of_an_explicit_algorithm(own_comm, fast_path_calls, algorithm
 
 @pytest.mark.mpi(ranks=ALL_RANKS)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES + INT_DTYPES)
-def test_fast_path_into_the_node_protocol(mpi_ranks, own_comm, fast_path_calls, dtype):
-    """Messages of at most the one-shot's size that the hierarchical all-reduce takes on one node
-    go straight into the node protocol once its window exists (the general path makes it at the
-    first call), under "auto" too where its bounds give them to it; the results are the general
-    path's, the same bits on every rank."""
+def test_fast_path_into_the_node_protocol(mpi_ranks, own_comm, fast_path_calls, dtype, monkeypatch):
+    """Messages that the hierarchical all-reduce takes on one node go straight into the node
+    protocol once its window exists (the general path makes it at the first call), under "auto"
+    too where its bounds give them to it: one-shot up to the one-shot's size, sliced above it; the
+    results are the general path's, the same bits on every rank."""
+    from mpidist.collectives import fastpath
     from mpidist.collectives.node_window import ONE_SHOT_BYTES
+    protocols = []
+    for name in ("one_shot_on_node", "host_allreduce_on_node"):
+        run = getattr(fastpath, name)
+        monkeypatch.setattr(fastpath, name, lambda *args, run=run, name=name: protocols.append(name) or run(*args))
     one_node = mpi_ranks > 1 and own_comm.num_nodes == 1
     if one_node:  # "auto" gives every size to the node protocol (the fast path's bounds, select.py)
         own_comm.fast_path_bounds = ((0, float("inf")), (0, float("inf")))
@@ -229,10 +234,13 @@ def test_fast_path_into_the_node_protocol(mpi_ranks, own_comm, fast_path_calls, 
                 continue
             for index, count in enumerate((1, 7, 1009, largest, largest + 1)):
                 kind = "torch" if dtype == "bfloat16" or index % 2 else "numpy"
-                expect_fast = one_node and own_comm.node_window is not None and count <= largest
+                expect_fast = one_node and own_comm.node_window is not None
                 fast_path_calls.clear()
+                protocols.clear()
                 check_allreduce(own_comm, algorithm, dtype, op, count, kind, in_place=True)
                 assert fast_path_calls == [expect_fast], (algorithm, op, count, fast_path_calls)
+                expected = "one_shot_on_node" if count <= largest else "host_allreduce_on_node"
+                assert protocols == ([expected] if expect_fast else []), (algorithm, op, count, protocols)
     assert own_comm.node_window is not None or not one_node
 
 
@@ -246,7 +254,6 @@ def test_with_the_call_check_on_the_fast_path_checks_in_the_node_window(mpi_rank
     exchange settles that), and a difference is named on every rank, also against a rank on the
     general path."""
     from mpidist.collectives import callcheck, fastpath
-    from mpidist.collectives.node_window import ONE_SHOT_BYTES
     exchanges, along = [], []
     exchange = callcheck.exchange_signatures
     monkeypatch.setattr(callcheck, "exchange_signatures", lambda mpi, fields: exchanges.append(fields) or
@@ -273,7 +280,7 @@ def test_with_the_call_check_on_the_fast_path_checks_in_the_node_window(mpi_rank
             before = len(exchanges)
             check_allreduce(own_comm, algorithm, dtype, op, count, kind, in_place=True)
             nbytes = count * np.dtype(dtype).itemsize
-            expect_fast = algorithm != "auto" or nbytes < max(mpi_below, node_below) and nbytes <= ONE_SHOT_BYTES
+            expect_fast = algorithm != "auto" or nbytes < max(mpi_below, node_below)
             assert fast_path_tries == [expect_fast], (algorithm, dtype, op, count, fast_path_tries)
             assert len(exchanges) == before, (algorithm, dtype, op, count, "agreeing signatures went through MPI")
             # The message goes with the check's round, but to MPI where algorithm="mpi" names it.
@@ -300,10 +307,15 @@ def test_with_the_call_check_on_the_fast_path_checks_in_the_node_window(mpi_rank
 
 
 @pytest.mark.mpi(ranks=ALL_RANKS)
-def test_large_messages_leave_the_fast_path(own_comm, fast_path_calls):
-    """Large messages under "auto" go to the tables' algorithms."""
-    check_allreduce(own_comm, "auto", "float64", "sum", 300001, "numpy", in_place=True)
-    assert fast_path_calls == [False]
+def test_large_messages_leave_the_fast_path_unless_the_node_protocol_takes_them(own_comm, fast_path_calls):
+    """Large messages under "auto" go to the tables' algorithms: straight into the node protocol
+    where that is the hierarchical all-reduce on one node (the fast path's bounds), else the
+    general path."""
+    for expected in (False, True):
+        own_comm.fast_path_bounds = ((0, float("inf") if expected else 0), (0, 0))
+        fast_path_calls.clear()
+        check_allreduce(own_comm, "auto", "float64", "sum", 300001, "numpy", in_place=True)
+        assert fast_path_calls == [expected and own_comm.node_window is not None and own_comm.num_nodes == 1]
 
 
 @pytest.mark.mpi(ranks=ALL_RANKS)

@@ -117,14 +117,14 @@ def test_the_window_takes_its_channels_one_shot_bound(comm, one_shot_bytes, roun
     """A channel's one_shot_bytes (the tuning file's, measured by `mpidist tune`) decides in its
     window which all-reduces go one-shot (one round) and which sliced (two), the default's 64 KiB
     aside; the results are right either way. With the call check on it compares in the window,
-    one round of its own, which also carries a message of the small-message fast path that goes
-    one-shot (one round in all)."""
+    one round of its own, which also carries a message of the fast path that goes one-shot (one
+    round in all)."""
     comm.one_shot_bytes = one_shot_bytes
     for count in (3, 100000):  # 400 KB: sliced by default
         check(comm, "float32", "sum", count, "numpy")  # the first call of a size makes or grows the slots
         before = comm.node_window.rounds
         check(comm, "float32", "sum", count, "numpy", seed=1)
-        carried = comm.check_calls and 4 * count <= min(one_shot_bytes, node_window.ONE_SHOT_BYTES)
+        carried = comm.check_calls and 4 * count <= one_shot_bytes
         check_round = 1 if comm.check_calls and not carried else 0
         assert comm.node_window.rounds - before == (rounds + check_round if comm.size > 1 else 0), count
     assert comm.node_window.one_shot_bytes == one_shot_bytes

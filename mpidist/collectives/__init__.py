@@ -1,7 +1,7 @@
 """mpidist's own collective algorithms, one per file, and what runs them.
 
 api.py holds the public calls; callcheck.py the argument checks and the cross-rank call check;
-engine.py the asynchronous engine and its handles; fastpath.py small all-reduces straight to MPI;
+engine.py the asynchronous engine and its handles; fastpath.py CPU all-reduces straight to MPI or the node protocol;
 routes.py each buffer's route to the algorithms (staging.py through host memory where needed,
 device_route.py in GPU memory); registry.py the algorithms by name; select.py
 algorithm="auto"'s choice; cost_model.py the algorithms' predicted times, which it uses where
@@ -36,7 +36,7 @@ from .api import (
 from .callcheck import OPS
 from .device_route import keep_off as keep_off_device_route
 from .engine import AsyncEngine, Handle, in_order  # noqa: F401
-from .fastpath import small_cpu_allreduce  # noqa: F401
+from .fastpath import fast_cpu_allreduce  # noqa: F401
 from .gpu_lane import describe_lane
 from .nccl import bindings as nccl_bindings
 from .node_buckets import forget_released_windows, free_released_windows  # noqa: F401

@@ -5,7 +5,7 @@ collective, count, dtype, op, algorithm, root, row shape or shape; as int64 numb
 allgather with a deadline; any difference raises MismatchError on every rank, naming who passed
 what (of ranks that called different collectives, in the fields those share: FIELDS_OF). Where
 the ranks share one node and its node window exists, they first compare in the window, one call
-into the node protocol (agreed_on_node; the small-message fast path sends its all-reduce along
+into the node protocol (agreed_on_node; the fast path sends its all-reduce along
 in the same round), and exchange their signatures only to name a difference. A rank
 that refused its own arguments still joins, with a row that says so (share_refusal), so the
 others fail at once instead of waiting out MPIDIST_TIMEOUT. So does a
@@ -208,7 +208,7 @@ def window_for_checks(channel) -> None:
     alone: a rank that gave up at its deadline has left its signature behind, so the others can
     agree without it (a barrier, whose check is all of it, then completes), and they would wait
     for it in the window's making, which has no deadline. The checks of the calls after it are a
-    round of the window (agreed_on_node), and the small-message fast path can take checked
+    round of the window (agreed_on_node), and the fast path can take checked
     all-reduces. Otherwise only a hierarchical all-reduce makes the window, and a communicator of
     small all-reduces keeps paying for an MPI exchange on every checked call. Under ULFM there are
     no shared-memory windows (runtime/mpi.py)."""
@@ -219,7 +219,7 @@ def window_for_checks(channel) -> None:
 
 def signature_header(fields: dict, with_message: bool) -> np.ndarray:
     """What a rank writes before its message in a checked one-shot round of the node window: the
-    signature row and whether its message follows in the same round (the small-message fast path:
+    signature row and whether its message follows in the same round (the fast path:
     where one rank sends its message along and another does not, their headers differ, and the
     exchange decides; node_window.SIGNATURE_BYTES in all)."""
     header = np.zeros(SIGNATURE_BYTES // 8, dtype=np.int64)
@@ -233,7 +233,7 @@ class NodeCheck:
     (node_window.one_shot_on_node with a signature): its header (signature_header, with or
     without a message behind it), and its wait (the call check's, as through MPI: the stall report,
     a peer's exit, the deadline naming the other ranks). The general path makes one per check
-    (agreed_on_node); the small-message fast path keeps one per kind of call (fastpath.FastPlan),
+    (agreed_on_node); the fast path keeps one per kind of call (fastpath.FastPlan),
     with `with_message` where its message goes along."""
 
     def __init__(self, channel, window, fields: dict, with_message: bool = False):

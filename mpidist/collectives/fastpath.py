@@ -1,18 +1,17 @@
-"""The small-message fast path of all-reduce (Communicator.allreduce and the torch.distributed
-backend try it first).
+"""The fast path of all-reduce (Communicator.allreduce and the torch.distributed backend try it
+first).
 
-A small all-reduce takes microseconds, so every microsecond of Python in front of it shows.
-Contiguous CPU messages whose route the general path would choose from the size alone skip it
-(buffer description, context, dispatch): those it hands to the MPI library go straight to
-MPI_Allreduce (float16/bfloat16 through the MPI route's float32 round trip, in a scratch buffer
-kept for this), and those up to ONE_SHOT_BYTES (the default one-shot bound, which a tuned bound
-may move: the window chooses one-shot or sliced) that it gives to the hierarchical all-reduce on
-one node go straight into the node protocol (node_window.one_shot_on_node or
-host_allreduce_on_node: one call into the extension) once the window exists. With the cross-rank
-call check on, the check runs first, as the general path's own round in that window
-(callcheck.NodeCheck) of the signature the general path would make, and a one-shot message goes
-along in the same round (under "auto" also one that would have gone to MPI); without the window
-(or across nodes) the general path runs.
+A small all-reduce takes microseconds, so every microsecond of Python in front of it shows, and a
+large one on one node is a few tens of them. Contiguous CPU messages whose route the general path
+would choose from the size alone skip it (buffer description, context, dispatch): those it hands
+to the MPI library go straight to MPI_Allreduce (float16/bfloat16 through the MPI route's float32
+round trip, in a scratch buffer kept for this), and those it gives to the hierarchical all-reduce
+on one node go straight into the node protocol once the window exists (one call into the
+extension: node_window.one_shot_on_node up to the window's one-shot bound, host_allreduce_on_node
+above it). With the cross-rank call check on, the check runs first, as the general path's own
+round in that window (callcheck.NodeCheck) of the signature the general path would make, and a
+one-shot message goes along in the same round (under "auto" also one that would have gone to
+MPI); without the window (or across nodes) the general path runs.
 
 What to do with a kind of call (dtype, size, op, algorithm) is decided at its first call and kept
 on the channel (FastPlan), so that a call is a lookup and the route's own work.
@@ -30,7 +29,7 @@ from ..runtime.mpi import MPI
 from ..runtime.wire import FLOAT_DTYPES, HALF_DTYPES, ITEMSIZE
 from . import native
 from .callcheck import NodeCheck, resolve_algorithm, settle_difference, signature
-from .node_window import ONE_SHOT_BYTES, SIGNATURE_BYTES, host_allreduce_on_node, one_shot_on_node
+from .node_window import SIGNATURE_BYTES, host_allreduce_on_node, one_shot_on_node
 
 # The dtypes MPI reduces itself, and the half types it reduces through float32.
 FAST_DTYPES = tuple(native.MPI_TYPE_NAMES) + HALF_DTYPES
@@ -69,9 +68,9 @@ def fast_route(comm, nbytes: int, half: bool, algorithm: str):
         mpi_below, node_below = comm.fast_path_bounds[half]
         if nbytes < mpi_below:
             return "mpi"
-        return "node" if nbytes < node_below and nbytes <= ONE_SHOT_BYTES else None
+        return "node" if nbytes < node_below else None
     if algorithm == "hierarchical":
-        return "node" if comm.num_nodes == 1 and nbytes <= ONE_SHOT_BYTES else None
+        return "node" if comm.num_nodes == 1 else None
     return "mpi" if algorithm == "mpi" else None
 
 
@@ -136,8 +135,8 @@ def make_plan(comm, dtype: str, nbytes: int, op: str, algorithm: str) -> FastPla
 KEPT_PLANS = 256
 
 
-def small_cpu_allreduce(comm, array, op, algorithm) -> bool:
-    """All-reduce a small contiguous CPU array with one MPI_Allreduce, or one call into the node
+def fast_cpu_allreduce(comm, array, op, algorithm) -> bool:
+    """All-reduce a contiguous CPU array with one MPI_Allreduce, or one call into the node
     protocol, when that is where the general path would end up too; with the call check on, after
     the check (a difference raises, on every rank) or in its round. Returns False, having done
     nothing, otherwise (the general path then also gives the error messages). `comm` is the

@@ -2,7 +2,7 @@
 they all map, whatever that memory is. The one place that says how: its flags, its waits and
 their deadline, its constants and its steps; the hierarchical all-reduce (hierarchical.py), the
 node window in GPU memory (device_window.py), the gradient buckets' polled all-reduce
-(node_buckets.py) and the small-message fast path (fastpath.py) run these steps.
+(node_buckets.py) and the fast path (fastpath.py) run these steps.
 
 Every local rank has a slot (two on one node of more than two ranks: NodeWindow.next_slots says
 why) in a window that every other local rank can read and write. The ranks order their steps by
@@ -248,7 +248,7 @@ class NodeWindow:
         consecutive one-shot calls alternate between two halves, and the one after the next
         comes back to this half only after every rank has passed the next one's sync, so after
         every rank has read this one. The other calls never touch these slots; theirs the
-        one-shot never touches. The slots hold any message of the small-message fast path
+        one-shot never touches. The slots hold any message of the fast path
         (ONE_SHOT_BYTES) from the start, and every message they grow for, behind the call check's
         signature (SIGNATURE_BYTES): the fast path sends a message along with its check only where
         it fits the slots as they are."""

@@ -1,6 +1,6 @@
 """How algorithm="auto" picks an all-reduce algorithm.
 
-The built-in tables of one node come from the small-message fast path's times and `mpidist bench
+The built-in tables of one node come from the fast path's times and `mpidist bench
 allreduce` on one host with 2 to 5 ranks (benchmarks/results/node-protocol-cpu-fastpath.md):
 - The smallest messages go to the MPI library's own MPI_Allreduce: one flag round through shared
   memory costs about what MPI's own exchange does there, and MPI's has less Python in front.

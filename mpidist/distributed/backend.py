@@ -177,10 +177,10 @@ class ProcessGroupMpidist(dist.ProcessGroup):
         opts = _option(opts, dist.AllreduceOptions)
         reduce_op = _reduce_op(opts.reduceOp, tensor.dtype, "all_reduce")
         # dist.all_reduce's usual call, a native reduction of a small CPU tensor run at once on a
-        # group with no engine, straight to the small-message path: each layer of Python skipped
+        # group with no engine, straight to the fast path: each layer of Python skipped
         # is a microsecond per call (the general route below does the same, and its refusals).
         if (not opts.asyncOp or self._eager) and reduce_op[0] in NATIVE_OPS \
-                and collectives.small_cpu_allreduce(self.comm, tensor, NATIVE_OPS[reduce_op[0]], "auto"):
+                and collectives.fast_cpu_allreduce(self.comm, tensor, NATIVE_OPS[reduce_op[0]], "auto"):
             return MpidistWork([tensor]) if opts.asyncOp else None
         return self._run("all_reduce", lambda channel: self._allreduce(channel, tensor, reduce_op), [tensor], opts)
 
@@ -198,7 +198,7 @@ class ProcessGroupMpidist(dist.ProcessGroup):
             tensor.mul_(factor)
         op = NATIVE_OPS.get(kind, "sum")
         # The small-message path on either channel, the Communicator or its engine (engine.py)
-        if not collectives.small_cpu_allreduce(channel, tensor, op, "auto"):
+        if not collectives.fast_cpu_allreduce(channel, tensor, op, "auto"):
             collectives.allreduce(channel, tensor, op=op)
 
     def allreduce_coalesced(self, tensors, opts=None):
