@@ -29,6 +29,7 @@ from mpidist.cli.bench import parse_sizes
 from mpidist.collectives import node_window
 
 STUBBED = ("node_one_shot", "node_allreduce")
+ELEVEN = tuple(range(11))  # as many arguments as a one-shot call passes
 
 
 def returns_at_once(*args) -> int:
@@ -69,10 +70,10 @@ def main(argv=None) -> int:
             comm.allreduce(array)
             comm.allreduce(tensor)
     collectives.fast_cpu_allreduce = fast
-    if not all(taken):
+    if taken != [True] * (4 * len(arrays)):
         print(f"rank {comm.rank}: a candidate left the fast path ({taken})", file=sys.stderr)
         return 1
-    rows = [{"candidate": "the stub alone", "bytes": 0, "ns_per_call": fastest(lambda: returns_at_once(*range(11)))}]
+    rows = [{"candidate": "the stub alone", "bytes": 0, "ns_per_call": fastest(lambda: returns_at_once(*ELEVEN))}]
     for nbytes, (array, tensor) in arrays.items():
         for check_calls in (False, True):
             comm.check_calls = check_calls
