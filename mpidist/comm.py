@@ -180,8 +180,9 @@ class Communicator(Channel):
     # ---- collectives (mpidist's own algorithms; see mpidist/collectives/) ----------------------
 
     def allreduce(self, array, op="sum", algorithm="auto", out=None, shape=None):
-        # CPU messages go straight to MPI_Allreduce or the node protocol where they can, unless spans are
-        # recorded (the general path has them) or the call check must compare a shape.
+        # CPU messages go straight to MPI_Allreduce or the node protocol where they can (the fast
+        # path), unless spans are recorded (the general path has them) or the call check must
+        # compare a shape.
         if out is None and (shape is None or not self.check_calls) and not tracing.recording() \
                 and collectives.fast_cpu_allreduce(self, array, op, algorithm):
             return array

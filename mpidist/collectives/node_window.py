@@ -248,7 +248,7 @@ class NodeWindow:
         consecutive one-shot calls alternate between two halves, and the one after the next
         comes back to this half only after every rank has passed the next one's sync, so after
         every rank has read this one. The other calls never touch these slots; theirs the
-        one-shot never touches. The slots hold any message of the fast path
+        one-shot never touches. The slots hold any message up to the default one-shot bound
         (ONE_SHOT_BYTES) from the start, and every message they grow for, behind the call check's
         signature (SIGNATURE_BYTES): the fast path sends a message along with its check only where
         it fits the slots as they are."""
@@ -379,7 +379,7 @@ def one_shot_on_node(window: NodeWindow, address: int, count: int, dtype: str, o
     slots in all (SIGNATURE_BYTES more behind a signature). With `signature` (the address of
     SIGNATURE_BYTES: the call check's row) every rank's signature is compared first: returns
     False, having reduced nothing, where they differ (on every rank alike), True otherwise. The
-    small-message fast path calls it so, having worked out its arguments once per kind of call."""
+    fast path calls it so, having worked out its arguments once per kind of call."""
     half = window.next_one_shot_half(room)  # first: growing the slots is a round of the window's own
     call = (window.one_shot, half, window.rounds, address, count, dtype, op, scale, signature)
     return steps_in_extension(window, _C.node_one_shot, call, wait, ALLREDUCE_ROUNDS[True]) \

@@ -176,7 +176,7 @@ class ProcessGroupMpidist(dist.ProcessGroup):
         tensor = _one(tensors, "all_reduce")
         opts = _option(opts, dist.AllreduceOptions)
         reduce_op = _reduce_op(opts.reduceOp, tensor.dtype, "all_reduce")
-        # dist.all_reduce's usual call, a native reduction of a small CPU tensor run at once on a
+        # dist.all_reduce's usual call, a native reduction of a CPU tensor run at once on a
         # group with no engine, straight to the fast path: each layer of Python skipped
         # is a microsecond per call (the general route below does the same, and its refusals).
         if (not opts.asyncOp or self._eager) and reduce_op[0] in NATIVE_OPS \
