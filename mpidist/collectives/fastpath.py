@@ -86,7 +86,7 @@ class FastPlan(typing.NamedTuple):
     dtype: str
     reduce_op: str  # an average is a sum times `scale`
     scale: float
-    one_shot: bool  # the node protocol's one-shot (else host_allreduce_on_node chooses)
+    one_shot: bool  # the node protocol's one-shot (window.takes_one_shot), else its sliced all-reduce
     check: typing.Optional[NodeCheck]  # the call check, where it runs: in the node window, first
     along: bool  # whether the message goes in the check's round (then that round is all of it)
 
@@ -108,7 +108,7 @@ def make_plan(comm, dtype: str, nbytes: int, op: str, algorithm: str) -> FastPla
     window = comm.node_window  # the general path makes it, at the same call on every rank
     mpi_type = MPI.FLOAT if dtype in HALF_DTYPES else native.mpi_types()[dtype]  # half types travel as float32
     plan = FastPlan(channel_state(comm), None, mpi_type, mpi_op, nbytes // ITEMSIZE[dtype], dtype, reduce_op, scale,
-                    window is not None and nbytes <= window.one_shot_bytes, None, False)
+                    window is not None and window.takes_one_shot(nbytes), None, False)
     if mpi_op is None or nbytes == 0 or average and dtype not in FLOAT_DTYPES:  # the general path refuses an integer average
         return plan
     route = fast_route(comm, nbytes, dtype in HALF_DTYPES, algorithm)
@@ -122,7 +122,7 @@ def make_plan(comm, dtype: str, nbytes: int, op: str, algorithm: str) -> FastPla
     # would go to MPI: the check's round then costs less than the check and MPI_Allreduce), if it
     # fits the slots as they are (growing them is a collective: it must wait until the ranks agree
     # on the call). An explicit algorithm="mpi" keeps MPI's own all-reduce.
-    along = (route == "node" or algorithm == "auto") and nbytes <= window.one_shot_bytes \
+    along = (route == "node" or algorithm == "auto") and window.takes_one_shot(nbytes) \
         and SIGNATURE_BYTES + nbytes <= window.one_shot_capacity
     # The signature the general path would make, by its own functions (only for a route taken:
     # resolving an algorithm name the general path refuses would raise here, on this rank alone).
@@ -148,14 +148,12 @@ def fast_cpu_allreduce(comm, array, op, algorithm) -> bool:
     dtype, nbytes = described(array, kind)
     if dtype is None:
         return False
-    plans, window = comm.fast_path_plans, comm.node_window
+    plans = comm.fast_path_plans
     try:
         plan = plans.get((dtype, nbytes, op, algorithm))
     except TypeError:  # an unhashable op or algorithm: the general path refuses it
         return False
-    # channel_state(comm), written out: this runs at every call.
-    if plan is None or plan.made_under != (comm.check_calls, comm.fast_path_bounds, window,
-                                           0 if window is None else window.one_shot_capacity):
+    if plan is None or plan.made_under != channel_state(comm):
         if len(plans) >= KEPT_PLANS:
             plans.clear()
         plan = plans[dtype, nbytes, op, algorithm] = make_plan(comm, dtype, nbytes, op, algorithm)
@@ -174,9 +172,9 @@ def fast_cpu_allreduce(comm, array, op, algorithm) -> bool:
         elif along:
             return True
     if route == "node" and one_shot:
-        one_shot_on_node(window, address, count, dtype, reduce_op, scale, nbytes)
+        one_shot_on_node(comm.node_window, address, count, dtype, reduce_op, scale, nbytes)
     elif route == "node":
-        host_allreduce_on_node(window, address, nbytes, dtype, reduce_op, scale)
+        host_allreduce_on_node(comm.node_window, address, nbytes, dtype, reduce_op, scale)
     elif dtype not in HALF_DTYPES:
         comm.mpi.Allreduce(MPI.IN_PLACE, [MPI.buffer.fromaddress(address, nbytes), mpi_type], mpi_op)
         if scale != 1.0:  # an average, as finish_average does

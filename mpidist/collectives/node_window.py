@@ -237,6 +237,10 @@ class NodeWindow:
         self.calls += 1
         return [base + half for base in self.bases]
 
+    def takes_one_shot(self, nbytes: int) -> bool:
+        """Whether a host all-reduce of `nbytes` goes one-shot here (the window's bound)."""
+        return nbytes <= self.one_shot_bytes
+
     def next_one_shot_half(self, nbytes: int) -> int:
         """The half (0 or 1) of the one-shot slots (`nbytes` at least each) this one-shot
         all-reduce runs in; the slots are in host memory of their own, made at the first one-shot
@@ -365,7 +369,7 @@ def host_allreduce_on_node(window: NodeWindow, address: int, nbytes: int, dtype:
     the extension (csrc/node_steps.h), one-shot up to the window's bound (one_shot_on_node),
     unless `one_shot` says, else sliced."""
     count = nbytes // ITEMSIZE[dtype]
-    if nbytes <= window.one_shot_bytes if one_shot is None else one_shot:
+    if window.takes_one_shot(nbytes) if one_shot is None else one_shot:
         one_shot_on_node(window, address, count, dtype, op, scale, nbytes, wait=wait)
         return
     slots = window.next_slots(nbytes)  # first: growing them is a round of the window's own
