@@ -36,6 +36,11 @@ export OMPI_MCA_rmaps_base_oversubscribe := 1
 # Oversubscribed ranks must not spin while they wait: the rank they wait for needs the core.
 export OMPI_MCA_mpi_yield_when_idle := 1
 MPIRUN := mpirun --oversubscribe --bind-to none -np $(NP)
+# The test runs start hundreds of Python processes (every rank of every launch), and each one
+# compiles the checkout's modules again (pytest rewrites every test module's asserts again) where
+# PYTHONDONTWRITEBYTECODE forbids the bytecode cache: the test targets let Python keep it, in the
+# __pycache__ folders that .gitignore leaves out (benchmarks/results/suite-time-cpu.md).
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest
 
 .PHONY: install run test test-soak lint test-slurm test-multinode test-system-mpi gpu-check gpu-wheels docs test-wheel clean
 
@@ -58,7 +63,7 @@ run: install
 	$(MPIRUN) $(PY) -m mpidist.cli train $(TRAIN_ARGS)
 
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
 
 # Lint and import order (pyproject.toml's [tool.ruff]), with a pinned ruff.
 RUFF_SPEC ?= ruff==0.17.6
@@ -69,7 +74,7 @@ lint: install
 # The soak (tests/soak/, about 90 s): 10,000 collectives and 200 training steps per mode leave
 # memory flat, and an aborted job leaves no shared-memory files; `make test` leaves it out.
 test-soak: install
-	$(PY) -m pytest tests/soak $(PYTEST_ARGS)
+	$(PYTEST) tests/soak $(PYTEST_ARGS)
 
 test-slurm: install
 	bash slurm/test-scripts.sh
@@ -78,7 +83,7 @@ test-slurm: install
 # namespaces joined by a shaped link, Open MPI's daemons started in them; needs root. Everything
 # the cluster creates is removed at the end, also when a test fails.
 test-multinode: install
-	bash tests/multinode/cluster.sh run $(PY) -m pytest tests/multinode $(PYTEST_ARGS)
+	bash tests/multinode/cluster.sh run $(PYTEST) tests/multinode $(PYTEST_ARGS)
 
 # The cluster route (docs/install.md): mpi4py built against the system's mpicc (Debian's
 # openmpi-bin and libopenmpi-dev here; the inner make gets the PATH this one was given, without
@@ -187,7 +192,7 @@ test-cuda-mpi: install
 	$(CUDA_MPI_ENV) $(PY) -m mpidist.cli info --json | $(PY) -c "import json, sys; facts = json.load(sys.stdin); \
 		assert 'MPIX_Query_cuda_support() = 1' in facts['cuda_aware_mpi_how'], facts; \
 		print(facts['mpi_library'], '|', facts['cuda_aware_mpi'], '|', facts['cuda_aware_mpi_how'])"
-	$(CUDA_MPI_ENV) $(PY) -m pytest tests/test_point_to_point.py tests/test_collectives.py -k 'not never_joins' $(PYTEST_ARGS)
+	$(CUDA_MPI_ENV) $(PYTEST) tests/test_point_to_point.py tests/test_collectives.py -k 'not never_joins' $(PYTEST_ARGS)
 
 # A small NCCL that travels with the working tree to a GPU machine (docs/gpu-check.md), for the NCCL
 # route and lane (MPIDIST_NCCL_LIBRARY=$(NCCL)/lib/libnccl.so.2): built from an NCCL source
