@@ -181,7 +181,7 @@ def test_a_name_with_different_arguments_is_refused_on_every_rank(mpi_world):
 def test_a_name_some_rank_never_submits_ends_in_the_stall_report_and_a_deadline_error(mpi_world, monkeypatch,
                                                                                        capfd):
     from mpi4py import MPI
-    monkeypatch.setenv("MPIDIST_TIMEOUT", "3")
+    monkeypatch.setenv("MPIDIST_TIMEOUT", "2")  # the report comes after 1 s, before it
     monkeypatch.setenv("MPIDIST_STALL_WARNING", "1")
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
