@@ -201,6 +201,8 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 # product and norms, as Horovod's Adasum combines the entries of its fusion buffer. As in Horovod,
 # only on the global process set.
 
+# A group is packed with torch.cat, not with parallel/flat.py's kernel (kernels.pack): Horovod's
+# ops take dtypes that the kernels do not describe (int16, test_horovod_ops.py).
 def pack_group(members):
     return torch.cat([member.reshape(-1) for member in members])
 
