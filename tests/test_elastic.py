@@ -242,6 +242,7 @@ import mpidist as md
 
 torch.set_num_threads(1)
 md.init()
+print(f"rank {{md.rank()}} began", flush=True)
 generator = torch.Generator().manual_seed(1)
 dataset = torch.utils.data.TensorDataset(torch.randn({SAMPLES}, {FEATURES}, generator=generator),
                                          torch.randn({SAMPLES}, 1, generator=generator))
@@ -288,12 +289,25 @@ def _launch_under_ulfm(code: str, ranks: int, limit: float, *mca: str):
         return process.communicate()[0], None
 
 
+def _launch_until_every_rank_began(code: str, ranks: int, limit: float, *mca: str):
+    """`_launch_under_ulfm`, launched again (twice at most) where fewer than `ranks` ranks printed
+    "rank R began": Open MPI crashed before the scenario did (seen in full runs on two cores, a
+    segmentation fault in MPI_Init under the heartbeat detector, in no code of ours)."""
+    for _ in range(3):
+        output, status = _launch_under_ulfm(code, ranks, limit, *mca)
+        if len(set(re.findall(r"rank (\d+) began", output))) == ranks:
+            break
+        print("launched again: not every rank began the scenario:\n" + output)
+    return output, status
+
+
 DIES_BEFORE_THE_WORLD = """
 import os, signal
 from mpi4py import MPI
 import mpidist as md
 
 MPI.COMM_WORLD.Barrier()  # every rank is past MPI_Init
+print(f"rank {MPI.COMM_WORLD.Get_rank()} began", flush=True)
 if MPI.COMM_WORLD.Get_rank() == 2:
     os.kill(os.getpid(), signal.SIGKILL)
 md.init()
@@ -310,7 +324,7 @@ def test_a_rank_that_dies_while_md_init_makes_the_world_ends_the_job_with_an_err
     # The survivors' first collective calls fail; MPI's bare MPI_ERR_PROC_FAILED became an error
     # naming the dead rank, and their MPI_Finalize, which may wait forever after a death (with
     # ULFM's detector on, it did), has its time limit from md.init()'s start (runtime/leave.py).
-    output, status = _launch_under_ulfm(DIES_BEFORE_THE_WORLD, 3, 90, *detector)
+    output, status = _launch_until_every_rank_began(DIES_BEFORE_THE_WORLD, 3, 90, *detector)
     assert status not in (0, None), output
     assert "returned without rank 2" not in output, output
     assert output.count("RankDiedError: ") == 2, output
@@ -321,12 +335,7 @@ def test_a_rank_that_dies_while_md_init_makes_the_world_ends_the_job_with_an_err
 def test_a_rank_that_ulfms_detector_declares_dead_but_is_frozen_does_not_keep_the_job_running():
     # ULFM's heartbeat detector declares the stopped rank dead and the survivors go on without
     # it; its process, frozen on their node, must not keep mpirun waiting after they end.
-    output, status = _launch_under_ulfm(FROZEN_WORKER, 3, 150, *DETECTOR)
-    if "died while md.init() was making mpidist's world" in output:
-        # Seen once in a full run: a rank crashed inside Open MPI (a segmentation fault) at the
-        # job's start, before this scenario began; that case is the test above. Launched again.
-        print("launched again: a rank died before the world existed:\n" + output)
-        output, status = _launch_under_ulfm(FROZEN_WORKER, 3, 150, *DETECTOR)
+    output, status = _launch_until_every_rank_began(FROZEN_WORKER, 3, 150, *DETECTOR)
     assert "rank 2 of 3 died; going on with 2 ranks" in output, output
     assert output.count("of 2 finished") == 2, output
     assert status == 0, output
